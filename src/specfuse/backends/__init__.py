@@ -1,0 +1,1 @@
+"""Backends plug in behind the protocol in ``base``; see ``registry``."""

@@ -1,0 +1,547 @@
+"""llama.cpp members through llama-cpp-python's low-level API.
+
+KV-cache layout per session (NOTES §2):
+- sequence 0 holds the context (prompt + accepted answer) and, while a round
+  runs, the member's own draft tail;
+- verifying copies the context into sequences 1..n (cells are shared in the
+  unified cache, nothing is recomputed) and decodes all candidates in one
+  batch, each in its own sequence with restarted positions;
+- accepting keeps the cells that already hold the winner: the member's own
+  draft tokens, or the verified candidate's sequence copied back into 0.
+So no round re-encodes the prompt or earlier accepted text; the only extra
+decode is the last token of a fully kept own draft, fed next round.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+
+from ..errors import MemberLoadError, ModelFileError, PromptTooLongError
+from ..models import CHAT, QUESTION_ANSWER, PromptFormat
+from ..prompting import render_chat, render_plain
+from ..types import DraftTokens, Message, Sampling, TokenScores
+
+# llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
+# SPECFUSE_LLAMA_LOG=1 prints it as it comes.
+_LOG_TAIL: deque[str] = deque(maxlen=40)
+_LOG_ECHO = os.environ.get("SPECFUSE_LLAMA_LOG") == "1"
+
+
+@lc.llama_log_callback
+def _on_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    line = text.decode("utf-8", "replace")
+    _LOG_TAIL.append(line)
+    if _LOG_ECHO:
+        print(line, end="", file=sys.stderr)
+
+
+lc.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
+
+
+def _log_excerpt() -> str:
+    lines = [line.strip() for line in _LOG_TAIL if "error" in line.lower() or "failed" in line.lower()]
+    return "; ".join(lines[-2:])
+_BACKEND_READY = False
+_BACKEND_LOCK = threading.Lock()
+MAX_CANDIDATES = 7  # sequences 1..7 hold one distinct candidate each per round
+
+
+def _init_backend() -> None:
+    global _BACKEND_READY
+    with _BACKEND_LOCK:
+        if not _BACKEND_READY:
+            lc.llama_backend_init()
+            _BACKEND_READY = True
+
+
+def default_threads() -> int:
+    """Threads for llama.cpp: $SPECFUSE_THREADS, else all cores up to 8.
+
+    Members run one at a time, so each may use every core; more than the
+    physical cores only adds contention on a shared machine.
+    """
+    env = os.environ.get("SPECFUSE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def log_softmax_at(rows: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Log-probability and raw logit of `targets[i]` under `rows[i]` (2-D logits)."""
+    top = rows.max(axis=1)
+    lse = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
+    picked = rows[np.arange(len(targets)), targets]
+    return picked - lse, picked
+
+
+def _logsumexp(row: np.ndarray) -> float:
+    top = float(row.max())
+    return top + float(np.log(np.exp(row - top).sum()))
+
+
+@dataclass
+class _DraftState:
+    ids: list[int]
+    pieces: list[bytes]
+    rows: list[np.ndarray]  # rows[j]: logits used to sample ids[j]
+
+    @property
+    def n_decoded(self) -> int:
+        return len(self.ids) - 1  # the last sampled token is never fed back
+
+    def kept_tokens(self, text: str) -> int | None:
+        """Smallest k whose pieces spell `text` exactly, else None."""
+        target = text.encode("utf-8")
+        joined = b""
+        for k, piece in enumerate(self.pieces):
+            if joined == target:
+                return k
+            joined += piece
+        return len(self.pieces) if joined == target else None
+
+
+@dataclass
+class _Verified:
+    seq: int
+    ids: list[int]
+    scores: TokenScores
+    last_row: np.ndarray  # logits after the candidate: the next round's first row
+
+
+@dataclass
+class Counters:
+    """Tokens decoded per purpose; tests use these to prove what was (not) re-encoded."""
+
+    prompt: int = 0  # prompt tokens, decoded once per session
+    catch_up: int = 0  # accepted tokens not already in the cache
+    draft: int = 0
+    verify: int = 0
+    decode_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt": self.prompt,
+            "catch_up": self.catch_up,
+            "draft": self.draft,
+            "verify": self.verify,
+            "decode_calls": self.decode_calls,
+        }
+
+
+class LlamaCppMember:
+    """A GGUF model loaded once; serves one session at a time."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        prompt: PromptFormat | None = None,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        threads: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.name = name or self.path.stem
+        _check_gguf(self.path)
+        _init_backend()
+        self.threads = threads or default_threads()
+        model_params = lc.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        _LOG_TAIL.clear()
+        model = lc.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not model:
+            detail = _log_excerpt()
+            raise MemberLoadError(
+                f"llama.cpp could not load {self.path}" + (f" ({detail})" if detail else ""),
+                "the file is corrupt, truncated or of an unsupported architecture; replace it "
+                "(for embedded models: `specfuse models prepare`)",
+            )
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        ctx_params = lc.llama_context_default_params()
+        ctx_params.n_ctx = n_ctx
+        ctx_params.n_batch = n_batch
+        ctx_params.n_ubatch = n_batch
+        ctx_params.n_seq_max = MAX_CANDIDATES + 1
+        ctx_params.n_threads = self.threads
+        ctx_params.n_threads_batch = self.threads
+        ctx_params.kv_unified = True  # candidate sequences share the prefix cells
+        ctx_params.swa_full = True  # sliding-window layers must allow partial removal
+        ctx_params.no_perf = True
+        ctx = lc.llama_init_from_model(model, ctx_params)
+        if not ctx:
+            lc.llama_model_free(model)
+            raise MemberLoadError(f"llama.cpp could not create a context for {self.path}", "lower n_ctx")
+        self._ctx = ctx
+        self._mem = lc.llama_get_memory(ctx)
+        self.n_ctx = lc.llama_n_ctx(ctx)
+        self.n_batch = n_batch
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._batch_tokens = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
+        self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        self._batch_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
+        self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
+        self._batch_nseq[:] = 1
+        self._lock = threading.Lock()
+
+        template = lc.llama_model_chat_template(model, None)
+        self.chat_template = template.decode("utf-8") if template else None
+        self.prompt = prompt or (CHAT if self.chat_template else QUESTION_ANSWER)
+        if self.prompt.style == "chat" and not self.chat_template:
+            raise MemberLoadError(
+                f"{self.path.name} has no chat template in its metadata",
+                "use the plain Question/Answer format for base models",
+            )
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
+        bos, eos = lc.llama_vocab_bos(self._vocab), lc.llama_vocab_eos(self._vocab)
+        self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
+        self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
+        eog = {t for t in (eos, lc.llama_vocab_eot(self._vocab)) if t >= 0}
+        self.eog_ids = np.array(sorted(eog), dtype=np.int64)
+        self._piece_cache: dict[int, bytes] = {}
+
+    # --- tokens --------------------------------------------------------------
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def piece(self, token: int) -> bytes:
+        """Text bytes of a token as it appears in an answer (control tokens are empty)."""
+        cached = self._piece_cache.get(token)
+        if cached is None:
+            cached = b"" if self.is_eog(token) else self._piece(token)
+            self._piece_cache[token] = cached
+        return cached
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (lc.llama_token * capacity)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (lc.llama_token * capacity)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        return list(buf[:n])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Tokens that spell exactly `text` when appended to a context.
+
+        SentencePiece-style vocabularies may add a leading-space marker to a
+        text tokenized alone; anchoring on a newline avoids it.
+        """
+        ids = self.tokenize(text, add_special=False, parse_special=False)
+        if b"".join(self.piece(t) for t in ids) == text.encode("utf-8"):
+            return ids
+        anchor = self.tokenize("\n", add_special=False, parse_special=False)
+        joined = self.tokenize("\n" + text, add_special=False, parse_special=False)
+        if joined[: len(anchor)] == anchor:
+            tail = joined[len(anchor) :]
+            if b"".join(self.piece(t) for t in tail) == text.encode("utf-8"):
+                return tail
+        return ids
+
+    def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
+        if self.prompt.style == "plain":
+            return self.tokenize(render_plain(messages), add_special=True, parse_special=False)
+        assert self.chat_template is not None
+        text = render_chat(self.chat_template, messages, self.bos_text, self.eos_text)
+        has_bos = bool(self.bos_text) and text.startswith(self.bos_text)
+        return self.tokenize(text, add_special=not has_bos, parse_special=True)
+
+    # --- raw decoding --------------------------------------------------------
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+               outputs: Sequence[bool]) -> np.ndarray:
+        """Decode one batch; return the logits rows of tokens with an output flag."""
+        n = len(tokens)
+        if n > self.n_batch:
+            raise ValueError("batch larger than n_batch")
+        batch = self._batch
+        batch.n_tokens = n
+        self._batch_tokens[:n] = tokens
+        self._batch_pos[:n] = positions
+        self._batch_logits[:n] = outputs
+        seq_ptrs = batch.seq_id
+        for i, seq in enumerate(seqs):
+            seq_ptrs[i][0] = seq
+        status = lc.llama_decode(self._ctx, batch)
+        if status == 1:
+            raise PromptTooLongError(
+                f"{self.name}: the context window ({self.n_ctx} tokens) is full",
+                "shorten the prompt or lower --max-tokens",
+            )
+        if status != 0:
+            raise MemberLoadError(f"{self.name}: llama_decode failed with status {status}", "see the log above")
+        n_out = int(sum(1 for o in outputs if o))
+        if n_out == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = lc.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        if not lc.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise MemberLoadError(f"{self.name}: cannot remove cache cells [{p0}, {p1}) of sequence {seq}",
+                                  "this model's cache does not support partial removal")
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        lc.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    # --- sessions ------------------------------------------------------------
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "LlamaCppSession":
+        prompt = self.prompt_tokens(messages)
+        if len(prompt) + reserve > self.n_ctx:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt)} tokens for {self.name}, whose context holds {self.n_ctx} "
+                f"(with {reserve} tokens reserved for drafting)",
+                "shorten the prompt or load the member with a larger context (n_ctx)",
+            )
+        self._lock.acquire()
+        lc.llama_memory_clear(self._mem, False)
+        return LlamaCppSession(self, prompt, seed)
+
+    def release(self) -> None:
+        lc.llama_memory_clear(self._mem, False)
+        self._lock.release()
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self._ctx)
+            lc.llama_model_free(self._model)
+            self._ctx = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaCppSession:
+    """One request's context on a LlamaCppMember. See the module docstring."""
+
+    def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None) -> None:
+        self.m = member
+        self.prompt_len = len(prompt)
+        self.tokens: list[int] = list(prompt)
+        self.n_cached = 0  # tokens[:n_cached] are in sequence 0
+        self.next_row: np.ndarray | None = None  # logits after tokens, once cached
+        self.rng = np.random.default_rng(seed)
+        self.stats = Counters()
+        self._draft: _DraftState | None = None
+        self._verified: dict[str, _Verified] = {}
+        self._closed = False
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.m.prompt.stops
+
+    @property
+    def room(self) -> int:
+        return self.m.n_ctx - len(self.tokens)
+
+    def counters(self) -> dict[str, int]:
+        return self.stats.as_dict()
+
+    def _sync(self) -> None:
+        """Decode accepted tokens not yet cached, so that next_row is known."""
+        m, start = self.m, self.n_cached
+        while self.n_cached < len(self.tokens):
+            chunk = self.tokens[self.n_cached : self.n_cached + m.n_batch]
+            pos = list(range(self.n_cached, self.n_cached + len(chunk)))
+            last = self.n_cached + len(chunk) == len(self.tokens)
+            rows = m.decode(chunk, pos, [0] * len(chunk), [False] * (len(chunk) - 1) + [last])
+            self.stats.decode_calls += 1
+            self.n_cached += len(chunk)
+            if last:
+                self.next_row = rows[0].copy()
+        prompt_part = max(0, min(self.n_cached, self.prompt_len) - start)
+        self.stats.prompt += prompt_part
+        self.stats.catch_up += self.n_cached - start - prompt_part
+        if self.next_row is None:
+            raise RuntimeError("context is empty")
+
+    def _sample(self, row: np.ndarray, sampling: Sampling) -> tuple[int, float, float]:
+        lse = _logsumexp(row)
+        if sampling.greedy:
+            token = int(row.argmax())
+        else:
+            z = row / np.float32(sampling.temperature)
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            if sampling.top_p < 1.0:
+                top = min(len(p), 1024)
+                idx = np.argpartition(-p, top - 1)[:top]
+                idx = idx[np.argsort(-p[idx], kind="stable")]
+                cum = np.cumsum(p[idx])
+                if cum[-1] < sampling.top_p:
+                    idx = np.argsort(-p, kind="stable")
+                    cum = np.cumsum(p[idx])
+                keep = int(np.searchsorted(cum, sampling.top_p)) + 1
+                idx, cum = idx[:keep], cum[:keep]
+                token = int(idx[min(int(np.searchsorted(cum, self.rng.random() * cum[-1], "right")), keep - 1)])
+            else:
+                cum = np.cumsum(p)
+                token = int(min(np.searchsorted(cum, self.rng.random() * cum[-1], "right"), len(p) - 1))
+        logit = float(row[token])
+        return token, logit - lse, logit
+
+    def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
+        self._sync()
+        m = self.m
+        row = self.next_row
+        ids: list[int] = []
+        rows: list[np.ndarray] = []
+        logprobs: list[float] = []
+        logits: list[float] = []
+        finished = False
+        pos = len(self.tokens)
+        for step in range(max_tokens):
+            rows.append(row)
+            token, lp, lg = self._sample(row, sampling)
+            ids.append(token)
+            logprobs.append(lp)
+            logits.append(lg)
+            if m.is_eog(token):
+                finished = True
+                break
+            if step == max_tokens - 1:
+                break
+            row = m.decode([token], [pos], [0], [True])[0].copy()
+            self.stats.draft += 1
+            self.stats.decode_calls += 1
+            pos += 1
+        pieces = [m.piece(t) for t in ids]
+        self._draft = _DraftState(ids, pieces, rows)
+        return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished)
+
+    def score(self, texts: Sequence[str]) -> list[TokenScores]:
+        self._sync()
+        prefix_row = self.next_row
+        results = {t: v.scores for t, v in self._verified.items()}
+        if "" in texts:
+            results[""] = self._end_score(prefix_row)
+        pending = [t for t in dict.fromkeys(texts) if t not in results]
+        if len(pending) + len(self._verified) > MAX_CANDIDATES:
+            raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
+        if pending:
+            self._verify(pending, prefix_row)
+            results.update((t, self._verified[t].scores) for t in pending)
+        return [results[t] for t in texts]
+
+    def _end_score(self, prefix_row: np.ndarray) -> TokenScores:
+        """The candidate "stop here": probability of any end-of-generation token."""
+        eog = prefix_row[self.m.eog_ids]
+        top = float(eog.max())
+        logprob = top + float(np.log(np.exp(eog - top).sum())) - _logsumexp(prefix_row)
+        return TokenScores((logprob,), (top,))
+
+    def _verify(self, texts: list[str], prefix_row: np.ndarray) -> None:
+        """Decode all candidates in one batch, each in its own sequence on the cached prefix."""
+        m = self.m
+        n_prefix = len(self.tokens)
+        encoded = [m.encode_continuation(t) for t in texts]
+        seq_of = [1 + len(self._verified) + i for i in range(len(texts))]
+        total = sum(len(ids) for ids in encoded)
+        if total > m.n_batch or n_prefix + total > m.n_ctx:
+            raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
+        tokens: list[int] = []
+        positions: list[int] = []
+        seqs: list[int] = []
+        for ids, seq in zip(encoded, seq_of):
+            m.seq_cp(0, seq, 0, n_prefix)
+            tokens += ids
+            positions += range(n_prefix, n_prefix + len(ids))
+            seqs += [seq] * len(ids)
+        rows = m.decode(tokens, positions, seqs, [True] * len(tokens))
+        self.stats.verify += len(tokens)
+        self.stats.decode_calls += 1
+        # Row r predicts the token after tokens[r]; each candidate's first
+        # token is predicted by the prefix row.
+        at = 0
+        for text, ids, seq in zip(texts, encoded, seq_of):
+            block = rows[at : at + len(ids)]
+            predictors = np.vstack([prefix_row[None, :], block[:-1]])
+            lps, lgs = log_softmax_at(predictors, np.asarray(ids))
+            scores = TokenScores(tuple(map(float, lps)), tuple(map(float, lgs)))
+            self._verified[text] = _Verified(seq, ids, scores, block[-1].copy())
+            at += len(ids)
+
+    def accept(self, text: str) -> None:
+        m = self.m
+        n_prefix = len(self.tokens)
+        draft, verified = self._draft, self._verified
+        kept = draft.kept_tokens(text) if (draft and text) else None
+        if not text:
+            m.seq_rm(0, n_prefix, -1)
+        elif kept is not None:
+            # Our own draft won: its tokens are already cached in sequence 0.
+            decoded = min(kept, draft.n_decoded)
+            m.seq_rm(0, n_prefix + decoded, -1)
+            self.tokens += draft.ids[:kept]
+            self.n_cached = n_prefix + decoded
+            self.next_row = draft.rows[kept] if decoded == kept else None
+        elif text in verified:
+            # Another member's candidate won: we decoded it while verifying.
+            cand = verified[text]
+            m.seq_rm(0, n_prefix, -1)
+            m.seq_cp(cand.seq, 0, n_prefix, -1)
+            self.tokens += cand.ids
+            self.n_cached = len(self.tokens)
+            self.next_row = cand.last_row
+        else:
+            m.seq_rm(0, n_prefix, -1)
+            self.tokens += m.encode_continuation(text)
+            self.n_cached = n_prefix
+            self.next_row = None
+        for cand in verified.values():
+            m.seq_rm(cand.seq, -1, -1)
+        self._draft = None
+        self._verified = {}
+
+    def answer_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.m.release()
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}", "check the path or run `specfuse models prepare`")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc.strerror}", "check the file's permissions") from None
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path} is not a GGUF file", "give a .gguf model file (llama.cpp format)")
+
+
+def load(target: str, *, cache_dir: str | None = None, **options: object) -> LlamaCppMember:
+    """Registry entry: a known model name or a GGUF path."""
+    from ..models import resolve
+
+    name, path, prompt = resolve(target, cache_dir)
+    return LlamaCppMember(path, name=name, prompt=prompt, **options)  # type: ignore[arg-type]

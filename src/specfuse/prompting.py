@@ -1,0 +1,73 @@
+"""Turning messages into a member's prompt text.
+
+Chat templates come from the model's own metadata (GGUF ``tokenizer.chat_template``)
+and are rendered the way Hugging Face and llama.cpp do: a sandboxed Jinja
+environment with ``trim_blocks``/``lstrip_blocks``. Base models without a
+template use the plain ``Question: ... Answer:`` format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+
+from jinja2 import BaseLoader, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import InvalidRequestError, MemberLoadError
+from .types import Message
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    env = ImmutableSandboxedEnvironment(loader=BaseLoader(), trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: Sequence[Message], bos_token: str, eos_token: str) -> str:
+    """Render a chat template with the generation prompt for the assistant turn."""
+    try:
+        return _compile(template).render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            bos_token=bos_token,
+            eos_token=eos_token,
+            add_generation_prompt=True,
+        )
+    except TemplateError as exc:
+        raise InvalidRequestError(
+            f"the model's chat template rejected the messages: {exc}",
+            "check the message roles and their order",
+        ) from None
+    except Exception as exc:  # a template that cannot even compile is the model's fault
+        raise MemberLoadError(f"the model's chat template failed: {exc}", "use another model file") from None
+
+
+def render_plain(messages: Sequence[Message]) -> str:
+    """Question/Answer format for base models; system text goes first."""
+    parts: list[str] = []
+    for message in messages:
+        if message.role == "system":
+            parts.append(message.content.strip() + "\n\n")
+        elif message.role == "user":
+            parts.append(f"Question: {message.content.strip()}\nAnswer:")
+        else:
+            parts.append(f" {message.content.strip()}\n\n")
+    return "".join(parts)
+
+
+def validate_messages(messages: Sequence[Message]) -> None:
+    """The conversation must end with a non-empty user turn."""
+    if not messages:
+        raise InvalidRequestError("no messages given", "pass a prompt or at least one user message")
+    last = messages[-1]
+    if last.role != "user":
+        raise InvalidRequestError("the last message must be from the user", "end the conversation with a question")
+    if not last.content.strip():
+        raise InvalidRequestError("the prompt is empty", "write a question")

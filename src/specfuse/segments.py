@@ -1,0 +1,104 @@
+"""Cutting drafts into segments: whole words, whole characters, stop strings.
+
+A draft is a list of token pieces (bytes). Cuts happen at token boundaries so
+that the kept tokens are exactly a prefix of what the member drafted; that lets
+the member reuse its own log-probabilities and KV cache for the kept text.
+
+Rule (NOTES §1, applied at token granularity):
+- a finished draft (end-of-generation) is kept whole;
+- if the text ends in a letter or digit, the last word may be incomplete: cut
+  before the last token that starts with whitespace (unless that leaves nothing);
+- if it ends in punctuation or whitespace, keep it, except trailing tokens that
+  are only spaces/tabs, which belong to the next word's token;
+- never end inside a multi-byte UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The kept prefix of a draft: `n_tokens` tokens that decode to `text`."""
+
+    text: str
+    n_tokens: int
+
+
+def complete_utf8_prefix(data: bytes) -> int:
+    """Length of the longest prefix of `data` that does not end inside a character."""
+    end = len(data)
+    # A UTF-8 character is at most 4 bytes: only the last 3 can be an unfinished start.
+    for back in range(1, min(4, end) + 1):
+        byte = data[end - back]
+        if byte < 0x80:
+            return end  # ASCII: everything before is complete
+        if byte >= 0xC0:  # lead byte: does its character fit?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return end if back >= need else end - back
+    return end
+
+
+def _ends_mid_word(text: str) -> bool:
+    return bool(text) and text[-1].isalnum()
+
+
+def _starts_word(piece: bytes) -> bool:
+    return piece[:1] in (b" ", b"\t", b"\n", b"\r")
+
+
+def _only_blanks(piece: bytes) -> bool:
+    return bool(piece) and not piece.strip(b" \t")
+
+
+def _utf8_safe_count(pieces: Sequence[bytes], n: int) -> int:
+    """Largest k <= n such that pieces[:k] ends on a character boundary."""
+    while n > 0:
+        data = b"".join(pieces[:n])
+        if complete_utf8_prefix(data) == len(data):
+            return n
+        n -= 1
+    return 0
+
+
+def cut_draft(pieces: Sequence[bytes], finished: bool) -> Cut:
+    """Cut a draft back to a whole-word, whole-character boundary."""
+    n = len(pieces)
+    if not finished:
+        n = _utf8_safe_count(pieces, n)
+        text = b"".join(pieces[:n]).decode("utf-8", errors="replace")
+        if _ends_mid_word(text):
+            for k in range(n - 1, 0, -1):
+                if _starts_word(pieces[k]):
+                    n = k
+                    break
+        while n > 1 and _only_blanks(pieces[n - 1]):
+            n -= 1
+        n = _utf8_safe_count(pieces, n)
+    text = b"".join(pieces[:n]).decode("utf-8", errors="replace")
+    return Cut(text=text, n_tokens=n)
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """Index of the earliest stop string in `text` at or after `start`, or -1."""
+    hits = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else -1
+
+
+def apply_stops(answer: str, candidate: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Truncate `candidate` where a stop string appears in `answer + candidate`.
+
+    Only stops that end inside the candidate count (earlier text was already
+    checked). Returns the kept candidate text and whether a stop was hit.
+    """
+    if not stops or not candidate:
+        return candidate, False
+    longest = max(len(s) for s in stops)
+    tail = answer[-(longest - 1):] if longest > 1 else ""
+    joined = tail + candidate
+    at = find_stop(joined, stops)
+    if at < 0:
+        return candidate, False
+    return joined[:at][len(tail):] if at >= len(tail) else "", True

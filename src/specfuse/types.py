@@ -1,0 +1,160 @@
+"""Plain data passed between the engine, the backends and the interfaces."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a member drafts. temperature 0 means greedy."""
+
+    temperature: float = 0.6
+    top_p: float = 0.9
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class DraftTokens:
+    """What a backend returns from drafting: raw token pieces with their scores.
+
+    `pieces` are the detokenized bytes of each token (b"" for end-of-generation
+    tokens), `logprobs`/`logits` the member's own log-probability and raw logit
+    of each sampled token (temperature 1, unfiltered), `finished` whether the
+    last token ended the answer.
+    """
+
+    pieces: tuple[bytes, ...]
+    logprobs: tuple[float, ...]
+    logits: tuple[float, ...]
+    finished: bool
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """A verifier's per-token log-probabilities and raw logits for one text."""
+
+    logprobs: tuple[float, ...]
+    logits: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A member's draft after cutting to a word/character boundary."""
+
+    model: str
+    text: str
+    finished: bool
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An accepted piece of the answer and the member that wrote it."""
+
+    text: str
+    model: str
+    round: int
+
+
+@dataclass
+class RoundRecord:
+    """Everything that happened in one round, for inspection and JSON output."""
+
+    index: int
+    active: list[str]
+    candidates: list[Candidate]
+    raw_scores: dict[str, list[float | None]]
+    scores: dict[str, list[float]]
+    aggregate: list[float]
+    winner_index: int
+    draft_s: dict[str, float] = field(default_factory=dict)
+    verify_s: dict[str, float] = field(default_factory=dict)
+    total_s: float = 0.0
+
+    @property
+    def winner(self) -> str:
+        """The member whose candidate won."""
+        return self.candidates[self.winner_index].model
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["winner"] = self.winner
+        return data
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    model_calls: int = 0
+    tokens: int = 0
+    wins: dict[str, int] = field(default_factory=dict)
+    time_to_first_segment_s: float | None = None
+    total_s: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["tokens_per_s"] = round(self.tokens_per_s, 3)
+        return data
+
+
+@dataclass
+class Result:
+    """The fused answer with its provenance."""
+
+    text: str
+    segments: list[Segment]
+    rounds: list[RoundRecord]
+    stats: Stats
+    models: list[str]
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "models": self.models,
+            "segments": [asdict(s) for s in self.segments],
+            "rounds": [r.to_dict() for r in self.rounds],
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class SegmentEvent:
+    """Emitted as soon as a round's winner is known: stream `segment.text` now."""
+
+    segment: Segment
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """Emitted at the end of each round with its full record."""
+
+    record: RoundRecord
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The last event of a stream; carries the complete result."""
+
+    result: Result
+
+
+Event = SegmentEvent | RoundEvent | DoneEvent

@@ -1,0 +1,128 @@
+"""The engine loop on scripted members: pure logic of rank/broadcast/stop.
+
+These fakes only check the loop's bookkeeping; the real-model behaviour is in
+test_real_models.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specfuse.engine import fuse
+from specfuse.errors import InvalidRequestError
+from specfuse.options import FusionOptions
+from specfuse.types import DoneEvent, DraftTokens, Message, RoundEvent, SegmentEvent, TokenScores
+
+
+class ScriptedSession:
+    def __init__(self, drafts, prefs, stops=()):
+        self.drafts = list(drafts)  # per round: (pieces, finished)
+        self.prefs = prefs  # text -> probability this member gives each token of it
+        self.accepted: list[str] = []
+        self.stops = stops
+        self.room = 10_000
+        self.closed = False
+
+    def draft(self, max_tokens, sampling):
+        pieces, finished = self.drafts.pop(0)
+        pieces = pieces[:max_tokens]
+        lps = tuple(math.log(self.prefs.get(b"".join(pieces).decode(), 0.1)) for _ in pieces)
+        return DraftTokens(tuple(pieces), lps, lps, finished)
+
+    def score(self, texts):
+        return [TokenScores((math.log(self.prefs.get(t, 0.1)),), (0.0,)) for t in texts]
+
+    def accept(self, text):
+        self.accepted.append(text)
+
+    def counters(self):
+        return {}
+
+    def close(self):
+        self.closed = True
+
+
+class ScriptedMember:
+    def __init__(self, name, session):
+        self.name = name
+        self.session = session
+
+    def start(self, messages, *, seed, reserve):
+        return self.session
+
+    def close(self):
+        pass
+
+
+def run(members, **options):
+    events = list(fuse(members, [Message("user", "q")], FusionOptions.build(**options)))
+    assert isinstance(events[-1], DoneEvent)
+    return events, events[-1].result
+
+
+def test_majority_preference_wins_and_everyone_gets_the_winner():
+    a = ScriptedSession([([b" Red", b"."], False), ([b""], True)], {" Red.": 0.9, " Blue.": 0.2})
+    b = ScriptedSession([([b" Blue", b"."], False), ([b""], True)], {" Red.": 0.8, " Blue.": 0.3})
+    c = ScriptedSession([([b" Blue", b"."], False), ([b""], True)], {" Red.": 0.1, " Blue.": 0.9})
+    events, result = run([ScriptedMember("a", a), ScriptedMember("b", b), ScriptedMember("c", c)])
+    assert result.text == " Red."
+    assert [s.model for s in result.segments] == ["a"]
+    assert a.accepted == b.accepted == c.accepted == [" Red.", ""]
+    assert result.stats.finish_reason == "stop"
+    assert all(s.closed for s in (a, b, c))
+    first = [e for e in events if isinstance(e, RoundEvent)][0].record
+    assert set(first.scores) == {"a", "b", "c"}
+    assert all(len(row) == 3 for row in first.scores.values())
+    assert all(sum(row) == pytest.approx(1.0) for row in first.scores.values())
+    # segment events come before the round record and concatenate to the text
+    assert "".join(e.segment.text for e in events if isinstance(e, SegmentEvent)) == result.text
+
+
+def test_ties_pick_the_lowest_member_index():
+    a = ScriptedSession([([b" x", b".", b""], True)], {})
+    b = ScriptedSession([([b" y", b".", b""], True)], {})
+    _, result = run([ScriptedMember("a", a), ScriptedMember("b", b)])
+    assert result.segments[0].model == "a"
+
+
+def test_max_tokens_limits_the_answer():
+    drafts = [([b" w", b" w", b"."], False)] * 10
+    a = ScriptedSession(drafts, {})
+    _, result = run([ScriptedMember("a", a)], max_tokens=7, window=3)
+    assert result.stats.tokens == 7
+    assert result.stats.finish_reason == "length"
+
+
+def test_stop_string_ends_the_answer_before_it():
+    a = ScriptedSession([([b" 4", b".", b"\n", b"Question", b":"], False)], {})
+    _, result = run([ScriptedMember("a", a)], stop=["\nQuestion:"])
+    assert result.text == " 4."
+    assert result.stats.finish_reason == "stop"
+
+
+def test_member_stop_strings_apply_to_that_members_drafts():
+    a = ScriptedSession([([b" 4", b".", b"\n", b"Question", b":"], False)], {}, stops=("\nQuestion:",))
+    _, result = run([ScriptedMember("a", a)])
+    assert result.text == " 4."
+
+
+def test_self_scores_can_be_excluded():
+    # finished drafts end with the end-of-generation token's empty piece
+    a = ScriptedSession([([b" A", b".", b""], True)], {" A.": 1.0, " B.": 0.01, " C.": 0.01})
+    b = ScriptedSession([([b" B", b".", b""], True)], {" A.": 0.01, " B.": 1.0, " C.": 0.01})
+    c = ScriptedSession([([b" C", b".", b""], True)], {" A.": 0.9, " B.": 0.1, " C.": 0.1})
+    _, result = run([ScriptedMember(n, s) for n, s in zip("abc", (a, b, c))], self_score=False)
+    record = result.rounds[0]
+    assert record.raw_scores["a"][0] is None and record.scores["a"][0] == 0.0
+    assert result.text == " A."
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(InvalidRequestError, match="window"):
+        FusionOptions.build(window=0)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        FusionOptions.build(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="score"):
+        FusionOptions.build(score="best")
