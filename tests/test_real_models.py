@@ -1,0 +1,209 @@
+"""The SpecFuse loop on the three real embedded models (llama.cpp, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from specfuse import Ensemble
+from specfuse.engine import fuse
+from specfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
+from specfuse.options import FusionOptions
+from specfuse.types import DoneEvent, Message, Sampling, SegmentEvent
+
+QUESTION = [Message("user", "What is the capital of France? Answer in one short sentence.")]
+EXPLAIN = [Message("user", "Explain in a few sentences how rain forms.")]
+
+
+# llama.cpp's quantized CPU kernels round differently for different batch sizes (one-token
+# decodes while drafting, a batch while verifying), so the same token's log-probability
+# differs slightly, more for unlikely tokens. Measured on Qwen2.5-0.5B Q4_K_M: up to 0.033
+# nats at -0.33 and 0.1 at -9.8; SmolLM2 and Gemma agree within 2e-3. A misaligned or
+# cross-contaminated candidate would be off by whole nats. Order within a batch changes nothing.
+def close_logprobs(a, b):
+    return len(a) == len(b) and all(abs(x - y) <= 0.05 + 0.03 * abs(y) for x, y in zip(a, b))
+
+
+def run(members, messages=QUESTION, **options):
+    events = list(fuse(members, messages, FusionOptions.build(**options)))
+    return events, events[-1].result
+
+
+def test_greedy_answer_is_coherent_and_fully_recorded(recording):
+    events, result = run(recording, max_tokens=40, temperature=0)
+    assert "Paris" in result.text
+    k = len(recording)
+    assert k == 3
+    assert "".join(s.text for s in result.segments) == result.text
+    streamed = [e.segment.text for e in events if isinstance(e, SegmentEvent)]
+    assert "".join(streamed) == result.text
+    for record in result.rounds:
+        assert len(record.candidates) == k
+        assert set(record.scores) == {m.name for m in recording}
+        for row in record.scores.values():
+            assert len(row) == k
+            assert sum(row) == pytest.approx(1.0)
+        assert record.winner == record.candidates[record.winner_index].model
+    assert result.stats.rounds == len(result.rounds)
+    assert sum(result.stats.wins.values()) == result.stats.rounds
+    assert result.stats.time_to_first_segment_s is not None
+    assert 0 < result.stats.time_to_first_segment_s <= result.stats.total_s
+
+
+def test_every_member_context_holds_exactly_the_accepted_text(recording):
+    _, result = run(recording, EXPLAIN, max_tokens=48, temperature=0.6, seed=3)
+    for rec in recording:
+        session = rec.sessions[-1]
+        answer = b"".join(rec.member.piece(t) for t in session.answer_tokens()).decode("utf-8")
+        assert answer == result.text, rec.name
+
+
+def test_prefix_is_never_reencoded(recording):
+    """Counters: the prompt is decoded once; later rounds decode only new tokens."""
+    _, result = run(recording, EXPLAIN, max_tokens=64, temperature=0)
+    rounds = result.stats.rounds
+    assert rounds >= 3
+    window = 10
+    for rec in recording:
+        session = rec.sessions[-1]
+        c = session.counters()
+        assert c["prompt"] == session.prompt_len, rec.name
+        # at most the last token of a fully kept own draft is fed again per round
+        assert c["catch_up"] <= rounds, (rec.name, c)
+        assert c["draft"] <= rounds * (window - 1)
+        assert c["verify"] <= rounds * (len(recording) - 1) * window
+        accepted = len(session.answer_tokens())
+        assert c["prompt"] + c["catch_up"] + c["draft"] + c["verify"] < session.prompt_len + 30 * rounds + accepted
+
+
+def test_batched_scoring_matches_scoring_each_candidate_alone(default_ensemble):
+    texts = [" Paris is the capital.", " It is Paris.", " The capital of France is Paris!"]
+    for member in default_ensemble.members:
+        session = member.start(QUESTION, seed=0, reserve=64)
+        try:
+            together = session.score(texts)
+            session.accept("")
+            alone = []
+            for text in texts:
+                alone.append(session.score([text])[0])
+                session.accept("")
+        finally:
+            session.close()
+        for a, b in zip(together, alone):
+            assert close_logprobs(a.logprobs, b.logprobs), (member.name, a.logprobs, b.logprobs)
+
+
+def test_own_draft_scores_match_verifying_the_same_text(default_ensemble):
+    """Self-scores come from drafting; they equal scoring the kept text afresh."""
+    from specfuse.segments import cut_draft
+
+    for member in default_ensemble.members:
+        session = member.start(QUESTION, seed=0, reserve=64)
+        try:
+            draft = session.draft(10, Sampling(temperature=0))
+            cut = cut_draft(draft.pieces, draft.finished)
+            n = cut.n_tokens - (1 if draft.finished else 0)
+            session.accept("")
+            again = session.score([cut.text])[0]
+        finally:
+            session.close()
+        assert len(again.logprobs) == n, member.name  # greedy drafts are canonical tokenizations
+        assert close_logprobs(draft.logprobs[:n], again.logprobs), (member.name, draft.logprobs, again.logprobs)
+
+
+def test_same_seed_same_answer(recording):
+    _, first = run(recording, max_tokens=32, temperature=0.8, seed=11)
+    _, second = run(recording, max_tokens=32, temperature=0.8, seed=11)
+    assert first.text == second.text
+    assert [s.model for s in first.segments] == [s.model for s in second.segments]
+
+
+def test_stop_string_and_token_limit(recording):
+    _, result = run(recording, max_tokens=12, temperature=0)
+    assert result.stats.tokens <= 12
+    assert result.stats.finish_reason in ("length", "stop")
+    _, stopped = run(recording, max_tokens=40, temperature=0, stop=["Paris"])
+    assert "Paris" not in stopped.text
+    assert stopped.stats.finish_reason == "stop"
+
+
+def test_multi_turn_messages_and_scores_modes(recording):
+    messages = [
+        Message("system", "You answer with one word."),
+        Message("user", "Which planet is known as the red planet?"),
+        Message("assistant", "Mars."),
+        Message("user", "And the largest planet?"),
+    ]
+    for mode in ("mean_logprob", "mean_logit"):
+        _, result = run(recording, messages, max_tokens=16, temperature=0, score=mode)
+        assert result.text.strip()
+        assert all(math.isfinite(x) for r in result.rounds for x in r.aggregate)
+
+
+def test_prompt_longer_than_context_is_a_clear_error(default_ensemble):
+    long_prompt = "word " * 5000
+    with pytest.raises(PromptTooLongError, match="context"):
+        default_ensemble.generate(long_prompt, max_tokens=8)
+    # the members are released and keep working
+    assert default_ensemble.generate("Say hi.", max_tokens=4, temperature=0).text
+
+
+def test_bad_member_specs_fail_clearly(tmp_path):
+    with pytest.raises(UnknownModelError, match="known models"):
+        Ensemble(["no-such-model"])
+    with pytest.raises(ModelFileError, match="not found"):
+        Ensemble([str(tmp_path / "missing.gguf")])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a model at all")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        Ensemble([str(garbage)])
+    truncated = tmp_path / "truncated.gguf"
+    from specfuse.models import CATALOGUE, model_path
+
+    truncated.write_bytes(model_path(CATALOGUE["smollm2-135m"]).read_bytes()[:200_000])
+    with pytest.raises(MemberLoadError, match="could not load"):
+        Ensemble([str(truncated)])
+
+
+def test_gguf_path_member_and_duplicate_names(default_ensemble):
+    from specfuse.models import CATALOGUE, model_path
+
+    path = str(model_path(CATALOGUE["smollm2-135m"]))
+    with Ensemble([path, path]) as pair:
+        assert pair.names[0] != pair.names[1]
+        result = pair.generate("Say hello.", max_tokens=8, seed=1)
+        assert set(result.stats.wins) == set(pair.names)
+
+
+def test_cli_json_output():
+    proc = subprocess.run(
+        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--max-tokens", "24", "--seed", "1",
+         "Name three primary colors."],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert {"text", "segments", "rounds", "stats"} <= set(data)
+    assert len(data["models"]) == 3
+    assert all({"text", "model"} <= set(s) for s in data["segments"])
+    first = data["rounds"][0]
+    assert all({"model", "text", "finished"} <= set(c) for c in first["candidates"])
+    assert len(first["scores"]) == 3 and "winner" in first
+    assert {"rounds", "model_calls", "time_to_first_segment_s", "total_s"} <= set(data["stats"])
+
+
+def test_cli_user_errors_are_one_line_without_traceback():
+    for args, needle in ((["generate", "-m", "nope", "hi"], "unknown model"),
+                         (["generate", "--window", "0", "hi"], "window"),
+                         (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
+                         (["generate", "   "], "empty")):
+        proc = subprocess.run([sys.executable, "-m", "specfuse.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, args
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
