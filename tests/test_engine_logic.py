@@ -126,3 +126,70 @@ def test_bad_options_are_clear_errors():
         FusionOptions.build(max_tokens=0)
     with pytest.raises(InvalidRequestError, match="score"):
         FusionOptions.build(score="best")
+
+
+class BrokenSession(ScriptedSession):
+    """Fails on its n-th draft, like a member whose server died mid-answer."""
+
+    def __init__(self, drafts, prefs, fail_at):
+        super().__init__(drafts, prefs)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def draft(self, max_tokens, sampling):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConnectionError("server went away")
+        return super().draft(max_tokens, sampling)
+
+
+def test_a_member_that_fails_mid_answer_is_dropped_and_the_answer_completes():
+    words = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
+    a = ScriptedSession(list(words), {" one.": 0.9, " two.": 0.9})
+    broken = BrokenSession(list(words), {}, fail_at=2)
+    _, result = run([ScriptedMember("a", a), ScriptedMember("b", broken)])
+    assert result.text == " one. two."
+    assert [(d.model, d.round, d.kind) for d in result.departures] == [("b", 2, "fault")]
+    assert "server went away" in result.departures[0].reason
+    assert broken.closed
+    assert result.rounds[1].active == ["a"]
+    assert result.rounds[1].departures[0].model == "b"
+
+
+def test_no_member_left_is_a_clear_error():
+    from specfuse.errors import MemberFailedError
+
+    broken = BrokenSession([], {}, fail_at=1)
+    with pytest.raises(MemberFailedError, match="no member"):
+        run([ScriptedMember("b", broken)])
+    assert broken.closed
+
+
+def test_hedge_weights_are_recorded_and_favour_the_consensus_member():
+    # a and c prefer a's drafts, b prefers its own: a gains weight.
+    drafts = [([b" x", b"."], False)] * 3 + [([b""], True)]
+    prefs_a = {" x.": 0.9}
+    a = ScriptedSession(list(drafts), prefs_a)
+    b = ScriptedSession([([b" y", b"."], False)] * 3 + [([b""], True)], {" y.": 0.9, " x.": 0.1})
+    c = ScriptedSession([([b" z", b"."], False)] * 3 + [([b""], True)], {" x.": 0.9})
+    _, result = run([ScriptedMember(n, s) for n, s in zip("abc", (a, b, c))], hedge=True)
+    first = result.rounds[0].weights
+    assert first["a"] > first["c"] and first["a"] > 1 / 3
+    assert sum(first.values()) == pytest.approx(1.0)
+    assert result.weights["a"] == max(result.weights.values())
+
+
+def test_model_exit_removes_a_lagging_member_but_never_the_last():
+    drafts = [([b" w", b"."], False)] * 8 + [([b""], True)]
+    good = {" w.": 0.9, " v.": 0.05, " u.": 0.05}
+    sessions = [ScriptedSession(list(drafts), good),
+                ScriptedSession([([b" v", b"."], False)] * 8 + [([b""], True)], good),
+                ScriptedSession([([b" u", b"."], False)] * 8 + [([b""], True)], good)]
+    _, result = run([ScriptedMember(n, s) for n, s in zip("abc", sessions)], exit=True, exit_warmup=2,
+                    exit_entropy=0.99, exit_min_active=1)
+    exits = [d for d in result.departures if d.kind == "exit"]
+    assert {d.model for d in exits} == {"b", "c"}
+    assert all(d.round >= 2 for d in exits)
+    assert result.rounds[-1].active == ["a"]
+    assert result.stats.finish_reason == "stop"
+    assert result.stats.model_calls < 2 * 3 * result.stats.rounds

@@ -2,21 +2,30 @@
 
 Backend-agnostic and free of I/O: it drives member sessions through the
 protocol in ``backends.base`` and yields events. See NOTES §1 for the method.
+
+Members take part while *active*. A member leaves a query when Model Exit
+finds it lagging (``options.exit``) or when one of its calls raises (a fault:
+a dead server, a timeout, garbage); the answer completes with the others and
+the departure is recorded. Members whose class sets ``parallel_safe = True``
+(remote servers) are called concurrently; local CPU members run one by one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 from .backends.base import Member, MemberSession
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, MemberFailedError
 from .options import FusionOptions
-from .scoring import aggregate, normalise, pick_winner, raw_score
+from .scoring import aggregate, exit_reason, hedge_update, model_exit, normalise, pick_winner, raw_score
 from .segments import apply_stops, cut_draft
 from .types import (
     Candidate,
+    Departure,
     DoneEvent,
     DraftTokens,
     Event,
@@ -41,6 +50,21 @@ class _Draft:
     @property
     def eligible(self) -> bool:
         return bool(self.candidate.text) or self.candidate.finished
+
+
+@dataclass
+class _Seat:
+    """A member's place in one query."""
+
+    name: str
+    member: Member
+    session: MemberSession | None = None
+    quality: float = 0.0  # cumulative aggregate score of its drafts (Model Exit)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def parallel_safe(self) -> bool:
+        return bool(getattr(self.member, "parallel_safe", False))
 
 
 def member_seed(seed: int | None, index: int) -> int | None:
@@ -72,128 +96,288 @@ def _tokens_covering(pieces: Sequence[bytes], n_bytes: int) -> int:
     return count
 
 
+class _Caller:
+    """Calls one function per seat: concurrently for parallel-safe members.
+
+    Returns, per seat, the result or the exception it raised, and records the
+    seconds each call took under ``seat.timings[phase]``.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def each(self, seats: Sequence[_Seat], phase: str, fn: Callable[[_Seat], Any]) -> list[Any]:
+        def timed(seat: _Seat) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(seat)
+            except Exception as exc:  # a member's failure is data: the engine drops it
+                return exc
+            finally:
+                seat.timings[phase] = seat.timings.get(phase, 0.0) + time.perf_counter() - t0
+
+        parallel = [s for s in seats if s.parallel_safe]
+        futures = {}
+        if len(parallel) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="specfuse-member")
+            futures = {id(s): self._pool.submit(timed, s) for s in parallel}
+        results = {id(s): timed(s) for s in seats if id(s) not in futures}
+        results.update({key: f.result() for key, f in futures.items()})
+        return [results[id(s)] for s in seats]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def fuse(
-    members: Sequence[Member], messages: Sequence[Message], options: FusionOptions
+    members: Sequence[Member],
+    messages: Sequence[Message],
+    options: FusionOptions,
+    *,
+    weights: Mapping[str, float] | None = None,
 ) -> Iterator[Event]:
-    """Run one fused generation, yielding events; the last is a DoneEvent."""
+    """Run one fused generation, yielding events; the last is a DoneEvent.
+
+    `weights` are initial voting weights by member name (Hedge carried across
+    queries); missing members get the mean weight.
+    """
     if not members:
         raise InvalidRequestError("no members to fuse", "give at least one model")
-    names = [m.name for m in members]
-    k = len(members)
-    sessions: list[MemberSession] = []
+    seats = [_Seat(m.name, m) for m in members]
+    caller = _Caller()
+    run = _Run(seats, options, caller, weights)
     try:
-        started = time.perf_counter()
-        for i, member in enumerate(members):
-            sessions.append(
-                member.start(messages, seed=member_seed(options.seed, i), reserve=k * options.window + 1)
-            )
-        yield from _loop(names, sessions, options, started)
+        yield from run.events(messages)
     finally:
-        for session in sessions:
-            session.close()
+        for seat in seats:
+            run.leave(seat)
+        caller.close()
 
 
-def _loop(
-    names: list[str], sessions: list[MemberSession], options: FusionOptions, started: float
-) -> Iterator[Event]:
-    k = len(sessions)
-    weights = [1.0 / k] * k
-    answer = ""
-    segments: list[Segment] = []
-    rounds: list[RoundRecord] = []
-    stats = Stats(wins={n: 0 for n in names})
-    sampling = options.sampling
+class _Run:
+    """State of one fused generation."""
 
-    while True:
-        budget = options.max_tokens - stats.tokens
-        if budget <= 0:
-            stats.finish_reason = "length"
-            break
-        if min(s.room for s in sessions) < k * options.window + 1:
-            stats.finish_reason = "context"
-            break
-        round_start = time.perf_counter()
-        record_draft: dict[str, float] = {}
-        record_verify: dict[str, float] = {}
+    def __init__(self, seats: list[_Seat], options: FusionOptions, caller: _Caller,
+                 weights: Mapping[str, float] | None) -> None:
+        self.seats = seats
+        self.options = options
+        self.caller = caller
+        self.active: list[_Seat] = []
+        self.departures: list[Departure] = []
+        self.round_departures: list[Departure] = []
+        k = len(seats)
+        start = dict(weights or {})
+        mean = sum(start.values()) / len(start) if start else 1.0 / k
+        self.weights = {s.name: start.get(s.name, mean) for s in seats}
+        self.stats = Stats(wins={s.name: 0 for s in seats})
+
+    # --- membership ----------------------------------------------------------
+    def leave(self, seat: _Seat) -> None:
+        if seat.session is not None:
+            try:
+                seat.session.close()
+            except Exception:
+                pass  # a broken member must not stop the others from finishing
+            seat.session = None
+        if seat in self.active:
+            self.active.remove(seat)
+
+    def depart(self, seat: _Seat, round_no: int, kind: str, reason: str) -> None:
+        departure = Departure(seat.name, round_no, kind, reason)  # type: ignore[arg-type]
+        self.departures.append(departure)
+        self.round_departures.append(departure)
+        self.leave(seat)
+        if not self.active:
+            raise MemberFailedError(
+                f"no member is left to answer (last: {seat.name}: {reason})",
+                "check the members' servers or files and retry",
+            )
+
+    def survivors(self, seats: Sequence[_Seat], outcomes: Sequence[Any], round_no: int,
+                  phase: str) -> list[tuple[_Seat, Any]]:
+        """Drop members whose call raised; return (seat, result) of the others."""
+        kept = []
+        for seat, outcome in zip(seats, outcomes):
+            if isinstance(outcome, Exception):
+                reason = f"{phase} failed: {type(outcome).__name__}: {outcome}"
+                self.depart(seat, round_no, "fault", reason)
+            else:
+                kept.append((seat, outcome))
+        return kept
+
+    # --- the loop ------------------------------------------------------------
+    def events(self, messages: Sequence[Message]) -> Iterator[Event]:
+        options, stats = self.options, self.stats
+        started = time.perf_counter()
+        reserve = len(self.seats) * options.window + 1
+        failed: list[tuple[_Seat, Exception]] = []
+        for i, seat in enumerate(self.seats):
+            try:
+                seat.session = seat.member.start(messages, seed=member_seed(options.seed, i), reserve=reserve)
+            except InvalidRequestError:
+                raise  # the request itself is wrong (e.g. too long): no member could answer it
+            except Exception as exc:
+                failed.append((seat, exc))
+                continue
+            self.active.append(seat)
+        for seat, exc in failed:
+            self.departures.append(Departure(seat.name, 0, "fault", f"start failed: {type(exc).__name__}: {exc}"))
+        if not self.active:
+            raise MemberFailedError(
+                "no member could start: " + "; ".join(d.reason for d in self.departures),
+                "check the members' servers or files and retry",
+            )
+
+        answer = ""
+        segments: list[Segment] = []
+        rounds: list[RoundRecord] = []
+        while True:
+            budget = options.max_tokens - stats.tokens
+            if budget <= 0:
+                stats.finish_reason = "length"
+                break
+            if min(s.session.room for s in self.active) < len(self.active) * options.window + 1:
+                stats.finish_reason = "context"
+                break
+            round_no = stats.rounds + 1
+            round_start = time.perf_counter()
+            record = self._round(round_no, answer, budget)
+            if record is None:
+                stats.finish_reason = "length"
+                break
+            chosen = record.candidates[record.winner_index]
+            answer += chosen.text
+            stats.rounds = round_no
+            stats.wins[chosen.model] += 1
+            stats.tokens += chosen.n_tokens
+            if chosen.text:
+                segment = Segment(text=chosen.text, model=chosen.model, round=round_no)
+                segments.append(segment)
+                if stats.time_to_first_segment_s is None:
+                    stats.time_to_first_segment_s = time.perf_counter() - started
+                yield SegmentEvent(segment)
+            self._broadcast(chosen.text, round_no)
+            if options.exit and not chosen.finished:
+                self._model_exit(round_no)
+            record.departures = list(self.round_departures)
+            record.total_s = time.perf_counter() - round_start
+            rounds.append(record)
+            yield RoundEvent(record)
+            if chosen.finished:
+                stats.finish_reason = "stop"
+                break
+
+        stats.total_s = time.perf_counter() - started
+        yield DoneEvent(Result(
+            text=answer, segments=segments, rounds=rounds, stats=stats,
+            models=[s.name for s in self.seats], departures=self.departures,
+            weights=dict(self.weights),
+        ))
+
+    def _round(self, round_no: int, answer: str, budget: int) -> RoundRecord | None:
+        options, stats = self.options, self.stats
+        self.round_departures = []
+        for seat in self.active:
+            seat.timings = {}
+        calls_before = stats.model_calls
 
         # 1. Draft. If no draft is usable (e.g. all end mid-character), retry longer.
         n = min(options.window, budget)
         while True:
-            drafts = []
-            for name, session in zip(names, sessions):
-                t0 = time.perf_counter()
-                tokens = session.draft(n, sampling)
-                record_draft[name] = record_draft.get(name, 0.0) + time.perf_counter() - t0
-                stats.model_calls += 1
-                drafts.append(_cut(name, tokens, answer, (*options.stop, *session.stops)))
-            if any(d.eligible for d in drafts) or n >= budget:
+            seats = list(self.active)
+            outcomes = self.caller.each(seats, "draft", lambda s: s.session.draft(n, options.sampling))
+            stats.model_calls += len(seats)
+            drafted = [
+                (seat, _cut(seat.name, tokens, answer, (*options.stop, *seat.session.stops)))
+                for seat, tokens in self.survivors(seats, outcomes, round_no, "draft")
+            ]
+            if any(d.eligible for _, d in drafted) or n >= budget:
                 break
-            for session in sessions:
-                session.accept("")
+            for seat, _ in drafted:
+                seat.session.accept("")
             n = min(2 * n, budget)
-        if not any(d.eligible for d in drafts):
-            stats.finish_reason = "length"
-            break
+        if not any(d.eligible for _, d in drafted):
+            return None
 
         # 2. Verify: every member scores every distinct eligible text once; identical
-        # texts from different members share one score, so ties are exact.
+        # texts share one score, so ties between them are exact.
+        texts = list(dict.fromkeys(d.candidate.text for _, d in drafted if d.eligible))
+        known: dict[str, dict[str, TokenScores]] = {}
+        asks: dict[str, list[str]] = {}
+        for seat, d in drafted:
+            own = {d.candidate.text: d.own_scores} if d.own_scores is not None else {}
+            known[seat.name] = own
+            asks[seat.name] = [t for t in texts if t not in own]
+        seats = [seat for seat, _ in drafted]
+        outcomes = self.caller.each(
+            seats, "verify", lambda s: s.session.score(asks[s.name]) if asks[s.name] else []
+        )
+        stats.model_calls += sum(1 for s in seats if asks[s.name])
+        verified = {seat.name for seat, _ in self.survivors(seats, outcomes, round_no, "verify")}
+        for seat, scores in zip(seats, outcomes):
+            if seat.name in verified:
+                known[seat.name].update(zip(asks[seat.name], scores))
+        drafted = [(seat, d) for seat, d in drafted if seat.name in verified]
+        if not any(d.eligible for _, d in drafted):
+            return None
+
+        # 3. Rank: normalise per verifier, weight, aggregate.
+        names = [seat.name for seat, _ in drafted]
         raw: dict[str, list[float | None]] = {}
         normalised: dict[str, list[float]] = {}
-        for j, (name, session) in enumerate(zip(names, sessions)):
-            known: dict[str, TokenScores] = {}
-            if drafts[j].own_scores is not None:
-                known[drafts[j].candidate.text] = drafts[j].own_scores
-            texts = [d.candidate.text for d in drafts if d.eligible]
-            unique = [t for t in dict.fromkeys(texts) if t not in known]
-            t0 = time.perf_counter()
-            if unique:
-                known.update(zip(unique, session.score(unique)))
-                stats.model_calls += 1
-            record_verify[name] = time.perf_counter() - t0
-            row: list[float | None] = [
-                raw_score(known[d.candidate.text], options.score)
-                if d.eligible and (i != j or options.self_score)
-                else None
-                for i, d in enumerate(drafts)
+        for j, (seat, _) in enumerate(drafted):
+            row = [
+                raw_score(known[seat.name][d.candidate.text], options.score)
+                if d.eligible and (i != j or options.self_score) else None
+                for i, (_, d) in enumerate(drafted)
             ]
-            raw[name] = row
-            normalised[name] = normalise(row, options.score)
+            raw[seat.name] = row
+            normalised[seat.name] = normalise(row, options.score)
+        matrix = [normalised[n] for n in names]
+        weights = self._active_weights(names)
+        if options.hedge:
+            weights = hedge_update(weights, matrix, round_no, options.hedge_eta)
+            self.weights.update(zip(names, weights))
+        totals = aggregate(matrix, weights)
+        winner = pick_winner(totals, [d.eligible for _, d in drafted])
+        for (seat, _), total in zip(drafted, totals):
+            seat.quality += total
 
-        # 3. Rank.
-        totals = aggregate([normalised[n] for n in names], weights)
-        winner = pick_winner(totals, [d.eligible for d in drafts])
-        chosen = drafts[winner].candidate
-
-        # 4. Broadcast: every member's context gets the winning text.
-        answer += chosen.text
-        for session in sessions:
-            session.accept(chosen.text)
-        stats.rounds += 1
-        stats.wins[chosen.model] += 1
-        stats.tokens += chosen.n_tokens
-        segment = Segment(text=chosen.text, model=chosen.model, round=stats.rounds)
-        if chosen.text:
-            segments.append(segment)
-            if stats.time_to_first_segment_s is None:
-                stats.time_to_first_segment_s = time.perf_counter() - started
-            yield SegmentEvent(segment)
-        record = RoundRecord(
-            index=stats.rounds,
-            active=list(names),
-            candidates=[d.candidate for d in drafts],
+        return RoundRecord(
+            index=round_no,
+            active=names,
+            candidates=[d.candidate for _, d in drafted],
             raw_scores=raw,
             scores=normalised,
+            weights=dict(zip(names, weights)),
             aggregate=totals,
             winner_index=winner,
-            draft_s=record_draft,
-            verify_s=record_verify,
-            total_s=time.perf_counter() - round_start,
+            model_calls=stats.model_calls - calls_before,
+            draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},
+            verify_s={s.name: s.timings.get("verify", 0.0) for s, _ in drafted},
         )
-        rounds.append(record)
-        yield RoundEvent(record)
-        if chosen.finished:
-            stats.finish_reason = "stop"
-            break
 
-    stats.total_s = time.perf_counter() - started
-    yield DoneEvent(Result(text=answer, segments=segments, rounds=rounds, stats=stats, models=names))
+    def _active_weights(self, names: Sequence[str]) -> list[float]:
+        values = [self.weights[n] for n in names]
+        total = sum(values)
+        return [v / total for v in values] if total > 0 else [1.0 / len(names)] * len(names)
+
+    def _broadcast(self, text: str, round_no: int) -> None:
+        """Every member's context gets the winning text."""
+        seats = list(self.active)
+        outcomes = self.caller.each(seats, "accept", lambda s: s.session.accept(text))
+        self.survivors(seats, outcomes, round_no, "accept")
+
+    def _model_exit(self, round_no: int) -> None:
+        o = self.options
+        quality = [s.quality for s in self.active]
+        leaving = model_exit(
+            quality, round_no, warmup=o.exit_warmup, entropy_threshold=o.exit_entropy,
+            temperature=o.exit_temperature, fraction=o.exit_fraction, min_active=o.exit_min_active,
+        )
+        seats = list(self.active)
+        for i in leaving:
+            self.depart(seats[i], round_no, "exit", exit_reason(quality, i, o.exit_temperature))
+

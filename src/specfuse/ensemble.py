@@ -59,6 +59,7 @@ class Ensemble:
             self.close()
             raise
         _make_names_unique(self.members)
+        self.hedge_weights: dict[str, float] = {}  # carried across queries with hedge_persist
 
     @property
     def names(self) -> list[str]:
@@ -67,7 +68,18 @@ class Ensemble:
     def stream(self, prompt: Conversation, **options: Any) -> Iterator[Event]:
         """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent."""
         opts = options.pop("options", None) or FusionOptions.build(**options)
-        return fuse(self.members, to_messages(prompt), opts)
+        messages = to_messages(prompt)
+        if not (opts.hedge and opts.hedge_persist):
+            return fuse(self.members, messages, opts)
+        return self._stream_persisting(messages, opts)
+
+    def _stream_persisting(self, messages: list[Message], opts: FusionOptions) -> Iterator[Event]:
+        # Hedge weights learned on one query become the next query's prior. They
+        # live on this Ensemble object (in memory), see `hedge_weights`.
+        for event in fuse(self.members, messages, opts, weights=self.hedge_weights or None):
+            if isinstance(event, DoneEvent):
+                self.hedge_weights = dict(event.result.weights)
+            yield event
 
     def generate(self, prompt: Conversation, **options: Any) -> Result:
         """Run to completion and return the result with its provenance."""

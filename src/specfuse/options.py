@@ -22,6 +22,17 @@ class FusionOptions(BaseModel):
     score: ScoreMode = Field("mean_prob", description="verifier score of a candidate")
     self_score: bool = Field(True, description="members also score their own draft")
     stop: tuple[str, ...] = Field((), description="stop strings; the answer ends before them")
+    # Online feedback (SpecEM): per-member voting weights updated every round.
+    hedge: bool = Field(False, description="update voting weights with Hedge each round")
+    hedge_eta: float = Field(1.0, gt=0.0, description="Hedge learning rate eta0")
+    hedge_persist: bool = Field(False, description="carry weights across queries of one Ensemble")
+    # Model Exit: members whose cumulative quality falls behind stop for the rest of the query.
+    exit: bool = Field(False, description="let lagging members exit within a query")
+    exit_warmup: int = Field(3, ge=1, description="rounds before any member may exit")
+    exit_entropy: float = Field(0.9, gt=0.0, le=1.0, description="exit only below this normalised entropy")
+    exit_temperature: float = Field(0.5, gt=0.0, description="softmax temperature over cumulative quality")
+    exit_fraction: float = Field(0.5, gt=0.0, le=1.0, description="exit if share < fraction / K_active")
+    exit_min_active: int = Field(1, ge=1, description="never fewer active members than this")
 
     @field_validator("stop", mode="before")
     @classmethod

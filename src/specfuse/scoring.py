@@ -77,3 +77,104 @@ def pick_winner(totals: Sequence[float], eligible: Sequence[bool] | None = None)
     if best < 0:
         raise ValueError("no eligible candidate")
     return best
+
+
+# --- Online feedback (SpecEM Hedge) ------------------------------------------------
+
+
+def hedge_rewards(normalised: Sequence[Sequence[float]]) -> list[float]:
+    """Win-rate reward of each member from the other members' eyes.
+
+    ``normalised[j][i]`` is verifier j's normalised score of member i's draft
+    (K x K, same member order on both axes). Reward of i = number of pairs
+    (j, k) with j != i, k != i and S[j][i] >= S[j][k], over (K-1)^2, floored at
+    1/(K-1)^2 (NOTES §1).
+    """
+    k = len(normalised)
+    if k < 2:
+        return [0.0] * k
+    pairs = (k - 1) ** 2
+    rewards = []
+    for i in range(k):
+        wins = sum(
+            1
+            for j in range(k)
+            if j != i
+            for other in range(k)
+            if other != i and normalised[j][i] >= normalised[j][other]
+        )
+        rewards.append(max(wins, 1) / pairs)
+    return rewards
+
+
+def hedge_update(
+    weights: Sequence[float], normalised: Sequence[Sequence[float]], round_index: int, eta0: float
+) -> list[float]:
+    """One multiplicative-weights step: w_i <- w_i * exp(eta_t * reward_i), renormalised.
+
+    eta_t = eta0 * sqrt(1/K) / t with t the 1-based round index.
+    """
+    k = len(weights)
+    if k < 2:
+        return [1.0] * k
+    eta = eta0 * math.sqrt(1.0 / k) / round_index
+    updated = [w * math.exp(eta * r) for w, r in zip(weights, hedge_rewards(normalised))]
+    total = sum(updated)
+    return [w / total for w in updated]
+
+
+# --- Model Exit ----------------------------------------------------------------------
+
+
+def softmax(values: Sequence[float], temperature: float) -> list[float]:
+    top = max(values)
+    exps = [math.exp((v - top) / temperature) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def normalised_entropy(probs: Sequence[float]) -> float:
+    """Entropy divided by its maximum log(K): 1 = undecided, 0 = one member has it all."""
+    if len(probs) < 2:
+        return 0.0
+    h = -sum(p * math.log(p) for p in probs if p > 0.0)
+    return h / math.log(len(probs))
+
+
+def model_exit(
+    quality: Sequence[float],
+    rounds_done: int,
+    *,
+    warmup: int,
+    entropy_threshold: float,
+    temperature: float,
+    fraction: float,
+    min_active: int,
+) -> list[int]:
+    """Indices (into `quality`) of members that should stop drafting and verifying.
+
+    ``quality[i]`` is member i's cumulative quality: the sum of its drafts'
+    aggregate scores over the rounds so far. Rule: after ``warmup`` rounds,
+    p = softmax(quality / temperature); once the ensemble has a clear view
+    (normalised entropy of p below ``entropy_threshold``), members whose share
+    p_i is below ``fraction`` / K stop, worst first, keeping at least
+    ``min_active`` (never fewer than 1).
+    """
+    k = len(quality)
+    keep = max(1, min_active)
+    if rounds_done < warmup or k <= keep:
+        return []
+    probs = softmax(quality, temperature)
+    if normalised_entropy(probs) >= entropy_threshold:
+        return []
+    laggards = sorted((p, i) for i, p in enumerate(probs) if p < fraction / k)
+    return [i for _, i in laggards[: k - keep]]
+
+
+def exit_reason(quality: Sequence[float], index: int, temperature: float) -> str:
+    """Human-readable why of an exit decision, for the round record."""
+    probs = softmax(quality, temperature)
+    return (
+        f"share {probs[index]:.3f} of cumulative quality among {len(quality)} active "
+        f"(normalised entropy {normalised_entropy(probs):.3f})"
+    )

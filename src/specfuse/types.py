@@ -70,17 +70,35 @@ class Segment:
     round: int
 
 
+@dataclass(frozen=True)
+class Departure:
+    """A member that stopped taking part in a query: Model Exit or a fault."""
+
+    model: str
+    round: int
+    kind: Literal["exit", "fault"]
+    reason: str
+
+
 @dataclass
 class RoundRecord:
-    """Everything that happened in one round, for inspection and JSON output."""
+    """Everything that happened in one round, for inspection and JSON output.
+
+    ``active`` lists the members that drafted and verified in this round, in
+    candidate order; ``scores[verifier]`` are that verifier's normalised scores
+    of the candidates in the same order; ``weights`` are the voting weights used.
+    """
 
     index: int
     active: list[str]
     candidates: list[Candidate]
     raw_scores: dict[str, list[float | None]]
     scores: dict[str, list[float]]
+    weights: dict[str, float]
     aggregate: list[float]
     winner_index: int
+    model_calls: int = 0
+    departures: list[Departure] = field(default_factory=list)
     draft_s: dict[str, float] = field(default_factory=dict)
     verify_s: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
@@ -110,9 +128,14 @@ class Stats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def calls_per_round(self) -> float:
+        return self.model_calls / self.rounds if self.rounds else 0.0
+
     def to_dict(self) -> dict:
         data = asdict(self)
         data["tokens_per_s"] = round(self.tokens_per_s, 3)
+        data["calls_per_round"] = round(self.calls_per_round, 3)
         return data
 
 
@@ -125,6 +148,8 @@ class Result:
     rounds: list[RoundRecord]
     stats: Stats
     models: list[str]
+    departures: list[Departure] = field(default_factory=list)
+    weights: dict[str, float] = field(default_factory=dict)  # voting weights at the end
 
     def to_dict(self) -> dict:
         return {
@@ -132,6 +157,8 @@ class Result:
             "models": self.models,
             "segments": [asdict(s) for s in self.segments],
             "rounds": [r.to_dict() for r in self.rounds],
+            "departures": [asdict(d) for d in self.departures],
+            "weights": self.weights,
             "stats": self.stats.to_dict(),
         }
 
