@@ -15,6 +15,7 @@ decode is the last token of a fully kept own draft, fed next round.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -76,17 +77,30 @@ def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def log_softmax_at(rows: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Log-probability and raw logit of `targets[i]` under `rows[i]` (2-D logits)."""
-    top = rows.max(axis=1)
-    lse = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
-    picked = rows[np.arange(len(targets)), targets]
-    return picked - lse, picked
+class LogSoftmax:
+    """log-sum-exp over one vocabulary with a reused work buffer.
 
+    Rows are read in place from llama.cpp's logits buffer; only the target
+    token's log-probability is needed, so nothing vocabulary-sized is allocated
+    per row.
+    """
 
-def _logsumexp(row: np.ndarray) -> float:
-    top = float(row.max())
-    return top + float(np.log(np.exp(row - top).sum()))
+    def __init__(self, n_vocab: int) -> None:
+        self._buf = np.empty(n_vocab, dtype=np.float32)
+
+    def lse(self, row: np.ndarray) -> float:
+        top = float(row.max())
+        np.subtract(row, top, out=self._buf)
+        np.exp(self._buf, out=self._buf)
+        return top + math.log(float(self._buf.sum()))
+
+    def probs(self, row: np.ndarray, temperature: float) -> np.ndarray:
+        """softmax(row / temperature), in the work buffer (valid until the next call)."""
+        np.multiply(row, np.float32(1.0 / temperature), out=self._buf)
+        self._buf -= self._buf.max()
+        np.exp(self._buf, out=self._buf)
+        self._buf /= self._buf.sum()
+        return self._buf
 
 
 @dataclass
@@ -150,12 +164,14 @@ class LlamaCppMember:
         n_ctx: int = 4096,
         n_batch: int = 512,
         threads: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.path = Path(path)
         self.name = name or self.path.stem
         _check_gguf(self.path)
         _init_backend()
         self.threads = threads or default_threads()
+        self.prefix_cache = prefix_cache  # False only to measure the reference method
         model_params = lc.llama_model_default_params()
         model_params.n_gpu_layers = 0
         _LOG_TAIL.clear()
@@ -211,6 +227,7 @@ class LlamaCppMember:
         eog = {t for t in (eos, lc.llama_vocab_eot(self._vocab)) if t >= 0}
         self.eog_ids = np.array(sorted(eog), dtype=np.int64)
         self._piece_cache: dict[int, bytes] = {}
+        self.softmax = LogSoftmax(self.n_vocab)
 
     # --- tokens --------------------------------------------------------------
     def _piece(self, token: int, special: bool = False) -> bytes:
@@ -316,7 +333,7 @@ class LlamaCppMember:
             )
         self._lock.acquire()
         lc.llama_memory_clear(self._mem, False)
-        return LlamaCppSession(self, prompt, seed)
+        return LlamaCppSession(self, prompt, seed, reencode=not self.prefix_cache)
 
     def release(self) -> None:
         lc.llama_memory_clear(self._mem, False)
@@ -337,14 +354,22 @@ class LlamaCppMember:
 
 
 class LlamaCppSession:
-    """One request's context on a LlamaCppMember. See the module docstring."""
+    """One request's context on a LlamaCppMember. See the module docstring.
 
-    def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None) -> None:
+    With ``reencode=True`` the session behaves like the paper's reference code
+    (every draft and every verification re-encodes the whole context); it
+    exists only so the benchmark can measure what the cache saves.
+    """
+
+    def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None,
+                 reencode: bool = False) -> None:
         self.m = member
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
         self.n_cached = 0  # tokens[:n_cached] are in sequence 0
-        self.next_row: np.ndarray | None = None  # logits after tokens, once cached
+        self.reencode = reencode
+        self._next_row: np.ndarray | None = None  # logits after tokens, once cached
+        self._next_lse: float | None = None
         self.rng = np.random.default_rng(seed)
         self.stats = Counters()
         self._draft: _DraftState | None = None
@@ -362,9 +387,24 @@ class LlamaCppSession:
     def counters(self) -> dict[str, int]:
         return self.stats.as_dict()
 
+    def _set_next(self, row: np.ndarray | None) -> None:
+        self._next_row, self._next_lse = row, None
+
+    def _prefix(self) -> tuple[np.ndarray, float]:
+        """Logits after the cached context and their log-sum-exp (computed once)."""
+        assert self._next_row is not None
+        if self._next_lse is None:
+            self._next_lse = self.m.softmax.lse(self._next_row)
+        return self._next_row, self._next_lse
+
     def _sync(self) -> None:
-        """Decode accepted tokens not yet cached, so that next_row is known."""
-        m, start = self.m, self.n_cached
+        """Decode accepted tokens not yet cached, so that the next row is known."""
+        m = self.m
+        if self.reencode:  # reference behaviour: forget the cache, encode everything again
+            m.seq_rm(-1, -1, -1)
+            self.n_cached = 0
+            self._set_next(None)
+        start = self.n_cached
         while self.n_cached < len(self.tokens):
             chunk = self.tokens[self.n_cached : self.n_cached + m.n_batch]
             pos = list(range(self.n_cached, self.n_cached + len(chunk)))
@@ -373,42 +413,38 @@ class LlamaCppSession:
             self.stats.decode_calls += 1
             self.n_cached += len(chunk)
             if last:
-                self.next_row = rows[0].copy()
+                self._set_next(rows[0].copy())
         prompt_part = max(0, min(self.n_cached, self.prompt_len) - start)
         self.stats.prompt += prompt_part
         self.stats.catch_up += self.n_cached - start - prompt_part
-        if self.next_row is None:
+        if self._next_row is None:
             raise RuntimeError("context is empty")
 
-    def _sample(self, row: np.ndarray, sampling: Sampling) -> tuple[int, float, float]:
-        lse = _logsumexp(row)
+    def _sample(self, row: np.ndarray, sampling: Sampling) -> int:
         if sampling.greedy:
-            token = int(row.argmax())
+            return int(row.argmax())
+        p = self.m.softmax.probs(row, sampling.temperature)
+        if sampling.top_p >= 1.0:
+            idx = None
         else:
-            z = row / np.float32(sampling.temperature)
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            if sampling.top_p < 1.0:
-                top = min(len(p), 1024)
-                idx = np.argpartition(-p, top - 1)[:top]
-                idx = idx[np.argsort(-p[idx], kind="stable")]
-                cum = np.cumsum(p[idx])
-                if cum[-1] < sampling.top_p:
-                    idx = np.argsort(-p, kind="stable")
-                    cum = np.cumsum(p[idx])
-                keep = int(np.searchsorted(cum, sampling.top_p)) + 1
-                idx, cum = idx[:keep], cum[:keep]
-                token = int(idx[min(int(np.searchsorted(cum, self.rng.random() * cum[-1], "right")), keep - 1)])
-            else:
-                cum = np.cumsum(p)
-                token = int(min(np.searchsorted(cum, self.rng.random() * cum[-1], "right"), len(p) - 1))
-        logit = float(row[token])
-        return token, logit - lse, logit
+            # The nucleus lies among tokens above a small floor whenever their mass
+            # reaches top_p: sort those few instead of the whole vocabulary.
+            idx = np.flatnonzero(p >= 1e-5)
+            if float(p[idx].sum()) < sampling.top_p:
+                idx = np.arange(len(p))
+            idx = idx[np.argsort(-p[idx], kind="stable")]
+            cum = np.cumsum(p[idx])
+            keep = min(int(np.searchsorted(cum, sampling.top_p)) + 1, len(idx))
+            idx = idx[:keep]
+        weights = p if idx is None else p[idx]
+        cum = np.cumsum(weights)
+        pick = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], "right")), len(cum) - 1)
+        return pick if idx is None else int(idx[pick])
 
     def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
         self._sync()
         m = self.m
-        row = self.next_row
+        row, lse = self._prefix()
         ids: list[int] = []
         rows: list[np.ndarray] = []
         logprobs: list[float] = []
@@ -417,16 +453,17 @@ class LlamaCppSession:
         pos = len(self.tokens)
         for step in range(max_tokens):
             rows.append(row)
-            token, lp, lg = self._sample(row, sampling)
+            token = self._sample(row, sampling)
             ids.append(token)
-            logprobs.append(lp)
-            logits.append(lg)
+            logits.append(float(row[token]))
+            logprobs.append(logits[-1] - lse)
             if m.is_eog(token):
                 finished = True
                 break
             if step == max_tokens - 1:
                 break
             row = m.decode([token], [pos], [0], [True])[0].copy()
+            lse = m.softmax.lse(row)
             self.stats.draft += 1
             self.stats.decode_calls += 1
             pos += 1
@@ -435,29 +472,37 @@ class LlamaCppSession:
         return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished)
 
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
+        if self.reencode:
+            self._forget_round()
         self._sync()
-        prefix_row = self.next_row
         results = {t: v.scores for t, v in self._verified.items()}
         if "" in texts:
-            results[""] = self._end_score(prefix_row)
+            results[""] = self._end_score()
         pending = [t for t in dict.fromkeys(texts) if t not in results]
         if len(pending) + len(self._verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
         if pending:
-            self._verify(pending, prefix_row)
+            self._verify(pending)
             results.update((t, self._verified[t].scores) for t in pending)
         return [results[t] for t in texts]
 
-    def _end_score(self, prefix_row: np.ndarray) -> TokenScores:
+    def _forget_round(self) -> None:
+        """Reference mode: nothing carries over from drafting to verifying."""
+        self._draft = None
+        self._verified = {}
+
+    def _end_score(self) -> TokenScores:
         """The candidate "stop here": probability of any end-of-generation token."""
-        eog = prefix_row[self.m.eog_ids]
+        row, lse = self._prefix()
+        eog = row[self.m.eog_ids]
         top = float(eog.max())
-        logprob = top + float(np.log(np.exp(eog - top).sum())) - _logsumexp(prefix_row)
+        logprob = top + math.log(float(np.exp(eog - top).sum())) - lse
         return TokenScores((logprob,), (top,))
 
-    def _verify(self, texts: list[str], prefix_row: np.ndarray) -> None:
+    def _verify(self, texts: list[str]) -> None:
         """Decode all candidates in one batch, each in its own sequence on the cached prefix."""
         m = self.m
+        prefix_row, prefix_lse = self._prefix()
         n_prefix = len(self.tokens)
         encoded = [m.encode_continuation(t) for t in texts]
         seq_of = [1 + len(self._verified) + i for i in range(len(texts))]
@@ -479,11 +524,14 @@ class LlamaCppSession:
         # token is predicted by the prefix row.
         at = 0
         for text, ids, seq in zip(texts, encoded, seq_of):
-            block = rows[at : at + len(ids)]
-            predictors = np.vstack([prefix_row[None, :], block[:-1]])
-            lps, lgs = log_softmax_at(predictors, np.asarray(ids))
-            scores = TokenScores(tuple(map(float, lps)), tuple(map(float, lgs)))
-            self._verified[text] = _Verified(seq, ids, scores, block[-1].copy())
+            logprobs, logits = [], []
+            for i, token in enumerate(ids):
+                row, lse = (prefix_row, prefix_lse) if i == 0 else (rows[at + i - 1], None)
+                logit = float(row[token])
+                logits.append(logit)
+                logprobs.append(logit - (lse if lse is not None else m.softmax.lse(row)))
+            scores = TokenScores(tuple(logprobs), tuple(logits))
+            self._verified[text] = _Verified(seq, ids, scores, rows[at + len(ids) - 1].copy())
             at += len(ids)
 
     def accept(self, text: str) -> None:
@@ -499,7 +547,7 @@ class LlamaCppSession:
             m.seq_rm(0, n_prefix + decoded, -1)
             self.tokens += draft.ids[:kept]
             self.n_cached = n_prefix + decoded
-            self.next_row = draft.rows[kept] if decoded == kept else None
+            self._set_next(draft.rows[kept] if decoded == kept else None)
         elif text in verified:
             # Another member's candidate won: we decoded it while verifying.
             cand = verified[text]
@@ -507,12 +555,12 @@ class LlamaCppSession:
             m.seq_cp(cand.seq, 0, n_prefix, -1)
             self.tokens += cand.ids
             self.n_cached = len(self.tokens)
-            self.next_row = cand.last_row
+            self._set_next(cand.last_row)
         else:
             m.seq_rm(0, n_prefix, -1)
             self.tokens += m.encode_continuation(text)
             self.n_cached = n_prefix
-            self.next_row = None
+            self._set_next(None)
         for cand in verified.values():
             m.seq_rm(cand.seq, -1, -1)
         self._draft = None
