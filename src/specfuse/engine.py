@@ -172,11 +172,13 @@ class _Run:
         mean = sum(start.values()) / len(start) if start else 1.0 / k
         self.weights = {s.name: start.get(s.name, mean) for s in seats}
         self.stats = Stats(wins={s.name: 0 for s in seats})
+        self.counters: dict[str, dict[str, int]] = {}  # backend work per member, at leaving
 
     # --- membership ----------------------------------------------------------
     def leave(self, seat: _Seat) -> None:
         if seat.session is not None:
             try:
+                self.counters[seat.name] = seat.session.counters()
                 seat.session.close()
             except Exception:
                 pass  # a broken member must not stop the others from finishing
@@ -270,10 +272,12 @@ class _Run:
                 break
 
         stats.total_s = time.perf_counter() - started
+        for seat in list(self.active):
+            self.counters[seat.name] = seat.session.counters()
         yield DoneEvent(Result(
             text=answer, segments=segments, rounds=rounds, stats=stats,
             models=[s.name for s in self.seats], departures=self.departures,
-            weights=dict(self.weights),
+            weights=dict(self.weights), counters=dict(self.counters),
         ))
 
     def _round(self, round_no: int, answer: str, budget: int) -> RoundRecord | None:
@@ -290,7 +294,7 @@ class _Run:
             outcomes = self.caller.each(seats, "draft", lambda s: s.session.draft(n, options.sampling))
             stats.model_calls += len(seats)
             drafted = [
-                (seat, _cut(seat.name, tokens, answer, (*options.stop, *seat.session.stops)))
+                (seat, _cut(seat.name, tokens, answer, self._stops(seat)))
                 for seat, tokens in self.survivors(seats, outcomes, round_no, "draft")
             ]
             if any(d.eligible for _, d in drafted) or n >= budget:
@@ -358,6 +362,10 @@ class _Run:
             draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},
             verify_s={s.name: s.timings.get("verify", 0.0) for s, _ in drafted},
         )
+
+    def _stops(self, seat: _Seat) -> tuple[str, ...]:
+        member_stops = () if self.options.ignore_eos else seat.session.stops
+        return (*self.options.stop, *member_stops)
 
     def _active_weights(self, names: Sequence[str]) -> list[float]:
         values = [self.weights[n] for n in names]

@@ -22,6 +22,7 @@ class FusionOptions(BaseModel):
     score: ScoreMode = Field("mean_prob", description="verifier score of a candidate")
     self_score: bool = Field(True, description="members also score their own draft")
     stop: tuple[str, ...] = Field((), description="stop strings; the answer ends before them")
+    ignore_eos: bool = Field(False, description="run to max_tokens: no end-of-generation, no member stops")
     # Online feedback (SpecEM): per-member voting weights updated every round.
     hedge: bool = Field(False, description="update voting weights with Hedge each round")
     hedge_eta: float = Field(1.0, gt=0.0, description="Hedge learning rate eta0")
@@ -45,7 +46,8 @@ class FusionOptions(BaseModel):
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                        ignore_eos=self.ignore_eos)
 
     @classmethod
     def build(cls, **values: object) -> "FusionOptions":

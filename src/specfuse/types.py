@@ -21,6 +21,7 @@ class Sampling:
     temperature: float = 0.6
     top_p: float = 0.9
     seed: int | None = None
+    ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks)
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +151,7 @@ class Result:
     models: list[str]
     departures: list[Departure] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)  # voting weights at the end
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)  # backend work per member
 
     def to_dict(self) -> dict:
         return {
@@ -159,6 +161,7 @@ class Result:
             "rounds": [r.to_dict() for r in self.rounds],
             "departures": [asdict(d) for d in self.departures],
             "weights": self.weights,
+            "counters": self.counters,
             "stats": self.stats.to_dict(),
         }
 

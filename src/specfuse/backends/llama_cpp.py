@@ -140,6 +140,7 @@ class Counters:
     catch_up: int = 0  # accepted tokens not already in the cache
     draft: int = 0
     verify: int = 0
+    verify_calls: int = 0
     decode_calls: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -148,6 +149,7 @@ class Counters:
             "catch_up": self.catch_up,
             "draft": self.draft,
             "verify": self.verify,
+            "verify_calls": self.verify_calls,
             "decode_calls": self.decode_calls,
         }
 
@@ -224,8 +226,11 @@ class LlamaCppMember:
         bos, eos = lc.llama_vocab_bos(self._vocab), lc.llama_vocab_eos(self._vocab)
         self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
         self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
-        eog = {t for t in (eos, lc.llama_vocab_eot(self._vocab)) if t >= 0}
-        self.eog_ids = np.array(sorted(eog), dtype=np.int64)
+        # Every end-of-generation token the vocabulary declares (EOS, EOT, <|im_end|>, ...).
+        is_eog, vocab = lc.llama_vocab_is_eog, self._vocab
+        self.eog_ids = np.array([t for t in range(self.n_vocab) if is_eog(vocab, t)], dtype=np.int64)
+        if not len(self.eog_ids):
+            raise MemberLoadError(f"{self.path.name} declares no end-of-generation token", "use another model file")
         self._piece_cache: dict[int, bytes] = {}
         self.softmax = LogSoftmax(self.n_vocab)
 
@@ -422,8 +427,15 @@ class LlamaCppSession:
 
     def _sample(self, row: np.ndarray, sampling: Sampling) -> int:
         if sampling.greedy:
-            return int(row.argmax())
+            token = int(row.argmax())
+            if sampling.ignore_eos and self.m.is_eog(token):
+                masked = row.copy()
+                masked[self.m.eog_ids] = -np.inf
+                token = int(masked.argmax())
+            return token
         p = self.m.softmax.probs(row, sampling.temperature)
+        if sampling.ignore_eos:
+            p[self.m.eog_ids] = 0.0
         if sampling.top_p >= 1.0:
             idx = None
         else:
@@ -519,6 +531,7 @@ class LlamaCppSession:
             seqs += [seq] * len(ids)
         rows = m.decode(tokens, positions, seqs, [True] * len(tokens))
         self.stats.verify += len(tokens)
+        self.stats.verify_calls += 1
         self.stats.decode_calls += 1
         # Row r predicts the token after tokens[r]; each candidate's first
         # token is predicted by the prefix row.

@@ -1,0 +1,292 @@
+"""Side-by-side speed benchmark: what the ensemble costs over its members.
+
+One run, one process family, the same prompts, greedy decoding and answers
+forced to the target length (``ignore_eos``). For each answer length it
+measures, repeated and summarised as median / min / max:
+
+- ``specfuse``: the engine (wall time, tokens/s, time to first segment);
+- ``members_sum``: each member alone generating the same number of tokens
+  from the same prompt (prefill + decode), summed;
+- ``floor``: the work the method cannot avoid, priced at each member's
+  measured speeds: prompt prefill, its own draft decoded token by token and
+  one batched read of the other members' candidates per round (token counts
+  from the specfuse run's backend counters);
+- ``reference_method``: the paper's code path as a mode of ours: every round
+  every member re-encodes its whole context to draft and again to verify;
+- ``response_level``: every member writes the whole answer, then every member
+  scores every answer; its time to first token is when the winner is known;
+- peak RSS of the ensemble process vs. the members alone (subprocesses).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .backends.llama_cpp import LlamaCppMember
+from .baselines import rerank
+from .ensemble import Ensemble, to_messages
+from .types import Message, Result, Sampling
+
+PROMPTS = (
+    "Write a detailed essay about the history of the printing press and how it changed Europe.",
+    "Explain step by step how a compiler turns source code into machine code, with examples.",
+    "Describe the water cycle in detail, covering evaporation, condensation, precipitation and runoff.",
+)
+GREEDY = Sampling(temperature=0.0, top_p=1.0, seed=0, ignore_eos=True)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _time(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# --- member speeds for the floor ---------------------------------------------------
+
+
+def member_speeds(member: LlamaCppMember, messages: Sequence[Message], context: int, batch: int,
+                  repeats: int = 5) -> dict[str, float]:
+    """Seconds per prompt token (one batch), per decoded token, and per batched token.
+
+    Raw llama.cpp decodes through the member's own decode call, at a context
+    as long as the mid-answer context, with nothing else done per token.
+    """
+    session = member.start(messages, seed=0, reserve=1)
+    try:
+        prompt_len = len(session.tokens)
+        t_prompt, _ = _time(session._sync)
+        filler = [session.tokens[-1]] * max(0, context - prompt_len)
+        pos = prompt_len
+        for start in range(0, len(filler), member.n_batch):  # grow the context to `context`
+            chunk = filler[start:start + member.n_batch]
+            member.decode(chunk, range(pos, pos + len(chunk)), [0] * len(chunk), [False] * len(chunk))
+            pos += len(chunk)
+        decode_times = []
+        for i in range(16):
+            dt, _ = _time(lambda: member.decode([filler[0] if filler else 0], [pos + i], [0], [True]))
+            decode_times.append(dt)
+        member.seq_rm(0, pos, -1)
+        batch_times = []
+        for _ in range(repeats):
+            member.seq_cp(0, 1, 0, pos)
+            ids = [session.tokens[-1]] * batch
+            dt, _ = _time(lambda: member.decode(ids, range(pos, pos + batch), [1] * batch, [True] * batch))
+            batch_times.append(dt)
+            member.seq_rm(1, -1, -1)
+    finally:
+        session.close()
+    return {
+        "prompt_s_per_token": t_prompt / max(prompt_len, 1),
+        "decode_s_per_token": statistics.median(decode_times),
+        "batch_s_per_token": statistics.median(batch_times) / batch,
+        "batch_size": batch,
+    }
+
+
+def floor_seconds(counters: dict[str, dict[str, int]], speeds: dict[str, dict[str, float]]) -> float:
+    """Price the specfuse run's necessary work at the members' raw speeds."""
+    total = 0.0
+    for name, c in counters.items():
+        s = speeds[name]
+        total += c["prompt"] * s["prompt_s_per_token"]
+        total += (c["draft"] + c["catch_up"]) * s["decode_s_per_token"]
+        total += c["verify"] * s["batch_s_per_token"]
+    return total
+
+
+# --- systems --------------------------------------------------------------------
+
+
+def run_specfuse(ensemble: Ensemble, prompt: str, length: int, window: int) -> Result:
+    return ensemble.generate(prompt, max_tokens=length, temperature=0.0, top_p=1.0, seed=0,
+                             ignore_eos=True, window=window)
+
+
+def member_alone_seconds(member: LlamaCppMember, messages: Sequence[Message], length: int) -> float:
+    """One member generating `length` tokens by itself: prefill + decode, one session."""
+    t0 = time.perf_counter()
+    session = member.start(messages, seed=0, reserve=length + 1)
+    try:
+        session.draft(length, GREEDY)
+    finally:
+        session.close()
+    return time.perf_counter() - t0
+
+
+def peak_rss_mb(args: Sequence[str]) -> float:
+    """Peak RSS (MiB) of a child process running `python -m specfuse.bench --child ARGS`."""
+    proc = subprocess.run([sys.executable, "-m", "specfuse.bench", "--child", *args],
+                          capture_output=True, text=True, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def _child(argv: Sequence[str]) -> None:
+    """Subprocess body for RSS: load members, generate, print peak RSS in MiB."""
+    kind, length, *names = argv
+    if kind == "ensemble":
+        with Ensemble(names) as ens:
+            run_specfuse(ens, PROMPTS[0], int(length), 10)
+    else:
+        with Ensemble(names) as ens:
+            member_alone_seconds(ens.members[0], to_messages(PROMPTS[0]), int(length))
+    print(peak_rss_self_mb())
+
+
+def peak_rss_self_mb() -> float:
+    """This process's peak resident set (VmHWM).
+
+    Not ru_maxrss: Linux carries that across exec from the parent, so a child
+    of a big process would report the parent's size.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --- the benchmark ----------------------------------------------------------------
+
+
+def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str] | None = None,
+        window: int = 10, out: Path = Path("runs/bench"), log: Callable[[str], None] = print,
+        rss: bool = True) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": _cores(),
+                    "python": platform.python_version()},
+        "window": window,
+        "reps": reps,
+        "lengths": {},
+    }
+    with Ensemble(models) as ens, Ensemble(models, prefix_cache=False) as reference:
+        names = ens.names
+        report["models"] = names
+        report["threads"] = {m.name: m.threads for m in ens.members}
+        last_result: Result | None = None
+        for length in lengths:
+            log(f"== answers of {length} tokens, {reps} repetitions")
+            rows: dict[str, list[float]] = {k: [] for k in (
+                "specfuse", "specfuse_ttfs", "specfuse_tokens", "members_sum", "floor", "reference_method",
+                "response_level", "response_ttft")}
+            for rep in range(reps):
+                prompt = PROMPTS[rep % len(PROMPTS)]
+                messages = to_messages(prompt)
+                result = run_specfuse(ens, prompt, length, window)
+                last_result = result
+                rows["specfuse"].append(result.stats.total_s)
+                rows["specfuse_ttfs"].append(result.stats.time_to_first_segment_s or 0.0)
+                rows["specfuse_tokens"].append(result.stats.tokens)
+                context = len(ens.members[0].prompt_tokens(messages)) + length // 2
+                speeds = {}
+                for member in ens.members:
+                    c = result.counters[member.name]
+                    batch = max(1, round(c["verify"] / max(c["verify_calls"], 1)))
+                    speeds[member.name] = member_speeds(member, messages, context, batch)
+                rows["floor"].append(floor_seconds(result.counters, speeds))
+                rows["members_sum"].append(sum(member_alone_seconds(m, messages, length) for m in ens.members))
+                ref = run_specfuse(reference, prompt, length, window)
+                rows["reference_method"].append(ref.stats.total_s)
+                response = rerank(ens.members, messages, max_tokens=length, sampling=GREEDY)
+                rows["response_level"].append(response.total_s)
+                rows["response_ttft"].append(response.ttft_s or response.total_s)
+                log(f"  rep {rep + 1}: specfuse {result.stats.total_s:.1f}s ({result.stats.tokens} tok), "
+                    f"floor {rows['floor'][-1]:.1f}s, members {rows['members_sum'][-1]:.1f}s, "
+                    f"reference {ref.stats.total_s:.1f}s, response-level {response.total_s:.1f}s")
+            entry: dict[str, Any] = {k: spread(v) for k, v in rows.items()}
+            med = {k: v["median"] for k, v in entry.items()}
+            entry["specfuse_tokens_per_s"] = med["specfuse_tokens"] / med["specfuse"]
+            entry["ratio_vs_floor"] = med["specfuse"] / med["floor"]
+            entry["ratio_vs_members_sum"] = med["specfuse"] / med["members_sum"]
+            entry["ratio_reference_over_specfuse"] = med["reference_method"] / med["specfuse"]
+            entry["ttfs_over_response_ttft"] = med["specfuse_ttfs"] / med["response_ttft"]
+            if rss:
+                ens_rss = peak_rss_mb(["ensemble", str(length), *names])
+                alone = [peak_rss_mb(["member", str(length), n]) for n in names]
+                entry["rss_mb"] = {"ensemble": ens_rss, "members": dict(zip(names, alone))}
+                entry["rss_ratio"] = ens_rss / sum(alone)
+            report["lengths"][str(length)] = entry
+    if last_result is not None:
+        report["plot"] = str(plot_rounds(last_result, out / "bench_rounds.png"))
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+def plot_rounds(result: Result, path: Path) -> Path:
+    """Stacked bars per round: each member's draft and verify time, and the rest."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = result.models
+    rounds = result.rounds
+    x = list(range(1, len(rounds) + 1))
+    fig, ax = plt.subplots(figsize=(max(6, len(rounds) * 0.25), 4))
+    bottom = [0.0] * len(rounds)
+    colours = plt.get_cmap("tab10")
+    for i, name in enumerate(names):
+        for phase, attr, hatch in (("draft", "draft_s", ""), ("verify", "verify_s", "//")):
+            heights = [getattr(r, attr).get(name, 0.0) for r in rounds]
+            ax.bar(x, heights, bottom=bottom, color=colours(i), hatch=hatch, edgecolor="white",
+                   label=f"{name} {phase}")
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    other = [max(0.0, r.total_s - b) for r, b in zip(rounds, bottom)]
+    ax.bar(x, other, bottom=bottom, color="lightgrey", label="other (rank, broadcast, Python)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Time per round, {result.stats.tokens}-token answer")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(report: dict[str, Any]) -> list[list[str]]:
+    """Rows for a printed table: one per length."""
+    rows = []
+    for length, e in report["lengths"].items():
+        rows.append([
+            length,
+            f"{e['specfuse']['median']:.1f} s ({e['specfuse_tokens_per_s']:.1f} tok/s)",
+            f"{e['specfuse_ttfs']['median']:.2f} s",
+            f"{e['floor']['median']:.1f} s",
+            f"{e['members_sum']['median']:.1f} s",
+            f"{e['reference_method']['median']:.1f} s",
+            f"{e['response_ttft']['median']:.1f} s",
+            f"{e['ratio_vs_floor']:.2f}",
+            f"{e['ratio_vs_members_sum']:.2f}",
+            f"{e['ratio_reference_over_specfuse']:.2f}",
+            f"{e['ttfs_over_response_ttft']:.3f}",
+            f"{e['rss_ratio']:.2f}" if "rss_ratio" in e else "–",
+        ])
+    return rows
+
+
+TABLE_HEADER = ["tokens", "specfuse", "first segment", "floor", "members Σ", "reference", "response TTFT",
+                "vs floor", "vs members Σ", "reference / specfuse", "TTFS / response TTFT", "RSS ratio"]
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
+    _child(sys.argv[2:])
