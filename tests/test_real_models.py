@@ -207,3 +207,30 @@ def test_cli_user_errors_are_one_line_without_traceback():
         assert needle in proc.stderr
         assert "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_model_exit_forces_members_out_and_the_answer_completes(recording):
+    # Aggressive knobs: after one round, members below the average share leave.
+    _, result = run(recording, EXPLAIN, max_tokens=48, temperature=0, exit=True, exit_warmup=1,
+                    exit_entropy=1.0, exit_fraction=1.0, exit_min_active=1)
+    exits = [d for d in result.departures if d.kind == "exit"]
+    assert exits, "some member should have exited"
+    assert len(exits) <= 2  # never the last member
+    assert result.text.strip()
+    assert result.stats.finish_reason in ("length", "stop")
+    last = result.rounds[-1]
+    assert len(last.candidates) == len(last.active) < 3
+    assert last.model_calls < 6
+    exited = {d.model for d in exits}
+    # an exited member neither drafts nor verifies after it left
+    for record in result.rounds:
+        if record.index > max(d.round for d in exits):
+            assert exited.isdisjoint(record.active)
+            assert exited.isdisjoint(record.scores)
+
+
+def test_hedge_weights_move_and_are_reported(recording):
+    _, result = run(recording, EXPLAIN, max_tokens=32, temperature=0, hedge=True)
+    for record in result.rounds:
+        assert sum(record.weights.values()) == pytest.approx(1.0)
+    assert len(set(round(w, 6) for w in result.weights.values())) > 1
