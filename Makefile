@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install models demo test clean
+.PHONY: install models browser demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,21 @@ models: $(STAMP)
 demo: models
 	$(BIN)/specfuse demo
 
+# The web page is tested in Debian's headless Chromium (installed once, from Debian's packages).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  echo "installing Debian chromium + chromium-driver for the browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+	  || echo "could not install chromium: the browser test will fail (install chromium and chromium-driver)"; \
+	fi
+
 # pytest exits 5 when it collects nothing: say so instead of failing obscurely.
-test: models
+test: models browser
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+bench: models
+	$(BIN)/specfuse bench
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
