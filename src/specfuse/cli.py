@@ -1,4 +1,4 @@
-"""The `specfuse` command line: generate, chat, demo, models."""
+"""The `specfuse` command line: generate, chat, demo, serve, models, eval."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ DEMO_QUESTION = "In two or three sentences, why is the sky blue?"
 
 ModelOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--model", "-m", help="Member: known model name or .gguf path (repeat; default: the embedded three)."),
+    typer.Option("--model", "-m", help="Member (repeat; default: the embedded three): a known model name, a .gguf "
+                 "path, transformers:PATH_OR_DIR[#name,key=value,...] or remote:URL[#name,key=value,...]."),
 ]
 WindowOpt = Annotated[int, typer.Option(help="Max tokens each member drafts per round.")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Answer budget in tokens.")]
@@ -46,6 +47,15 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop strin
 CacheOpt = Annotated[Optional[str], typer.Option("--cache-dir", help="Where assembled models live.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
 CtxOpt = Annotated[int, typer.Option("--n-ctx", help="Context window per member, in tokens.")]
+HedgeOpt = Annotated[bool, typer.Option("--hedge/--no-hedge", help="Online voting weights (SpecEM Hedge).")]
+HedgeEtaOpt = Annotated[float, typer.Option("--hedge-eta", help="Hedge learning rate eta0.")]
+HedgePersistOpt = Annotated[bool, typer.Option("--hedge-persist", help="Carry Hedge weights across turns (chat).")]
+ExitOpt = Annotated[bool, typer.Option("--exit/--no-exit", help="Model Exit: lagging members stop within a query.")]
+ExitWarmupOpt = Annotated[int, typer.Option("--exit-warmup", help="Rounds before any member may exit.")]
+ExitEntropyOpt = Annotated[float, typer.Option("--exit-entropy", help="Exit only below this normalised entropy.")]
+ExitTempOpt = Annotated[float, typer.Option("--exit-temperature", help="Softmax temperature over cumulative quality.")]
+ExitFractionOpt = Annotated[float, typer.Option("--exit-fraction", help="Exit when share < fraction / active members.")]
+ExitMinOpt = Annotated[int, typer.Option("--exit-min-active", help="Never fewer active members than this.")]
 
 
 def main() -> None:
@@ -87,10 +97,16 @@ def summary_line(result: Result) -> str:
     s = result.stats
     wins = ", ".join(f"{n} {w}" for n, w in s.wins.items())
     ttfs = f"{s.time_to_first_segment_s:.2f} s" if s.time_to_first_segment_s is not None else "–"
-    return (
+    line = (
         f"{s.rounds} rounds · {s.tokens} tokens · {s.tokens_per_s:.1f} tok/s · first segment {ttfs} · "
-        f"total {s.total_s:.1f} s · {s.model_calls} member calls · wins: {wins} · finish: {s.finish_reason}"
+        f"total {s.total_s:.1f} s · {s.model_calls} member calls ({s.calls_per_round:.1f}/round) · "
+        f"wins: {wins} · finish: {s.finish_reason}"
     )
+    if len(set(result.weights.values())) > 1:
+        line += " · weights: " + ", ".join(f"{n} {w:.2f}" for n, w in result.weights.items())
+    for d in result.departures:
+        line += f" · {d.model} {'exited' if d.kind == 'exit' else 'failed'} in round {d.round}: {d.reason}"
+    return line
 
 
 def _options(**values: Any) -> FusionOptions:
@@ -110,6 +126,14 @@ def generate(
     score: ScoreOpt = "mean_prob",
     self_score: SelfScoreOpt = True,
     stop: StopOpt = None,
+    hedge: HedgeOpt = False,
+    hedge_eta: HedgeEtaOpt = 1.0,
+    exit_: ExitOpt = False,
+    exit_warmup: ExitWarmupOpt = 3,
+    exit_entropy: ExitEntropyOpt = 0.9,
+    exit_temperature: ExitTempOpt = 0.5,
+    exit_fraction: ExitFractionOpt = 0.5,
+    exit_min_active: ExitMinOpt = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
@@ -117,7 +141,10 @@ def generate(
 ) -> None:
     """Answer PROMPT with the ensemble, streaming segments coloured by author."""
     options = _options(window=window, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, score=score, self_score=self_score, stop=stop or ())
+                       seed=seed, score=score, self_score=self_score, stop=stop or (), hedge=hedge,
+                       hedge_eta=hedge_eta, exit=exit_, exit_warmup=exit_warmup, exit_entropy=exit_entropy,
+                       exit_temperature=exit_temperature, exit_fraction=exit_fraction,
+                       exit_min_active=exit_min_active)
     messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
     from .ensemble import to_messages
 
@@ -142,13 +169,16 @@ def chat(
     top_p: TopPOpt = 0.9,
     seed: SeedOpt = None,
     score: ScoreOpt = "mean_prob",
+    hedge: HedgeOpt = False,
+    hedge_persist: HedgePersistOpt = False,
+    exit_: ExitOpt = False,
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,
 ) -> None:
     """Multi-turn chat with the ensemble in the terminal (empty line or Ctrl-D ends)."""
     options = _options(window=window, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, score=score)
+                       seed=seed, score=score, hedge=hedge, hedge_persist=hedge_persist, exit=exit_)
     history: list[Message] = [Message("system", system)] if system else []
     with _ensemble(model, cache_dir, threads, n_ctx) as ensemble:
         err.print(_legend(ensemble.names))
@@ -185,6 +215,76 @@ def demo(
         options = _options(max_tokens=max_tokens, seed=seed)
         result = _print_stream(ensemble.stream(DEMO_QUESTION, options=options), ensemble.names)
         err.print(f"[dim]{summary_line(result)}[/]", soft_wrap=True)
+
+
+@app.command("eval")
+def eval_command(
+    task: Annotated[Optional[str], typer.Argument(help="gsm8k or ifeval.")] = None,
+    report: Annotated[Optional[str], typer.Option("--report", help="Only rebuild the report of this folder.")] = None,
+    systems: Annotated[str, typer.Option(help="Comma list: specfuse, rerank, members, member:NAME.")] = "specfuse,rerank,members",
+    limit: Annotated[Optional[int], typer.Option(help="Number of items.")] = None,
+    offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Answer budget (default: per task).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (default).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed for sampled runs.")] = 0,
+    window: WindowOpt = 10,
+    model: ModelOpt = None,
+    out: Annotated[str, typer.Option(help="Output folder (JSONL, report, plots).")] = "runs/eval",
+    data: Annotated[Optional[str], typer.Option(help="Task data file (JSONL).")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    cache_dir: CacheOpt = None,
+    threads: ThreadsOpt = None,
+    n_ctx: CtxOpt = 4096,
+) -> None:
+    """Evaluate the ensemble against its members and a response-level rerank (see docs/results.md)."""
+    from .eval.command import run_command  # the eval extra's imports stay out of other commands
+
+    run_command(**locals())
+
+
+@app.command()
+def serve(
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="TOML config file (see docs/server.md).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default 8000).")] = None,
+    model: ModelOpt = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
+                                                   "(default: $SPECFUSE_API_KEY, else no auth).")] = None,
+    queue_size: Annotated[Optional[int], typer.Option(
+        "--queue-size", help="Requests that may wait behind the running one (default 16).")] = None,
+    cache_dir: CacheOpt = None,
+    threads: ThreadsOpt = None,
+    n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
+) -> None:
+    """Serve the ensemble over an OpenAI-compatible API, with a web view at /."""
+    from .server import build_config, run  # FastAPI and uvicorn load only for this command
+
+    run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
+                     cache_dir=cache_dir, threads=threads, n_ctx=n_ctx))
+
+
+@app.command()
+def bench(
+    lengths: Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")] = "128,256",
+    reps: Annotated[int, typer.Option(help="Repetitions per length (median and spread).")] = 3,
+    model: ModelOpt = None,
+    window: WindowOpt = 10,
+    out: Annotated[str, typer.Option(help="Folder for bench.json and the per-round plot.")] = "runs/bench",
+    rss: Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")] = True,
+) -> None:
+    """Measure the ensemble against its members, the floor, the reference method and response level."""
+    from pathlib import Path
+
+    from . import bench as benchmark
+
+    sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    report = benchmark.run(sizes, reps, model or None, window, Path(out), log=err.print, rss=rss)
+    table = Table(*benchmark.TABLE_HEADER, title=f"SpecFuse benchmark ({', '.join(report['models'])})")
+    for row in benchmark.format_table(report):
+        table.add_row(*row)
+    out_console = Console(width=200)
+    out_console.print(table)
+    err.print(f"wrote {Path(out) / 'bench.json'} and {report.get('plot', '')}")
 
 
 @models_app.callback()

@@ -116,9 +116,11 @@ class _Caller:
             finally:
                 seat.timings[phase] = seat.timings.get(phase, 0.0) + time.perf_counter() - t0
 
+        # Parallel-safe members (remote servers) run in threads while local ones
+        # run here, so a network wait overlaps with local CPU work.
         parallel = [s for s in seats if s.parallel_safe]
         futures = {}
-        if len(parallel) > 1:
+        if parallel and len(seats) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="specfuse-member")
             futures = {id(s): self._pool.submit(timed, s) for s in parallel}

@@ -572,7 +572,7 @@ class LlamaCppSession:
         else:
             m.seq_rm(0, n_prefix, -1)
             self.tokens += m.encode_continuation(text)
-            self.n_cached = n_prefix
+            self.n_cached = min(self.n_cached, n_prefix)  # the new tokens are decoded on the next sync
             self._set_next(None)
         for cand in verified.values():
             m.seq_rm(cand.seq, -1, -1)

@@ -3,6 +3,19 @@
 A member spec is a string: a known model name (``smollm2-135m``), a path to a
 GGUF file, or ``KIND:TARGET`` for a named backend (``llama_cpp:/models/x.gguf``).
 Registering a backend is one entry in BACKENDS; the engine never changes.
+
+Backends and their targets (``#...`` is optional: a display name and/or
+``key=value`` options, comma-separated):
+
+- ``llama_cpp:PATH_OR_NAME`` (the default kind);
+- ``transformers:PATH_OR_NAME[#NAME,device=cuda:0,dtype=bf16,n_ctx=N,trust_remote_code=true]``:
+  a Hugging Face model directory, or a GGUF file / embedded model dequantized
+  by transformers (``specfuse[hf]``);
+- ``remote:URL[#NAME,model=M,template=T,format=chat|plain,eos=TEXT,server=KIND,batch=BOOL,
+  timeout=S,retries=N,backoff=S,n_ctx=N,check_echo=BOOL]``: a model behind an
+  OpenAI-compatible completions server, URL being its ``/v1`` base, e.g.
+  ``remote:http://127.0.0.1:8000/v1#qwen72b,template=/models/qwen72b``
+  (``specfuse[remote]``; see docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ from .base import Member
 
 BACKENDS: dict[str, str] = {
     "llama_cpp": "specfuse.backends.llama_cpp:load",
+    "transformers": "specfuse.backends.transformers:load",
+    "remote": "specfuse.backends.remote:load",
 }
 
 

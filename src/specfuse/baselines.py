@@ -1,0 +1,304 @@
+"""The systems SpecFuse is compared with, built on the same member protocol.
+
+- :func:`member_alone`: one member answers by itself, drafting in chunks on one
+  session (the same cutting and stop rules as the engine), so its answer is
+  what that member would say under the same prompt and sampling.
+- :func:`rerank`: a response-level ensemble (LLM-Blender's idea without its
+  trained ranker): every member writes a full answer, every member scores every
+  full answer (mean token log-probability, normalised across answers like the
+  engine normalises segments), the best total wins. Nothing can be shown
+  before the winner is known, so its time to first token is its total time.
+- :func:`fused`: the SpecFuse engine itself, reported in the same shape.
+
+Each returns a :class:`SystemOutput` (text, timings, member calls, tokens), so
+the evaluation harness and the benchmark compare like with like.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .backends.base import Member
+from .engine import fuse, member_seed
+from .errors import PromptTooLongError
+from .options import FusionOptions
+from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
+from .segments import apply_stops, cut_draft
+from .types import DoneEvent, Message, Sampling, TokenScores
+
+DEFAULT_CHUNK = 16
+"""Tokens a lone member drafts per call: small enough to time the first token
+closely, large enough that re-drafting a cut-off word is rare overhead."""
+
+SCORE_PIECE_CHARS = 400
+"""An answer too long for one scoring batch is scored in pieces of at most this
+many characters (cut before whitespace), in order on the growing context,
+exactly as the engine scores segments."""
+
+
+@dataclass
+class Answer:
+    """One member's complete answer with what it cost."""
+
+    model: str
+    text: str
+    tokens: int
+    member_calls: int
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str
+    own_logprobs: tuple[float, ...] | None = None  # the writer's scores of `text`, when known
+
+
+@dataclass
+class SystemOutput:
+    """What any compared system returns for one prompt."""
+
+    text: str
+    ttft_s: float | None  # time to the first text the user could see
+    total_s: float
+    member_calls: int
+    tokens: int  # tokens of the returned answer
+    finish_reason: str = ""
+    wins: dict[str, int] | None = None  # segments (fused) or answers (rerank) won per member
+    rounds: int | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def write_answer(
+    member: Member,
+    messages: Sequence[Message],
+    *,
+    max_tokens: int,
+    sampling: Sampling,
+    stop: Sequence[str] = (),
+    chunk: int = DEFAULT_CHUNK,
+) -> Answer:
+    """Let `member` answer alone on one session, `chunk` tokens per draft call."""
+    started = time.perf_counter()
+    session = member.start(messages, seed=sampling.seed, reserve=chunk + 1)
+    text, tokens, calls = "", 0, 0
+    ttft: float | None = None
+    logprobs: list[float] | None = []
+    finish = "length"
+    try:
+        stops = (*stop, *session.stops)
+        n = chunk
+        while True:
+            budget = max_tokens - tokens
+            if budget <= 0:
+                break
+            n = min(n, budget)
+            if session.room < n + 1:
+                finish = "context"
+                break
+            drafted = session.draft(n, sampling)
+            calls += 1
+            cut = cut_draft(drafted.pieces, drafted.finished)
+            kept, hit_stop = apply_stops(text, cut.text, stops)
+            finished = drafted.finished or hit_stop
+            if not kept and not finished:
+                # One word longer than the draft (or a split character): draft longer.
+                session.accept("")
+                if n >= budget:
+                    break
+                n *= 2
+                continue
+            n_text = cut.n_tokens - (1 if drafted.finished and cut.n_tokens else 0)
+            if kept != cut.text:
+                n_text = _tokens_covering(drafted.pieces, len(kept.encode("utf-8")))
+                logprobs = None  # a stop cut inside a token: scores no longer align
+            elif logprobs is not None:
+                logprobs.extend(drafted.logprobs[:n_text])
+            session.accept(kept)
+            text += kept
+            tokens += n_text
+            if kept and ttft is None:
+                ttft = time.perf_counter() - started
+            if finished:
+                finish = "stop"
+                break
+            n = chunk
+    finally:
+        session.close()
+    return Answer(
+        model=member.name,
+        text=text,
+        tokens=tokens,
+        member_calls=calls,
+        ttft_s=ttft,
+        total_s=time.perf_counter() - started,
+        finish_reason=finish,
+        own_logprobs=tuple(logprobs) if logprobs else None,
+    )
+
+
+def _tokens_covering(pieces: Sequence[bytes], n_bytes: int) -> int:
+    covered = count = 0
+    while covered < n_bytes and count < len(pieces):
+        covered += len(pieces[count])
+        count += 1
+    return count
+
+
+def member_alone(
+    member: Member,
+    messages: Sequence[Message],
+    *,
+    max_tokens: int,
+    sampling: Sampling,
+    stop: Sequence[str] = (),
+    chunk: int = DEFAULT_CHUNK,
+) -> SystemOutput:
+    """One member by itself; see :func:`write_answer`."""
+    answer = write_answer(member, messages, max_tokens=max_tokens, sampling=sampling, stop=stop, chunk=chunk)
+    return answer_output(answer)
+
+
+def answer_output(answer: Answer) -> SystemOutput:
+    """An answer reported as a system output."""
+    return SystemOutput(
+        text=answer.text,
+        ttft_s=answer.ttft_s,
+        total_s=answer.total_s,
+        member_calls=answer.member_calls,
+        tokens=answer.tokens,
+        finish_reason=answer.finish_reason,
+    )
+
+
+def score_answers(member: Member, messages: Sequence[Message], texts: Sequence[str]) -> tuple[list[TokenScores], int]:
+    """`member`'s per-token scores of each text as the whole answer; returns (scores, calls).
+
+    One session holds the prompt; each text is scored on it in its own call
+    (the backend keeps one cache sequence per candidate). A text too long for
+    one batch is scored in pieces on a fresh session instead. An empty text
+    scores the member's end-of-generation token ("no answer").
+    """
+    results: list[TokenScores] = []
+    calls = 0
+    session = member.start(messages, seed=None, reserve=1)
+    try:
+        for text in texts:
+            try:
+                results.append(session.score([text])[0])
+                calls += 1
+            except (PromptTooLongError, ValueError):  # more tokens than one batch holds
+                scores, used = score_in_pieces(member, messages, text)
+                results.append(scores)
+                calls += used
+    finally:
+        session.close()
+    return results, calls
+
+
+def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> tuple[TokenScores, int]:
+    """Score a long `text` piece by piece on a growing context, as the engine scores segments."""
+    pieces = split_for_scoring(text)
+    logprobs: list[float] = []
+    logits: list[float] = []
+    session = member.start(messages, seed=None, reserve=1)
+    try:
+        for piece in pieces:
+            scores = session.score([piece])[0]
+            logprobs += scores.logprobs
+            logits += scores.logits
+            session.accept(piece)
+    finally:
+        session.close()
+    return TokenScores(tuple(logprobs), tuple(logits)), len(pieces)
+
+
+def split_for_scoring(text: str, limit: int = SCORE_PIECE_CHARS) -> list[str]:
+    """Cut `text` into pieces of at most `limit` characters, before whitespace when possible."""
+    if not text:
+        return [""]
+    pieces: list[str] = []
+    while len(text) > limit:
+        at = max(text.rfind(" ", 1, limit), text.rfind("\n", 1, limit))
+        at = at if at > 0 else limit
+        pieces.append(text[:at])
+        text = text[at:]
+    pieces.append(text)
+    return pieces
+
+
+def rerank(
+    members: Sequence[Member],
+    messages: Sequence[Message],
+    *,
+    max_tokens: int,
+    sampling: Sampling,
+    stop: Sequence[str] = (),
+    score: ScoreMode = "mean_logprob",
+    answers: Sequence[Answer | None] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> SystemOutput:
+    """Response-level ensemble: every member answers, every member scores every answer.
+
+    `answers[i]`, when given, is member i's answer already written under the
+    same prompt and sampling (for example by :func:`write_answer` for the
+    member-alone baseline); its measured cost is counted as if written here.
+    Member i samples with seed ``member_seed(sampling.seed, i)``, as in the engine.
+    """
+    written: list[Answer] = []
+    for i, member in enumerate(members):
+        given = answers[i] if answers is not None else None
+        if given is None:
+            seeded = Sampling(sampling.temperature, sampling.top_p, member_seed(sampling.seed, i))
+            given = write_answer(member, messages, max_tokens=max_tokens, sampling=seeded, stop=stop, chunk=chunk)
+        written.append(given)
+    calls = sum(a.member_calls for a in written)
+    scoring_started = time.perf_counter()
+
+    # Every verifier scores every distinct answer once; identical answers tie exactly.
+    texts = list(dict.fromkeys(a.text for a in written))
+    rows: list[list[float]] = []
+    for j, member in enumerate(members):
+        known: dict[str, TokenScores] = {}
+        own = written[j]
+        if own.own_logprobs is not None and score != "mean_logit":  # drafting kept no logits
+            known[own.text] = TokenScores(own.own_logprobs, own.own_logprobs)
+        missing = [t for t in texts if t not in known]
+        if missing:
+            scores, used = score_answers(member, messages, missing)
+            known.update(zip(missing, scores))
+            calls += used
+        raw = [raw_score(known[a.text], score) for a in written]
+        rows.append(normalise(raw, score))
+    totals = aggregate(rows, [1.0 / len(members)] * len(members))
+    best = pick_winner(totals)
+    winner = written[best]
+    # Members run one after another on one machine: writing times add up.
+    total_s = sum(a.total_s for a in written) + time.perf_counter() - scoring_started
+    return SystemOutput(
+        text=winner.text,
+        ttft_s=total_s,  # nothing is shown before the winner is known
+        total_s=total_s,
+        member_calls=calls,
+        tokens=winner.tokens,
+        finish_reason=winner.finish_reason,
+        wins={a.model: int(i == best) for i, a in enumerate(written)},
+        extra={"aggregate": totals, "winner": winner.model},
+    )
+
+
+def fused(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions) -> SystemOutput:
+    """The SpecFuse engine on `members`, reported like the baselines."""
+    for event in fuse(members, messages, options):
+        if isinstance(event, DoneEvent):
+            result = event.result
+            stats = result.stats
+            return SystemOutput(
+                text=result.text,
+                ttft_s=stats.time_to_first_segment_s,
+                total_s=stats.total_s,
+                member_calls=stats.model_calls,
+                tokens=stats.tokens,
+                finish_reason=stats.finish_reason,
+                wins=dict(stats.wins),
+                rounds=stats.rounds,
+            )
+    raise RuntimeError("the engine ended without a result")

@@ -1,0 +1,255 @@
+"""OpenAI chat-completions wire types (pydantic only, no behaviour).
+
+Requests are parsed strictly ("16" is not an int) so a client bug shows up as a
+422 instead of a silently coerced value. Fields OpenAI defines that SpecFuse
+does not use are accepted and ignored (the server logs them); ``specfuse`` is
+our extension, in requests (fusion knobs) and in responses (who wrote what).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+# --------------------------------------------------------------------------- requests
+
+
+class TextPart(BaseModel):
+    """One part of an array-valued message content; only text is supported."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of ``POST /v1/chat/completions``. Unknown fields are kept in ``model_extra``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int | None = None
+    specfuse: dict[str, Any] | None = Field(
+        None, description="SpecFuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
+    )
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("SpecFuse returns exactly one choice; n must be 1")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def answer_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# --------------------------------------------------------------------------- SpecFuse extension
+
+
+class CandidateInfo(BaseModel):
+    model: str
+    text: str
+    finished: bool
+    n_tokens: int
+
+
+class RoundInfo(BaseModel):
+    """One round's record: every candidate and every verifier's scores.
+
+    Extra fields the engine adds later (weights, exited members) pass through.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    winner: str
+    winner_index: int
+    candidates: list[CandidateInfo]
+    scores: dict[str, list[float]] = Field(description="normalised score of each candidate, per verifier")
+    raw_scores: dict[str, list[float | None]] = Field(description="raw score of each candidate, per verifier")
+    aggregate: list[float]
+    active: list[str] = []
+    total_s: float = 0.0
+
+
+class SegmentInfo(BaseModel):
+    text: str
+    model: str
+    round: int
+
+
+class FusionStats(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    rounds: int
+    model_calls: int
+    tokens: int
+    wins: dict[str, int]
+    time_to_first_segment_s: float | None
+    total_s: float
+    tokens_per_s: float
+    finish_reason: str
+    queue_s: float = Field(0.0, description="time the request waited for the worker")
+
+
+class FusionInfo(BaseModel):
+    """The ``specfuse`` field of a response or stream chunk; absent parts are omitted."""
+
+    members: list[str] | None = None
+    segment: SegmentInfo | None = None
+    round: RoundInfo | None = None
+    segments: list[SegmentInfo] | None = None
+    rounds: list[RoundInfo] | None = None
+    stats: FusionStats | None = None
+    prompt_tokens: dict[str, int] | None = Field(None, description="templated prompt length per member")
+    weights: dict[str, float] | None = Field(None, description="voting weights at the end (Hedge)")
+    departures: list[dict[str, Any]] | None = Field(None, description="members that left the query, and why")
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    specfuse: FusionInfo
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    specfuse: FusionInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specfuse"
+    parent: str | None = Field(None, description="for a member: the ensemble it belongs to")
+    members: list[str] | None = Field(None, description="for the ensemble: its members, in order")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class QueueState(BaseModel):
+    waiting: int
+    running: bool
+    capacity: int
+
+
+class Health(BaseModel):
+    """``GET /health``: readiness plus the work counters tests and operators read."""
+
+    status: Literal["ok", "loading", "failed"]
+    model: str
+    members: list[str]
+    error: str | None = None
+    queue: QueueState
+    counters: dict[str, int]

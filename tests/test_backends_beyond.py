@@ -1,0 +1,292 @@
+"""Members beyond llama.cpp, on real models: transformers on CPU and a remote server on loopback.
+
+- transformers: SmolLM2-135M-Instruct's GGUF (Q4_1) loaded through transformers,
+  which dequantizes it; the converted checkpoint is cached under the specfuse
+  cache directory, so only the first run pays the conversion (~45 s).
+- remote: `python -m llama_cpp.server` (llama-cpp-python's OpenAI-compatible
+  server) started on a free loopback port with the same GGUF.
+
+Agreement tolerance, transformers vs llama.cpp on the same GGUF: per-token
+probabilities within 0.05 and normalised candidate scores within 0.03. The
+weights are identical (dequantized Q4_1), but llama.cpp multiplies Q4_1
+weights with activations quantized to 8 bits and accumulates differently.
+Measured here: log-probabilities differ by up to 0.32 nats (on unlikely
+tokens), probabilities, which the default score averages, by up to 0.032, and
+normalised scores by up to 0.014; the winner is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from specfuse.backends.registry import load_member  # noqa: E402
+from specfuse.ensemble import Ensemble  # noqa: E402
+from specfuse.errors import MemberLoadError  # noqa: E402
+from specfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
+from specfuse.scoring import normalise, raw_score  # noqa: E402
+from specfuse.types import Message, Sampling  # noqa: E402
+
+pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
+
+SMOL = CATALOGUE["smollm2-135m"]
+QWEN = CATALOGUE["qwen2.5-coder-0.5b"]
+QUESTION = [Message("user", "What is the capital of France?")]
+CANDIDATES = ["The capital of France is Paris.", " Paris is", "It is Lyon, of course", "Paris"]
+REPO = Path(__file__).resolve().parents[1]
+
+if not is_ready(SMOL):
+    pytest.skip("SmolLM2-135M is not prepared (`specfuse models prepare`)", allow_module_level=True)
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_member():
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    # One torch thread: on a shared 2-core machine, more threads spin against each other (measured 10x slower).
+    member = load_member("transformers:smollm2-135m", threads=1)
+    yield member
+    member.close()
+
+
+@pytest.fixture(scope="module")
+def lc_member():
+    member = load_member("smollm2-135m", threads=1)
+    yield member
+    member.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(gguf: Path, log: Path) -> Iterator[str]:
+    """Start llama_cpp.server on a free loopback port; yield its /v1 URL; stop it."""
+    port = _free_port()
+    with log.open("w") as sink:  # a file, not a pipe: llama.cpp logs enough to fill a pipe and block
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+             "--port", str(port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1",
+             # flash attention as in the local llama.cpp backend, so that both compute the same numbers
+             # (without it log-probs differ by up to ~0.3 nats: f16 attention accumulates differently)
+             "--flash_attn", "true"],
+            stdout=sink, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama_cpp.server did not start in 90 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory) -> Iterator[str]:
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
+    yield from _start_server(model_path(SMOL), tmp_path_factory.mktemp("server") / "smol.log")
+
+
+@pytest.fixture(scope="module")
+def remote_member(server_url):
+    member = load_member(f"remote:{server_url}#smol-remote")
+    yield member
+    member.close()
+
+
+def _scores(member, texts, *, one_by_one=False):
+    if not one_by_one:
+        session = member.start(QUESTION, seed=1, reserve=31)
+        try:
+            return session.score(texts)
+        finally:
+            session.close()
+    return [_scores(member, [t])[0] for t in texts]
+
+
+# --- transformers ------------------------------------------------------------------------------
+
+
+def test_transformers_prompt_matches_llama_cpp(hf_member, lc_member):
+    """Same chat template and tokenizer metadata -> the very same prompt tokens."""
+    assert hf_member.prompt_tokens(QUESTION) == lc_member.prompt_tokens(QUESTION)
+    for text in CANDIDATES:
+        assert hf_member.encode_continuation(text) == lc_member.encode_continuation(text)
+
+
+def test_transformers_batched_scores_match_one_by_one(hf_member):
+    batched = _scores(hf_member, CANDIDATES + [""])
+    alone = _scores(hf_member, CANDIDATES + [""], one_by_one=True)
+    for b, a in zip(batched, alone):
+        assert len(b.logprobs) == len(a.logprobs)
+        assert max(abs(x - y) for x, y in zip(b.logprobs, a.logprobs)) < 1e-4
+
+
+def test_transformers_scores_match_llama_cpp(hf_member, lc_member):
+    hf = _scores(hf_member, CANDIDATES)
+    lc = _scores(lc_member, CANDIDATES)
+    for h, c in zip(hf, lc):
+        assert len(h.logprobs) == len(c.logprobs)
+        assert max(abs(math.exp(x) - math.exp(y)) for x, y in zip(h.logprobs, c.logprobs)) < 0.05
+    norm_hf = normalise([raw_score(s, "mean_prob") for s in hf], "mean_prob")
+    norm_lc = normalise([raw_score(s, "mean_prob") for s in lc], "mean_prob")
+    assert max(abs(a - b) for a, b in zip(norm_hf, norm_lc)) < 0.03
+    assert norm_hf.index(max(norm_hf)) == norm_lc.index(max(norm_lc))
+
+
+def test_transformers_cache_survives_rounds(hf_member):
+    """Draft, verify, accept own and foreign text: the kept cache scores like a fresh one."""
+    session = hf_member.start(QUESTION, seed=3, reserve=31)
+    try:
+        draft = session.draft(6, Sampling(temperature=0.0))
+        session.score([" Paris", "The capital"])
+        session.accept(" Paris")  # a verified foreign candidate: its keys/values are appended
+        draft = session.draft(6, Sampling(temperature=0.0))
+        own = b"".join(draft.pieces[:3]).decode("utf-8")
+        session.score([" is nice"])
+        session.accept(own)  # part of its own draft: cropped, not recomputed
+        assert session.cache.get_seq_length() in (len(session.tokens), len(session.tokens) - 1)
+        continued = session.score([" and it is big."])[0]
+        counters = session.counters()
+        assert counters["prompt"] == len(hf_member.prompt_tokens(QUESTION))  # the prompt ran once
+
+        fresh = hf_member.start(QUESTION, seed=3, reserve=31)
+        fresh.tokens = list(session.tokens)
+        again = fresh.score([" and it is big."])[0]
+        fresh.close()
+        assert max(abs(a - b) for a, b in zip(continued.logprobs, again.logprobs)) < 1e-4
+    finally:
+        session.close()
+
+
+# --- remote ------------------------------------------------------------------------------------
+
+
+def test_remote_member_detects_server(remote_member):
+    assert remote_member.kind.name == "llama-cpp-python"
+    assert remote_member.batch is False  # its server takes one prompt per request
+    assert remote_member.source.prompt.style == "chat"  # template read from the served GGUF
+    assert "<|im_end|>" in remote_member.source.end_texts
+
+
+def test_remote_draft_matches_local_greedy(remote_member, lc_member):
+    remote = remote_member.start(QUESTION, seed=1, reserve=31)
+    local = lc_member.start(QUESTION, seed=1, reserve=31)
+    try:
+        r = remote.draft(8, Sampling(temperature=0.0))
+        loc = local.draft(8, Sampling(temperature=0.0))
+        assert b"".join(r.pieces) == b"".join(loc.pieces)
+        assert len(r.pieces) == len(loc.pieces)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, loc.logprobs)) < 1e-3
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_remote_scores_match_local(remote_member, lc_member):
+    texts = CANDIDATES[:2] + [""]
+    remote = _scores(remote_member, texts)
+    local = _scores(lc_member, texts)
+    for r, loc in zip(remote[:2], local[:2]):
+        assert len(r.logprobs) == len(loc.logprobs)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, loc.logprobs)) < 1e-3
+    # "stop here": both sum the end-of-generation tokens' probabilities
+    assert abs(remote[2].logprobs[0] - local[2].logprobs[0]) < 1e-3
+
+
+def test_mixed_local_and_remote_ensemble(server_url):
+    with Ensemble([f"remote:{server_url}#smol-remote", "smollm2-135m"], threads=1) as ensemble:
+        result = ensemble.generate("Name three primary colors.", max_tokens=16, seed=7, window=8)
+    assert result.text.strip()
+    assert result.models == ["smol-remote", "smollm2-135m"]
+    assert result.stats.rounds >= 1
+    for record in result.rounds:
+        assert set(record.raw_scores) == {"smol-remote", "smollm2-135m"}
+        assert any(c.model == "smol-remote" for c in record.candidates)
+
+
+def test_cli_generate_with_remote_member(server_url):
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("specfuse")), "generate", "Say hi.",
+         "-m", f"remote:{server_url}#smol-remote", "-m", "smollm2-135m", "--max-tokens", "12", "--seed", "1", "--threads", "1", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["models"] == ["smol-remote", "smollm2-135m"]
+
+
+def test_remote_refuses_off_by_one_echo(tmp_path):
+    """Qwen's prompts do not start with BOS: llama-cpp-python's echo log-probs shift by one (#1983)."""
+    if not is_ready(QWEN):
+        pytest.skip("Qwen2.5-Coder-0.5B is not prepared")
+    pytest.importorskip("llama_cpp.server.app")
+    servers = _start_server(model_path(QWEN), tmp_path / "qwen.log")
+    url = next(servers)
+    try:
+        with pytest.raises(MemberLoadError, match="1983"):
+            load_member(f"remote:{url}#qwen-remote")
+    finally:
+        servers.close()
+
+
+def test_remote_unreachable_server_fails_fast():
+    from specfuse.backends.openai_http import RemoteServerError
+
+    port = _free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(RemoteServerError, match="2 attempts"):
+        load_member(f"remote:http://127.0.0.1:{port}/v1#gone,retries=1,backoff=0.05,timeout=2")
+    assert time.monotonic() - started < 10
+
+
+def test_remote_spec_options():
+    from specfuse.backends.remote import parse_target
+
+    url, opts = parse_target("http://h:8000/v1#big,model=Qwen/Qwen2.5-72B-Instruct,batch=false,n_ctx=8192")
+    assert url == "http://h:8000/v1"
+    assert opts == {"name": "big", "model": "Qwen/Qwen2.5-72B-Instruct", "batch": False, "n_ctx": 8192}
+
+
+def test_ignore_eos_runs_to_the_window(hf_member, remote_member):
+    """Sampling.ignore_eos: end-of-generation tokens are banned (transformers: masked; remote: logit bias)."""
+    short = [Message("user", "Is the sky blue? Answer yes or no.")]
+    for member in (hf_member, remote_member):
+        session = member.start(short, seed=1, reserve=31)
+        try:
+            ended = session.draft(12, Sampling(temperature=0.0))
+            session.accept("")
+            forced = session.draft(12, Sampling(temperature=0.0, ignore_eos=True))
+        finally:
+            session.close()
+        assert ended.finished  # the question is answered within 12 tokens...
+        assert not forced.finished and len(forced.pieces) == 12  # ...unless ending is banned

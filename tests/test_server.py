@@ -1,0 +1,383 @@
+"""`specfuse serve` with the real default members, driven by the real `openai` client and raw HTTP.
+
+One server (a subprocess on a free loopback port) serves the whole module. Answers
+are kept short (max_tokens 4-16) so the module stays quick on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from server_process import specfuse_server, wait_for
+from specfuse import models as catalogue
+
+pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
+
+QUESTION = "What is the capital of France? Answer in one short sentence."
+LONG = "Count from 1 to 300, separated by commas."
+MEMBERS = list(catalogue.DEFAULT_MODELS)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    missing = [n for n in MEMBERS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
+    if missing:
+        pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
+    with specfuse_server(tmp_path_factory.mktemp("server"), queue_size=8, max_body_bytes=65536) as running:
+        yield running
+        # Whatever the tests did, the server never crashed on a request.
+        assert running.health()["counters"]["failed"] == 0, running.log_tail()
+    assert running.process.returncode == 0, running.log_tail()  # Ctrl-C shuts down cleanly
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
+                      timeout=300) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
+def greedy(client):
+    """One greedy non-streaming answer, shared by the tests that inspect it."""
+    return client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+                                          temperature=0)
+
+
+def ext(obj) -> dict:
+    """The `specfuse` extension field of an openai response object."""
+    return (obj.model_extra or {}).get("specfuse") or {}
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert {"message", "type", "param", "code"} <= set(error)
+    return error
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_models_and_health(client, server):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"specfuse", *MEMBERS}
+    assert cards["specfuse"].model_extra["members"] == MEMBERS
+    assert all(cards[m].model_extra["parent"] == "specfuse" for m in MEMBERS)
+    health = server.health()
+    assert health["status"] == "ok" and health["members"] == MEMBERS
+    assert health["queue"] == {"waiting": 0, "running": False, "capacity": 8}
+    assert client.models.retrieve("specfuse").id == "specfuse"
+
+
+def test_non_streaming_completion_with_provenance(greedy):
+    choice = greedy.choices[0]
+    text = choice.message.content
+    assert greedy.object == "chat.completion" and greedy.model == "specfuse"
+    assert choice.message.role == "assistant" and text.strip()
+    assert choice.finish_reason in ("stop", "length")
+    usage = greedy.usage
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    info = ext(greedy)
+    assert info["members"] == MEMBERS
+    assert "".join(s["text"] for s in info["segments"]) == text
+    assert all(s["model"] in MEMBERS for s in info["segments"])
+    stats = info["stats"]
+    assert stats["tokens"] == usage.completion_tokens
+    assert sum(stats["wins"].values()) == stats["rounds"] == len(info["rounds"])
+    assert set(info["prompt_tokens"]) == set(MEMBERS) and usage.prompt_tokens == max(info["prompt_tokens"].values())
+    for record in info["rounds"]:
+        assert record["winner"] == record["candidates"][record["winner_index"]]["model"]
+        assert [c["model"] for c in record["candidates"]] == record["active"]
+        for verifier, row in record["scores"].items():
+            assert verifier in MEMBERS and len(row) == len(record["candidates"])
+            assert sum(row) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_streaming_reads_the_same_answer(client, greedy):
+    stream = client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            info = ext(chunk)
+            # one delta per accepted segment, with its author and the round that chose it
+            assert info["segment"]["text"] == chunk.choices[0].delta.content
+            assert info["round"]["winner"] == info["segment"]["model"] in MEMBERS
+            assert len(info["round"]["candidates"]) == len(MEMBERS)
+            pieces.append(chunk.choices[0].delta.content)
+    # greedy decoding: the stream and the plain body come from the same engine iterator
+    assert "".join(pieces) == greedy.choices[0].message.content
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == greedy.choices[0].finish_reason
+    assert ext(finishing[0])["stats"]["rounds"] >= len(pieces)
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == greedy.usage.completion_tokens
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+def test_raw_sse_framing(http, server):
+    """Role chunk first, `data: [DONE]` last; curl-style body without a content type."""
+    body = json.dumps({"messages": user("Say hi."), "max_tokens": 4, "stream": True,
+                       "logprobs": False, "frequency_penalty": 0})  # known to OpenAI, unused here
+    with http.stream("POST", "/v1/chat/completions", content=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        frames = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    first = json.loads(frames[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    assert all("usage" not in json.loads(f[6:]) for f in frames[:-1])  # not asked for
+    assert "ignoring unsupported request fields: frequency_penalty, logprobs" in server.log.read_text()
+
+
+def test_a_member_alone_is_a_model(client):
+    answer = client.chat.completions.create(model="smollm2-135m", messages=user(QUESTION), max_tokens=6)
+    info = ext(answer)
+    assert answer.model == "smollm2-135m" and info["members"] == ["smollm2-135m"]
+    assert {s["model"] for s in info["segments"]} <= {"smollm2-135m"}
+
+
+# --------------------------------------------------------------------------- bad input
+
+OK_MESSAGES = user("Hello")
+BAD_REQUESTS = {
+    "invalid JSON": (b'{"messages": [', 400, "invalid_json", None),
+    "JSON array": (b"[1, 2]", 400, "invalid_json", None),
+    "missing messages": ({"model": "specfuse"}, 422, "invalid_value", "messages"),
+    "messages not a list": ({"messages": "hello"}, 422, "invalid_value", "messages"),
+    "content not a string": ({"messages": [{"role": "user", "content": 5}]}, 422, "invalid_value", None),
+    "unknown role": ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "invalid_value", None),
+    "max_tokens a string": ({"messages": OK_MESSAGES, "max_tokens": "ten"}, 422, "invalid_value", "max_tokens"),
+    "stream a string": ({"messages": OK_MESSAGES, "stream": "yes"}, 422, "invalid_value", "stream"),
+    "empty messages": ({"messages": []}, 422, "invalid_value", "messages"),
+    "max_tokens 0": ({"messages": OK_MESSAGES, "max_tokens": 0}, 422, "invalid_value", "max_tokens"),
+    "temperature negative": ({"messages": OK_MESSAGES, "temperature": -1}, 422, "invalid_value", "temperature"),
+    "n 2": ({"messages": OK_MESSAGES, "n": 2}, 422, "invalid_value", "n"),
+    "last message not from the user": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        400, "invalid_messages", "messages"),
+    "blank question": ({"messages": user("   ")}, 400, "invalid_messages", "messages"),
+    "bad fusion option": ({"messages": OK_MESSAGES, "specfuse": {"window": 0}}, 400, "invalid_value", None),
+    "unknown fusion option": ({"messages": OK_MESSAGES, "specfuse": {"bogus": 1}}, 400, "invalid_value", None),
+    "unknown model": ({"messages": OK_MESSAGES, "model": "gpt-9"}, 404, "model_not_found", "model"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_openai_error_json(http, case):
+    body, status, code, param = BAD_REQUESTS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = http.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = error_of(response)
+    assert error["code"] == code, error
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_oversize_body_gets_413(client, http):
+    huge = user("x" * 100_000)
+    response = http.post("/v1/chat/completions", json={"messages": huge})
+    assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="specfuse", messages=huge)
+    assert caught.value.status_code == 413
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=OK_MESSAGES)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="specfuse", messages=OK_MESSAGES, max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="specfuse", messages=[{"role": "system", "content": "be brief"}])
+
+
+def test_api_key_is_required(server):
+    anonymous = httpx.post(f"{server.api}/chat/completions", json={"messages": OK_MESSAGES}, timeout=30)
+    assert anonymous.status_code == 401 and error_of(anonymous)["code"] == "invalid_api_key"
+    assert anonymous.headers["www-authenticate"] == "Bearer"
+    wrong = OpenAI(base_url=server.api, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # probes need no key
+
+
+def test_unknown_route_and_method(http):
+    missing = http.get("/v1/nothing-here")
+    assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
+    wrong_method = http.get("/v1/chat/completions")
+    assert wrong_method.status_code == 405 and error_of(wrong_method)["code"] == "method_not_allowed"
+    assert http.get("/v1/models/nope").status_code == 404
+
+
+def test_prompt_too_long_is_a_400_or_an_error_event(client, http):
+    """Found only when the worker opens the members' sessions: a status, or an event once streaming."""
+    long_prompt = user("word " * 6000)  # about 6000 tokens: more than a member's 4096-token context
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model="specfuse", messages=long_prompt, max_tokens=4)
+    body = {"messages": long_prompt, "max_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200  # the stream had begun before the members saw the prompt
+        frames = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "invalid_request" and "context" in error["message"]
+
+
+def test_stop_strings_reach_the_engine(client):
+    # Every candidate is cut at its first space, so the answer is one word and ends there.
+    answer = client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+                                            temperature=0, stop=[" "])
+    text = answer.choices[0].message.content
+    assert text.strip() and " " not in text
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_still_serving_after_bad_input(client, server):
+    answer = client.chat.completions.create(model="specfuse", messages=user("Say hello."), max_tokens=4)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert server.health()["status"] == "ok"
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def health_when(server, condition, what: str, timeout: float = 120) -> dict:
+    """Poll /health until `condition(health)` holds; return that health."""
+
+    seen = []
+
+    def check():
+        seen[:] = [server.health()]
+        return seen[0] if condition(seen[0]) else None
+
+    try:
+        return wait_for(check, timeout=timeout, what=what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last /health: {seen}") from None
+
+
+def _stream_until_first_segment(http, stack: ExitStack, prompt: str, max_tokens: int) -> None:
+    response = stack.enter_context(http.stream("POST", "/v1/chat/completions", json={
+        "messages": user(prompt), "max_tokens": max_tokens, "stream": True, "temperature": 0}))
+    assert response.status_code == 200
+    for line in response.iter_lines():
+        if line.startswith("data: {") and '"content": "' in line and '"segment"' in line:
+            return
+    raise AssertionError("the stream ended before its first segment")
+
+
+def test_disconnect_cancels_the_generation(http, server):
+    before = server.health()["counters"]
+    with ExitStack() as stack:
+        _stream_until_first_segment(http, stack, LONG, max_tokens=400)
+        rounds_at_hangup = server.health()["counters"]["rounds"]
+        hung_up = time.monotonic()
+    # The client has hung up mid-answer: the worker must stop at the end of the round.
+    after = health_when(server, lambda h: h["counters"]["cancelled"] > before["cancelled"]
+                        and not h["queue"]["running"], "the cancel counter")
+    stopped_after = time.monotonic() - hung_up
+    c = after["counters"]
+    assert c["cancelled"] == before["cancelled"] + 1
+    assert c["completed"] == before["completed"]
+    assert c["rounds"] - rounds_at_hangup <= 1, "the generation ran on after the client left"
+    print(f"generation stopped {stopped_after:.1f} s after the client hung up")
+
+
+def test_disconnect_cancels_a_non_streaming_request(server):
+    before = server.health()["counters"]
+    body = json.dumps({"messages": user(LONG), "max_tokens": 400}).encode()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"Authorization: Bearer " + server.api_key.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        health_when(server, lambda h: h["counters"]["rounds"] > before["rounds"], "the first round")
+    after = health_when(server, lambda h: h["counters"]["cancelled"] > before["cancelled"]
+                        and not h["queue"]["running"], "the cancel counter")
+    assert after["counters"]["completed"] == before["completed"]
+    assert after["counters"]["rounds"] - before["rounds"] <= 3
+
+
+def test_full_queue_answers_429(http, client, server):
+    before = server.health()["counters"]
+    with ExitStack() as running:
+        _stream_until_first_segment(http, running, LONG, max_tokens=400)  # occupies the worker
+        with ExitStack() as queued:
+            for i in range(8):  # fills every waiting slot
+                response = queued.enter_context(http.stream("POST", "/v1/chat/completions", json={
+                    "messages": user(f"Say {i}."), "max_tokens": 4, "stream": True}))
+                assert response.status_code == 200
+            health_when(server, lambda h: h["queue"]["waiting"] == 8, "8 waiting requests", timeout=30)
+            full = http.post("/v1/chat/completions", json={"messages": OK_MESSAGES, "max_tokens": 4})
+            assert full.status_code == 429
+            error = error_of(full)
+            assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+            with pytest.raises(openai.RateLimitError):
+                client.chat.completions.create(model="specfuse", messages=OK_MESSAGES, max_tokens=4)
+        # Their clients left while they waited: the slots free up at once.
+        health_when(server, lambda h: h["queue"]["waiting"] == 0, "the queue to empty", timeout=30)
+    after = health_when(server, lambda h: not h["queue"]["running"], "the worker to stop")
+    c = after["counters"]
+    assert c["rejected"] == before["rejected"] + 2
+    assert c["cancelled"] == before["cancelled"] + 9
+    assert c["started"] == before["started"] + 1  # the queued ones never ran
+
+
+def test_load_8_clients_5_requests_each(client, server):
+    before = server.health()["counters"]
+
+    def one_client(k: int) -> list[str]:
+        answers = []
+        for i in range(5):
+            messages = user(f"Reply with the number {k * 5 + i}.")
+            if i % 2:
+                stream = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=4,
+                                                        stream=True)
+                chunks = list(stream)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert finish and finish[0] in ("stop", "length")
+                answers.append(chunks[0].id)
+            else:
+                answer = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=4)
+                assert answer.choices[0].finish_reason in ("stop", "length")
+                answers.append(answer.id)
+        return answers
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        ids = [i for batch in pool.map(one_client, range(8)) for i in batch]
+    elapsed = time.monotonic() - started
+    assert len(ids) == len(set(ids)) == 40
+    c = server.health()["counters"]
+    assert c["completed"] == before["completed"] + 40
+    assert c["rejected"] == before["rejected"] and c["failed"] == before["failed"] == 0
+    print(f"40 requests from 8 clients in {elapsed:.1f} s")

@@ -1,0 +1,92 @@
+"""The cached path must give the straightforward path's answer and scores, with less work.
+
+The straightforward path is the reference mode (``prefix_cache=False``): every
+draft and every verification re-encodes the whole context, as the paper's code
+does. Both run the same llama.cpp kernels on different batch shapes: a token
+decoded in a batch with the whole prompt or decoded after the cached prompt.
+For SmolLM2 (Q4_1) that gives bit-identical log-probabilities; for the Q4_K_M
+models llama.cpp's quantized matmuls round differently per batch shape
+(measured on the fixed answer below: up to 0.14 nats / 0.03 probability for
+Qwen2.5-0.5B and 0.32 nats / 0.07 probability for Gemma-3-270M, with flash
+attention on or off and with an f32 KV cache alike), so a long greedy answer
+can flip at a near-tie. Hence: identical rounds until such a flip (if any),
+scores within that noise, exact equality for SmolLM2 on one fixed answer and a
+stated tolerance for the others.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specfuse import Ensemble
+from specfuse.backends.llama_cpp import load
+from specfuse.types import Message
+
+PROMPT = "Explain in a few sentences how rain forms."
+MEMBERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
+
+
+def test_cached_path_gives_the_reencoding_answer_with_less_work(default_ensemble):
+    options = dict(max_tokens=48, temperature=0, seed=0)
+    fast = default_ensemble.generate(PROMPT, **options)
+    with Ensemble(MEMBERS, prefix_cache=False) as slow_ens:
+        slow = slow_ens.generate(PROMPT, **options)
+    # Same rounds until float noise flips a near-tie (if it does at all): same drafts,
+    # same winners, scores within noise.
+    same = 0
+    for a, b in zip(fast.rounds, slow.rounds):
+        if [c.text for c in a.candidates] != [c.text for c in b.candidates]:
+            break
+        assert a.winner == b.winner or abs(sorted(a.aggregate)[-1] - sorted(a.aggregate)[-2]) < 0.02
+        for verifier in a.scores:
+            assert a.scores[verifier] == pytest.approx(b.scores[verifier], abs=0.03)
+        same += 1
+        if a.winner != b.winner:
+            break
+    assert same >= 2, (fast.text, slow.text)
+    if same == len(fast.rounds) == len(slow.rounds):
+        assert fast.text == slow.text
+
+    rounds = fast.stats.rounds
+    assert rounds >= 3
+    for name in fast.models:
+        cached, redone = fast.counters[name], slow.counters[name]
+        prompt_len = cached["prompt"]
+        # cached: the prompt is decoded once; reference: again for every draft and verification
+        assert redone["prompt"] >= prompt_len * (2 * min(rounds, slow.stats.rounds) - 1)
+        assert cached["catch_up"] <= rounds
+        # the reference re-reads the growing answer every call; the cached path never does
+        assert cached["draft"] + cached["catch_up"] + cached["verify"] < redone["catch_up"]
+
+
+STEPS = [
+    ([" Rain forms when", " Water vapor", " Clouds are made"], " Rain forms when"),
+    ([" water vapor cools", " the air rises", " droplets grow"], " water vapor cools"),
+    ([" and condenses into", " into tiny droplets.", " high in the sky."], " and condenses into"),
+]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_cached_scores_match_reencoded_scores_on_a_fixed_answer(default_ensemble, name):
+    fast_member = next(m for m in default_ensemble.members if m.name == name)
+    slow_member = load(name, prefix_cache=False)
+    messages = [Message("user", PROMPT)]
+    fast, slow = fast_member.start(messages, seed=0, reserve=64), slow_member.start(messages, seed=0, reserve=64)
+    try:
+        for texts, winner in STEPS:
+            for a, b in zip(fast.score(texts), slow.score(texts)):
+                assert len(a.logprobs) == len(b.logprobs)
+                for x, y in zip(a.logprobs, b.logprobs):
+                    assert abs(math.exp(x) - math.exp(y)) <= 0.1, (name, texts, a.logprobs, b.logprobs)
+                    if name == "smollm2-135m":
+                        assert x == pytest.approx(y, abs=1e-5)
+            fast.accept(winner)
+            slow.accept(winner)
+        assert fast.counters()["prompt"] == fast.prompt_len
+        assert slow.counters()["prompt"] == slow.prompt_len * len(STEPS)
+    finally:
+        fast.close()
+        slow.close()
+        slow_member.close()
