@@ -25,7 +25,7 @@ from .engine import fuse, member_seed
 from .errors import PromptTooLongError
 from .options import FusionOptions
 from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
-from .segments import apply_stops, cut_draft
+from .segments import apply_stops, cut_draft, tokens_covering
 from .types import DoneEvent, Message, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
@@ -108,7 +108,7 @@ def write_answer(
                 continue
             n_text = cut.n_tokens - (1 if drafted.finished and cut.n_tokens else 0)
             if kept != cut.text:
-                n_text = _tokens_covering(drafted.pieces, len(kept.encode("utf-8")))
+                n_text = tokens_covering(drafted.pieces, len(kept.encode("utf-8")))
                 logprobs = None  # a stop cut inside a token: scores no longer align
             elif logprobs is not None:
                 logprobs.extend(drafted.logprobs[:n_text])
@@ -133,14 +133,6 @@ def write_answer(
         finish_reason=finish,
         own_logprobs=tuple(logprobs) if logprobs else None,
     )
-
-
-def _tokens_covering(pieces: Sequence[bytes], n_bytes: int) -> int:
-    covered = count = 0
-    while covered < n_bytes and count < len(pieces):
-        covered += len(pieces[count])
-        count += 1
-    return count
 
 
 def member_alone(

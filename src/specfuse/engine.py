@@ -22,7 +22,7 @@ from .backends.base import Member, MemberSession
 from .errors import InvalidRequestError, MemberFailedError
 from .options import FusionOptions
 from .scoring import aggregate, exit_reason, hedge_update, model_exit, normalise, pick_winner, raw_score
-from .segments import apply_stops, cut_draft
+from .segments import apply_stops, cut_draft, tokens_covering
 from .types import (
     Candidate,
     Departure,
@@ -84,16 +84,8 @@ def _cut(name: str, tokens: DraftTokens, answer: str, stops: Sequence[str]) -> _
         span = slice(0, n_text) if n_text else slice(cut.n_tokens - 1, cut.n_tokens)
         own = TokenScores(tokens.logprobs[span], tokens.logits[span])
     if text != cut.text:  # truncated at a stop string: count the tokens that wrote it
-        n_text = _tokens_covering(tokens.pieces, len(text.encode("utf-8")))
+        n_text = tokens_covering(tokens.pieces, len(text.encode("utf-8")))
     return _Draft(Candidate(name, text, finished, n_text), own)
-
-
-def _tokens_covering(pieces: Sequence[bytes], n_bytes: int) -> int:
-    covered = count = 0
-    while covered < n_bytes and count < len(pieces):
-        covered += len(pieces[count])
-        count += 1
-    return count
 
 
 class _Caller:

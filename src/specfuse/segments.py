@@ -102,3 +102,26 @@ def apply_stops(answer: str, candidate: str, stops: Sequence[str]) -> tuple[str,
     if at < 0:
         return candidate, False
     return joined[:at][len(tail):] if at >= len(tail) else "", True
+
+
+def tokens_spelling(pieces: Sequence[bytes], text: str) -> int | None:
+    """Smallest k such that pieces[:k] spell `text` exactly, else None.
+
+    Backends use it to recognise their own draft (or a prefix of it) as the winner.
+    """
+    target = text.encode("utf-8")
+    joined = b""
+    for k, piece in enumerate(pieces):
+        if joined == target:
+            return k
+        joined += piece
+    return len(pieces) if joined == target else None
+
+
+def tokens_covering(pieces: Sequence[bytes], n_bytes: int) -> int:
+    """How many leading pieces it takes to cover `n_bytes` bytes (a stop cut inside a token)."""
+    covered = count = 0
+    while covered < n_bytes and count < len(pieces):
+        covered += len(pieces[count])
+        count += 1
+    return count

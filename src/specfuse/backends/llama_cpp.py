@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import MemberLoadError, ModelFileError, PromptTooLongError
 from ..models import CHAT, QUESTION_ANSWER, PromptFormat
 from ..prompting import render_chat, render_plain
+from ..segments import tokens_spelling
 from ..types import DraftTokens, Message, Sampling, TokenScores
 
 # llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
@@ -114,14 +115,7 @@ class _DraftState:
         return len(self.ids) - 1  # the last sampled token is never fed back
 
     def kept_tokens(self, text: str) -> int | None:
-        """Smallest k whose pieces spell `text` exactly, else None."""
-        target = text.encode("utf-8")
-        joined = b""
-        for k, piece in enumerate(self.pieces):
-            if joined == target:
-                return k
-            joined += piece
-        return len(self.pieces) if joined == target else None
+        return tokens_spelling(self.pieces, text)
 
 
 @dataclass

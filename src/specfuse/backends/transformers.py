@@ -42,6 +42,7 @@ from ..errors import MemberLoadError, ModelFileError, PromptTooLongError
 from ..models import CHAT, QUESTION_ANSWER, PromptFormat
 from ..models import cache_dir as default_cache_dir
 from ..prompting import render_plain
+from ..segments import tokens_spelling
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .hf_tokens import piece_function
 
@@ -331,12 +332,7 @@ class _Draft:
         return len(self.ids) - 1  # the last sampled token is never fed back
 
     def kept_tokens(self, text: str) -> int | None:
-        target, joined = text.encode("utf-8"), b""
-        for k, piece in enumerate(self.pieces):
-            if joined == target:
-                return k
-            joined += piece
-        return len(self.pieces) if joined == target else None
+        return tokens_spelling(self.pieces, text)
 
 
 @dataclass
