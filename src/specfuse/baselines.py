@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .backends.base import Member
 from .engine import fuse, member_seed
@@ -84,7 +84,8 @@ def write_answer(
     logprobs: list[float] | None = []
     finish = "length"
     try:
-        stops = (*stop, *session.stops)
+        # Like the engine: a run forced to full length (ignore_eos) ignores the member's stops too.
+        stops = (*stop, *(() if sampling.ignore_eos else session.stops))
         n = chunk
         while True:
             budget = max_tokens - tokens
@@ -239,7 +240,7 @@ def rerank(
     for i, member in enumerate(members):
         given = answers[i] if answers is not None else None
         if given is None:
-            seeded = Sampling(sampling.temperature, sampling.top_p, member_seed(sampling.seed, i))
+            seeded = replace(sampling, seed=member_seed(sampling.seed, i))
             given = write_answer(member, messages, max_tokens=max_tokens, sampling=seeded, stop=stop, chunk=chunk)
         written.append(given)
     calls = sum(a.member_calls for a in written)

@@ -1,0 +1,149 @@
+"""SpecFuse as an lm-evaluation-harness model named ``specfuse``.
+
+Run lm-eval's own CLI through this module, which registers the model and adds
+the local task configs (``specfuse_gsm8k``, ``specfuse_ifeval``: the files under
+``../shared/data``, no hub access) before handing over::
+
+    python -m specfuse.eval.lm_eval_adapter --model specfuse \\
+        --model_args system=specfuse,max_tokens=256 --tasks specfuse_gsm8k --limit 20
+
+(lm-eval has no plugin entry point: a plain ``lm_eval --model specfuse`` finds the
+model only where this module was imported first, e.g. from Python with
+``lm_eval.simple_evaluate(model=SpecFuseLM(...), tasks=[...], task_manager=task_manager())``.)
+
+model_args: ``models`` (members joined by ``|``; default the embedded three),
+``system`` (any eval system: ``specfuse``, ``rerank``, ``member:NAME``),
+``max_tokens`` (cap on each request's ``max_gen_toks``), ``temperature``
+(default 0: greedy), ``seed``, ``window``, ``threads``, ``n_ctx``.
+
+Prompts: a request's context becomes one user message that each member renders
+with its own chat template; with ``--apply_chat_template`` the harness's
+messages are passed through the same way. ``until`` strings become stop strings.
+
+Loglikelihood requests are refused: the members tokenize differently, so there
+is no shared token sequence whose likelihood the ensemble could report, and a
+mean of members' log-likelihoods is not the likelihood of what SpecFuse would
+generate. Use generate-style tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from ..types import Message
+from .systems import ItemContext, RunSettings, get_system
+
+TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
+_CHAT_KEY = "specfuse_messages"
+
+
+def task_manager():
+    """An lm-eval TaskManager that also knows the local SpecFuse task configs."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR))
+
+
+@register_model("specfuse")
+class SpecFuseLM(LM):
+    """The ensemble (or any registered eval system) behind lm-eval's LM interface."""
+
+    def __init__(
+        self,
+        models: str | None = None,
+        system: str = "specfuse",
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        window: int = 10,
+        threads: int | None = None,
+        n_ctx: int = 4096,
+        **_: Any,  # batch_size, device, ... from the harness: not used
+    ) -> None:
+        super().__init__()
+        from ..ensemble import Ensemble
+
+        get_system(system)  # fail on a bad name before loading models
+        names = [m for m in str(models).split("|") if m] if models else None
+        options = {k: v for k, v in {"threads": threads, "n_ctx": n_ctx}.items() if v}
+        self.ensemble = Ensemble(names, **options)
+        self.system = system
+        self.settings = RunSettings(
+            max_tokens=int(max_tokens), temperature=float(temperature),
+            top_p=1.0 if float(temperature) <= 0 else 0.9, seed=int(seed), window=int(window),
+        )
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "specfuse:" + "|".join(self.ensemble.names)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return "per-member"  # each member applies its own template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Keep the messages structured; each member renders them with its own template."""
+        return json.dumps({_CHAT_KEY: chat_history})
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        from tqdm import tqdm
+
+        system = get_system(self.system)
+        outputs: list[str] = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="specfuse"):
+            context, gen_kwargs = request.args
+            until = gen_kwargs.get("until") or ()
+            until = (until,) if isinstance(until, str) else tuple(until)
+            limit = int(gen_kwargs.get("max_gen_toks") or self.settings.max_tokens)
+            settings = RunSettings(**{**self.settings.__dict__, "max_tokens": min(limit, self.settings.max_tokens),
+                                      "stop": until})
+            output = system(ItemContext(self.ensemble.members), to_messages(context), settings)
+            outputs.append(output.text)
+            self.cache_hook.add_partial("generate_until", request.args, output.text)
+        return outputs
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        raise NotImplementedError(_REFUSAL)
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        raise NotImplementedError(_REFUSAL)
+
+
+_REFUSAL = (
+    "the specfuse model answers generate_until tasks only (e.g. specfuse_gsm8k, specfuse_ifeval): its members "
+    "tokenize differently, so it has no log-likelihood of a given continuation"
+)
+
+
+def to_messages(context: str) -> list[Message]:
+    """A harness context (plain text, or messages from apply_chat_template) as chat messages."""
+    try:
+        data = json.loads(context)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and _CHAT_KEY in data:
+        return [Message(m["role"], m["content"]) for m in data[_CHAT_KEY]]
+    return [Message("user", context.strip())]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's CLI with the `specfuse` model registered and the local tasks included."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from .nltk_offline import ensure_punkt
+
+    ensure_punkt()  # lm-eval's IFEval module looks for punkt_tab when imported
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.startswith("--include_path") for a in args):
+        args += ["--include_path", str(TASKS_DIR)]
+    sys.argv = ["lm_eval", *args]  # lm-eval inserts its `run` subcommand when none is given
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Rebuilding tables and plots from the JSONL records of an output folder.
+
+Every number is computed over the items that *every* system of the file has
+finished ("common items"), so systems are always compared on the same
+prompts. Accuracy intervals are Wilson score 95 % intervals (good for small n
+and for accuracies near 0 or 1). IFEval's instruction-level accuracies pool
+all instructions of the common prompts (their interval treats instructions as
+independent, which slightly understates it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from ..errors import InvalidRequestError
+from .runner import read_records
+from .tasks import TASKS, Task
+
+Z95 = 1.959964
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion."""
+    if n == 0:
+        return (0.0, 0.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass
+class Row:
+    """One system's summary over the common items."""
+
+    system: str
+    n: int
+    accuracy: dict[str, tuple[int, int]]  # metric -> (successes, trials)
+    mean_total_s: float
+    mean_ttft_s: float | None
+    mean_calls: float
+    mean_tokens: float
+    errors: int
+    wins: dict[str, int]
+
+    def rate(self, metric: str) -> float:
+        k, n = self.accuracy[metric]
+        return k / n if n else 0.0
+
+
+def latest(records: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The last record per (item, system)."""
+    return {(r["id"], r["system"]): r for r in records}
+
+
+def summarise(task: Task, records: Sequence[dict[str, Any]]) -> tuple[list[Row], list[str]]:
+    """Rows per system over common items, and those item ids."""
+    by_key = latest(records)
+    systems = list(dict.fromkeys(system for _, system in by_key))
+    ids_by_system: dict[str, set[str]] = defaultdict(set)
+    for item_id, system in by_key:
+        ids_by_system[system].add(item_id)
+    common = sorted(set.intersection(*ids_by_system.values()) if systems else set(),
+                    key=lambda i: by_key[(i, systems[0])]["index"])
+    rows: list[Row] = []
+    for system in systems:
+        chosen = [by_key[(i, system)] for i in common]
+        accuracy: dict[str, tuple[int, int]] = {}
+        for metric in task.metrics:
+            if metric in task.instruction_metrics:
+                flat = [v for r in chosen for v in r.get(metric) or []]  # an errored prompt adds none
+                accuracy[metric] = (sum(flat), len(flat))
+            else:
+                accuracy[metric] = (sum(bool(r.get(metric, r.get("correct"))) for r in chosen), len(chosen))
+        ttfts = [r["ttft_s"] for r in chosen if r.get("ttft_s") is not None]
+        wins: dict[str, int] = defaultdict(int)
+        for r in chosen:
+            for member, count in (r.get("wins") or {}).items():
+                wins[member] += count
+        rows.append(Row(
+            system=system,
+            n=len(chosen),
+            accuracy=accuracy,
+            mean_total_s=fmean(r.get("total_s") or 0.0 for r in chosen) if chosen else 0.0,
+            mean_ttft_s=fmean(ttfts) if ttfts else None,
+            mean_calls=fmean(r.get("member_calls") or 0 for r in chosen) if chosen else 0.0,
+            mean_tokens=fmean(r.get("tokens") or 0 for r in chosen) if chosen else 0.0,
+            errors=sum(1 for r in chosen if r.get("error")),
+            wins=dict(wins),
+        ))
+    return rows, common
+
+
+def _pct(row: Row, metric: str) -> str:
+    k, n = row.accuracy[metric]
+    lo, hi = wilson(k, n)
+    return f"{k / n:.1%} [{lo:.1%}, {hi:.1%}]" if n else "–"
+
+
+def table(task: Task, rows: Sequence[Row]) -> str:
+    """A markdown table: accuracy with 95 % CI, mean time, time to first token, member calls."""
+    metric_heads = [m.replace("_acc", "").replace("_", " ") for m in task.metrics]
+    head = ["system", "n", *metric_heads, "mean time (s)", "time to first token (s)", "member calls", "tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        ttft = f"{row.mean_ttft_s:.2f}" if row.mean_ttft_s is not None else "–"
+        cells = [f"`{row.system}`", str(row.n), *(_pct(row, m) for m in task.metrics),
+                 f"{row.mean_total_s:.2f}", ttft, f"{row.mean_calls:.1f}", f"{row.mean_tokens:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(task: Task, rows: Sequence[Row], out_dir: Path) -> list[Path]:
+    """Accuracy vs. mean time per system, and the share of segments won per member."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for row in rows:
+        k, n = row.accuracy[task.primary]
+        lo, hi = wilson(k, n)
+        rate = row.rate(task.primary)
+        ax.errorbar(row.mean_total_s, rate, yerr=[[rate - lo], [hi - rate]], fmt="o", capsize=4, label=row.system)
+    ax.legend(fontsize=8, loc="best")  # a legend, not labels: fast members sit on top of each other
+    ax.set_xlabel("mean time per answer (s)")
+    ax.set_ylabel(f"{task.primary} (95% CI)")
+    ax.set_title(f"{task.name}: accuracy vs. time (n={rows[0].n if rows else 0})")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / f"{task.name}_accuracy_vs_time.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    fused = [r for r in rows if r.wins and r.system != "rerank" and not r.system.startswith("member:")]
+    if fused:
+        members = sorted({m for r in fused for m in r.wins})
+        fig, ax = plt.subplots(figsize=(6.4, 1.2 + 0.6 * len(fused)))
+        for y, row in enumerate(fused):
+            total = sum(row.wins.values()) or 1
+            left = 0.0
+            for i, member in enumerate(members):
+                share = row.wins.get(member, 0) / total
+                ax.barh(y, share, left=left, color=f"C{i}", label=member if y == 0 else None)
+                if share > 0.06:
+                    ax.text(left + share / 2, y, f"{share:.0%}", ha="center", va="center", fontsize=8)
+                left += share
+        ax.set_yticks(range(len(fused)), [r.system for r in fused])
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("share of segments won")
+        ax.set_title(f"{task.name}: who wrote the fused answers", pad=24)
+        ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.12), ncol=len(members), frameon=False)
+        fig.tight_layout()
+        path = out_dir / f"{task.name}_segment_wins.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def build_report(out_dir: str | Path) -> Path:
+    """Rebuild DIR/report.md and the PNG plots from DIR/<task>.jsonl files."""
+    folder = Path(out_dir)
+    files = [folder / f"{name}.jsonl" for name in TASKS if (folder / f"{name}.jsonl").is_file()]
+    if not files:
+        raise InvalidRequestError(f"no results in {folder}", "run `specfuse eval TASK --out DIR` first")
+    parts = [f"# Evaluation report ({folder})", ""]
+    for path in files:
+        task = TASKS[path.stem]
+        rows, common = summarise(task, read_records(path))
+        if not rows:
+            continue
+        images = plot(task, rows, folder)
+        parts += [f"## {task.name}", "",
+                  f"{len(common)} items finished by every system (ids {common[0]} … {common[-1]})." if common
+                  else "No item finished by every system yet.", "",
+                  table(task, rows), ""]
+        wins = [r for r in rows if r.wins and not r.system.startswith("member:")]
+        for row in wins:
+            total = sum(row.wins.values()) or 1
+            unit = "answers" if row.system == "rerank" else "segments"
+            shares = ", ".join(f"{m} {c / total:.0%}" for m, c in sorted(row.wins.items()))
+            parts.append(f"- `{row.system}` {unit} won: {shares}")
+        errors = [r for r in rows if r.errors]
+        for row in errors:
+            parts.append(f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)")
+        parts += [""] + [f"![{p.stem}]({p.name})" for p in images] + [""]
+    report = folder / "report.md"
+    report.write_text("\n".join(parts), encoding="utf-8")
+    return report

@@ -1,0 +1,138 @@
+"""The compared systems, a small registry keyed by name.
+
+Built in:
+- ``specfuse``: the engine with its default options (greedy or seeded as the run says);
+- ``rerank``: the response-level ensemble (:func:`specfuse.baselines.rerank`);
+- ``member:<name>``: one member alone (:func:`specfuse.baselines.member_alone`);
+  ``members`` expands to every member.
+
+A variant of the engine is one line::
+
+    register("specfuse+exit", fusion_system(exit=True))   # extra FusionOptions fields
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..backends.base import Member
+from ..baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
+from ..engine import member_seed
+from ..errors import InvalidRequestError
+from ..options import FusionOptions
+from ..types import Message, Sampling
+
+MEMBER_PREFIX = "member:"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every system of one run shares (recorded with each result)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0
+    window: int = 10
+    stop: tuple[str, ...] = ()  # extra stop strings (lm-eval's `until`); none in our own tasks
+
+    def sampling(self, member_index: int) -> Sampling:
+        """Member i samples with the engine's per-member seed, so alone and in rerank it says the same."""
+        return Sampling(self.temperature, self.top_p, member_seed(self.seed, member_index))
+
+
+@dataclass
+class ItemContext:
+    """The loaded members plus answers already written for the current prompt.
+
+    Member-alone answers are kept for the prompt being evaluated so that
+    ``rerank`` reuses them (same prompt, same sampling, same seed: the same
+    answer) and counts their measured cost instead of writing them again.
+    """
+
+    members: Sequence[Member]
+    answers: dict[str, Answer] = field(default_factory=dict)
+
+    def member(self, name: str) -> tuple[int, Member]:
+        for i, member in enumerate(self.members):
+            if member.name == name:
+                return i, member
+        raise InvalidRequestError(f"no member named {name!r}", f"members: {', '.join(m.name for m in self.members)}")
+
+
+SystemFn = Callable[[ItemContext, list[Message], RunSettings], SystemOutput]
+SYSTEMS: dict[str, SystemFn] = {}
+
+
+def register(name: str, fn: SystemFn) -> None:
+    """Add (or replace) a named system."""
+    SYSTEMS[name] = fn
+
+
+def fusion_system(**extra_options: object) -> SystemFn:
+    """A system running the engine with `extra_options` added to FusionOptions."""
+
+    def run(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
+        options = FusionOptions.build(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+            window=s.window, stop=s.stop, **extra_options,
+        )
+        return fused(ctx.members, messages, options)
+
+    return run
+
+
+def _rerank(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
+    answers = [ctx.answers.get(m.name) for m in ctx.members]
+    return rerank(
+        ctx.members, messages, max_tokens=s.max_tokens, sampling=Sampling(s.temperature, s.top_p, s.seed),
+        stop=s.stop, answers=answers,
+    )
+
+
+def _member(name: str) -> SystemFn:
+    def run(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
+        index, member = ctx.member(name)
+        answer = write_answer(member, messages, max_tokens=s.max_tokens, sampling=s.sampling(index), stop=s.stop)
+        ctx.answers[name] = answer
+        return answer_output(answer)
+
+    return run
+
+
+register("specfuse", fusion_system())
+# The Model Exit / Hedge presets use the option defaults documented in the README.
+register("specfuse+exit", fusion_system(exit=True))
+register("specfuse+hedge", fusion_system(hedge=True))
+register("specfuse+exit+hedge", fusion_system(exit=True, hedge=True))
+register("rerank", _rerank)
+
+
+def get_system(name: str) -> SystemFn:
+    if name.startswith(MEMBER_PREFIX):
+        return _member(name[len(MEMBER_PREFIX):])
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        known = ", ".join([*SYSTEMS, "members", f"{MEMBER_PREFIX}<name>"])
+        raise InvalidRequestError(f"unknown system {name!r}", f"choose from {known}") from None
+
+
+def resolve_systems(spec: str | Sequence[str], member_names: Sequence[str]) -> list[str]:
+    """Expand "members", check names, and order members first so rerank can reuse their answers."""
+    names = [n.strip() for part in ([spec] if isinstance(spec, str) else spec) for n in part.split(",")]
+    expanded: list[str] = []
+    for name in filter(None, names):
+        group = [MEMBER_PREFIX + m for m in member_names] if name == "members" else [name]
+        for item in group:
+            if item.startswith(MEMBER_PREFIX) and item[len(MEMBER_PREFIX):] not in member_names:
+                raise InvalidRequestError(
+                    f"{item}: not a member of this run", f"members: {', '.join(member_names)}"
+                )
+            get_system(item)
+            if item not in expanded:
+                expanded.append(item)
+    if not expanded:
+        raise InvalidRequestError("no systems given", "e.g. --systems specfuse,rerank,members")
+    return sorted(expanded, key=lambda n: 0 if n.startswith(MEMBER_PREFIX) else 1)

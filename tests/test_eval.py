@@ -1,0 +1,229 @@
+"""The evaluation harness: metrics, IFEval scoring, real end-to-end runs, resume, reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specfuse.eval.report import build_report, summarise, wilson
+from specfuse.eval.runner import read_records
+from specfuse.eval.systems import resolve_systems
+from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
+from specfuse.errors import InvalidRequestError
+
+SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+
+
+# --- GSM8K metric --------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1,234", 1234),
+        ("$5.50", 5.5),
+        ("-3", -3),
+        ("12.0", 12),
+        ("the answer is 7 apples", 7),
+        (r"so we get \boxed{42} in the end, not 41", 42),
+        (r"\boxed{1,000}", 1000),
+        ("She earns 9 * 2 = 18 dollars.\nThe answer is $18.", 18),
+        ("The answer is: **1,250**.", 1250),
+        ("#### 72", 72),
+        ("The answer is 18. Check: 16 - 3 - 4 = 9 eggs.", 18),  # the stated answer beats the last number
+        ("First 5, then 6, finally 11.", 11),  # no stated answer: the last number
+        ("half is 1/2", 0.5),
+        ("It costs 3.", 3),
+        ("no digits here", None),
+    ],
+)
+def test_extract_number(text, expected):
+    got = extract_number(text)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_reference_and_scoring():
+    assert gsm8k_reference("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18") == 18
+    assert gsm8k_reference("#### 1,000") == 1000
+    assert parse_number("12.50.") == 12.5 and parse_number("abc") is None
+    item = Item("gsm8k-0", 0, "q", 18.0)
+    assert score_gsm8k(item, "So the answer is 18.0 dollars.")["correct"]
+    assert not score_gsm8k(item, "The answer is 19.")["correct"]
+    assert not score_gsm8k(item, "I do not know.")["correct"]
+
+
+def test_gsm8k_loads_local_data_with_offset():
+    items = GSM8K.load(offset=5, limit=3)
+    assert [i.index for i in items] == [5, 6, 7] and items[0].id == "gsm8k-5"
+    assert "Question:" in items[0].prompt and isinstance(items[0].reference, float)
+
+
+# --- IFEval through lm-eval's implementation -----------------------------------
+
+def _ifeval_item(instructions, kwargs, prompt="Write something."):
+    doc = {"key": 1, "prompt": prompt, "instruction_id_list": instructions, "kwargs": kwargs}
+    return Item("ifeval-1", 0, prompt, doc)
+
+
+def test_ifeval_known_pass_and_fail():
+    no_comma = _ifeval_item(["punctuation:no_comma"], [{}])
+    assert IFEVAL.score(no_comma, "Short text without that mark.")["prompt_level_strict_acc"]
+    assert not IFEVAL.score(no_comma, "One, two.")["prompt_level_strict_acc"]
+
+    lower = _ifeval_item(["change_case:english_lowercase", "punctuation:no_comma"], [{}, {}])
+    scored = IFEVAL.score(lower, "all lower case here, with a comma")
+    assert scored["inst_level_strict_acc"] == [True, False] and not scored["correct"]
+
+    # Sentence counting uses NLTK's Punkt data, provided offline (nltk_offline.py).
+    sentences = _ifeval_item(["length_constraints:number_sentences"], [{"relation": "less than", "num_sentences": 3}])
+    assert IFEVAL.score(sentences, "Mr. Smith went home. He slept.")["correct"]
+    assert not IFEVAL.score(sentences, "One. Two. Three. Four.")["correct"]
+
+    # Loose accuracy forgives a first line of chatter; strict does not.
+    title = _ifeval_item(["detectable_format:title"], [{}])
+    assert IFEVAL.score(title, "<<A Poem>>\nroses")["prompt_level_strict_acc"]
+    assert not IFEVAL.score(title, "A poem")["prompt_level_loose_acc"]
+
+
+def test_punkt_data_is_written_in_nltk_format(tmp_path, monkeypatch):
+    import nltk
+    from nltk.tokenize.punkt import PunktTokenizer
+
+    from specfuse.eval.nltk_offline import write_punkt_tab
+
+    write_punkt_tab(tmp_path)
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])  # only the folder just written
+    tokenizer = PunktTokenizer("english")
+    assert tokenizer.tokenize("Dr. Watson met Mr. Holmes. They talked.") == [
+        "Dr. Watson met Mr. Holmes.", "They talked."
+    ]
+
+
+# --- systems and reports on hand-made records -----------------------------------
+
+def test_resolve_systems_expands_members_and_orders_them_first():
+    names = ["a", "b"]
+    assert resolve_systems("specfuse,members,rerank", names) == ["member:a", "member:b", "specfuse", "rerank"]
+    with pytest.raises(InvalidRequestError):
+        resolve_systems("member:c", names)
+    with pytest.raises(InvalidRequestError):
+        resolve_systems("nonsense", names)
+
+
+def test_wilson_interval():
+    lo, hi = wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    assert wilson(0, 10)[0] == 0.0 and wilson(0, 0) == (0.0, 0.0)
+
+
+def test_summary_uses_only_items_every_system_finished():
+    def rec(i, system, ok):
+        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
+                "total_s": 1.0, "ttft_s": 0.5, "member_calls": 3, "tokens": 10,
+                "wins": {"x": 2, "y": 1} if system == "specfuse" else None}
+
+    records = [rec(0, "specfuse", True), rec(0, "rerank", False), rec(1, "specfuse", True)]
+    rows, common = summarise(GSM8K, records)
+    assert common == ["gsm8k-0"]
+    assert {r.system: r.accuracy["exact_match"] for r in rows} == {"specfuse": (1, 1), "rerank": (0, 1)}
+    assert rows[0].wins == {"x": 2, "y": 1}
+
+
+# --- real runs through the CLI --------------------------------------------------
+
+def _cli(*args, check=True):
+    env = {**os.environ, "SPECFUSE_THREADS": os.environ.get("SPECFUSE_THREADS", "1")}
+    done = subprocess.run([*SPECFUSE, *args], capture_output=True, text=True, env=env, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def gsm8k_run(tmp_path_factory):
+    """Every system on two GSM8K items with short answers: the real models, end to end."""
+    out = tmp_path_factory.mktemp("eval")
+    args = ("eval", "gsm8k", "--limit", "2", "--max-tokens", "24", "--systems", "specfuse,rerank,members",
+            "--out", str(out), "--no-progress")
+    done = _cli(*args)
+    return out, args, done
+
+
+def test_cli_run_writes_records_table_and_plots(gsm8k_run):
+    out, _, done = gsm8k_run
+    records = read_records(out / "gsm8k.jsonl")
+    systems = {r["system"] for r in records}
+    assert systems == {"specfuse", "rerank", "member:smollm2-135m", "member:qwen2.5-coder-0.5b", "member:gemma3-270m"}
+    assert len(records) == 10 and {r["id"] for r in records} == {"gsm8k-0", "gsm8k-1"}
+    for r in records:
+        assert isinstance(r["correct"], bool) and r["reference"] in (18.0, 3.0)
+        assert r["total_s"] > 0 and r["member_calls"] >= 1 and 0 <= r["tokens"] <= 24
+        assert r["ttft_s"] is None or r["ttft_s"] <= r["total_s"] + 1e-6
+    fused = [r for r in records if r["system"] == "specfuse"]
+    assert all(sum(r["wins"].values()) == r["rounds"] for r in fused)
+    reranked = [r for r in records if r["system"] == "rerank"]
+    for r in reranked:
+        assert r["ttft_s"] == r["total_s"] and sum(r["wins"].values()) == 1
+        # The winner is one of the members' own answers, written once and reused.
+        alone = {x["system"].split(":", 1)[1]: x["output"] for x in records
+                 if x["id"] == r["id"] and x["system"].startswith("member:")}
+        winner = next(m for m, w in r["wins"].items() if w)
+        assert r["output"] == alone[winner]
+    assert "| `specfuse` | 2 |" in done.stdout
+    assert (out / "gsm8k_accuracy_vs_time.png").stat().st_size > 1000
+    assert (out / "gsm8k_segment_wins.png").stat().st_size > 1000
+
+
+def test_resume_skips_finished_items(gsm8k_run):
+    out, args, _ = gsm8k_run
+    before = (out / "gsm8k.jsonl").read_text()
+    _cli(*args)
+    assert (out / "gsm8k.jsonl").read_text() == before
+    # A resumed run with other settings is refused instead of mixing results.
+    clash = _cli(*[a if a != "24" else "32" for a in args], check=False)
+    assert clash.returncode == 2 and "other settings" in clash.stderr
+
+
+def test_report_rebuilds_from_jsonl(gsm8k_run):
+    out, _, _ = gsm8k_run
+    for name in ("report.md", "gsm8k_accuracy_vs_time.png", "gsm8k_segment_wins.png"):
+        (out / name).unlink()
+    done = _cli("eval", "--report", str(out))
+    report = (out / "report.md").read_text()
+    assert report == done.stdout
+    assert "2 items finished by every system" in report and report.count("| `") == 5
+    assert (out / "gsm8k_accuracy_vs_time.png").is_file() and (out / "gsm8k_segment_wins.png").is_file()
+    assert build_report(out) == out / "report.md"
+
+
+def test_ifeval_run_in_process(tmp_path):
+    from specfuse.eval.runner import run_eval
+
+    path = run_eval("ifeval", tmp_path, systems="member:smollm2-135m", members=["smollm2-135m"],
+                    limit=1, max_tokens=16, progress=False)
+    (record,) = read_records(path)
+    assert record["id"] == "ifeval-1000" and len(record["inst_level_strict_acc"]) == 3
+    assert set(record) >= {"prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc"}
+
+
+# --- the lm-evaluation-harness adapter ------------------------------------------
+
+def test_lm_eval_model_is_registered_and_generates():
+    from lm_eval.api.registry import get_model
+
+    from specfuse.eval.lm_eval_adapter import SpecFuseLM, task_manager
+
+    assert get_model("specfuse") is SpecFuseLM
+    lm = SpecFuseLM(models="smollm2-135m", system="member:smollm2-135m", max_tokens=12)
+
+    class Request:  # lm-eval's Instance exposes its arguments as .args
+        args = ("What is 2 + 3? Reply with the number only.", {"until": ["\n\n"], "max_gen_toks": 64})
+
+    (text,) = lm.generate_until([Request()], disable_tqdm=True)
+    assert "5" in text
+    with pytest.raises(NotImplementedError, match="generate_until"):
+        lm.loglikelihood([Request()])
+    lm.ensemble.close()
+    assert "specfuse_gsm8k" in task_manager().all_tasks
