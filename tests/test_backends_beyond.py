@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from specfuse.errors import MemberLoadError  # noqa: E402
 from specfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
 from specfuse.scoring import normalise, raw_score  # noqa: E402
 from specfuse.types import Message, Sampling  # noqa: E402
+from llama_server import free_port, llama_server  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -68,52 +68,11 @@ def lc_member():
     member.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_server(gguf: Path, log: Path) -> Iterator[str]:
-    """Start llama_cpp.server on a free loopback port; yield its /v1 URL; stop it."""
-    port = _free_port()
-    with log.open("w") as sink:  # a file, not a pipe: llama.cpp logs enough to fill a pipe and block
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-             "--port", str(port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1",
-             # flash attention as in the local llama.cpp backend, so that both compute the same numbers
-             # (without it log-probs differ by up to ~0.3 nats: f16 attention accumulates differently)
-             "--flash_attn", "true"],
-            stdout=sink, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama_cpp.server did not start in 90 s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory) -> Iterator[str]:
     pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
-    yield from _start_server(model_path(SMOL), tmp_path_factory.mktemp("server") / "smol.log")
+    with llama_server(model_path(SMOL), tmp_path_factory.mktemp("server") / "smol.log") as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -250,19 +209,15 @@ def test_remote_refuses_off_by_one_echo(tmp_path):
     if not is_ready(QWEN):
         pytest.skip("Qwen2.5-Coder-0.5B is not prepared")
     pytest.importorskip("llama_cpp.server.app")
-    servers = _start_server(model_path(QWEN), tmp_path / "qwen.log")
-    url = next(servers)
-    try:
+    with llama_server(model_path(QWEN), tmp_path / "qwen.log") as server:
         with pytest.raises(MemberLoadError, match="1983"):
-            load_member(f"remote:{url}#qwen-remote")
-    finally:
-        servers.close()
+            load_member(f"remote:{server.url}#qwen-remote")
 
 
 def test_remote_unreachable_server_fails_fast():
     from specfuse.backends.openai_http import RemoteServerError
 
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     started = time.monotonic()
     with pytest.raises(RemoteServerError, match="2 attempts"):
         load_member(f"remote:http://127.0.0.1:{port}/v1#gone,retries=1,backoff=0.05,timeout=2")

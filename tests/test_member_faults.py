@@ -1,0 +1,88 @@
+"""Remote members on real llama.cpp servers: concurrent calls, and a server killed mid-answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
+
+from llama_server import llama_server  # noqa: E402
+
+from specfuse import Ensemble, SegmentEvent  # noqa: E402
+from specfuse.backends.registry import load_member  # noqa: E402
+from specfuse.models import CATALOGUE, model_path  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+SMOL = model_path(CATALOGUE["smollm2-135m"])
+PROMPT = "Explain in a few sentences how rain forms."
+
+
+class Timed:
+    """Wraps a real member and records when each of its draft calls ran."""
+
+    def __init__(self, member):
+        self.member = member
+        self.parallel_safe = getattr(member, "parallel_safe", False)
+        self.calls: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+
+    @property
+    def name(self):
+        return self.member.name
+
+    def start(self, messages, *, seed, reserve):
+        session = self.member.start(messages, seed=seed, reserve=reserve)
+        outer = self
+
+        class Session:
+            def __getattr__(self, attr):
+                return getattr(session, attr)
+
+            def draft(self, max_tokens, sampling):
+                t0 = time.monotonic()
+                try:
+                    return session.draft(max_tokens, sampling)
+                finally:
+                    with outer.lock:
+                        outer.calls.append((t0, time.monotonic()))
+
+        return Session()
+
+    def close(self):
+        self.member.close()
+
+
+def test_two_remote_members_are_called_concurrently(tmp_path):
+    with llama_server(SMOL, tmp_path / "a.log") as a, llama_server(SMOL, tmp_path / "b.log") as b:
+        members = [Timed(load_member(f"remote:{a.url}#remote-a")), Timed(load_member(f"remote:{b.url}#remote-b"))]
+        with Ensemble(members) as ens:
+            result = ens.generate(PROMPT, max_tokens=24, temperature=0.7, seed=3)
+        assert result.text.strip()
+        first, second = members[0].calls, members[1].calls
+        assert len(first) == len(second) == result.stats.rounds
+        # Each round's two drafts ran at the same time: their intervals overlap.
+        for (s1, e1), (s2, e2) in zip(first, second):
+            assert s1 < e2 and s2 < e1
+
+
+def test_server_killed_mid_answer_the_answer_completes_and_the_fault_is_recorded(tmp_path):
+    with llama_server(SMOL, tmp_path / "doomed.log") as server:
+        remote = load_member(f"remote:{server.url}#doomed,retries=1,backoff=0.05,timeout=10")
+        with Ensemble([remote, "smollm2-135m"]) as ens:
+            events = []
+            for event in ens.stream(PROMPT, max_tokens=48, temperature=0, seed=0):
+                events.append(event)
+                if isinstance(event, SegmentEvent) and server.proc.poll() is None:
+                    server.kill()  # the member's server dies after the first segment
+            result = events[-1].result
+    faults = [d for d in result.departures if d.kind == "fault"]
+    assert [d.model for d in faults] == ["doomed"]
+    assert faults[0].round >= 1
+    assert result.text.strip()
+    assert result.stats.finish_reason in ("stop", "length")
+    later = [r for r in result.rounds if r.index > faults[0].round]
+    assert later and all(r.active == ["smollm2-135m"] for r in later)
