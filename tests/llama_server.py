@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_serving(process: subprocess.Popen, url: str, timeout: float, log_tail: Callable[[], str],
+                       interval: float = 0.25) -> None:
+    """Poll `url` until it answers 200; fail at once if `process` exits, or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not become ready in {timeout} s:\n{log_tail()}")
+        time.sleep(interval)
+
+
 @contextmanager
 def llama_server(gguf: Path, log: Path) -> Iterator[LlamaServer]:
     """Run `python -m llama_cpp.server` for `gguf` until the block ends."""
@@ -45,18 +62,7 @@ def llama_server(gguf: Path, log: Path) -> Iterator[LlamaServer]:
         )
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama_cpp.server did not start in 90 s")
-            time.sleep(0.5)
+        wait_until_serving(proc, f"{url}/models", 90, lambda: log.read_text()[-2000:])
         yield LlamaServer(url, proc)
     finally:
         if proc.poll() is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from llama_server import free_port, wait_until_serving
 
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -70,18 +64,7 @@ def specfuse_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 655
         )
     server = RunningServer(f"http://127.0.0.1:{port}", API_KEY, log, process)
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready in {startup_s} s:\n{server.log_tail()}")
-            time.sleep(0.25)
+        wait_until_serving(process, f"{server.url}/health", startup_s, server.log_tail)
         yield server
     finally:
         if process.poll() is None:
