@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from specfuse.eval.report import build_report, summarise, wilson
+from specfuse.eval.report import build_report, comparisons, mcnemar_p, paired, summarise, wilson
 from specfuse.eval.runner import read_records
 from specfuse.eval.systems import resolve_systems
 from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
@@ -131,6 +132,33 @@ def test_summary_uses_only_items_every_system_finished():
     assert rows[0].wins == {"x": 2, "y": 1}
 
 
+def test_mcnemar_exact_p_values():
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(5, 5) == 1.0
+    assert mcnemar_p(0, 6) == pytest.approx(2 / 64)  # all six discordant items one way
+    assert mcnemar_p(1, 9) == pytest.approx(2 * 11 / 1024)
+    assert mcnemar_p(9, 1) == mcnemar_p(1, 9)
+
+
+def test_paired_comparison_and_calls_per_round():
+    def rec(i, system, ok, calls=6, rounds=None):
+        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
+                "total_s": 1.0, "ttft_s": 0.5, "member_calls": calls, "tokens": 10, "rounds": rounds}
+
+    outcomes = {"member:a": [1, 1, 0, 0], "specfuse": [1, 0, 0, 1], "specfuse+exit": [1, 1, 1, 0]}
+    records = [rec(i, s, bool(ok), calls=6 if s == "specfuse" else 3, rounds=None if s.startswith("member") else 2)
+               for s, row in outcomes.items() for i, ok in enumerate(row)]
+    rows, common = summarise(GSM8K, records)
+    by = {r.system: r for r in rows}
+    assert by["specfuse"].calls_per_round == 3.0 and by["specfuse+exit"].calls_per_round == 1.5
+    assert by["member:a"].calls_per_round is None
+    c = paired(GSM8K, records, common, "specfuse+exit", "specfuse")
+    assert (c.n, c.only_a, c.only_b, c.difference) == (4, 2, 1, 0.25)
+    text = comparisons(GSM8K, rows, records, common)
+    assert "| `specfuse+exit` | `specfuse` | +25.0% | 2 | 1 | 1.000 |" in text
+    assert "| `specfuse` | `member:a` | +0.0% | 1 | 1 | 1.000 |" in text
+
+
 # --- real runs through the CLI --------------------------------------------------
 
 def _cli(*args, check=True):
@@ -193,7 +221,9 @@ def test_report_rebuilds_from_jsonl(gsm8k_run):
     done = _cli("eval", "--report", str(out))
     report = (out / "report.md").read_text()
     assert report == done.stdout
-    assert "2 items finished by every system" in report and report.count("| `") == 5
+    assert "2 items finished by every system" in report
+    assert len(re.findall(r"^\| `[^`]+` \| 2 \|", report, flags=re.M)) == 5  # one table row per system
+    assert "| `specfuse` | `rerank` |" in report  # the paired comparison
     assert (out / "gsm8k_accuracy_vs_time.png").is_file() and (out / "gsm8k_segment_wins.png").is_file()
     assert build_report(out) == out / "report.md"
 

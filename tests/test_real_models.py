@@ -196,6 +196,25 @@ def test_cli_json_output():
     assert {"rounds", "model_calls", "time_to_first_segment_s", "total_s"} <= set(data["stats"])
 
 
+def test_cli_json_with_exit_and_hedge_shows_weights_and_exits_per_round():
+    # Default Model Exit knobs on a GSM8K-style question: the lagging members leave after warm-up.
+    proc = subprocess.run(
+        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--exit", "--hedge", "--temperature", "0",
+         "--max-tokens", "64", "--threads", "1",
+         "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    rounds = data["rounds"]
+    for r in rounds:
+        assert set(r["weights"]) == set(r["active"]) and sum(r["weights"].values()) == pytest.approx(1.0)
+    exits = [d for d in data["departures"] if d["kind"] == "exit"]
+    assert exits and all(d["round"] >= 3 and "share" in d["reason"] for d in exits)
+    assert len(rounds[-1]["active"]) < 3 and rounds[-1]["model_calls"] < rounds[0]["model_calls"]
+    assert data["stats"]["model_calls"] / data["stats"]["rounds"] < rounds[0]["model_calls"]
+
+
 def test_cli_user_errors_are_one_line_without_traceback():
     for args, needle in ((["generate", "-m", "nope", "hi"], "unknown model"),
                          (["generate", "--window", "0", "hi"], "window"),

@@ -56,6 +56,7 @@ ExitEntropyOpt = Annotated[float, typer.Option("--exit-entropy", help="Exit only
 ExitTempOpt = Annotated[float, typer.Option("--exit-temperature", help="Softmax temperature over cumulative quality.")]
 ExitFractionOpt = Annotated[float, typer.Option("--exit-fraction", help="Exit when share < fraction / active members.")]
 ExitMinOpt = Annotated[int, typer.Option("--exit-min-active", help="Never fewer active members than this.")]
+_DEFAULT = {name: field.default for name, field in FusionOptions.model_fields.items()}  # one source of defaults
 
 
 def main() -> None:
@@ -127,13 +128,13 @@ def generate(
     self_score: SelfScoreOpt = True,
     stop: StopOpt = None,
     hedge: HedgeOpt = False,
-    hedge_eta: HedgeEtaOpt = 1.0,
+    hedge_eta: HedgeEtaOpt = _DEFAULT['hedge_eta'],
     exit_: ExitOpt = False,
-    exit_warmup: ExitWarmupOpt = 3,
-    exit_entropy: ExitEntropyOpt = 0.9,
-    exit_temperature: ExitTempOpt = 0.5,
-    exit_fraction: ExitFractionOpt = 0.5,
-    exit_min_active: ExitMinOpt = 1,
+    exit_warmup: ExitWarmupOpt = _DEFAULT['exit_warmup'],
+    exit_entropy: ExitEntropyOpt = _DEFAULT['exit_entropy'],
+    exit_temperature: ExitTempOpt = _DEFAULT['exit_temperature'],
+    exit_fraction: ExitFractionOpt = _DEFAULT['exit_fraction'],
+    exit_min_active: ExitMinOpt = _DEFAULT['exit_min_active'],
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,

@@ -31,7 +31,7 @@ class FusionOptions(BaseModel):
     exit: bool = Field(False, description="let lagging members exit within a query")
     exit_warmup: int = Field(3, ge=1, description="rounds before any member may exit")
     exit_entropy: float = Field(0.9, gt=0.0, le=1.0, description="exit only below this normalised entropy")
-    exit_temperature: float = Field(0.5, gt=0.0, description="softmax temperature over cumulative quality")
+    exit_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over cumulative quality")
     exit_fraction: float = Field(0.5, gt=0.0, le=1.0, description="exit if share < fraction / K_active")
     exit_min_active: int = Field(1, ge=1, description="never fewer active members than this")
 

@@ -5,7 +5,9 @@ finished ("common items"), so systems are always compared on the same
 prompts. Accuracy intervals are Wilson score 95 % intervals (good for small n
 and for accuracies near 0 or 1). IFEval's instruction-level accuracies pool
 all instructions of the common prompts (their interval treats instructions as
-independent, which slightly understates it).
+independent, which slightly understates it). Systems run on the same items are
+also compared pairwise, item by item, with an exact McNemar test on the items
+where exactly one of the two was right.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Row:
     mean_total_s: float
     mean_ttft_s: float | None
     mean_calls: float
+    calls_per_round: float | None  # segment-level systems only: member calls / rounds
     mean_tokens: float
     errors: int
     wins: dict[str, int]
@@ -79,6 +82,7 @@ def summarise(task: Task, records: Sequence[dict[str, Any]]) -> tuple[list[Row],
             else:
                 accuracy[metric] = (sum(bool(r.get(metric, r.get("correct"))) for r in chosen), len(chosen))
         ttfts = [r["ttft_s"] for r in chosen if r.get("ttft_s") is not None]
+        rounds = sum(r.get("rounds") or 0 for r in chosen)
         wins: dict[str, int] = defaultdict(int)
         for r in chosen:
             for member, count in (r.get("wins") or {}).items():
@@ -90,6 +94,7 @@ def summarise(task: Task, records: Sequence[dict[str, Any]]) -> tuple[list[Row],
             mean_total_s=fmean(r.get("total_s") or 0.0 for r in chosen) if chosen else 0.0,
             mean_ttft_s=fmean(ttfts) if ttfts else None,
             mean_calls=fmean(r.get("member_calls") or 0 for r in chosen) if chosen else 0.0,
+            calls_per_round=sum(r.get("member_calls") or 0 for r in chosen) / rounds if rounds else None,
             mean_tokens=fmean(r.get("tokens") or 0 for r in chosen) if chosen else 0.0,
             errors=sum(1 for r in chosen if r.get("error")),
             wins=dict(wins),
@@ -106,14 +111,78 @@ def _pct(row: Row, metric: str) -> str:
 def table(task: Task, rows: Sequence[Row]) -> str:
     """A markdown table: accuracy with 95 % CI, mean time, time to first token, member calls."""
     metric_heads = [m.replace("_acc", "").replace("_", " ") for m in task.metrics]
-    head = ["system", "n", *metric_heads, "mean time (s)", "time to first token (s)", "member calls", "tokens"]
+    head = ["system", "n", *metric_heads, "mean time (s)", "time to first token (s)", "member calls",
+            "calls / round", "tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ttft = f"{row.mean_ttft_s:.2f}" if row.mean_ttft_s is not None else "–"
         cells = [f"`{row.system}`", str(row.n), *(_pct(row, m) for m in task.metrics),
-                 f"{row.mean_total_s:.2f}", ttft, f"{row.mean_calls:.1f}", f"{row.mean_tokens:.0f}"]
+                 f"{row.mean_total_s:.2f}", ttft, f"{row.mean_calls:.1f}",
+                 f"{row.calls_per_round:.2f}" if row.calls_per_round is not None else "–", f"{row.mean_tokens:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def mcnemar_p(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar p-value from the two discordant counts."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+@dataclass
+class Paired:
+    """System `a` against `b` on the same items, by the task's primary metric."""
+
+    a: str
+    b: str
+    n: int
+    only_a: int  # items a got right and b wrong
+    only_b: int
+
+    @property
+    def difference(self) -> float:
+        return (self.only_a - self.only_b) / self.n if self.n else 0.0
+
+    @property
+    def p_value(self) -> float:
+        return mcnemar_p(self.only_a, self.only_b)
+
+
+def paired(task: Task, records: Sequence[dict[str, Any]], common: Sequence[str], a: str, b: str) -> Paired:
+    """Item-by-item comparison of two systems on the common items."""
+    by_key = latest(records)
+
+    def right(item_id: str, system: str) -> bool:
+        record = by_key[(item_id, system)]
+        return bool(record.get(task.primary, record.get("correct")))
+
+    only_a = sum(right(i, a) and not right(i, b) for i in common)
+    only_b = sum(right(i, b) and not right(i, a) for i in common)
+    return Paired(a, b, len(common), only_a, only_b)
+
+
+def comparisons(task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any]], common: Sequence[str]) -> str:
+    """Markdown lines: every engine preset against plain `specfuse`, the best member and `rerank`."""
+    names = [r.system for r in rows]
+    members = [r for r in rows if r.system.startswith("member:")]
+    best = max(members, key=lambda r: r.rate(task.primary)).system if members else None
+    presets = [n for n in names if n.startswith("specfuse")]
+    lines: list[str] = []
+    for a in presets:
+        for b in dict.fromkeys(x for x in ("specfuse", best, "rerank") if x in names and x != a):
+            c = paired(task, records, common, a, b)
+            lines.append(
+                f"| `{a}` | `{b}` | {c.difference:+.1%} | {c.only_a} | {c.only_b} | {c.p_value:.3f} |"
+            )
+    if not lines:
+        return ""
+    head = [f"Paired on the same items ({task.primary}): difference a − b, items only a got right, "
+            "items only b got right, exact McNemar p.", "",
+            "| a | b | a − b | only a | only b | p |", "|---|---|---|---|---|---|"]
+    return "\n".join(head + lines)
 
 
 def plot(task: Task, rows: Sequence[Row], out_dir: Path) -> list[Path]:
@@ -176,7 +245,8 @@ def build_report(out_dir: str | Path) -> Path:
     parts = [f"# Evaluation report ({folder})", ""]
     for path in files:
         task = TASKS[path.stem]
-        rows, common = summarise(task, read_records(path))
+        records = read_records(path)
+        rows, common = summarise(task, records)
         if not rows:
             continue
         images = plot(task, rows, folder)
@@ -193,6 +263,9 @@ def build_report(out_dir: str | Path) -> Path:
         errors = [r for r in rows if r.errors]
         for row in errors:
             parts.append(f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)")
+        versus = comparisons(task, rows, records, common)
+        if versus:
+            parts += ["", versus]
         parts += [""] + [f"![{p.stem}]({p.name})" for p in images] + [""]
     report = folder / "report.md"
     report.write_text("\n".join(parts), encoding="utf-8")
