@@ -1,7 +1,8 @@
 """The compared systems, a small registry keyed by name.
 
 Built in:
-- ``specfuse``: the engine with its default options (greedy or seeded as the run says);
+- ``specfuse``: plain fusion, no Model Exit, no Hedge (greedy or seeded as the run says);
+- ``specfuse+exit``, ``specfuse+hedge``, ``specfuse+exit+hedge``: with Model Exit and/or Hedge;
 - ``rerank``: the response-level ensemble (:func:`specfuse.baselines.rerank`);
 - ``member:<name>``: one member alone (:func:`specfuse.baselines.member_alone`);
   ``members`` expands to every member.
@@ -101,10 +102,11 @@ def _member(name: str) -> SystemFn:
     return run
 
 
-register("specfuse", fusion_system())
-# The Model Exit / Hedge presets use the option defaults documented in the README.
-register("specfuse+exit", fusion_system(exit=True))
-register("specfuse+hedge", fusion_system(hedge=True))
+# Presets name their switches explicitly, so a recorded "specfuse" stays plain fusion whatever
+# the engine's defaults; the knobs of Model Exit and Hedge are the documented option defaults.
+register("specfuse", fusion_system(exit=False, hedge=False))
+register("specfuse+exit", fusion_system(exit=True, hedge=False))
+register("specfuse+hedge", fusion_system(exit=False, hedge=True))
 register("specfuse+exit+hedge", fusion_system(exit=True, hedge=True))
 register("rerank", _rerank)
 
