@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specfuse.eval.report import build_report, comparisons, mcnemar_p, paired, summarise, wilson
-from specfuse.eval.runner import read_records
+from specfuse.eval.runner import carried_weights, read_records
 from specfuse.eval.systems import resolve_systems
 from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
 from specfuse.errors import InvalidRequestError
@@ -159,6 +159,18 @@ def test_paired_comparison_and_calls_per_round():
     assert "| `specfuse` | `member:a` | +0.0% | 1 | 1 | 1.000 |" in text
 
 
+def test_carried_weights_resume_from_the_latest_earlier_item():
+    records = [
+        {"system": "specfuse+hedge", "index": 0, "weights": {"a": 0.6, "b": 0.4}},
+        {"system": "specfuse+hedge", "index": 1, "weights": {"a": 0.7, "b": 0.3}},
+        {"system": "specfuse+hedge", "index": 5, "weights": {"a": 0.1, "b": 0.9}},  # after the resume point
+        {"system": "specfuse", "index": 1, "weights": {"a": 0.5, "b": 0.5}},
+        {"system": "member:a", "index": 1, "weights": None},
+    ]
+    assert carried_weights(records, {"specfuse+hedge": 2, "member:a": 2}) == {"specfuse+hedge": {"a": 0.7, "b": 0.3}}
+    assert carried_weights(records, {"specfuse+hedge": 0}) == {}
+
+
 # --- real runs through the CLI --------------------------------------------------
 
 def _cli(*args, check=True):
@@ -211,6 +223,23 @@ def test_resume_skips_finished_items(gsm8k_run):
     assert (out / "gsm8k.jsonl").read_text() == before
     # A resumed run with other settings is refused instead of mixing results.
     clash = _cli(*[a if a != "24" else "32" for a in args], check=False)
+    assert clash.returncode == 2 and "other settings" in clash.stderr
+
+
+def test_hedge_persist_carries_weights_across_items_and_resumes(tmp_path):
+    base = ("eval", "gsm8k", "--max-tokens", "16", "--systems", "specfuse+hedge", "--no-progress")
+    _cli(*base, "--limit", "2", "--out", str(tmp_path / "fresh"))
+    _cli(*base, "--limit", "2", "--hedge-persist", "--out", str(tmp_path / "carried"))
+    _cli(*base, "--limit", "1", "--hedge-persist", "--out", str(tmp_path / "resumed"))
+    _cli(*base, "--limit", "2", "--hedge-persist", "--out", str(tmp_path / "resumed"))
+    fresh, carried, resumed = (read_records(tmp_path / d / "gsm8k.jsonl") for d in ("fresh", "carried", "resumed"))
+    # The first item starts from uniform weights either way; the second starts from the first's weights.
+    assert carried[0]["weights"] == fresh[0]["weights"]
+    assert carried[1]["weights"] != fresh[1]["weights"]
+    assert [r["weights"] for r in resumed] == [r["weights"] for r in carried]
+    assert [r["output"] for r in resumed] == [r["output"] for r in carried]
+    # Mixing a carried and an uncarried run in one folder is refused.
+    clash = _cli(*base, "--limit", "2", "--out", str(tmp_path / "carried"), check=False)
     assert clash.returncode == 2 and "other settings" in clash.stderr
 
 

@@ -64,6 +64,7 @@ class SystemOutput:
     finish_reason: str = ""
     wins: dict[str, int] | None = None  # segments (fused) or answers (rerank) won per member
     rounds: int | None = None
+    weights: dict[str, float] | None = None  # fused: voting weights at the end (Hedge)
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -278,9 +279,14 @@ def rerank(
     )
 
 
-def fused(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions) -> SystemOutput:
-    """The SpecFuse engine on `members`, reported like the baselines."""
-    for event in fuse(members, messages, options):
+def fused(
+    members: Sequence[Member],
+    messages: Sequence[Message],
+    options: FusionOptions,
+    weights: dict[str, float] | None = None,
+) -> SystemOutput:
+    """The SpecFuse engine on `members` (starting from `weights`, if given), reported like the baselines."""
+    for event in fuse(members, messages, options, weights=weights):
         if isinstance(event, DoneEvent):
             result = event.result
             stats = result.stats
@@ -293,5 +299,6 @@ def fused(members: Sequence[Member], messages: Sequence[Message], options: Fusio
                 finish_reason=stats.finish_reason,
                 wins=dict(stats.wins),
                 rounds=stats.rounds,
+                weights=dict(result.weights),
             )
     raise RuntimeError("the engine ended without a result")

@@ -236,6 +236,8 @@ def eval_command(
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,
+    hedge_persist: Annotated[bool, typer.Option(
+        "--hedge-persist", help="Hedge presets carry their weights from item to item (a per-task prior).")] = False,
 ) -> None:
     """Evaluate the ensemble against its members and a response-level rerank (see docs/results.md)."""
     from .eval.command import run_command  # the eval extra's imports stay out of other commands

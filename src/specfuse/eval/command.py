@@ -26,6 +26,7 @@ def run_command(
     cache_dir: str | None,
     threads: int | None,
     n_ctx: int,
+    hedge_persist: bool = False,
     **_: Any,
 ) -> None:
     """Run an evaluation (then write its report), or only rebuild a report."""
@@ -46,7 +47,7 @@ def run_command(
     path = run_eval(
         task, out, systems=systems, members=model, limit=limit, offset=offset, max_tokens=max_tokens,
         temperature=temperature, seed=seed, window=window, data=data, progress=progress,
-        member_options=member_options,
+        member_options=member_options, hedge_persist=hedge_persist,
     )
     written = build_report(path.parent)
     sys.stderr.write(f"results: {path}\nreport: {written}\n")

@@ -76,8 +76,27 @@ def _check_run_file(path: Path, config: dict[str, Any]) -> None:
 
 
 def _recorded(settings: RunSettings) -> dict[str, Any]:
-    """Settings as recorded in run.json; empty optional fields are left out so older runs still match."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items() if v != ()}
+    """Settings as recorded in run.json; unused optional fields are left out so older runs still match."""
+    unused = {"stop": (), "hedge_persist": False}
+    return {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in asdict(settings).items()
+        if not (k in unused and v == unused[k])
+    }
+
+
+def carried_weights(records: Sequence[dict[str, Any]], first_pending: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Per system, the weights it ended with on its latest item before its first pending one.
+
+    That is where a run with ``hedge_persist`` left off, so a resumed run goes on
+    from the same prior as an uninterrupted one.
+    """
+    latest: dict[str, tuple[int, dict[str, float]]] = {}
+    for r in records:
+        system, index = r["system"], r["index"]
+        if r.get("weights") and system in first_pending and latest.get(system, (-1,))[0] <= index < first_pending[system]:
+            latest[system] = (index, r["weights"])
+    return {system: weights for system, (_, weights) in latest.items()}
 
 
 def run_eval(
@@ -95,6 +114,7 @@ def run_eval(
     data: str | Path | None = None,
     progress: bool = True,
     member_options: dict[str, Any] | None = None,
+    hedge_persist: bool = False,
 ) -> Path:
     """Evaluate `systems` on items [offset, offset+limit) of a task; return the JSONL path."""
     from ..ensemble import Ensemble  # loads llama.cpp: only when a run really starts
@@ -105,7 +125,7 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     settings = RunSettings(
         max_tokens=max_tokens or task.default_max_tokens, temperature=temperature,
-        top_p=1.0 if temperature <= 0 else 0.9, seed=seed, window=window,
+        top_p=1.0 if temperature <= 0 else 0.9, seed=seed, window=window, hedge_persist=hedge_persist,
     )
     path = results_path(out, task.name)
     done = {(r["id"], r["system"]) for r in read_records(path)}
@@ -124,11 +144,16 @@ def run_eval(
         pending = [(item, name) for item in items for name in names if (item.id, name) not in done]
         bar = _progress(len(pending), task.name, enabled=progress)
         running = _RunningAccuracy(read_records(path), {i.id for i in items})
-        context, context_item = ItemContext(ensemble.members), ""
+        first_pending: dict[str, int] = {}
+        for item, name in pending:
+            first_pending.setdefault(name, item.index)
+        carried = carried_weights(read_records(path), first_pending)
+        context, context_item = ItemContext(ensemble.members, carried=carried), ""
         with path.open("a", encoding="utf-8") as sink:
             for item, name in pending:
                 if context_item != item.id:  # answers kept for rerank belong to one item
-                    context, context_item = ItemContext(ensemble.members), item.id
+                    context, context_item = ItemContext(ensemble.members, carried=carried), item.id
+                context.system = name
                 record = run_one(task, item, name, context, settings)
                 sink.write(json.dumps(record, ensure_ascii=False) + "\n")
                 sink.flush()
@@ -157,6 +182,7 @@ def run_one(task: Task, item: Any, system: str, context: ItemContext, settings: 
         tokens=output.tokens,
         rounds=output.rounds,
         wins=output.wins,
+        weights=output.weights,
         finish_reason=output.finish_reason,
         max_tokens=settings.max_tokens,
         temperature=settings.temperature,

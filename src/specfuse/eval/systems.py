@@ -37,6 +37,7 @@ class RunSettings:
     seed: int | None = 0
     window: int = 10
     stop: tuple[str, ...] = ()  # extra stop strings (lm-eval's `until`); none in our own tasks
+    hedge_persist: bool = False  # Hedge presets start each item from the weights the previous item ended with
 
     def sampling(self, member_index: int) -> Sampling:
         """Member i samples with the engine's per-member seed, so alone and in rerank it says the same."""
@@ -54,6 +55,8 @@ class ItemContext:
 
     members: Sequence[Member]
     answers: dict[str, Answer] = field(default_factory=dict)
+    system: str = ""  # the system being run (set by the runner)
+    carried: dict[str, dict[str, float]] = field(default_factory=dict)  # per system, across items of a run
 
     def member(self, name: str) -> tuple[int, Member]:
         for i, member in enumerate(self.members):
@@ -72,14 +75,23 @@ def register(name: str, fn: SystemFn) -> None:
 
 
 def fusion_system(**extra_options: object) -> SystemFn:
-    """A system running the engine with `extra_options` added to FusionOptions."""
+    """A system running the engine with `extra_options` added to FusionOptions.
+
+    With ``RunSettings.hedge_persist`` a Hedge preset carries its weights from
+    one item to the next (``ItemContext.carried``, kept by the runner and
+    restored from the JSONL records on resume): a per-task prior.
+    """
 
     def run(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
         options = FusionOptions.build(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             window=s.window, stop=s.stop, **extra_options,
         )
-        return fused(ctx.members, messages, options)
+        persist = s.hedge_persist and options.hedge
+        output = fused(ctx.members, messages, options, weights=ctx.carried.get(ctx.system) if persist else None)
+        if persist and output.weights:
+            ctx.carried[ctx.system] = output.weights
+        return output
 
     return run
 
