@@ -286,3 +286,18 @@ def test_lm_eval_model_is_registered_and_generates():
         lm.loglikelihood([Request()])
     lm.ensemble.close()
     assert "specfuse_gsm8k" in task_manager().all_tasks
+
+
+def test_lm_eval_cli_runs_a_local_task_with_the_specfuse_model():
+    # lm-eval's own CLI (through our console script, which registers the model and the local tasks).
+    script = os.path.join(os.path.dirname(sys.executable), "specfuse-lm-eval")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [script, "--model", "specfuse", "--model_args",
+         "models=smollm2-135m,system=member:smollm2-135m,max_tokens=16,threads=1",
+         "--tasks", "specfuse_gsm8k", "--limit", "1"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "|specfuse_gsm8k|" in done.stdout and "exact_match" in done.stdout
+

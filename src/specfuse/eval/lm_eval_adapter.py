@@ -1,10 +1,11 @@
 """SpecFuse as an lm-evaluation-harness model named ``specfuse``.
 
-Run lm-eval's own CLI through this module, which registers the model and adds
+Run lm-eval's own CLI through this module (console script ``specfuse-lm-eval``,
+or ``python -m specfuse.eval.lm_eval_adapter``), which registers the model and adds
 the local task configs (``specfuse_gsm8k``, ``specfuse_ifeval``: the files under
 ``../shared/data``, no hub access) before handing over::
 
-    python -m specfuse.eval.lm_eval_adapter --model specfuse \\
+    specfuse-lm-eval --model specfuse \\
         --model_args system=specfuse,max_tokens=256 --tasks specfuse_gsm8k --limit 20
 
 (lm-eval has no plugin entry point: a plain ``lm_eval --model specfuse`` finds the
