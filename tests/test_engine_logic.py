@@ -57,6 +57,8 @@ class ScriptedMember:
 
 
 def run(members, **options):
+    # Plain fusion unless a test asks for Model Exit or Hedge: these tests check the round mechanics.
+    options = {"exit": False, "hedge": False, **options}
     events = list(fuse(members, [Message("user", "q")], FusionOptions.build(**options)))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result

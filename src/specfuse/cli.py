@@ -103,8 +103,11 @@ def summary_line(result: Result) -> str:
         f"total {s.total_s:.1f} s · {s.model_calls} member calls ({s.calls_per_round:.1f}/round) · "
         f"wins: {wins} · finish: {s.finish_reason}"
     )
-    if len(set(result.weights.values())) > 1:
-        line += " · weights: " + ", ".join(f"{n} {w:.2f}" for n, w in result.weights.items())
+    # Voting weights of the last round in which two or more members still voted.
+    voted = [r for r in result.rounds if len(r.weights) > 1]
+    if voted and len(set(voted[-1].weights.values())) > 1:
+        last = voted[-1]
+        line += f" · weights (round {last.index}): " + ", ".join(f"{n} {w:.2f}" for n, w in last.weights.items())
     for d in result.departures:
         line += f" · {d.model} {'exited' if d.kind == 'exit' else 'failed'} in round {d.round}: {d.reason}"
     return line
@@ -127,9 +130,9 @@ def generate(
     score: ScoreOpt = "mean_prob",
     self_score: SelfScoreOpt = True,
     stop: StopOpt = None,
-    hedge: HedgeOpt = False,
+    hedge: HedgeOpt = _DEFAULT['hedge'],
     hedge_eta: HedgeEtaOpt = _DEFAULT['hedge_eta'],
-    exit_: ExitOpt = False,
+    exit_: ExitOpt = _DEFAULT['exit'],
     exit_warmup: ExitWarmupOpt = _DEFAULT['exit_warmup'],
     exit_entropy: ExitEntropyOpt = _DEFAULT['exit_entropy'],
     exit_temperature: ExitTempOpt = _DEFAULT['exit_temperature'],
@@ -170,9 +173,9 @@ def chat(
     top_p: TopPOpt = 0.9,
     seed: SeedOpt = None,
     score: ScoreOpt = "mean_prob",
-    hedge: HedgeOpt = False,
+    hedge: HedgeOpt = _DEFAULT['hedge'],
     hedge_persist: HedgePersistOpt = False,
-    exit_: ExitOpt = False,
+    exit_: ExitOpt = _DEFAULT['exit'],
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,

@@ -24,11 +24,12 @@ class FusionOptions(BaseModel):
     stop: tuple[str, ...] = Field((), description="stop strings; the answer ends before them")
     ignore_eos: bool = Field(False, description="run to max_tokens: no end-of-generation, no member stops")
     # Online feedback (SpecEM): per-member voting weights updated every round.
-    hedge: bool = Field(False, description="update voting weights with Hedge each round")
+    # Hedge and Model Exit are on by default: the evaluation in docs/results.md chose them.
+    hedge: bool = Field(True, description="update voting weights with Hedge each round")
     hedge_eta: float = Field(1.0, gt=0.0, description="Hedge learning rate eta0")
     hedge_persist: bool = Field(False, description="carry weights across queries of one Ensemble")
     # Model Exit: members whose cumulative quality falls behind stop for the rest of the query.
-    exit: bool = Field(False, description="let lagging members exit within a query")
+    exit: bool = Field(True, description="let lagging members exit within a query")
     exit_warmup: int = Field(3, ge=1, description="rounds before any member may exit")
     exit_entropy: float = Field(0.9, gt=0.0, le=1.0, description="exit only below this normalised entropy")
     exit_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over cumulative quality")
