@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specfuse.eval.report import build_report, comparisons, mcnemar_p, paired, summarise, wilson
+from specfuse.eval.report import build_report, comparisons, latest, mcnemar_p, paired, summarise, wilson
 from specfuse.eval.runner import carried_weights, read_records
 from specfuse.eval.systems import resolve_systems
 from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
@@ -152,7 +152,7 @@ def test_paired_comparison_and_calls_per_round():
     by = {r.system: r for r in rows}
     assert by["specfuse"].calls_per_round == 3.0 and by["specfuse+exit"].calls_per_round == 1.5
     assert by["member:a"].calls_per_round is None
-    c = paired(GSM8K, records, common, "specfuse+exit", "specfuse")
+    c = paired(GSM8K, latest(records), common, "specfuse+exit", "specfuse")
     assert (c.n, c.only_a, c.only_b, c.difference) == (4, 2, 1, 0.25)
     text = comparisons(GSM8K, rows, records, common)
     assert "| `specfuse+exit` | `specfuse` | +25.0% | 2 | 1 | 1.000 |" in text

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
@@ -62,6 +62,11 @@ def latest(records: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str,
     return {(r["id"], r["system"]): r for r in records}
 
 
+def passed(record: dict[str, Any], metric: str) -> bool:
+    """Whether a record passed a prompt-level metric (an errored record has only `correct`)."""
+    return bool(record.get(metric, record.get("correct")))
+
+
 def summarise(task: Task, records: Sequence[dict[str, Any]]) -> tuple[list[Row], list[str]]:
     """Rows per system over common items, and those item ids."""
     by_key = latest(records)
@@ -80,7 +85,7 @@ def summarise(task: Task, records: Sequence[dict[str, Any]]) -> tuple[list[Row],
                 flat = [v for r in chosen for v in r.get(metric) or []]  # an errored prompt adds none
                 accuracy[metric] = (sum(flat), len(flat))
             else:
-                accuracy[metric] = (sum(bool(r.get(metric, r.get("correct"))) for r in chosen), len(chosen))
+                accuracy[metric] = (sum(passed(r, metric) for r in chosen), len(chosen))
         ttfts = [r["ttft_s"] for r in chosen if r.get("ttft_s") is not None]
         rounds = sum(r.get("rounds") or 0 for r in chosen)
         wins: dict[str, int] = defaultdict(int)
@@ -151,13 +156,13 @@ class Paired:
         return mcnemar_p(self.only_a, self.only_b)
 
 
-def paired(task: Task, records: Sequence[dict[str, Any]], common: Sequence[str], a: str, b: str) -> Paired:
-    """Item-by-item comparison of two systems on the common items."""
-    by_key = latest(records)
+def paired(
+    task: Task, by_key: Mapping[tuple[str, str], dict[str, Any]], common: Sequence[str], a: str, b: str
+) -> Paired:
+    """Item-by-item comparison of two systems on the common items (`by_key` from :func:`latest`)."""
 
     def right(item_id: str, system: str) -> bool:
-        record = by_key[(item_id, system)]
-        return bool(record.get(task.primary, record.get("correct")))
+        return passed(by_key[(item_id, system)], task.primary)
 
     only_a = sum(right(i, a) and not right(i, b) for i in common)
     only_b = sum(right(i, b) and not right(i, a) for i in common)
@@ -170,10 +175,11 @@ def comparisons(task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any
     members = [r for r in rows if r.system.startswith("member:")]
     best = max(members, key=lambda r: r.rate(task.primary)).system if members else None
     presets = [n for n in names if n.startswith("specfuse")]
+    by_key = latest(records)
     lines: list[str] = []
     for a in presets:
         for b in dict.fromkeys(x for x in ("specfuse", best, "rerank") if x in names and x != a):
-            c = paired(task, records, common, a, b)
+            c = paired(task, by_key, common, a, b)
             lines.append(
                 f"| `{a}` | `{b}` | {c.difference:+.1%} | {c.only_a} | {c.only_b} | {c.p_value:.3f} |"
             )

@@ -128,7 +128,8 @@ def run_eval(
         top_p=1.0 if temperature <= 0 else 0.9, seed=seed, window=window, hedge_persist=hedge_persist,
     )
     path = results_path(out, task.name)
-    done = {(r["id"], r["system"]) for r in read_records(path)}
+    previous = read_records(path)
+    done = {(r["id"], r["system"]) for r in previous}
     run_file = out / f"{task.name}.run.json"
     _check_recorded(run_file, "settings", _recorded(settings))  # fail before loading any model
     planned = _planned_systems(systems, members)
@@ -143,11 +144,11 @@ def run_eval(
         })
         pending = [(item, name) for item in items for name in names if (item.id, name) not in done]
         bar = _progress(len(pending), task.name, enabled=progress)
-        running = _RunningAccuracy(read_records(path), {i.id for i in items})
+        running = _RunningAccuracy(previous, {i.id for i in items})
         first_pending: dict[str, int] = {}
         for item, name in pending:
             first_pending.setdefault(name, item.index)
-        carried = carried_weights(read_records(path), first_pending)
+        carried = carried_weights(previous, first_pending)
         context, context_item = ItemContext(ensemble.members, carried=carried), ""
         with path.open("a", encoding="utf-8") as sink:
             for item, name in pending:
