@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -9,7 +10,9 @@ import sys
 
 import pytest
 
-from specfuse.eval.report import build_report, comparisons, latest, mcnemar_p, paired, summarise, wilson
+from specfuse.eval.report import (
+    build_report, comparisons, coverage_groups, latest, mcnemar_p, paired, summarise, wilson,
+)
 from specfuse.eval.runner import carried_weights, read_records
 from specfuse.eval.systems import resolve_systems
 from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
@@ -130,6 +133,33 @@ def test_summary_uses_only_items_every_system_finished():
     assert common == ["gsm8k-0"]
     assert {r.system: r.accuracy["exact_match"] for r in rows} == {"specfuse": (1, 1), "rerank": (0, 1)}
     assert rows[0].wins == {"x": 2, "y": 1}
+
+
+def test_systems_that_went_further_get_their_own_section(tmp_path):
+    def rec(i, system, ok):
+        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
+                "total_s": 1.0, "ttft_s": 0.5, "member_calls": 3, "tokens": 10, "rounds": 1}
+
+    # `specfuse` and `rerank` finished items 0-3, `specfuse+exit` only 0-1, `member:a` 0-2.
+    coverage = {"member:a": 3, "specfuse": 4, "rerank": 4, "specfuse+exit": 2}
+    records = [rec(i, s, i % 2 == 0) for s, n in coverage.items() for i in range(n)]
+    groups = coverage_groups(records)
+    assert groups == [
+        (["member:a", "specfuse", "rerank", "specfuse+exit"], ["gsm8k-0", "gsm8k-1"]),
+        (["member:a", "specfuse", "rerank"], ["gsm8k-0", "gsm8k-1", "gsm8k-2"]),
+        (["specfuse", "rerank"], ["gsm8k-0", "gsm8k-1", "gsm8k-2", "gsm8k-3"]),
+    ]
+    rows, common = summarise(GSM8K, records, ["specfuse", "rerank"])
+    assert len(common) == 4 and [r.accuracy["exact_match"] for r in rows] == [(2, 4), (2, 4)]
+
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = build_report(tmp_path).read_text()
+    assert "2 items finished by every system" in report
+    assert "### gsm8k: the systems that finished 4 items" in report
+    assert "finished by `specfuse`, `rerank`." in report
+    assert (tmp_path / "gsm8k_accuracy_vs_time.png").is_file()
+    assert (tmp_path / "gsm8k_n3_accuracy_vs_time.png").is_file()
+    assert (tmp_path / "gsm8k_n4_accuracy_vs_time.png").is_file()
 
 
 def test_mcnemar_exact_p_values():

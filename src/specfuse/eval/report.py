@@ -2,7 +2,9 @@
 
 Every number is computed over the items that *every* system of the file has
 finished ("common items"), so systems are always compared on the same
-prompts. Accuracy intervals are Wilson score 95 % intervals (good for small n
+prompts. When some systems finished more items than others (a study that ran
+the cheap systems further), each larger set of items gets its own section with
+only the systems that finished all of it. Accuracy intervals are Wilson score 95 % intervals (good for small n
 and for accuracies near 0 or 1). IFEval's instruction-level accuracies pool
 all instructions of the common prompts (their interval treats instructions as
 independent, which slightly understates it). Systems run on the same items are
@@ -67,14 +69,41 @@ def passed(record: dict[str, Any], metric: str) -> bool:
     return bool(record.get(metric, record.get("correct")))
 
 
-def summarise(task: Task, records: Sequence[dict[str, Any]]) -> tuple[list[Row], list[str]]:
-    """Rows per system over common items, and those item ids."""
+def coverage_groups(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], list[str]]]:
+    """(systems, common item ids) per coverage level: all systems first, then the systems that went further.
+
+    Each group holds the systems that finished at least that many items, over the items they all finished;
+    a group is listed only when it adds items to the previous one.
+    """
     by_key = latest(records)
     systems = list(dict.fromkeys(system for _, system in by_key))
     ids_by_system: dict[str, set[str]] = defaultdict(set)
-    for item_id, system in by_key:
+    index: dict[str, int] = {}
+    for (item_id, system), record in by_key.items():
         ids_by_system[system].add(item_id)
-    common = sorted(set.intersection(*ids_by_system.values()) if systems else set(),
+        index[item_id] = record.get("index", 0)
+    groups: list[tuple[list[str], list[str]]] = []
+    for level in sorted({len(ids) for ids in ids_by_system.values()}):
+        chosen = [s for s in systems if len(ids_by_system[s]) >= level]
+        common = set.intersection(*(ids_by_system[s] for s in chosen))
+        if groups and len(common) <= len(groups[-1][1]):
+            continue
+        groups.append((chosen, sorted(common, key=lambda i: index[i])))
+    return groups
+
+
+def summarise(
+    task: Task, records: Sequence[dict[str, Any]], systems: Sequence[str] | None = None
+) -> tuple[list[Row], list[str]]:
+    """Rows per system (all, or `systems`) over the items all of them finished, and those item ids."""
+    by_key = latest(records)
+    if systems is None:
+        systems = list(dict.fromkeys(system for _, system in by_key))
+    ids_by_system: dict[str, set[str]] = defaultdict(set)
+    for item_id, system in by_key:
+        if system in systems:
+            ids_by_system[system].add(item_id)
+    common = sorted(set.intersection(*ids_by_system.values()) if ids_by_system else set(),
                     key=lambda i: by_key[(i, systems[0])]["index"])
     rows: list[Row] = []
     for system in systems:
@@ -191,8 +220,8 @@ def comparisons(task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any
     return "\n".join(head + lines)
 
 
-def plot(task: Task, rows: Sequence[Row], out_dir: Path) -> list[Path]:
-    """Accuracy vs. mean time per system, and the share of segments won per member."""
+def plot(task: Task, rows: Sequence[Row], out_dir: Path, suffix: str = "") -> list[Path]:
+    """Accuracy vs. mean time per system, and the share of segments won per member (files `<task><suffix>_*.png`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -211,7 +240,7 @@ def plot(task: Task, rows: Sequence[Row], out_dir: Path) -> list[Path]:
     ax.set_title(f"{task.name}: accuracy vs. time (n={rows[0].n if rows else 0})")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = out_dir / f"{task.name}_accuracy_vs_time.png"
+    path = out_dir / f"{task.name}{suffix}_accuracy_vs_time.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     written.append(path)
@@ -235,7 +264,7 @@ def plot(task: Task, rows: Sequence[Row], out_dir: Path) -> list[Path]:
         ax.set_title(f"{task.name}: who wrote the fused answers", pad=24)
         ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.12), ncol=len(members), frameon=False)
         fig.tight_layout()
-        path = out_dir / f"{task.name}_segment_wins.png"
+        path = out_dir / f"{task.name}{suffix}_segment_wins.png"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
@@ -252,27 +281,41 @@ def build_report(out_dir: str | Path) -> Path:
     for path in files:
         task = TASKS[path.stem]
         records = read_records(path)
-        rows, common = summarise(task, records)
-        if not rows:
-            continue
-        images = plot(task, rows, folder)
-        parts += [f"## {task.name}", "",
-                  f"{len(common)} items finished by every system (ids {common[0]} … {common[-1]})." if common
-                  else "No item finished by every system yet.", "",
-                  table(task, rows), ""]
-        wins = [r for r in rows if r.wins and not r.system.startswith("member:")]
-        for row in wins:
+        for number, (systems, _) in enumerate(coverage_groups(records)):
+            rows, common = summarise(task, records, systems)
+            if not rows:
+                continue
+            parts += _section(task, rows, records, common, folder, first=number == 0)
+    report = folder / "report.md"
+    report.write_text("\n".join(parts), encoding="utf-8")
+    return report
+
+
+def _section(
+    task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any]], common: Sequence[str], folder: Path,
+    *, first: bool,
+) -> list[str]:
+    """Markdown for one task and one group of systems: heading, table, wins, paired tests, plots."""
+    if first:
+        heading = f"## {task.name}"
+        scope = (f"{len(common)} items finished by every system (ids {common[0]} … {common[-1]})." if common
+                 else "No item finished by every system yet.")
+    else:
+        heading = f"### {task.name}: the systems that finished {len(common)} items"
+        scope = (f"{len(common)} items (ids {common[0]} … {common[-1]}) finished by "
+                 + ", ".join(f"`{r.system}`" for r in rows) + ".")
+    images = plot(task, rows, folder, suffix="" if first else f"_n{len(common)}")
+    parts = [heading, "", scope, "", table(task, rows), ""]
+    for row in rows:
+        if row.wins and not row.system.startswith("member:"):
             total = sum(row.wins.values()) or 1
             unit = "answers" if row.system == "rerank" else "segments"
             shares = ", ".join(f"{m} {c / total:.0%}" for m, c in sorted(row.wins.items()))
             parts.append(f"- `{row.system}` {unit} won: {shares}")
-        errors = [r for r in rows if r.errors]
-        for row in errors:
+    for row in rows:
+        if row.errors:
             parts.append(f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)")
-        versus = comparisons(task, rows, records, common)
-        if versus:
-            parts += ["", versus]
-        parts += [""] + [f"![{p.stem}]({p.name})" for p in images] + [""]
-    report = folder / "report.md"
-    report.write_text("\n".join(parts), encoding="utf-8")
-    return report
+    versus = comparisons(task, rows, records, common)
+    if versus:
+        parts += ["", versus]
+    return parts + [""] + [f"![{p.stem}]({p.name})" for p in images] + [""]
