@@ -4,8 +4,8 @@ Every number is computed over the items that *every* system of the file has
 finished ("common items"), so systems are always compared on the same
 prompts. When some systems finished more items than others (a study that ran
 the cheap systems further), each larger set of items gets its own section with
-only the systems that finished all of it. Accuracy intervals are Wilson score 95 % intervals (good for small n
-and for accuracies near 0 or 1). IFEval's instruction-level accuracies pool
+only the systems that finished all of it. Accuracy intervals are Wilson score
+95 % intervals (good for small n and for accuracies near 0 or 1). IFEval's instruction-level accuracies pool
 all instructions of the common prompts (their interval treats instructions as
 independent, which slightly understates it). Systems run on the same items are
 also compared pairwise, item by item, with an exact McNemar test on the items
@@ -69,6 +69,14 @@ def passed(record: dict[str, Any], metric: str) -> bool:
     return bool(record.get(metric, record.get("correct")))
 
 
+def _ids_by_system(by_key: Mapping[tuple[str, str], dict[str, Any]]) -> dict[str, set[str]]:
+    """The item ids each system finished, systems in order of first appearance."""
+    ids: dict[str, set[str]] = defaultdict(set)
+    for item_id, system in by_key:
+        ids[system].add(item_id)
+    return ids
+
+
 def coverage_groups(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], list[str]]]:
     """(systems, common item ids) per coverage level: all systems first, then the systems that went further.
 
@@ -76,12 +84,9 @@ def coverage_groups(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], 
     a group is listed only when it adds items to the previous one.
     """
     by_key = latest(records)
-    systems = list(dict.fromkeys(system for _, system in by_key))
-    ids_by_system: dict[str, set[str]] = defaultdict(set)
-    index: dict[str, int] = {}
-    for (item_id, system), record in by_key.items():
-        ids_by_system[system].add(item_id)
-        index[item_id] = record.get("index", 0)
+    ids_by_system = _ids_by_system(by_key)
+    systems = list(ids_by_system)
+    index = {item_id: record.get("index", 0) for (item_id, _), record in by_key.items()}
     groups: list[tuple[list[str], list[str]]] = []
     for level in sorted({len(ids) for ids in ids_by_system.values()}):
         chosen = [s for s in systems if len(ids_by_system[s]) >= level]
@@ -97,13 +102,10 @@ def summarise(
 ) -> tuple[list[Row], list[str]]:
     """Rows per system (all, or `systems`) over the items all of them finished, and those item ids."""
     by_key = latest(records)
+    ids_by_system = _ids_by_system(by_key)
     if systems is None:
-        systems = list(dict.fromkeys(system for _, system in by_key))
-    ids_by_system: dict[str, set[str]] = defaultdict(set)
-    for item_id, system in by_key:
-        if system in systems:
-            ids_by_system[system].add(item_id)
-    common = sorted(set.intersection(*ids_by_system.values()) if ids_by_system else set(),
+        systems = list(ids_by_system)
+    common = sorted(set.intersection(*(ids_by_system[s] for s in systems)) if systems else set(),
                     key=lambda i: by_key[(i, systems[0])]["index"])
     rows: list[Row] = []
     for system in systems:
