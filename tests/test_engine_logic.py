@@ -195,3 +195,79 @@ def test_model_exit_removes_a_lagging_member_but_never_the_last():
     assert result.rounds[-1].active == ["a"]
     assert result.stats.finish_reason == "stop"
     assert result.stats.model_calls < 2 * 3 * result.stats.rounds
+
+
+# --- selection: gate, leader, guard, prompt-fit prior ---------------------------------
+
+
+class FittedSession(ScriptedSession):
+    """A scripted session that also reports how well it predicts the prompt."""
+
+    def __init__(self, drafts, prefs, bpb):
+        super().__init__(drafts, prefs)
+        self.bpb = bpb
+        self.drafted = 0
+
+    def draft(self, max_tokens, sampling):
+        self.drafted += 1
+        return super().draft(max_tokens, sampling)
+
+    def text_logprob(self, text):
+        n = len(text.encode())
+        return -self.bpb * math.log(2.0) * n, n
+
+
+def test_a_confident_leader_wins_alone_and_the_others_only_follow():
+    strong = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.9, "": 0.9}, bpb=0.8)
+    weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.99}, bpb=1.4)
+    events, result = run([ScriptedMember("weak", weak), ScriptedMember("strong", strong)],
+                         gate=0.5, prior="prompt")
+    assert result.text == " Four."
+    records = [e.record for e in events if isinstance(e, RoundEvent)]
+    assert all(r.gated and r.leader == "strong" for r in records)
+    assert weak.drafted == 0 and weak.accepted == strong.accepted == [" Four.", ""]
+    assert result.stats.gated_rounds == 2 and result.stats.model_calls == 2 + 2  # 2 prompt fits + 2 drafts
+    assert result.prompt_bpb == {"weak": pytest.approx(1.4), "strong": pytest.approx(0.8)}
+    assert result.weights["strong"] > 0.99
+
+
+def test_an_unsure_leader_calls_a_full_round():
+    strong = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.3, " Five.": 0.1}, bpb=0.8)
+    weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.2, " Four.": 0.6}, bpb=1.4)
+    events, result = run([ScriptedMember("weak", weak), ScriptedMember("strong", strong)],
+                         gate=0.5, prior="prompt", leader="strong")
+    first = [e for e in events if isinstance(e, RoundEvent)][0].record
+    assert not first.gated and first.leader == "strong"
+    assert first.confidence == pytest.approx(0.3)
+    assert [c.model for c in first.candidates] == ["weak", "strong"]  # member order, not draft order
+    assert weak.drafted >= 1 and result.text.startswith(" Four.")
+
+
+def test_gate_above_one_never_skips_a_round():
+    a = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 1.0, "": 1.0}, bpb=0.8)
+    b = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 1.0, "": 1.0}, bpb=0.9)
+    _, result = run([ScriptedMember("a", a), ScriptedMember("b", b)], gate=1.01)
+    assert result.stats.gated_rounds == 0 and b.drafted == 2
+
+
+def test_unknown_leader_is_a_clear_error():
+    a = ScriptedSession([([b" x"], True)], {})
+    with pytest.raises(InvalidRequestError, match="leader"):
+        run([ScriptedMember("a", a)], gate=0.5, leader="nobody")
+
+
+def test_the_guard_keeps_a_loop_from_winning():
+    loop, fresh = " one two three four.", " and then five."
+
+    def pair():
+        a = ScriptedSession([([loop.encode()], False)] * 2 + [([b""], True)], {loop: 0.95, fresh: 0.2, "": 0.9})
+        b = ScriptedSession([([loop.encode()], False), ([fresh.encode()], False), ([b""], True)],
+                            {loop: 0.9, fresh: 0.3, "": 0.9})
+        return [ScriptedMember("a", a), ScriptedMember("b", b)]
+
+    _, unguarded = run(pair())
+    assert unguarded.text == loop + loop  # mean probability alone prefers the loop
+    events, guarded = run(pair(), guard=True)
+    second = [e for e in events if isinstance(e, RoundEvent)][1].record
+    assert second.penalised == {"a": "repeats an accepted segment"}
+    assert guarded.text == loop + fresh

@@ -26,7 +26,7 @@ from .errors import PromptTooLongError
 from .options import FusionOptions
 from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
 from .segments import apply_stops, cut_draft, tokens_covering
-from .types import DoneEvent, Message, Sampling, TokenScores
+from .types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
 """Tokens a lone member drafts per call: small enough to time the first token
@@ -300,5 +300,19 @@ def fused(
                 wins=dict(stats.wins),
                 rounds=stats.rounds,
                 weights=dict(result.weights),
+                extra=_selection_record(result, options),
             )
     raise RuntimeError("the engine ended without a result")
+
+
+def _selection_record(result: Result, options: FusionOptions) -> dict[str, object]:
+    """What the selection mechanisms did in one answer (kept in evaluation records)."""
+    leaders = [r.leader for r in result.rounds if r.leader]
+    return {
+        "options": options.model_dump(mode="json", exclude={"max_tokens", "seed", "temperature", "top_p", "stop"}),
+        "gated_rounds": result.stats.gated_rounds,
+        "penalised": sum(len(r.penalised) for r in result.rounds),
+        "leader": leaders[0] if leaders else None,
+        "prompt_bpb": {k: round(v, 4) for k, v in result.prompt_bpb.items()},
+        "departures": [f"{d.model}@{d.round}:{d.kind}" for d in result.departures],
+    }

@@ -8,6 +8,13 @@ finds it lagging (``options.exit``) or when one of its calls raises (a fault:
 a dead server, a timeout, garbage); the answer completes with the others and
 the departure is recorded. Members whose class sets ``parallel_safe = True``
 (remote servers) are called concurrently; local CPU members run one by one.
+
+Selection (``selection.py``): with a confidence ``gate`` the *leader* (the
+heaviest member, or the one named) drafts first and its draft wins alone when
+its own mean token probability reaches the gate; only otherwise do the others
+draft and vote. The degeneration ``guard`` keeps looping candidates from
+winning; ``prior="prompt"`` starts the voting weights from each member's bits
+per byte on the prompt; ``exit_votes="others"`` bases Model Exit on cross-votes.
 """
 
 from __future__ import annotations
@@ -23,6 +30,16 @@ from .errors import InvalidRequestError, MemberFailedError
 from .options import FusionOptions
 from .scoring import aggregate, exit_reason, hedge_update, model_exit, normalise, pick_winner, raw_score
 from .segments import apply_stops, cut_draft, tokens_covering
+from .selection import (
+    bits_per_byte,
+    cross_quality,
+    degeneration,
+    gate_passes,
+    guard_eligible,
+    mean_probability,
+    pick_leader,
+    prompt_weights,
+)
 from .types import (
     Candidate,
     Departure,
@@ -60,6 +77,7 @@ class _Seat:
     member: Member
     session: MemberSession | None = None
     quality: float = 0.0  # cumulative aggregate score of its drafts (Model Exit)
+    bpb: float | None = None  # bits per byte of the prompt (prompt-fit prior)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -140,6 +158,10 @@ def fuse(
     if not members:
         raise InvalidRequestError("no members to fuse", "give at least one model")
     seats = [_Seat(m.name, m) for m in members]
+    if options.leader != "auto" and options.leader not in {s.name for s in seats}:
+        raise InvalidRequestError(
+            f"leader {options.leader!r} is not a member", f"members: {', '.join(s.name for s in seats)}; or auto"
+        )
     caller = _Caller()
     run = _Run(seats, options, caller, weights)
     try:
@@ -167,6 +189,7 @@ class _Run:
         self.weights = {s.name: start.get(s.name, mean) for s in seats}
         self.stats = Stats(wins={s.name: 0 for s in seats})
         self.counters: dict[str, dict[str, int]] = {}  # backend work per member, at leaving
+        self.lead: str | None = None  # the gate's leader, fixed at its first round
 
     # --- membership ----------------------------------------------------------
     def leave(self, seat: _Seat) -> None:
@@ -226,6 +249,9 @@ class _Run:
                 "check the members' servers or files and retry",
             )
 
+        if self.options.prior == "prompt":
+            self._prompt_prior(messages)
+
         answer = ""
         segments: list[Segment] = []
         rounds: list[RoundRecord] = []
@@ -239,7 +265,7 @@ class _Run:
                 break
             round_no = stats.rounds + 1
             round_start = time.perf_counter()
-            record = self._round(round_no, answer, budget)
+            record = self._round(round_no, answer, budget, [seg.text for seg in segments[-8:]])
             if record is None:
                 stats.finish_reason = "length"
                 break
@@ -248,6 +274,7 @@ class _Run:
             stats.rounds = round_no
             stats.wins[chosen.model] += 1
             stats.tokens += chosen.n_tokens
+            stats.gated_rounds += record.gated
             if chosen.text:
                 segment = Segment(text=chosen.text, model=chosen.model, round=round_no)
                 segments.append(segment)
@@ -255,7 +282,7 @@ class _Run:
                     stats.time_to_first_segment_s = time.perf_counter() - started
                 yield SegmentEvent(segment)
             self._broadcast(chosen.text, round_no)
-            if options.exit and not chosen.finished:
+            if options.exit and not chosen.finished and not record.gated:
                 self._model_exit(round_no)
             record.departures = list(self.round_departures)
             record.total_s = time.perf_counter() - round_start
@@ -272,29 +299,100 @@ class _Run:
             text=answer, segments=segments, rounds=rounds, stats=stats,
             models=[s.name for s in self.seats], departures=self.departures,
             weights=dict(self.weights), counters=dict(self.counters),
+            prompt_bpb={s.name: s.bpb for s in self.seats if s.bpb is not None},
         ))
 
-    def _round(self, round_no: int, answer: str, budget: int) -> RoundRecord | None:
+    def _prompt_prior(self, messages: Sequence[Message]) -> None:
+        """Start the voting weights from how well each member predicts the prompt (PackLLM-sim).
+
+        Needs every active member's session to offer ``text_logprob``; otherwise
+        the weights stay as they were (uniform or carried).
+        """
+        text = "\n".join(m.content for m in messages if m.role != "assistant").strip()
+        seats = list(self.active)
+        if not text or not all(callable(getattr(s.session, "text_logprob", None)) for s in seats):
+            return
+        outcomes = self.caller.each(seats, "prompt", lambda s: s.session.text_logprob(text))
+        self.stats.model_calls += len(seats)
+        fits = self.survivors(seats, outcomes, 0, "prompt fit")
+        for seat, (logprob, n_bytes) in fits:
+            seat.bpb = bits_per_byte(logprob, n_bytes) if n_bytes else None
+        if all(seat.bpb is not None for seat, _ in fits):
+            prior = prompt_weights([seat.bpb for seat, _ in fits], self.options.prior_temperature)
+            self.weights.update((seat.name, w) for (seat, _), w in zip(fits, prior))
+
+    def _leader(self) -> _Seat | None:
+        """The member that drafts first under the gate.
+
+        The named one; with ``leader="auto"`` the largest member when every
+        active member states its parameter count, else the heaviest voter.
+        Chosen once per query (votes must not promote a member to leader); if
+        it departs, the next is chosen the same way among those left.
+        """
+        seat = next((s for s in self.active if s.name == self.lead), None)
+        if seat is None and self.active:
+            wanted = self.options.leader
+            seat = next((s for s in self.active if s.name == wanted), None) if self.lead is None else None
+            sizes = [getattr(s.member, "n_params", None) for s in self.active]
+            strength = sizes if all(isinstance(n, int) and n > 0 for n in sizes) else \
+                [self.weights[s.name] for s in self.active]
+            seat = seat or self.active[pick_leader(strength)]
+            self.lead = seat.name
+        return seat
+
+    def _draft(self, seats: Sequence[_Seat], n: int, answer: str, round_no: int) -> list[tuple[_Seat, _Draft]]:
+        options = self.options
+        outcomes = self.caller.each(seats, "draft", lambda s: s.session.draft(n, options.sampling))
+        self.stats.model_calls += len(seats)
+        return [
+            (seat, _cut(seat.name, tokens, answer, self._stops(seat)))
+            for seat, tokens in self.survivors(seats, outcomes, round_no, "draft")
+        ]
+
+    def _degenerates(self, answer: str, text: str, recent: Sequence[str]) -> str | None:
+        o = self.options
+        return degeneration(answer, text, recent, n=o.guard_ngram, share=o.guard_share) if o.guard else None
+
+    def _round(self, round_no: int, answer: str, budget: int, recent: Sequence[str]) -> RoundRecord | None:
         options, stats = self.options, self.stats
         self.round_departures = []
         for seat in self.active:
             seat.timings = {}
         calls_before = stats.model_calls
+        n = min(options.window, budget)
+
+        # 0. Gate: the leader drafts alone; a confident, non-looping draft wins outright.
+        leader = self._leader() if options.gate is not None and len(self.active) > 1 else None
+        early: list[tuple[_Seat, _Draft]] = []
+        confidence: float | None = None
+        if leader is not None:
+            early = self._draft([leader], n, answer, round_no)
+            if early:
+                d = early[0][1]
+                confidence = mean_probability(d.own_scores.logprobs) if d.own_scores else 0.0
+                if d.eligible and gate_passes(confidence, options.gate) and not self._degenerates(
+                    answer, d.candidate.text, recent
+                ):
+                    return RoundRecord(
+                        index=round_no, active=[leader.name], candidates=[d.candidate], raw_scores={},
+                        scores={}, weights={leader.name: 1.0}, aggregate=[1.0], winner_index=0,
+                        model_calls=stats.model_calls - calls_before, gated=True, leader=leader.name,
+                        confidence=confidence, draft_s={leader.name: leader.timings.get("draft", 0.0)},
+                    )
 
         # 1. Draft. If no draft is usable (e.g. all end mid-character), retry longer.
-        n = min(options.window, budget)
         while True:
-            seats = list(self.active)
-            outcomes = self.caller.each(seats, "draft", lambda s: s.session.draft(n, options.sampling))
-            stats.model_calls += len(seats)
-            drafted = [
-                (seat, _cut(seat.name, tokens, answer, self._stops(seat)))
-                for seat, tokens in self.survivors(seats, outcomes, round_no, "draft")
-            ]
+            done = {id(seat) for seat, _ in early}
+            fresh = self._draft([s for s in self.active if id(s) not in done], n, answer, round_no)
+            order = {id(s): i for i, s in enumerate(self.active)}
+            drafted = sorted(
+                [(seat, d) for seat, d in (*early, *fresh) if seat in self.active], key=lambda p: order[id(p[0])]
+            )
             if any(d.eligible for _, d in drafted) or n >= budget:
                 break
             for seat, _ in drafted:
                 seat.session.accept("")
+            early = []
             n = min(2 * n, budget)
         if not any(d.eligible for _, d in drafted):
             return None
@@ -321,7 +419,7 @@ class _Run:
         if not any(d.eligible for _, d in drafted):
             return None
 
-        # 3. Rank: normalise per verifier, weight, aggregate.
+        # 3. Rank: normalise per verifier, weight, aggregate; looping candidates may not win.
         names = [seat.name for seat, _ in drafted]
         raw: dict[str, list[float | None]] = {}
         normalised: dict[str, list[float]] = {}
@@ -339,9 +437,15 @@ class _Run:
             weights = hedge_update(weights, matrix, round_no, options.hedge_eta)
             self.weights.update(zip(names, weights))
         totals = aggregate(matrix, weights)
-        winner = pick_winner(totals, [d.eligible for _, d in drafted])
-        for (seat, _), total in zip(drafted, totals):
-            seat.quality += total
+        penalised = {
+            d.candidate.model: why
+            for _, d in drafted
+            if d.eligible and (why := self._degenerates(answer, d.candidate.text, recent))
+        }
+        eligible = guard_eligible([d.eligible for _, d in drafted], [d.candidate.model in penalised for _, d in drafted])
+        winner = pick_winner(totals, eligible)
+        for i, ((seat, _), total) in enumerate(zip(drafted, totals)):
+            seat.quality += cross_quality(matrix, weights, i) if options.exit_votes == "others" else total
 
         return RoundRecord(
             index=round_no,
@@ -355,6 +459,9 @@ class _Run:
             model_calls=stats.model_calls - calls_before,
             draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},
             verify_s={s.name: s.timings.get("verify", 0.0) for s, _ in drafted},
+            leader=leader.name if leader is not None else None,
+            confidence=confidence,
+            penalised=penalised,
         )
 
     def _stops(self, seat: _Seat) -> tuple[str, ...]:
@@ -380,6 +487,9 @@ class _Run:
             temperature=o.exit_temperature, fraction=o.exit_fraction, min_active=o.exit_min_active,
         )
         seats = list(self.active)
+        leader = self._leader() if o.gate is not None else None
         for i in leaving:
+            if seats[i] is leader:  # chosen by evidence the votes cannot inflate: it stays
+                continue
             self.depart(seats[i], round_no, "exit", exit_reason(quality, i, o.exit_temperature))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidRequestError
@@ -35,6 +37,18 @@ class FusionOptions(BaseModel):
     exit_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over cumulative quality")
     exit_fraction: float = Field(0.5, gt=0.0, le=1.0, description="exit if share < fraction / K_active")
     exit_min_active: int = Field(1, ge=1, description="never fewer active members than this")
+    exit_votes: Literal["all", "others"] = Field(
+        "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)")
+    # Selection that weak members cannot hijack (docs/results.md says which are on and why).
+    guard: bool = Field(False, description="a candidate repeating the answer's recent text may not win")
+    guard_ngram: int = Field(4, ge=2, le=16, description="word n-gram length of the degeneration guard")
+    guard_share: float = Field(0.75, gt=0.0, le=1.0, description="repeated n-gram share that penalises")
+    prior: Literal["uniform", "prompt"] = Field(
+        "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt")
+    prior_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over negative bits per byte")
+    gate: float | None = Field(
+        None, ge=0.0, description="the leader's draft wins alone when its mean token probability reaches this")
+    leader: str = Field("auto", min_length=1, description="member that drafts first under the gate; auto = heaviest")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -100,6 +100,10 @@ class RoundRecord:
     winner_index: int
     model_calls: int = 0
     departures: list[Departure] = field(default_factory=list)
+    gated: bool = False  # the leader's confident draft was accepted without a vote
+    leader: str | None = None  # the member that drafted first under the gate
+    confidence: float | None = None  # the leader's own mean token probability of its draft
+    penalised: dict[str, str] = field(default_factory=dict)  # candidate author -> why it could not win
     draft_s: dict[str, float] = field(default_factory=dict)
     verify_s: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
@@ -118,6 +122,7 @@ class RoundRecord:
 @dataclass
 class Stats:
     rounds: int = 0
+    gated_rounds: int = 0  # rounds the leader's draft won alone (confidence gate)
     model_calls: int = 0
     tokens: int = 0
     wins: dict[str, int] = field(default_factory=dict)
@@ -152,9 +157,11 @@ class Result:
     departures: list[Departure] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)  # voting weights at the end
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # backend work per member
+    prompt_bpb: dict[str, float] = field(default_factory=dict)  # members' bits per byte on the prompt
 
     def to_dict(self) -> dict:
         return {
+            "prompt_bpb": self.prompt_bpb,
             "text": self.text,
             "models": self.models,
             "segments": [asdict(s) for s in self.segments],

@@ -8,6 +8,12 @@ and whatever cache makes extending it cheap. A session does three things:
   pending until ``accept`` says what was kept;
 - ``score``: per-token log-probabilities of candidate texts on the context;
 - ``accept``: append the winning text to the context (dropping draft tails).
+
+Optional, used when present (a backend without them still works):
+- ``Member.n_params``: parameter count; the confidence gate's default leader
+  is the largest member when every member states its size;
+- ``MemberSession.text_logprob(text) -> (summed log-prob, bytes)``: how well
+  the member predicts a text on its own (prompt-fit voting weights).
 """
 
 from __future__ import annotations

@@ -182,6 +182,7 @@ class LlamaCppMember:
         self._model = model
         self._vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_params = int(lc.llama_model_n_params(model))  # the gate's default leader is the largest member
         ctx_params = lc.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
         ctx_params.n_batch = n_batch
@@ -491,6 +492,38 @@ class LlamaCppSession:
             self._verify(pending)
             results.update((t, self._verified[t].scores) for t in pending)
         return [results[t] for t in texts]
+
+    def text_logprob(self, text: str, max_tokens: int = 256) -> tuple[float, int]:
+        """How well this member predicts `text` on its own (prompt-fit weights).
+
+        Returns the summed natural-log probability of the first `max_tokens`
+        tokens of `text` after a newline (and BOS where the model uses one),
+        and the number of bytes they spell. Runs in a spare sequence of the
+        cache, before any candidate is verified; the session's context is
+        untouched.
+        """
+        m = self.m
+        if self._verified:
+            raise RuntimeError("text_logprob must run before candidates are verified")
+        anchor = m.tokenize("\n", add_special=True, parse_special=False)
+        ids = m.encode_continuation(text)[:max_tokens]
+        if not ids:
+            return 0.0, 0
+        seq, tokens = 1, anchor + ids
+        total, at, chunk = 0.0, 0, 64
+        try:
+            while at < len(tokens) - 1:
+                part = tokens[at : at + chunk]
+                rows = m.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
+                self.stats.decode_calls += 1
+                for r, row in enumerate(rows):
+                    target = at + r + 1  # row r predicts the token after part[r]
+                    if len(anchor) <= target < len(tokens):
+                        total += float(row[tokens[target]]) - m.softmax.lse(row)
+                at += len(part)
+        finally:
+            m.seq_rm(seq, -1, -1)
+        return total, len(b"".join(m.piece(t) for t in ids))
 
     def _forget_round(self) -> None:
         """Reference mode: nothing carries over from drafting to verifying."""

@@ -195,6 +195,7 @@ class TransformersMember:
         if self.device != "auto":
             self.model.to(self.device)
         self.model.eval()
+        self.n_params = int(self.model.num_parameters())  # the gate's default leader is the largest member
         self.input_device = self.model.get_input_embeddings().weight.device
         config = self.model.config.get_text_config()
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)

@@ -23,6 +23,7 @@ from statistics import fmean
 from typing import Any
 
 from ..errors import InvalidRequestError
+from ..selection import loops
 from .runner import read_records
 from .tasks import TASKS, Task
 
@@ -53,6 +54,8 @@ class Row:
     mean_tokens: float
     errors: int
     wins: dict[str, int]
+    at_limit: float = 0.0  # share of answers that ran out of tokens
+    looping: float = 0.0  # share of answers with a repeated word 8-gram (3 times or more)
 
     def rate(self, metric: str) -> float:
         k, n = self.accuracy[metric]
@@ -134,6 +137,8 @@ def summarise(
             mean_tokens=fmean(r.get("tokens") or 0 for r in chosen) if chosen else 0.0,
             errors=sum(1 for r in chosen if r.get("error")),
             wins=dict(wins),
+            at_limit=fmean(r.get("finish_reason") == "length" for r in chosen) if chosen else 0.0,
+            looping=fmean(loops(r.get("output") or "") for r in chosen) if chosen else 0.0,
         ))
     return rows, common
 
@@ -148,13 +153,14 @@ def table(task: Task, rows: Sequence[Row]) -> str:
     """A markdown table: accuracy with 95 % CI, mean time, time to first token, member calls."""
     metric_heads = [m.replace("_acc", "").replace("_", " ") for m in task.metrics]
     head = ["system", "n", *metric_heads, "mean time (s)", "time to first token (s)", "member calls",
-            "calls / round", "tokens"]
+            "calls / round", "tokens", "hit limit", "loops"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ttft = f"{row.mean_ttft_s:.2f}" if row.mean_ttft_s is not None else "–"
         cells = [f"`{row.system}`", str(row.n), *(_pct(row, m) for m in task.metrics),
                  f"{row.mean_total_s:.2f}", ttft, f"{row.mean_calls:.1f}",
-                 f"{row.calls_per_round:.2f}" if row.calls_per_round is not None else "–", f"{row.mean_tokens:.0f}"]
+                 f"{row.calls_per_round:.2f}" if row.calls_per_round is not None else "–", f"{row.mean_tokens:.0f}",
+                 f"{row.at_limit:.0%}", f"{row.looping:.0%}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -201,15 +207,15 @@ def paired(
 
 
 def comparisons(task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any]], common: Sequence[str]) -> str:
-    """Markdown lines: every engine preset against plain `specfuse`, the best member and `rerank`."""
+    """Markdown lines: every engine variant against the best member, `default`, plain `specfuse` and `rerank`."""
     names = [r.system for r in rows]
     members = [r for r in rows if r.system.startswith("member:")]
     best = max(members, key=lambda r: r.rate(task.primary)).system if members else None
-    presets = [n for n in names if n.startswith("specfuse")]
+    presets = [n for n in names if n != "rerank" and not n.startswith("member:")]
     by_key = latest(records)
     lines: list[str] = []
     for a in presets:
-        for b in dict.fromkeys(x for x in ("specfuse", best, "rerank") if x in names and x != a):
+        for b in dict.fromkeys(x for x in (best, "default", "specfuse", "rerank") if x in names and x != a):
             c = paired(task, by_key, common, a, b)
             lines.append(
                 f"| `{a}` | `{b}` | {c.difference:+.1%} | {c.only_a} | {c.only_b} | {c.p_value:.3f} |"

@@ -189,6 +189,8 @@ def run_one(task: Task, item: Any, system: str, context: ItemContext, settings: 
         temperature=settings.temperature,
         seed=settings.seed,
     )
+    if output.extra:
+        record["selection"] = output.extra
     return record
 
 

@@ -4,6 +4,13 @@ Built in:
 - ``specfuse``: plain fusion, no Model Exit, no Hedge (greedy or seeded as the run says);
 - ``specfuse+exit``, ``specfuse+hedge``, ``specfuse+exit+hedge``: with Model Exit and/or Hedge;
 - ``rerank``: the response-level ensemble (:func:`specfuse.baselines.rerank`);
+- ``specfuse+guard``: plain fusion with the degeneration guard;
+- ``specfuse+lead``: the selection study's gated engine (leader by prompt fit,
+  confidence gate, guard, prompt-fit prior; no Exit, no Hedge);
+- ``default``: the engine exactly as ``FusionOptions`` defaults it *at the time of the
+  run* (each record keeps the options it ran with);
+- ``fusion:KEY=VALUE/KEY=VALUE``: any FusionOptions variant, for screening
+  (e.g. ``fusion:gate=0.7/guard=true/prior=prompt``);
 - ``member:<name>``: one member alone (:func:`specfuse.baselines.member_alone`);
   ``members`` expands to every member.
 
@@ -25,6 +32,7 @@ from ..options import FusionOptions
 from ..types import Message, Sampling
 
 MEMBER_PREFIX = "member:"
+FUSION_PREFIX = "fusion:"
 
 
 @dataclass(frozen=True)
@@ -121,15 +129,41 @@ register("specfuse+exit", fusion_system(exit=True, hedge=False))
 register("specfuse+hedge", fusion_system(exit=False, hedge=True))
 register("specfuse+exit+hedge", fusion_system(exit=True, hedge=True))
 register("rerank", _rerank)
+# Everything the selection study switches, named: leader by prompt fit, gate, guard, prior.
+LEAD = dict(exit=False, hedge=False, guard=True, prior="prompt", gate=0.5, leader="auto")
+register("specfuse+guard", fusion_system(exit=False, hedge=False, guard=True))
+register("specfuse+lead", fusion_system(**LEAD))
+register("default", fusion_system())
+
+
+def parse_fusion(spec: str) -> dict[str, object]:
+    """``gate=0.7/guard=true/prior=prompt`` -> FusionOptions fields (validated when run)."""
+    values: dict[str, object] = {}
+    for part in filter(None, spec.split("/")):
+        key, sep, text = part.partition("=")
+        if not sep or key not in FusionOptions.model_fields:
+            raise InvalidRequestError(f"bad fusion option {part!r}", "write KEY=VALUE with a FusionOptions field")
+        lowered = text.lower()
+        value: object = {"true": True, "false": False, "none": None}.get(lowered, text)
+        if value is text:
+            try:
+                value = int(text) if text.lstrip("-").isdigit() else float(text)
+            except ValueError:
+                value = text
+        values[key] = value
+    FusionOptions.build(**values)  # fail early on a bad value
+    return values
 
 
 def get_system(name: str) -> SystemFn:
     if name.startswith(MEMBER_PREFIX):
         return _member(name[len(MEMBER_PREFIX):])
+    if name.startswith(FUSION_PREFIX):
+        return fusion_system(**parse_fusion(name[len(FUSION_PREFIX):]))
     try:
         return SYSTEMS[name]
     except KeyError:
-        known = ", ".join([*SYSTEMS, "members", f"{MEMBER_PREFIX}<name>"])
+        known = ", ".join([*SYSTEMS, "members", f"{MEMBER_PREFIX}<name>", f"{FUSION_PREFIX}KEY=VALUE/..."])
         raise InvalidRequestError(f"unknown system {name!r}", f"choose from {known}") from None
 
 

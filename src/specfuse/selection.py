@@ -1,0 +1,141 @@
+"""Pure functions that keep weak members from hijacking the answer (NOTES §6).
+
+- Degeneration guard: a candidate that repeats the answer's own recent text
+  (the likelihood trap: fluent loops score high under mean probability) may
+  not win while a non-repeating candidate is available.
+- Cross-votes: a member's quality for Model Exit counts only the *other*
+  members' votes on its drafts, so no member stays in by praising itself.
+- Prompt-fit weights (PackLLM-sim): per query, how well each member predicts
+  the prompt, in bits per byte so that tokenizers are comparable, turned into
+  voting weights by a softmax over negative bits per byte.
+- Confidence gate (GaC-style thresholding): the leader's draft is accepted
+  without a round when its own mean token probability reaches a threshold.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+_WORD = re.compile(r"\S+")
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def loops(text: str, n: int = 8, times: int = 3) -> bool:
+    """Whether some word n-gram occurs at least `times` times: the answer went round in a loop."""
+    words = _words(text)
+    counts: dict[tuple[str, ...], int] = {}
+    for i in range(len(words) - n + 1):
+        gram = tuple(words[i : i + n])
+        counts[gram] = counts.get(gram, 0) + 1
+        if counts[gram] >= times:
+            return True
+    return False
+
+
+def repeat_share(answer: str, text: str, n: int = 4) -> float:
+    """Share of the word n-grams that `text` completes which already occur in `answer`.
+
+    The n-grams are taken over ``answer + text`` and counted when they end in
+    `text`'s words, so a segment continuing a phrase is judged with its context.
+    0.0 when `text` completes no n-gram (too short to tell).
+    """
+    before = _words(answer)
+    words = before + _words(text)
+    first_new = len(before)
+    seen = {tuple(before[i : i + n]) for i in range(len(before) - n + 1)}
+    ends = range(max(n, first_new + 1), len(words) + 1)
+    grams = [tuple(words[end - n : end]) for end in ends]
+    if not grams:
+        return 0.0
+    return sum(1 for g in grams if g in seen) / len(grams)
+
+
+def degeneration(
+    answer: str, text: str, recent: Sequence[str], *, n: int = 4, share: float = 0.75, min_words: int = 3
+) -> str | None:
+    """Why `text` would make the answer loop, or None if it does not.
+
+    A candidate degenerates when it equals (ignoring surrounding whitespace) one
+    of the `recent` accepted segments, or when at least `share` of the word
+    n-grams it completes already occur in the answer. Candidates of fewer than
+    `min_words` words are never judged (short answers legitimately repeat).
+    """
+    stripped = text.strip()
+    if len(_words(stripped)) < min_words:
+        return None
+    if any(stripped == seg.strip() for seg in recent):
+        return "repeats an accepted segment"
+    value = repeat_share(answer, text, n)
+    if value >= share:
+        return f"{value:.0%} of its {n}-grams already in the answer"
+    return None
+
+
+def guard_eligible(eligible: Sequence[bool], penalised: Sequence[bool]) -> list[bool]:
+    """Candidates allowed to win: eligible and not penalised, unless that leaves none.
+
+    When every eligible candidate degenerates the guard steps aside (the round
+    must still produce text), and the ordinary ranking decides.
+    """
+    kept = [e and not p for e, p in zip(eligible, penalised)]
+    return kept if any(kept) else list(eligible)
+
+
+def cross_quality(normalised: Sequence[Sequence[float]], weights: Sequence[float], index: int) -> float:
+    """Candidate `index`'s score from every verifier but its own author.
+
+    ``normalised[j][i]`` is verifier j's normalised score of member i's draft
+    (same member order on both axes). The weighted mean over j != index, so
+    the value is comparable whatever the number of voters; 0.0 with no voter.
+    """
+    pairs = [(w, row[index]) for j, (w, row) in enumerate(zip(weights, normalised)) if j != index]
+    total = sum(w for w, _ in pairs)
+    if total <= 0.0:
+        return sum(v for _, v in pairs) / len(pairs) if pairs else 0.0
+    return sum(w * v for w, v in pairs) / total
+
+
+def bits_per_byte(logprob_sum: float, n_bytes: int) -> float:
+    """Negative log-likelihood in bits per UTF-8 byte (natural-log input)."""
+    if n_bytes <= 0:
+        raise ValueError("bits per byte needs at least one byte")
+    return -logprob_sum / (math.log(2.0) * n_bytes)
+
+
+def prompt_weights(bpb: Sequence[float], temperature: float) -> list[float]:
+    """PackLLM-sim weights: softmax(-bpb / temperature). Lower bits per byte, more weight."""
+    if not bpb:
+        return []
+    if temperature <= 0.0:
+        raise ValueError("temperature must be positive")
+    best = min(bpb)
+    exps = [math.exp(-(b - best) / temperature) for b in bpb]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def pick_leader(weights: Sequence[float]) -> int:
+    """Index of the heaviest member; ties go to the earliest listed."""
+    if not weights:
+        raise ValueError("no members")
+    return max(range(len(weights)), key=lambda i: (weights[i], -i))
+
+
+def mean_probability(logprobs: Sequence[float]) -> float:
+    """Mean per-token probability of a draft under its own author."""
+    if not logprobs:
+        return 0.0
+    return sum(math.exp(lp) for lp in logprobs) / len(logprobs)
+
+
+def gate_passes(confidence: float, threshold: float) -> bool:
+    """The leader goes alone when its confidence reaches the threshold (inclusive).
+
+    A threshold above 1 never passes: every round is a full round.
+    """
+    return confidence >= threshold

@@ -1,0 +1,76 @@
+"""Selection mechanisms on the three real embedded models (llama.cpp, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specfuse.engine import fuse
+from specfuse.options import FusionOptions
+from specfuse.scoring import aggregate, normalise, pick_winner, raw_score
+from specfuse.selection import degeneration, guard_eligible
+from specfuse.types import Message
+
+STORY = [Message("user", "Write two sentences about a cat.")]
+LOOP = " The cat sat on the mat."
+FRESH = " Then it jumped down and ran outside."
+ARITHMETIC = [Message("user", "Tom has 3 apples and buys 5 more. How many apples does he have now? "
+                              "Answer with the number.")]
+
+pytestmark = pytest.mark.models
+
+
+def test_a_looping_candidate_loses_to_a_fresh_one(default_ensemble):
+    """Real verifiers prefer the loop (the likelihood trap); the guard hands the round to the fresh text."""
+    answer = LOOP.strip() + LOOP * 2
+    candidates = [LOOP, FRESH]
+    members = default_ensemble.members
+    matrix = []
+    for i, member in enumerate(members):
+        session = member.start(STORY, seed=i, reserve=64)
+        try:
+            session.accept(answer)
+            scores = session.score(candidates)
+        finally:
+            session.close()
+        matrix.append(normalise([raw_score(s, "mean_prob") for s in scores], "mean_prob"))
+    totals = aggregate(matrix, [1 / len(members)] * len(members))
+    assert pick_winner(totals) == 0, "the real members no longer prefer the loop: the trap this guard is for"
+    penalised = [degeneration(answer, c, [LOOP]) is not None for c in candidates]
+    assert penalised == [True, False]
+    assert pick_winner(totals, guard_eligible([True, True], penalised)) == 1
+
+
+def test_prompt_fit_picks_a_leader_and_the_gate_skips_rounds(default_ensemble):
+    options = FusionOptions.build(max_tokens=48, temperature=0, exit=False, hedge=False, guard=True,
+                                  prior="prompt", gate=0.5)
+    result = list(fuse(default_ensemble.members, ARITHMETIC, options))[-1].result
+    names = default_ensemble.names
+    assert set(result.prompt_bpb) == set(names)
+    assert all(0.1 < v < 10 for v in result.prompt_bpb.values())  # bits per byte of English text
+    best = min(result.prompt_bpb, key=result.prompt_bpb.get)
+    assert max(result.weights, key=result.weights.get) == best
+    largest = max(default_ensemble.members, key=lambda m: m.n_params).name
+    assert largest == "qwen2.5-coder-0.5b"
+    assert all(r.leader == largest for r in result.rounds)
+    gated = [r for r in result.rounds if r.gated]
+    assert gated, "a confident leader should win some rounds alone"
+    for r in gated:
+        assert r.candidates[0].model == largest and r.confidence >= 0.5
+        assert r.model_calls == 1  # only the leader drafted
+    for r in result.rounds:
+        if not r.gated:
+            assert len(r.candidates) == len(names) and r.confidence < 0.5
+    assert result.stats.gated_rounds == len(gated)
+    assert "8" in result.text
+
+
+def test_gate_with_one_leader_reproduces_the_leader_alone(default_ensemble):
+    """A gate of 0 accepts every leader draft: the answer is the leader's own greedy answer."""
+    leader = default_ensemble.members[1]
+    alone = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False)
+    solo = list(fuse([leader], ARITHMETIC, alone))[-1].result
+    gated = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False, gate=0.0,
+                                leader=leader.name)
+    fused = list(fuse(default_ensemble.members, ARITHMETIC, gated))[-1].result
+    assert fused.text == solo.text
+    assert fused.stats.gated_rounds == fused.stats.rounds
