@@ -269,5 +269,5 @@ def test_the_guard_keeps_a_loop_from_winning():
     assert unguarded.text == loop + loop  # mean probability alone prefers the loop
     events, guarded = run(pair(), guard=True)
     second = [e for e in events if isinstance(e, RoundEvent)][1].record
-    assert second.penalised == {"a": "repeats an accepted segment"}
+    assert second.penalised == {"a": "repeats the last segment"}
     assert guarded.text == loop + fresh

@@ -18,13 +18,15 @@ from specfuse.selection import (
     repeat_share,
 )
 
-LOOPING_ANSWER = "She has 5 apples. Then she buys 3 more apples. Then she buys 3 more apples."
+LOOPING_ANSWER = "She has 5 apples. Then she buys 3 more apples. Then she buys 3 more apples. Then she buys 3 more"
+LAP = " apples. Then she buys 3 more"
 
 
 def test_repeat_share_counts_ngrams_completed_by_the_candidate():
-    assert repeat_share(LOOPING_ANSWER, " Then she buys 3 more apples.") == 1.0
-    assert repeat_share(LOOPING_ANSWER, " So 5 + 3 = 8 apples in total.") == 0.0
-    assert repeat_share("", "a b") == 0.0  # completes no 4-gram: cannot tell
+    assert repeat_share(LOOPING_ANSWER, LAP, n=6, times=2) == 1.0
+    assert repeat_share(LOOPING_ANSWER, LAP, n=6, times=3) < 0.2  # most of its 6-grams were seen twice, not thrice
+    assert repeat_share(LOOPING_ANSWER, " apples. So 5 + 3 = 8 apples in total.", n=4) < 0.2
+    assert repeat_share("", "a b") == 0.0  # completes no n-gram: cannot tell
 
 
 def test_repeat_share_judges_a_segment_with_its_context():
@@ -33,25 +35,34 @@ def test_repeat_share_judges_a_segment_with_its_context():
     assert share == pytest.approx(1 / 3)
 
 
-def test_a_repeated_candidate_is_penalised_and_a_fresh_one_is_not():
-    recent = [" Then she buys 3 more apples."]
-    assert degeneration(LOOPING_ANSWER, " Then she buys 3 more apples.", recent) == "repeats an accepted segment"
-    assert "4-grams" in degeneration(LOOPING_ANSWER, " then she buys 3 more", [])
-    assert degeneration(LOOPING_ANSWER, " So 5 + 3 = 8 apples.", recent) is None
+def test_a_looping_candidate_is_penalised_and_a_fresh_one_is_not():
+    assert "6-grams" in degeneration(LOOPING_ANSWER, LAP, "")
+    assert degeneration(LOOPING_ANSWER, " apples. So 5 + 3 = 8 apples.", " more apples.") is None
+
+
+def test_a_stutter_of_the_last_segment_is_penalised():
+    assert degeneration("Janet lays 16 eggs per day.", " She eats three eggs.", " She eats three eggs.") \
+        == "repeats the last segment"
+
+
+def test_restating_a_phrase_once_is_not_a_loop():
+    # Math answers name the same quantity again: that must not count as degeneration.
+    answer = "Janet lays 16 eggs per day. Step 2: find the number of eggs Janet lays per day."
+    assert degeneration(answer, " The number of eggs Janet lays per day is 16.", " per day.") is None
 
 
 def test_short_candidates_are_never_judged():
     # "= 8" repeats nothing worth stopping, and short answers legitimately repeat.
-    assert degeneration("The answer is 8. The answer is 8.", " 8.", [" 8."]) is None
+    assert degeneration("The answer is 8. The answer is 8.", " 8.", " 8.") is None
 
 
-def test_the_repeated_candidate_loses_even_with_the_best_score():
-    answer = LOOPING_ANSWER
-    candidates = [" Then she buys 3 more apples.", " So she has 8 apples."]
+def test_the_looping_candidate_loses_even_with_the_best_score():
+    candidates = [LAP, " apples. So she has 8 apples."]
     matrix = [normalise([0.9, 0.3], "mean_prob"), normalise([0.8, 0.4], "mean_prob")]
     totals = aggregate(matrix, [0.5, 0.5])
     assert pick_winner(totals) == 0  # mean probability alone prefers the loop
-    penalised = [degeneration(answer, c, candidates[:1]) is not None for c in candidates]
+    penalised = [degeneration(LOOPING_ANSWER, c, "") is not None for c in candidates]
+    assert penalised == [True, False]
     assert pick_winner(totals, guard_eligible([True, True], penalised)) == 1
 
 

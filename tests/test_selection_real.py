@@ -35,7 +35,7 @@ def test_a_looping_candidate_loses_to_a_fresh_one(default_ensemble):
         matrix.append(normalise([raw_score(s, "mean_prob") for s in scores], "mean_prob"))
     totals = aggregate(matrix, [1 / len(members)] * len(members))
     assert pick_winner(totals) == 0, "the real members no longer prefer the loop: the trap this guard is for"
-    penalised = [degeneration(answer, c, [LOOP]) is not None for c in candidates]
+    penalised = [degeneration(answer, c, LOOP) is not None for c in candidates]
     assert penalised == [True, False]
     assert pick_winner(totals, guard_eligible([True, True], penalised)) == 1
 

@@ -265,7 +265,7 @@ class _Run:
                 break
             round_no = stats.rounds + 1
             round_start = time.perf_counter()
-            record = self._round(round_no, answer, budget, [seg.text for seg in segments[-8:]])
+            record = self._round(round_no, answer, budget, segments[-1].text if segments else "")
             if record is None:
                 stats.finish_reason = "length"
                 break
@@ -349,11 +349,13 @@ class _Run:
             for seat, tokens in self.survivors(seats, outcomes, round_no, "draft")
         ]
 
-    def _degenerates(self, answer: str, text: str, recent: Sequence[str]) -> str | None:
+    def _degenerates(self, answer: str, text: str, last: str) -> str | None:
         o = self.options
-        return degeneration(answer, text, recent, n=o.guard_ngram, share=o.guard_share) if o.guard else None
+        if not o.guard:
+            return None
+        return degeneration(answer, text, last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
 
-    def _round(self, round_no: int, answer: str, budget: int, recent: Sequence[str]) -> RoundRecord | None:
+    def _round(self, round_no: int, answer: str, budget: int, last: str) -> RoundRecord | None:
         options, stats = self.options, self.stats
         self.round_departures = []
         for seat in self.active:
@@ -371,7 +373,7 @@ class _Run:
                 d = early[0][1]
                 confidence = mean_probability(d.own_scores.logprobs) if d.own_scores else 0.0
                 if d.eligible and gate_passes(confidence, options.gate) and not self._degenerates(
-                    answer, d.candidate.text, recent
+                    answer, d.candidate.text, last
                 ):
                     return RoundRecord(
                         index=round_no, active=[leader.name], candidates=[d.candidate], raw_scores={},
@@ -440,7 +442,7 @@ class _Run:
         penalised = {
             d.candidate.model: why
             for _, d in drafted
-            if d.eligible and (why := self._degenerates(answer, d.candidate.text, recent))
+            if d.eligible and (why := self._degenerates(answer, d.candidate.text, last))
         }
         eligible = guard_eligible([d.eligible for _, d in drafted], [d.candidate.model in penalised for _, d in drafted])
         winner = pick_winner(totals, eligible)

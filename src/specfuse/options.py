@@ -41,8 +41,9 @@ class FusionOptions(BaseModel):
         "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)")
     # Selection that weak members cannot hijack (docs/results.md says which are on and why).
     guard: bool = Field(False, description="a candidate repeating the answer's recent text may not win")
-    guard_ngram: int = Field(4, ge=2, le=16, description="word n-gram length of the degeneration guard")
-    guard_share: float = Field(0.75, gt=0.0, le=1.0, description="repeated n-gram share that penalises")
+    guard_ngram: int = Field(6, ge=2, le=32, description="word n-gram length of the degeneration guard")
+    guard_times: int = Field(2, ge=1, description="an n-gram seen this often already is a loop")
+    guard_share: float = Field(0.75, gt=0.0, le=1.0, description="share of looping n-grams that penalises")
     prior: Literal["uniform", "prompt"] = Field(
         "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt")
     prior_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over negative bits per byte")

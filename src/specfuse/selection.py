@@ -37,8 +37,8 @@ def loops(text: str, n: int = 8, times: int = 3) -> bool:
     return False
 
 
-def repeat_share(answer: str, text: str, n: int = 4) -> float:
-    """Share of the word n-grams that `text` completes which already occur in `answer`.
+def repeat_share(answer: str, text: str, n: int = 6, times: int = 1) -> float:
+    """Share of the word n-grams that `text` completes which occur `times` times or more in `answer`.
 
     The n-grams are taken over ``answer + text`` and counted when they end in
     `text`'s words, so a segment continuing a phrase is judged with its context.
@@ -47,32 +47,37 @@ def repeat_share(answer: str, text: str, n: int = 4) -> float:
     before = _words(answer)
     words = before + _words(text)
     first_new = len(before)
-    seen = {tuple(before[i : i + n]) for i in range(len(before) - n + 1)}
+    counts: dict[tuple[str, ...], int] = {}
+    for i in range(len(before) - n + 1):
+        gram = tuple(before[i : i + n])
+        counts[gram] = counts.get(gram, 0) + 1
     ends = range(max(n, first_new + 1), len(words) + 1)
     grams = [tuple(words[end - n : end]) for end in ends]
     if not grams:
         return 0.0
-    return sum(1 for g in grams if g in seen) / len(grams)
+    return sum(1 for g in grams if counts.get(g, 0) >= times) / len(grams)
 
 
 def degeneration(
-    answer: str, text: str, recent: Sequence[str], *, n: int = 4, share: float = 0.75, min_words: int = 3
+    answer: str, text: str, last: str = "", *, n: int = 6, times: int = 2, share: float = 0.75,
+    min_words: int = 3,
 ) -> str | None:
     """Why `text` would make the answer loop, or None if it does not.
 
-    A candidate degenerates when it equals (ignoring surrounding whitespace) one
-    of the `recent` accepted segments, or when at least `share` of the word
-    n-grams it completes already occur in the answer. Candidates of fewer than
-    `min_words` words are never judged (short answers legitimately repeat).
+    Restating a phrase once is normal (math and instructions reuse names and
+    units), so only a loop counts: the candidate repeats the `last` accepted
+    segment word for word (a stutter), or at least `share` of the word n-grams
+    it completes have already occurred `times` times (the answer is entering
+    another lap). Candidates of fewer than `min_words` words are never judged.
     """
     stripped = text.strip()
     if len(_words(stripped)) < min_words:
         return None
-    if any(stripped == seg.strip() for seg in recent):
-        return "repeats an accepted segment"
-    value = repeat_share(answer, text, n)
+    if last and stripped == last.strip():
+        return "repeats the last segment"
+    value = repeat_share(answer, text, n, times)
     if value >= share:
-        return f"{value:.0%} of its {n}-grams already in the answer"
+        return f"{value:.0%} of its {n}-grams already seen {times}+ times"
     return None
 
 
