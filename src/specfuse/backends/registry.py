@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnknownModelError
+from ..extras import require
 from .base import Member
 
 BACKENDS: dict[str, str] = {
@@ -49,11 +50,17 @@ class MemberSpec:
         return cls("llama_cpp", text, options)
 
 
+# backend -> the optional extra it needs (the llama.cpp backend is in the core)
+BACKEND_EXTRAS: dict[str, str] = {"transformers": "hf", "remote": "remote"}
+
+
 def _loader(backend: str) -> Callable[..., Member]:
     try:
         module_name, _, attr = BACKENDS[backend].partition(":")
     except KeyError:
         raise UnknownModelError(f"unknown backend {backend!r}", f"known: {', '.join(BACKENDS)}") from None
+    if backend in BACKEND_EXTRAS:
+        require(BACKEND_EXTRAS[backend], f"{backend}: members")
     return getattr(importlib.import_module(module_name), attr)
 
 

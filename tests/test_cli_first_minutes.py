@@ -1,0 +1,97 @@
+"""The command line as a newcomer meets it: piped prompts, the model list, missing extras."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specfuse import models as catalogue
+
+SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+QWEN = ["-m", "qwen2.5-coder-0.5b", "--threads", "1", "--temperature", "0", "--json"]
+
+
+def specfuse(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*SPECFUSE, *args], input=stdin if stdin is not None else "", capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.models
+def test_the_prompt_can_be_piped_in():
+    done = specfuse("generate", "--max-tokens", "6", *QWEN, stdin="What is 2+2? Answer with the number only.")
+    assert done.returncode == 0, done.stderr
+    assert "4" in json.loads(done.stdout)["text"]
+
+
+@pytest.mark.models
+def test_a_piped_document_and_a_prompt_make_one_message():
+    done = specfuse("generate", "What is the secret word? Answer with the word only.", "--max-tokens", "8", *QWEN,
+                    stdin="The secret word is PINEAPPLE.")
+    assert done.returncode == 0, done.stderr
+    assert "pineapple" in json.loads(done.stdout)["text"].lower()
+
+
+def test_dash_with_nothing_piped_is_a_clear_error():
+    done = specfuse("generate", "-")
+    assert done.returncode == 2
+    assert "standard input" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_no_prompt_at_all_is_a_clear_error():
+    done = specfuse("generate")
+    assert done.returncode == 2
+    assert "no prompt given" in done.stderr
+
+
+def test_the_model_list_never_cuts_a_name_at_80_columns():
+    done = specfuse("models", env={"COLUMNS": "80"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines[:12]) <= 80  # the table fits the terminal
+    for name in catalogue.CATALOGUE:
+        assert any(name in line for line in lines), name
+        assert any(line.startswith(f"{name}: ") for line in lines)  # its file (or install line) on its own line
+
+
+def test_the_model_list_as_json_and_paths():
+    rows = json.loads(specfuse("models", "--json").stdout)
+    assert [r["name"] for r in rows] == list(catalogue.CATALOGUE)
+    assert {"name", "ready", "path", "install", "default"} <= set(rows[0])
+    paths = specfuse("models", "--paths").stdout.splitlines()
+    assert [line.split("\t")[0] for line in paths] == list(catalogue.CATALOGUE)
+
+
+BLOCKED = """
+import sys
+
+class Missing:
+    '''Pretend these modules are not installed, as in a core-only environment.'''
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Missing())
+sys.argv = ["specfuse", *{args!r}]
+from specfuse.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("args, blocked, extra", [
+    (["serve"], {"fastapi"}, "server"),
+    (["eval", "gsm8k", "--limit", "1"], {"lm_eval"}, "eval"),
+    (["bench"], {"matplotlib"}, "bench"),
+    (["generate", "hi", "-m", "transformers:/nowhere"], {"transformers"}, "hf"),
+])
+def test_a_missing_extra_says_which_pip_line_fixes_it(args, blocked, extra):
+    done = subprocess.run([sys.executable, "-c", BLOCKED.format(blocked=blocked, args=args)], input="",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    message = done.stderr.strip()
+    assert len(message.splitlines()) == 1 and "Traceback" not in message
+    assert f"pip install 'specfuse[{extra}]'" in message
