@@ -169,7 +169,7 @@ def score_gsm8k(item: Item, output: str) -> dict[str, Any]:
 GSM8K = Task(
     name="gsm8k",
     default_data="gsm8k/test_first1000.jsonl",
-    default_max_tokens=256,
+    default_max_tokens=512,
     primary="exact_match",
     metrics=("exact_match",),
     parse=_gsm8k_parse,
@@ -210,7 +210,7 @@ def score_ifeval(item: Item, output: str) -> dict[str, Any]:
 IFEVAL = Task(
     name="ifeval",
     default_data="ifeval/input_data_dev.jsonl",
-    default_max_tokens=384,
+    default_max_tokens=512,
     primary="prompt_level_strict_acc",
     metrics=IFEVAL_PROMPT_METRICS + IFEVAL_INST_METRICS,
     parse=_ifeval_parse,
