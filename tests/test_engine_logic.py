@@ -58,7 +58,7 @@ class ScriptedMember:
 
 def run(members, **options):
     # Plain fusion unless a test asks for Model Exit or Hedge: these tests check the round mechanics.
-    options = {"exit": False, "hedge": False, **options}
+    options = {"exit": False, "hedge": False, "gate": None, "guard": False, **options}  # plain fusion
     events = list(fuse(members, [Message("user", "q")], FusionOptions.build(**options)))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result

@@ -25,13 +25,14 @@ class FusionOptions(BaseModel):
     self_score: bool = Field(True, description="members also score their own draft")
     stop: tuple[str, ...] = Field((), description="stop strings; the answer ends before them")
     ignore_eos: bool = Field(False, description="run to max_tokens: no end-of-generation, no member stops")
-    # Online feedback (SpecEM): per-member voting weights updated every round.
-    # Hedge and Model Exit are on by default: the evaluation in docs/results.md chose them.
-    hedge: bool = Field(True, description="update voting weights with Hedge each round")
+    # Online feedback (SpecEM): per-member voting weights updated every round. Off by default since the
+    # 512-token study (docs/results.md): with the confidence gate the votes are rare, and Hedge learned
+    # from the same votes that let weak members hijack the answer.
+    hedge: bool = Field(False, description="update voting weights with Hedge each round")
     hedge_eta: float = Field(1.0, gt=0.0, description="Hedge learning rate eta0")
     hedge_persist: bool = Field(False, description="carry weights across queries of one Ensemble")
     # Model Exit: members whose cumulative quality falls behind stop for the rest of the query.
-    exit: bool = Field(True, description="let lagging members exit within a query")
+    exit: bool = Field(False, description="let lagging members exit within a query")
     exit_warmup: int = Field(3, ge=1, description="rounds before any member may exit")
     exit_entropy: float = Field(0.9, gt=0.0, le=1.0, description="exit only below this normalised entropy")
     exit_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over cumulative quality")
@@ -40,15 +41,17 @@ class FusionOptions(BaseModel):
     exit_votes: Literal["all", "others"] = Field(
         "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)")
     # Selection that weak members cannot hijack (docs/results.md says which are on and why).
-    guard: bool = Field(False, description="a candidate repeating the answer's recent text may not win")
+    guard: bool = Field(True, description="a candidate that makes the answer loop may not win")
     guard_ngram: int = Field(6, ge=2, le=32, description="word n-gram length of the degeneration guard")
     guard_times: int = Field(2, ge=1, description="an n-gram seen this often already is a loop")
     guard_share: float = Field(0.75, gt=0.0, le=1.0, description="share of looping n-grams that penalises")
     prior: Literal["uniform", "prompt"] = Field(
         "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt")
     prior_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over negative bits per byte")
+    # The default engine: the largest member leads and its confident drafts win alone (docs/results.md).
     gate: float | None = Field(
-        None, ge=0.0, description="the leader's draft wins alone when its mean token probability reaches this")
+        0.5, ge=0.0, description="the leader's draft wins alone when its mean token probability reaches this; "
+        "None = every round is a full vote")
     leader: str = Field("auto", min_length=1, description="member that drafts first under the gate; auto = heaviest")
 
     @field_validator("stop", mode="before")

@@ -5,8 +5,8 @@ Built in:
 - ``specfuse+exit``, ``specfuse+hedge``, ``specfuse+exit+hedge``: with Model Exit and/or Hedge;
 - ``rerank``: the response-level ensemble (:func:`specfuse.baselines.rerank`);
 - ``specfuse+guard``: plain fusion with the degeneration guard;
-- ``specfuse+lead``: the selection study's gated engine (leader by prompt fit,
-  confidence gate, guard, prompt-fit prior; no Exit, no Hedge);
+- ``specfuse+lead``: the selection study's gated engine (the largest member leads,
+  confidence gate 0.5, guard; no Exit, no Hedge): the default engine since that study;
 - ``default``: the engine exactly as ``FusionOptions`` defaults it *at the time of the
   run* (each record keeps the options it ran with);
 - ``fusion:KEY=VALUE/KEY=VALUE``: any FusionOptions variant, for screening
@@ -124,14 +124,15 @@ def _member(name: str) -> SystemFn:
 
 # Presets name their switches explicitly, so a recorded "specfuse" stays plain fusion whatever
 # the engine's defaults; the knobs of Model Exit and Hedge are the documented option defaults.
-register("specfuse", fusion_system(exit=False, hedge=False))
-register("specfuse+exit", fusion_system(exit=True, hedge=False))
-register("specfuse+hedge", fusion_system(exit=False, hedge=True))
-register("specfuse+exit+hedge", fusion_system(exit=True, hedge=True))
+PLAIN = dict(exit=False, hedge=False, guard=False, gate=None, prior="uniform")  # the paper's method
+register("specfuse", fusion_system(**PLAIN))
+register("specfuse+exit", fusion_system(**{**PLAIN, "exit": True}))
+register("specfuse+hedge", fusion_system(**{**PLAIN, "hedge": True}))
+register("specfuse+exit+hedge", fusion_system(**{**PLAIN, "exit": True, "hedge": True}))
 register("rerank", _rerank)
 # Everything the selection study switches, named: leader by prompt fit, gate, guard, prior.
-LEAD = dict(exit=False, hedge=False, guard=True, prior="prompt", gate=0.5, leader="auto")
-register("specfuse+guard", fusion_system(exit=False, hedge=False, guard=True))
+LEAD = dict(exit=False, hedge=False, guard=True, prior="uniform", gate=0.5, leader="auto", exit_votes="all")
+register("specfuse+guard", fusion_system(**{**PLAIN, "guard": True}))
 register("specfuse+lead", fusion_system(**LEAD))
 register("default", fusion_system())
 
