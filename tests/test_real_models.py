@@ -182,7 +182,7 @@ def test_gguf_path_member_and_duplicate_names(default_ensemble):
 
 def test_cli_json_output():
     proc = subprocess.run(
-        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--max-tokens", "24", "--seed", "1",
+        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--no-gate", "--max-tokens", "24", "--seed", "1",
          "Name three primary colors."],
         capture_output=True, text=True, timeout=300,
     )
@@ -200,7 +200,7 @@ def test_cli_json_output():
 def test_cli_json_with_exit_and_hedge_shows_weights_and_exits_per_round():
     # Default Model Exit knobs on a GSM8K-style question: the lagging members leave after warm-up.
     proc = subprocess.run(
-        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--exit", "--hedge", "--temperature", "0",
+        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--no-gate", "--exit", "--hedge", "--temperature", "0",
          "--max-tokens", "64", "--threads", "1",
          "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?"],
         capture_output=True, text=True, timeout=300,

@@ -154,6 +154,8 @@ def read_prompt(prompt: str | None) -> str:
             raise SpecFuseError("`-` reads the prompt from standard input, which is empty",
                                 "pipe a text in: echo 'What is 2+2?' | specfuse generate -")
     parts = [p for p in (piped, (prompt or "").strip()) if p]
+    if not parts and prompt is not None:
+        raise SpecFuseError("the prompt is empty", "write a question, or pipe a text in")
     if not parts:
         raise SpecFuseError("no prompt given", "pass it as an argument or pipe it in: echo 'What is 2+2?' | specfuse generate")
     return "\n\n".join(parts)

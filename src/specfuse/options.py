@@ -71,7 +71,8 @@ class FusionOptions(BaseModel):
     @classmethod
     def build(cls, **values: object) -> "FusionOptions":
         """Validate `values`, raising InvalidRequestError with a readable message."""
-        values = {k: v for k, v in values.items() if v is not None or k == "seed"}
+        # None means "not given" except where it is a value of its own (no seed, no gate).
+        values = {k: v for k, v in values.items() if v is not None or k in ("seed", "gate")}
         try:
             return cls(**values)
         except ValidationError as exc:
