@@ -331,3 +331,37 @@ def test_lm_eval_cli_runs_a_local_task_with_the_specfuse_model():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "|specfuse_gsm8k|" in done.stdout and "exact_match" in done.stdout
 
+
+
+# --- selection study: screening systems and the report's loop columns ---------------
+
+
+def test_fusion_systems_parse_options_and_refuse_bad_ones():
+    from specfuse.eval.systems import get_system, parse_fusion
+
+    assert parse_fusion("gate=0.7/guard=true/exit=false/prior=prompt/leader=qwen") == {
+        "gate": 0.7, "guard": True, "exit": False, "prior": "prompt", "leader": "qwen"}
+    assert parse_fusion("gate=none/window=6") == {"gate": None, "window": 6}
+    get_system("fusion:gate=0.5/guard=true")  # resolves to a runnable system
+    with pytest.raises(InvalidRequestError, match="bad fusion option"):
+        parse_fusion("gates=0.5")
+    with pytest.raises(InvalidRequestError, match="invalid option"):
+        parse_fusion("gate=-1")
+    assert resolve_systems("member:a,fusion:gate=0.8/guard=true", ["a"]) == ["member:a", "fusion:gate=0.8/guard=true"]
+
+
+def test_report_counts_answers_at_the_limit_and_looping_answers():
+    loop = "The total is 5 apples and 3 pears. " * 4
+    def rec(i, system, ok, output, finish):
+        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
+                "total_s": 1.0, "ttft_s": 0.5, "member_calls": 3, "tokens": 10, "output": output,
+                "finish_reason": finish}
+
+    records = [rec(0, "member:a", True, "The answer is 8.", "stop"), rec(1, "member:a", False, loop, "length"),
+               rec(0, "default", True, "The answer is 8.", "stop"), rec(1, "default", True, "So 8.", "stop")]
+    rows, common = summarise(GSM8K, records)
+    by = {r.system: r for r in rows}
+    assert (by["member:a"].at_limit, by["member:a"].looping) == (0.5, 0.5)
+    assert (by["default"].at_limit, by["default"].looping) == (0.0, 0.0)
+    text = comparisons(GSM8K, rows, records, common)
+    assert "| `default` | `member:a` | +50.0% | 1 | 0 | 1.000 |" in text  # every engine variant vs the best member
