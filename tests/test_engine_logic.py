@@ -271,3 +271,21 @@ def test_the_guard_keeps_a_loop_from_winning():
     second = [e for e in events if isinstance(e, RoundEvent)][1].record
     assert second.penalised == {"a": "repeats the last segment"}
     assert guarded.text == loop + fresh
+
+
+def test_the_guard_gives_up_when_every_candidate_loops():
+    """Votes cost time; after `guard_patience` votes where all loop, the confident leader goes alone again."""
+    lap = " one two three four."
+
+    def looping_pair():
+        strong = FittedSession([([lap.encode()], False)] * 9 + [([b""], True)], {lap: 0.9, "": 0.9}, bpb=0.8)
+        weak = FittedSession([([lap.encode()], False)] * 9 + [([b""], True)], {lap: 0.9, "": 0.9}, bpb=1.4)
+        return strong, weak, [ScriptedMember("strong", strong), ScriptedMember("weak", weak)]
+
+    strong, weak, members = looping_pair()
+    events, result = run(members, gate=0.5, guard=True, guard_patience=2, prior="prompt", max_tokens=9)
+    records = [e.record for e in events if isinstance(e, RoundEvent)]
+    # round 1 is gated (nothing to repeat yet); rounds 2 and 3 vote and find everyone looping; then alone again
+    assert [r.gated for r in records][:5] == [True, False, False, True, True]
+    assert all(len(r.penalised) == 2 for r in records[1:3])
+    assert weak.drafted == 2

@@ -190,6 +190,7 @@ class _Run:
         self.stats = Stats(wins={s.name: 0 for s in seats})
         self.counters: dict[str, dict[str, int]] = {}  # backend work per member, at leaving
         self.lead: str | None = None  # the gate's leader, fixed at its first round
+        self.hopeless = 0  # votes in a row in which every candidate looped (guard patience)
 
     # --- membership ----------------------------------------------------------
     def leave(self, seat: _Seat) -> None:
@@ -372,8 +373,10 @@ class _Run:
             if early:
                 d = early[0][1]
                 confidence = mean_probability(d.own_scores.logprobs) if d.own_scores else 0.0
-                if d.eligible and gate_passes(confidence, options.gate) and not self._degenerates(
-                    answer, d.candidate.text, last
+                # A looping draft goes to a vote, unless votes have shown that everyone loops here.
+                patient = self.hopeless < options.guard_patience
+                if d.eligible and gate_passes(confidence, options.gate) and not (
+                    patient and self._degenerates(answer, d.candidate.text, last)
                 ):
                     return RoundRecord(
                         index=round_no, active=[leader.name], candidates=[d.candidate], raw_scores={},
@@ -445,6 +448,9 @@ class _Run:
             if d.eligible and (why := self._degenerates(answer, d.candidate.text, last))
         }
         eligible = guard_eligible([d.eligible for _, d in drafted], [d.candidate.model in penalised for _, d in drafted])
+        looping = [d.eligible and d.candidate.model in penalised for _, d in drafted]
+        everyone_loops = any(looping) and all(lp for lp, (_, d) in zip(looping, drafted) if d.eligible)
+        self.hopeless = self.hopeless + 1 if everyone_loops else 0
         winner = pick_winner(totals, eligible)
         for i, ((seat, _), total) in enumerate(zip(drafted, totals)):
             seat.quality += cross_quality(matrix, weights, i) if options.exit_votes == "others" else total
