@@ -71,7 +71,7 @@ function showRound(span, round) {
     el("th", { textContent: "total" }), ...verifiers.map((v) => el("th", { textContent: `by ${v}`, title: "normalised score from this verifier" })));
   const rows = round.candidates.map((cand, i) => el("tr", { className: i === round.winner_index ? "won" : "" },
     el("td", {}, el("span", { className: "swatch", style: { background: colour(cand.model) } }), cand.model, i === round.winner_index ? " ✓" : ""),
-    el("td", { className: "text", textContent: shown(cand) }),
+    el("td", { className: "text", textContent: shown(cand) + (round.penalised && round.penalised[cand.model] ? ` (held back: ${round.penalised[cand.model]})` : "") }),
     el("td", { textContent: fmt(round.aggregate[i]) }),
     ...verifiers.map((v) => el("td", { textContent: fmt(round.scores[v][i]) }))));
   // Weights are worth showing only once Hedge has moved them off uniform.
@@ -80,7 +80,9 @@ function showRound(span, round) {
   const weights = moved ? Object.entries(round.weights).map(([m, w]) => `${m} ${w.toFixed(2)}`).join(", ") : "";
   const tip = $("tip");
   tip.replaceChildren(
-    el("div", { className: "caption", textContent: `round ${round.index} · won by ${round.winner}` + (weights ? ` · weights: ${weights}` : "") }),
+    el("div", { className: "caption", textContent: `round ${round.index} · won by ${round.winner}` + (weights ? ` · weights: ${weights}` : "") +
+      (round.gated ? ` · alone: the leader was confident (${fmt(round.confidence)})` : "") +
+      (!round.gated && round.leader ? ` · put to a vote (leader ${round.leader}, confidence ${fmt(round.confidence)})` : "") }),
     el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
   tip.hidden = false;
   const box = span.getBoundingClientRect();
