@@ -245,3 +245,12 @@ def test_ignore_eos_runs_to_the_window(hf_member, remote_member):
             session.close()
         assert ended.finished  # the question is answered within 12 tokens...
         assert not forced.finished and len(forced.pieces) == 12  # ...unless ending is banned
+
+
+
+def test_prompt_fit_prior_falls_back_to_uniform_with_a_remote_member(server_url):
+    """Remote members cannot measure prompt fit yet: the prior stays uniform instead of failing."""
+    with Ensemble([f"remote:{server_url}#smol-remote", "smollm2-135m"], threads=1) as ensemble:
+        result = ensemble.generate("Name a colour.", max_tokens=6, seed=1, prior="prompt", gate=None)
+    assert result.prompt_bpb == {}
+    assert result.text.strip()

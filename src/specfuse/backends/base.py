@@ -13,7 +13,8 @@ Optional, used when present (a backend without them still works):
 - ``Member.n_params``: parameter count; the confidence gate's default leader
   is the largest member when every member states its size;
 - ``MemberSession.text_logprob(text) -> (summed log-prob, bytes)``: how well
-  the member predicts a text on its own (prompt-fit voting weights).
+  the member predicts a text on its own (prompt-fit voting weights); llama.cpp
+  members have it, and an ensemble with a member without it keeps its weights.
 """
 
 from __future__ import annotations

@@ -402,13 +402,6 @@ class RemoteSession:
         self.stats["requests"] += 1 if self.m.batch else len(ends)
         return _logsumexp([_tail(e.entries, e.n_generated, 0, last=1)[0] for e in echoes])
 
-    def text_logprob(self, text: str) -> tuple[float, int]:
-        """How well this member predicts `text` after a newline: (summed log-prob, bytes)."""
-        echo = self.m._echo(["\n" + text])[0]
-        self.stats["requests"] += 1
-        lps = _tail(echo.entries, echo.n_generated, len(text))
-        return float(sum(lps)), len(text.encode("utf-8"))
-
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
         unique = [t for t in dict.fromkeys(texts) if t]
         results: dict[str, TokenScores] = {}
