@@ -51,9 +51,13 @@ def test_restating_a_phrase_once_is_not_a_loop():
     assert degeneration(answer, " The number of eggs Janet lays per day is 16.", " per day.") is None
 
 
-def test_short_candidates_are_never_judged():
-    # "= 8" repeats nothing worth stopping, and short answers legitimately repeat.
+def test_short_candidates_are_judged_by_context_not_stutter():
+    # A short repeat is not a stutter ("8." twice can be fine) ...
     assert degeneration("The answer is 8. The answer is 8.", " 8.", " 8.") is None
+    # ... but a short candidate that continues a loop is a loop.
+    loop = "SOFTWARE ENGINEER, " * 6
+    assert degeneration(loop, " SOFTWARE ENGINEER,", " SOFTWARE") is not None
+    assert degeneration(loop, " and a designer.", " SOFTWARE") is None
 
 
 def test_the_looping_candidate_loses_even_with_the_best_score():

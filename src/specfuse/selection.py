@@ -65,15 +65,16 @@ def degeneration(
     """Why `text` would make the answer loop, or None if it does not.
 
     Restating a phrase once is normal (math and instructions reuse names and
-    units), so only a loop counts: the candidate repeats the `last` accepted
-    segment word for word (a stutter), or at least `share` of the word n-grams
-    it completes have already occurred `times` times (the answer is entering
-    another lap). Candidates of fewer than `min_words` words are never judged.
+    units), so only a loop counts: at least `share` of the word n-grams the
+    candidate completes have already occurred `times` times (the answer is
+    entering another lap; judged with the answer's context, so a two-word
+    candidate continuing a loop counts too), or a candidate of `min_words`
+    words or more repeats the `last` accepted segment word for word (a stutter).
     """
     stripped = text.strip()
-    if len(_words(stripped)) < min_words:
+    if not _words(stripped):
         return None
-    if last and stripped == last.strip():
+    if last and stripped == last.strip() and len(_words(stripped)) >= min_words:
         return "repeats the last segment"
     value = repeat_share(answer, text, n, times)
     if value >= share:
