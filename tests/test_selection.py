@@ -10,6 +10,7 @@ from specfuse.selection import (
     cross_quality,
     degeneration,
     gate_passes,
+    continues_loop,
     guard_eligible,
     loops,
     mean_probability,
@@ -51,13 +52,15 @@ def test_restating_a_phrase_once_is_not_a_loop():
     assert degeneration(answer, " The number of eggs Janet lays per day is 16.", " per day.") is None
 
 
-def test_short_candidates_are_judged_by_context_not_stutter():
-    # A short repeat is not a stutter ("8." twice can be fine) ...
+def test_short_candidates_are_not_penalised_but_count_as_continuing_a_loop():
+    # "8." twice can be fine, and two words are too little to hold a candidate back on ...
     assert degeneration("The answer is 8. The answer is 8.", " 8.", " 8.") is None
-    # ... but a short candidate that continues a loop is a loop.
     loop = "SOFTWARE ENGINEER, " * 6
-    assert degeneration(loop, " SOFTWARE ENGINEER,", " SOFTWARE") is not None
-    assert degeneration(loop, " and a designer.", " SOFTWARE") is None
+    assert degeneration(loop, " SOFTWARE ENGINEER,", "") is None
+    # ... but winning with them keeps the answer in its loop (guard patience counts that).
+    assert continues_loop(loop, " SOFTWARE ENGINEER,")
+    assert not continues_loop(loop, " and a designer.")
+    assert not continues_loop(loop, "")
 
 
 def test_the_looping_candidate_loses_even_with_the_best_score():

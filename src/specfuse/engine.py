@@ -32,6 +32,7 @@ from .scoring import aggregate, exit_reason, hedge_update, model_exit, normalise
 from .segments import apply_stops, cut_draft, tokens_covering
 from .selection import (
     bits_per_byte,
+    continues_loop,
     cross_quality,
     degeneration,
     gate_passes,
@@ -448,10 +449,13 @@ class _Run:
             if d.eligible and (why := self._degenerates(answer, d.candidate.text, last))
         }
         eligible = guard_eligible([d.eligible for _, d in drafted], [d.candidate.model in penalised for _, d in drafted])
-        looping = [d.eligible and d.candidate.model in penalised for _, d in drafted]
-        everyone_loops = any(looping) and all(lp for lp, (_, d) in zip(looping, drafted) if d.eligible)
-        self.hopeless = self.hopeless + 1 if everyone_loops else 0
         winner = pick_winner(totals, eligible)
+        # Guard patience: a vote whose winner still loops (penalised, or however short continuing a loop)
+        # is a vote the guard lost.
+        won = drafted[winner][1].candidate
+        stuck = options.guard and (won.model in penalised or continues_loop(
+            answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share))
+        self.hopeless = self.hopeless + 1 if stuck else 0
         for i, ((seat, _), total) in enumerate(zip(drafted, totals)):
             seat.quality += cross_quality(matrix, weights, i) if options.exit_votes == "others" else total
 

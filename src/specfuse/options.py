@@ -46,8 +46,8 @@ class FusionOptions(BaseModel):
     guard_times: int = Field(2, ge=1, description="an n-gram seen this often already is a loop")
     guard_share: float = Field(0.75, gt=0.0, le=1.0, description="share of looping n-grams that penalises")
     guard_patience: int = Field(
-        3, ge=1, description="after this many votes in a row where every candidate looped, the guard stops "
-        "sending the leader's looping drafts to a vote for the rest of the answer")
+        3, ge=1, description="after this many votes in a row whose winner still continued a loop, the guard "
+        "stops sending the leader's looping drafts to a vote for the rest of the answer")
     prior: Literal["uniform", "prompt"] = Field(
         "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt")
     prior_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over negative bits per byte")

@@ -65,21 +65,26 @@ def degeneration(
     """Why `text` would make the answer loop, or None if it does not.
 
     Restating a phrase once is normal (math and instructions reuse names and
-    units), so only a loop counts: at least `share` of the word n-grams the
-    candidate completes have already occurred `times` times (the answer is
-    entering another lap; judged with the answer's context, so a two-word
-    candidate continuing a loop counts too), or a candidate of `min_words`
-    words or more repeats the `last` accepted segment word for word (a stutter).
+    units), so only a loop counts: the candidate repeats the `last` accepted
+    segment word for word (a stutter), or at least `share` of the word n-grams
+    it completes have already occurred `times` times (the answer is entering
+    another lap). Candidates of fewer than `min_words` words are not judged:
+    too little text to penalise on (see :func:`continues_loop` for counting them).
     """
     stripped = text.strip()
-    if not _words(stripped):
+    if len(_words(stripped)) < min_words:
         return None
-    if last and stripped == last.strip() and len(_words(stripped)) >= min_words:
+    if last and stripped == last.strip():
         return "repeats the last segment"
     value = repeat_share(answer, text, n, times)
     if value >= share:
         return f"{value:.0%} of its {n}-grams already seen {times}+ times"
     return None
+
+
+def continues_loop(answer: str, text: str, *, n: int = 6, times: int = 2, share: float = 0.75) -> bool:
+    """Whether accepting `text`, however short, keeps the answer in a loop (the n-gram rule alone)."""
+    return bool(_words(text)) and repeat_share(answer, text, n, times) >= share
 
 
 def guard_eligible(eligible: Sequence[bool], penalised: Sequence[bool]) -> list[bool]:
