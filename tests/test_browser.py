@@ -83,11 +83,16 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     answer_shot = tmp_path / "specfuse-answer.png"
     assert browser.save_screenshot(str(answer_shot))
 
-    # Hovering a segment shows its round: every member's candidate and the scores.
+    # Hovering a segment shows its round: the leader's draft alone (confidence gate), or every member's
+    # candidate and the scores of a vote.
     ActionChains(browser).move_to_element(segments[0]).perform()
     tip = WebDriverWait(browser, 10).until(lambda d: (t := d.find_element(By.ID, "tip")).is_displayed() and t)
     assert "round 1" in tip.text and f"won by {authors[0]}" in tip.text
-    assert len(tip.find_elements(By.CSS_SELECTOR, "tbody tr")) == len(MEMBERS)
+    rows = tip.find_elements(By.CSS_SELECTOR, "tbody tr")
+    if "alone: the leader was confident" in tip.text:
+        assert len(rows) == 1 and authors[0] == "qwen2.5-coder-0.5b"  # the largest member leads
+    else:
+        assert "put to a vote" in tip.text and len(rows) == len(MEMBERS)
 
     shot = tmp_path / "specfuse-hover.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
