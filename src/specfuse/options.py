@@ -41,7 +41,8 @@ class FusionOptions(BaseModel):
     exit_votes: Literal["all", "others"] = Field(
         "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)")
     # Selection that weak members cannot hijack (docs/results.md says which are on and why).
-    guard: bool = Field(True, description="a candidate that makes the answer loop may not win")
+    # Off by default: on IFEval it broke near-loops of the leader that the checks needed (docs/results.md).
+    guard: bool = Field(False, description="a candidate that makes the answer loop may not win")
     guard_ngram: int = Field(6, ge=2, le=32, description="word n-gram length of the degeneration guard")
     guard_times: int = Field(2, ge=1, description="an n-gram seen this often already is a loop")
     guard_share: float = Field(0.75, gt=0.0, le=1.0, description="share of looping n-grams that penalises")

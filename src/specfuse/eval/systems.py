@@ -5,8 +5,9 @@ Built in:
 - ``specfuse+exit``, ``specfuse+hedge``, ``specfuse+exit+hedge``: with Model Exit and/or Hedge;
 - ``rerank``: the response-level ensemble (:func:`specfuse.baselines.rerank`);
 - ``specfuse+guard``: plain fusion with the degeneration guard;
-- ``specfuse+lead``: the selection study's gated engine (the largest member leads,
-  confidence gate 0.5, guard; no Exit, no Hedge): the default engine since that study;
+- ``specfuse+gate``: the default engine since the 512-token study (the largest member
+  leads, confidence gate 0.5; no guard, no Exit, no Hedge);
+- ``specfuse+lead``: the same with the degeneration guard (studied, not the default);
 - ``default``: the engine exactly as ``FusionOptions`` defaults it *at the time of the
   run* (each record keeps the options it ran with);
 - ``fusion:KEY=VALUE/KEY=VALUE``: any FusionOptions variant, for screening
@@ -134,6 +135,8 @@ register("rerank", _rerank)
 LEAD = dict(exit=False, hedge=False, guard=True, prior="uniform", gate=0.5, leader="auto", exit_votes="all")
 register("specfuse+guard", fusion_system(**{**PLAIN, "guard": True}))
 register("specfuse+lead", fusion_system(**LEAD))
+GATE = {**LEAD, "guard": False}  # the default engine since the 512-token study
+register("specfuse+gate", fusion_system(**GATE))
 register("default", fusion_system())
 
 
