@@ -191,7 +191,7 @@ class _Run:
         self.stats = Stats(wins={s.name: 0 for s in seats})
         self.counters: dict[str, dict[str, int]] = {}  # backend work per member, at leaving
         self.lead: str | None = None  # the gate's leader, fixed at its first round
-        self.hopeless = 0  # votes in a row in which every candidate looped (guard patience)
+        self.hopeless = 0  # votes in a row whose winner still looped (guard patience)
 
     # --- membership ----------------------------------------------------------
     def leave(self, seat: _Seat) -> None:

@@ -18,6 +18,8 @@ import math
 import re
 from collections.abc import Sequence
 
+from .scoring import softmax
+
 _WORD = re.compile(r"\S+")
 
 
@@ -124,10 +126,7 @@ def prompt_weights(bpb: Sequence[float], temperature: float) -> list[float]:
         return []
     if temperature <= 0.0:
         raise ValueError("temperature must be positive")
-    best = min(bpb)
-    exps = [math.exp(-(b - best) / temperature) for b in bpb]
-    total = sum(exps)
-    return [e / total for e in exps]
+    return softmax([-b for b in bpb], temperature)
 
 
 def pick_leader(weights: Sequence[float]) -> int:
