@@ -22,8 +22,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..baselines import Answer
 from ..errors import InvalidRequestError, SpecFuseError
-from .systems import ItemContext, RunSettings, get_system, resolve_systems
+from .systems import MEMBER_PREFIX, ItemContext, RunSettings, get_system, resolve_systems
 from .tasks import Task, get_task
 
 
@@ -154,6 +155,7 @@ def run_eval(
             for item, name in pending:
                 if context_item != item.id:  # answers kept for rerank belong to one item
                     context, context_item = ItemContext(ensemble.members, carried=carried), item.id
+                    context.answers.update(recorded_answers(previous, item.id))
                 context.system = name
                 record = run_one(task, item, name, context, settings)
                 sink.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -163,6 +165,21 @@ def run_eval(
                 bar.set_postfix_str(running.summary(), refresh=False)
         bar.close()
     return path
+
+
+def recorded_answers(records: Sequence[dict[str, Any]], item_id: str) -> dict[str, Answer]:
+    """Member-alone answers already recorded for an item, so a resumed ``rerank`` reuses them.
+
+    The run file guarantees the same settings and members, so the recorded
+    answer is the one the member would write again; its measured cost counts.
+    """
+    answers: dict[str, Answer] = {}
+    for r in records:
+        if r["id"] == item_id and r["system"].startswith(MEMBER_PREFIX) and "error" not in r:
+            name = r["system"][len(MEMBER_PREFIX):]
+            answers[name] = Answer(name, r["output"], r.get("tokens", 0), r.get("member_calls", 0),
+                                   r.get("ttft_s"), r.get("total_s", 0.0), r.get("finish_reason", ""))
+    return answers
 
 
 def run_one(task: Task, item: Any, system: str, context: ItemContext, settings: RunSettings) -> dict[str, Any]:
