@@ -1,7 +1,9 @@
 """The SpecFuse loop: draft -> verify -> rank -> broadcast, one segment per round.
 
-Backend-agnostic and free of I/O: it drives member sessions through the
-protocol in ``backends.base`` and yields events. See NOTES §1 for the method.
+Backend-agnostic and free of I/O: a generation is a coroutine
+(:func:`fusion_steps`) that yields events and the member calls it needs
+(``calls.py``); :func:`fuse` runs one generation, ``scheduler.py`` runs many
+together. Members follow the protocol in ``backends.base``. See NOTES §1.
 
 Members take part while *active*. A member leaves a query when Model Exit
 finds it lagging (``options.exit``) or when one of its calls raises (a fault:
@@ -20,12 +22,12 @@ per byte on the prompt; ``exit_votes="others"`` bases Model Exit on cross-votes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .backends.base import Member, MemberSession
+from .calls import Call, CallRunner, Calls, Reply
 from .errors import InvalidRequestError, MemberFailedError
 from .options import FusionOptions
 from .scoring import aggregate, exit_reason, hedge_update, model_exit, normalise, pick_winner, raw_score
@@ -81,9 +83,9 @@ class _Seat:
     bpb: float | None = None  # bits per byte of the prompt (prompt-fit prior)
     timings: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def parallel_safe(self) -> bool:
-        return bool(getattr(self.member, "parallel_safe", False))
+
+# A generation as a coroutine: it yields events and member calls, is sent the replies to calls.
+Steps = Generator[Event | Calls, list[Reply] | None, None]
 
 
 def member_seed(seed: int | None, index: int) -> int | None:
@@ -107,41 +109,34 @@ def _cut(name: str, tokens: DraftTokens, answer: str, stops: Sequence[str]) -> _
     return _Draft(Candidate(name, text, finished, n_text), own)
 
 
-class _Caller:
-    """Calls one function per seat: concurrently for parallel-safe members.
+def fusion_steps(
+    members: Sequence[Member],
+    messages: Sequence[Message],
+    options: FusionOptions,
+    *,
+    weights: Mapping[str, float] | None = None,
+) -> Steps:
+    """One fused generation as a coroutine: it yields events and member calls.
 
-    Returns, per seat, the result or the exception it raised, and records the
-    seconds each call took under ``seat.timings[phase]``.
+    A ``Calls`` item asks for work on member sessions; the driver runs it (one
+    by one, concurrently, or batched with other generations' calls) and sends
+    back one result or exception per call. Any other item is an event; send
+    None after it. Closing the coroutine closes its member sessions.
+    See :func:`fuse` for the plain driver and ``scheduler.py`` for many at once.
     """
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-
-    def each(self, seats: Sequence[_Seat], phase: str, fn: Callable[[_Seat], Any]) -> list[Any]:
-        def timed(seat: _Seat) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(seat)
-            except Exception as exc:  # a member's failure is data: the engine drops it
-                return exc
-            finally:
-                seat.timings[phase] = seat.timings.get(phase, 0.0) + time.perf_counter() - t0
-
-        # Parallel-safe members (remote servers) run in threads while local ones
-        # run here, so a network wait overlaps with local CPU work.
-        parallel = [s for s in seats if s.parallel_safe]
-        futures = {}
-        if parallel and len(seats) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="specfuse-member")
-            futures = {id(s): self._pool.submit(timed, s) for s in parallel}
-        results = {id(s): timed(s) for s in seats if id(s) not in futures}
-        results.update({key: f.result() for key, f in futures.items()})
-        return [results[id(s)] for s in seats]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+    if not members:
+        raise InvalidRequestError("no members to fuse", "give at least one model")
+    seats = [_Seat(m.name, m) for m in members]
+    if options.leader != "auto" and options.leader not in {s.name for s in seats}:
+        raise InvalidRequestError(
+            f"leader {options.leader!r} is not a member", f"members: {', '.join(s.name for s in seats)}; or auto"
+        )
+    run = _Run(seats, options, weights)
+    try:
+        yield from run.events(messages)
+    finally:
+        for seat in seats:
+            run.leave(seat)
 
 
 def fuse(
@@ -156,31 +151,29 @@ def fuse(
     `weights` are initial voting weights by member name (Hedge carried across
     queries); missing members get the mean weight.
     """
-    if not members:
-        raise InvalidRequestError("no members to fuse", "give at least one model")
-    seats = [_Seat(m.name, m) for m in members]
-    if options.leader != "auto" and options.leader not in {s.name for s in seats}:
-        raise InvalidRequestError(
-            f"leader {options.leader!r} is not a member", f"members: {', '.join(s.name for s in seats)}; or auto"
-        )
-    caller = _Caller()
-    run = _Run(seats, options, caller, weights)
-    try:
-        yield from run.events(messages)
-    finally:
-        for seat in seats:
-            run.leave(seat)
-        caller.close()
+    steps = fusion_steps(members, messages, options, weights=weights)
+    with CallRunner() as runner:
+        try:
+            reply = None
+            while True:
+                item = steps.send(reply)
+                if isinstance(item, Calls):
+                    reply = runner.run(item.calls)
+                else:
+                    reply = None
+                    yield item
+        except StopIteration:
+            return
+        finally:
+            steps.close()
 
 
 class _Run:
     """State of one fused generation."""
 
-    def __init__(self, seats: list[_Seat], options: FusionOptions, caller: _Caller,
-                 weights: Mapping[str, float] | None) -> None:
+    def __init__(self, seats: list[_Seat], options: FusionOptions, weights: Mapping[str, float] | None) -> None:
         self.seats = seats
         self.options = options
-        self.caller = caller
         self.active: list[_Seat] = []
         self.departures: list[Departure] = []
         self.round_departures: list[Departure] = []
@@ -229,7 +222,20 @@ class _Run:
         return kept
 
     # --- the loop ------------------------------------------------------------
-    def events(self, messages: Sequence[Message]) -> Iterator[Event]:
+    def each(self, seats: Sequence[_Seat], phase: str, method: str,
+             args: Callable[[_Seat], tuple[Any, ...]] = lambda seat: ()) -> Generator[Calls, list[Reply], list[Any]]:
+        """Ask the driver to call ``method`` on each seat's session; the result or exception per seat.
+
+        The seconds each seat waited add up under ``seat.timings[phase]``.
+        """
+        if not seats:
+            return []
+        replies = yield Calls([Call(s.member, s.session, method, args(s)) for s in seats])
+        for seat, reply in zip(seats, replies):
+            seat.timings[phase] = seat.timings.get(phase, 0.0) + reply.seconds
+        return [reply.value for reply in replies]
+
+    def events(self, messages: Sequence[Message]) -> Steps:
         options, stats = self.options, self.stats
         started = time.perf_counter()
         reserve = len(self.seats) * options.window + 1
@@ -252,7 +258,7 @@ class _Run:
             )
 
         if self.options.prior == "prompt":
-            self._prompt_prior(messages)
+            yield from self._prompt_prior(messages)
 
         answer = ""
         segments: list[Segment] = []
@@ -267,7 +273,7 @@ class _Run:
                 break
             round_no = stats.rounds + 1
             round_start = time.perf_counter()
-            record = self._round(round_no, answer, budget, segments[-1].text if segments else "")
+            record = yield from self._round(round_no, answer, budget, segments[-1].text if segments else "")
             if record is None:
                 stats.finish_reason = "length"
                 break
@@ -283,7 +289,7 @@ class _Run:
                 if stats.time_to_first_segment_s is None:
                     stats.time_to_first_segment_s = time.perf_counter() - started
                 yield SegmentEvent(segment)
-            self._broadcast(chosen.text, round_no)
+            yield from self._broadcast(chosen.text, round_no)
             if options.exit and not chosen.finished and not record.gated:
                 self._model_exit(round_no)
             record.departures = list(self.round_departures)
@@ -304,7 +310,7 @@ class _Run:
             prompt_bpb={s.name: s.bpb for s in self.seats if s.bpb is not None},
         ))
 
-    def _prompt_prior(self, messages: Sequence[Message]) -> None:
+    def _prompt_prior(self, messages: Sequence[Message]) -> Generator[Calls, list[Reply], None]:
         """Start the voting weights from how well each member predicts the prompt (PackLLM-sim).
 
         Needs every active member's session to offer ``text_logprob``; otherwise
@@ -314,7 +320,7 @@ class _Run:
         seats = list(self.active)
         if not text or not all(callable(getattr(s.session, "text_logprob", None)) for s in seats):
             return
-        outcomes = self.caller.each(seats, "prompt", lambda s: s.session.text_logprob(text))
+        outcomes = yield from self.each(seats, "prompt", "text_logprob", lambda s: (text,))
         self.stats.model_calls += len(seats)
         fits = self.survivors(seats, outcomes, 0, "prompt fit")
         for seat, (logprob, n_bytes) in fits:
@@ -342,9 +348,10 @@ class _Run:
             self.lead = seat.name
         return seat
 
-    def _draft(self, seats: Sequence[_Seat], n: int, answer: str, round_no: int) -> list[tuple[_Seat, _Draft]]:
+    def _draft(self, seats: Sequence[_Seat], n: int, answer: str,
+               round_no: int) -> Generator[Calls, list[Reply], list[tuple[_Seat, _Draft]]]:
         options = self.options
-        outcomes = self.caller.each(seats, "draft", lambda s: s.session.draft(n, options.sampling))
+        outcomes = yield from self.each(seats, "draft", "draft", lambda s: (n, options.sampling))
         self.stats.model_calls += len(seats)
         return [
             (seat, _cut(seat.name, tokens, answer, self._stops(seat)))
@@ -357,7 +364,8 @@ class _Run:
             return None
         return degeneration(answer, text, last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
 
-    def _round(self, round_no: int, answer: str, budget: int, last: str) -> RoundRecord | None:
+    def _round(self, round_no: int, answer: str, budget: int,
+               last: str) -> Generator[Calls, list[Reply], RoundRecord | None]:
         options, stats = self.options, self.stats
         self.round_departures = []
         for seat in self.active:
@@ -370,7 +378,7 @@ class _Run:
         early: list[tuple[_Seat, _Draft]] = []
         confidence: float | None = None
         if leader is not None:
-            early = self._draft([leader], n, answer, round_no)
+            early = yield from self._draft([leader], n, answer, round_no)
             if early:
                 d = early[0][1]
                 confidence = mean_probability(d.own_scores.logprobs) if d.own_scores else 0.0
@@ -389,7 +397,7 @@ class _Run:
         # 1. Draft. If no draft is usable (e.g. all end mid-character), retry longer.
         while True:
             done = {id(seat) for seat, _ in early}
-            fresh = self._draft([s for s in self.active if id(s) not in done], n, answer, round_no)
+            fresh = yield from self._draft([s for s in self.active if id(s) not in done], n, answer, round_no)
             order = {id(s): i for i, s in enumerate(self.active)}
             drafted = sorted(
                 [(seat, d) for seat, d in (*early, *fresh) if seat in self.active], key=lambda p: order[id(p[0])]
@@ -413,9 +421,10 @@ class _Run:
             known[seat.name] = own
             asks[seat.name] = [t for t in texts if t not in own]
         seats = [seat for seat, _ in drafted]
-        outcomes = self.caller.each(
-            seats, "verify", lambda s: s.session.score(asks[s.name]) if asks[s.name] else []
-        )
+        asking = [s for s in seats if asks[s.name]]
+        scored = yield from self.each(asking, "verify", "score", lambda s: (asks[s.name],))
+        answered = dict(zip(map(id, asking), scored))
+        outcomes = [answered.get(id(s), []) for s in seats]
         stats.model_calls += sum(1 for s in seats if asks[s.name])
         verified = {seat.name for seat, _ in self.survivors(seats, outcomes, round_no, "verify")}
         for seat, scores in zip(seats, outcomes):
@@ -485,10 +494,10 @@ class _Run:
         total = sum(values)
         return [v / total for v in values] if total > 0 else [1.0 / len(names)] * len(names)
 
-    def _broadcast(self, text: str, round_no: int) -> None:
+    def _broadcast(self, text: str, round_no: int) -> Generator[Calls, list[Reply], None]:
         """Every member's context gets the winning text."""
         seats = list(self.active)
-        outcomes = self.caller.each(seats, "accept", lambda s: s.session.accept(text))
+        outcomes = yield from self.each(seats, "accept", "accept", lambda s: (text,))
         self.survivors(seats, outcomes, round_no, "accept")
 
     def _model_exit(self, round_no: int) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .backends.base import Member
 from .backends.registry import load_member
-from .engine import fuse
+from .engine import fuse, fusion_steps
 from .errors import InvalidRequestError
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
@@ -15,6 +15,7 @@ from .prompting import validate_messages
 from .types import DoneEvent, Event, Message, Result
 
 MAX_MEMBERS = 7
+MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
 
 Conversation = str | Sequence[Message | Mapping[str, str]]
 
@@ -80,6 +81,30 @@ class Ensemble:
             if isinstance(event, DoneEvent):
                 self.hedge_weights = dict(event.result.weights)
             yield event
+
+    @property
+    def slots(self) -> int:
+        """How many generations the members can hold at once (llama.cpp members are loaded with ``slots``)."""
+        return min((int(getattr(m, "slots", MAX_CONCURRENT)) for m in self.members), default=1)
+
+    def generate_many(self, prompts: Sequence[Conversation], *, max_concurrent: int | None = None,
+                      **options: Any) -> list[Result]:
+        """Answer several prompts at once, batching the members' work across them.
+
+        Up to `max_concurrent` (default: every slot the members have; load with
+        ``Ensemble(..., slots=N)``) run together; the rest wait their turn.
+        Results come in the order of `prompts`; the first failure is raised
+        once every prompt has run.
+        """
+        from .scheduler import run_all
+
+        opts = options.pop("options", None) or FusionOptions.build(**options)
+        generations = [fusion_steps(self.members, to_messages(p), opts) for p in prompts]
+        outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
 
     def generate(self, prompt: Conversation, **options: Any) -> Result:
         """Run to completion and return the result with its provenance."""

@@ -15,6 +15,13 @@ Optional, used when present (a backend without them still works):
 - ``MemberSession.text_logprob(text) -> (summed log-prob, bytes)``: how well
   the member predicts a text on its own (prompt-fit voting weights); llama.cpp
   members have it, and an ensemble with a member without it keeps its weights.
+- ``Member.draft_many(sessions, [(max_tokens, sampling), ...])`` and
+  ``Member.score_many(sessions, [(texts,), ...])``: the same calls for several
+  sessions of this member at once (one result or exception per session); the
+  scheduler uses them to batch requests together (llama.cpp members batch
+  every session's token into one decode). Without them, sessions are called
+  one by one (local) or concurrently (``parallel_safe = True``, remote).
+- ``Member.slots``: how many sessions the member holds at once.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ KV-cache layout per session (NOTES §2):
   draft tokens, or the verified candidate's sequence copied back into 0.
 So no round re-encodes the prompt or earlier accepted text; the only extra
 decode is the last token of a fully kept own draft, fed next round.
+
+Several sessions at once (``slots``): the context holds ``slots`` windows of
+``n_ctx`` tokens, and session k owns sequences 8k..8k+7 of the unified cache.
+``draft_many`` advances every drafting session by one token per
+``llama_decode``; ``score_many`` verifies every session's candidates in one
+batch (chunked at ``n_batch``). One session alone decodes exactly as before.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as lc
 import numpy as np
@@ -55,7 +62,8 @@ def _log_excerpt() -> str:
     return "; ".join(lines[-2:])
 _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
-MAX_CANDIDATES = 7  # sequences 1..7 hold one distinct candidate each per round
+MAX_CANDIDATES = 7  # sequences 1..7 of a session hold one distinct candidate each per round
+SEQS_PER_SESSION = MAX_CANDIDATES + 1
 
 
 def _init_backend() -> None:
@@ -127,6 +135,77 @@ class _Verified:
 
 
 @dataclass
+class _VerifyPlan:
+    """One session's part of a verification batch."""
+
+    session: "LlamaCppSession"
+    texts: list[str]
+    results: dict[str, TokenScores]  # known already (verified this round, or the end token)
+    pending: list[str] = field(default_factory=list)
+    encoded: list[list[int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+
+    def answer(self) -> list[TokenScores]:
+        return [self.results[t] for t in self.texts]
+
+
+class _Drafting:
+    """One session's draft in progress: sample from the current row, feed the token, repeat."""
+
+    def __init__(self, session: "LlamaCppSession", n: int, sampling: Sampling, row: np.ndarray,
+                 lse: float) -> None:
+        self.session, self.n, self.sampling = session, n, sampling
+        self.row, self.lse = row, lse
+        self.pos = len(session.tokens)
+        self.ids: list[int] = []
+        self.rows: list[np.ndarray] = []  # rows[j]: logits used to sample ids[j]
+        self.logprobs: list[float] = []
+        self.logits: list[float] = []
+        self.finished = False
+        self.done = n <= 0
+
+    def step(self, m: "LlamaCppMember") -> bool:
+        """Sample the next token; True when it must be decoded for the draft to go on."""
+        if self.done:
+            return False
+        self.rows.append(self.row)
+        token = self.session._sample(self.row, self.sampling)
+        self.ids.append(token)
+        self.logits.append(float(self.row[token]))
+        self.logprobs.append(self.logits[-1] - self.lse)
+        self.finished = m.is_eog(token)
+        self.done = self.finished or len(self.ids) >= self.n
+        return not self.done
+
+    def fed(self, row: np.ndarray, lse: float) -> None:
+        self.row, self.lse = row, lse
+        self.pos += 1
+        self.session.stats.draft += 1
+        self.session.stats.decode_calls += 1
+
+    def finish(self, m: "LlamaCppMember") -> DraftTokens:
+        pieces = [m.piece(t) for t in self.ids]
+        self.session._draft = _DraftState(self.ids, pieces, self.rows)
+        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished)
+
+
+def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tuple[list[int], list[Any]]:
+    """Run each session's own preparation; one that raises gets its exception, the others go on."""
+    ready: list[int] = []
+    out: list[Any] = [None] * len(sessions)
+    for i, session in enumerate(sessions):
+        try:
+            prepare(i, session)
+        except Exception as exc:
+            out[i] = exc
+            continue
+        ready.append(i)
+    return ready, out
+
+
+@dataclass
 class Counters:
     """Tokens decoded per purpose; tests use these to prove what was (not) re-encoded."""
 
@@ -149,7 +228,7 @@ class Counters:
 
 
 class LlamaCppMember:
-    """A GGUF model loaded once; serves one session at a time."""
+    """A GGUF model loaded once; serves up to ``slots`` sessions at a time."""
 
     def __init__(
         self,
@@ -161,7 +240,10 @@ class LlamaCppMember:
         n_batch: int = 512,
         threads: int | None = None,
         prefix_cache: bool = True,
+        slots: int = 1,
     ) -> None:
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
         self.path = Path(path)
         self.name = name or self.path.stem
         _check_gguf(self.path)
@@ -184,10 +266,10 @@ class LlamaCppMember:
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self.n_params = int(lc.llama_model_n_params(model))  # the gate's default leader is the largest member
         ctx_params = lc.llama_context_default_params()
-        ctx_params.n_ctx = n_ctx
+        ctx_params.n_ctx = n_ctx * slots
         ctx_params.n_batch = n_batch
         ctx_params.n_ubatch = n_batch
-        ctx_params.n_seq_max = MAX_CANDIDATES + 1
+        ctx_params.n_seq_max = SEQS_PER_SESSION * slots
         ctx_params.n_threads = self.threads
         ctx_params.n_threads_batch = self.threads
         ctx_params.kv_unified = True  # candidate sequences share the prefix cells
@@ -196,10 +278,18 @@ class LlamaCppMember:
         ctx = lc.llama_init_from_model(model, ctx_params)
         if not ctx:
             lc.llama_model_free(model)
-            raise MemberLoadError(f"llama.cpp could not create a context for {self.path}", "lower n_ctx")
+            detail = _log_excerpt()
+            raise MemberLoadError(
+                f"llama.cpp could not create a context of {slots} x {n_ctx} tokens for {self.path}"
+                + (f" ({detail})" if detail else ""),
+                "lower n_ctx or the number of concurrent sessions (max_concurrent)",
+            )
         self._ctx = ctx
         self._mem = lc.llama_get_memory(ctx)
-        self.n_ctx = lc.llama_n_ctx(ctx)
+        self.slots = slots
+        self.n_ctx = lc.llama_n_ctx(ctx) // slots  # one session's window
+        self._free_slots = list(range(slots))
+        self._slot_free = threading.Condition()
         self.n_batch = n_batch
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._batch_tokens = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
@@ -207,7 +297,6 @@ class LlamaCppMember:
         self._batch_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
         self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._batch_nseq[:] = 1
-        self._lock = threading.Lock()
 
         template = lc.llama_model_chat_template(model, None)
         self.chat_template = template.decode("utf-8") if template else None
@@ -331,13 +420,91 @@ class LlamaCppMember:
                 f"(with {reserve} tokens reserved for drafting)",
                 "shorten the prompt or load the member with a larger context (n_ctx)",
             )
-        self._lock.acquire()
-        lc.llama_memory_clear(self._mem, False)
-        return LlamaCppSession(self, prompt, seed, reencode=not self.prefix_cache)
+        with self._slot_free:  # with every slot taken, wait for a session to close (as a lock would)
+            while not self._free_slots:
+                self._slot_free.wait()
+            slot = self._free_slots.pop(0)
+        self._clear_slot(slot)
+        return LlamaCppSession(self, prompt, seed, slot=slot, reencode=not self.prefix_cache)
 
-    def release(self) -> None:
-        lc.llama_memory_clear(self._mem, False)
-        self._lock.release()
+    @property
+    def free_slots(self) -> int:
+        with self._slot_free:
+            return len(self._free_slots)
+
+    def _clear_slot(self, slot: int) -> None:
+        for seq in range(slot * SEQS_PER_SESSION, (slot + 1) * SEQS_PER_SESSION):
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def release(self, slot: int = 0) -> None:
+        self._clear_slot(slot)
+        with self._slot_free:
+            self._free_slots.append(slot)
+            self._free_slots.sort()
+            self._slot_free.notify()
+
+    # --- many sessions at once --------------------------------------------------
+    def draft_many(self, sessions: Sequence["LlamaCppSession"],
+                   requests: Sequence[tuple[int, Sampling]]) -> list[DraftTokens | Exception]:
+        """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
+        ready, out = _prepare(sessions, lambda i, s: s._sync())
+        try:
+            drafts = self._draft_batch([sessions[i] for i in ready], [requests[i] for i in ready])
+        except Exception as exc:  # the decode failed for all of them
+            drafts = [exc] * len(ready)
+        for i, draft in zip(ready, drafts):
+            out[i] = draft
+        return out
+
+    def _draft_batch(self, sessions: Sequence["LlamaCppSession"],
+                     requests: Sequence[tuple[int, Sampling]]) -> list[DraftTokens]:
+        drafting = [_Drafting(s, n, sampling, *s._prefix()) for s, (n, sampling) in zip(sessions, requests)]
+        while True:
+            feeding = [d for d in drafting if d.step(self)]
+            if not feeding:
+                break
+            rows = self.decode([d.ids[-1] for d in feeding], [d.pos for d in feeding],
+                               [d.session.base for d in feeding], [True] * len(feeding))
+            for d, row in zip(feeding, rows):
+                d.fed(row.copy(), self.softmax.lse(row))
+        return [d.finish(self) for d in drafting]
+
+    def score_many(self, sessions: Sequence["LlamaCppSession"],
+                   texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+        """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
+        plans: dict[int, _VerifyPlan] = {}
+
+        def plan(i: int, session: "LlamaCppSession") -> None:
+            plans[i] = session._plan_scores(list(texts[i][0]))
+
+        ready, out = _prepare(sessions, plan)
+        chunk: list[_VerifyPlan] = []
+        try:
+            for i in ready:
+                if sum(len(q.tokens) for q in chunk) + len(plans[i].tokens) > self.n_batch:
+                    self._verify_batch(chunk)
+                    chunk = []
+                chunk.append(plans[i])
+            self._verify_batch(chunk)
+            for i in ready:
+                out[i] = plans[i].answer()
+        except Exception as exc:
+            for i in ready:
+                out[i] = exc
+        return out
+
+    def _verify_batch(self, plans: Sequence["_VerifyPlan"]) -> None:
+        """Decode the candidates of several sessions in one batch and hand each its rows."""
+        plans = [p for p in plans if p.tokens]
+        if not plans:
+            return
+        tokens = [t for p in plans for t in p.tokens]
+        rows = self.decode(tokens, [x for p in plans for x in p.positions], [x for p in plans for x in p.seqs],
+                           [True] * len(tokens))
+        at = 0
+        for p in plans:
+            p.session._finish_verify(p, rows[at : at + len(p.tokens)])
+            at += len(p.tokens)
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
@@ -362,8 +529,10 @@ class LlamaCppSession:
     """
 
     def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None,
-                 reencode: bool = False) -> None:
+                 slot: int = 0, reencode: bool = False) -> None:
         self.m = member
+        self.slot = slot
+        self.base = slot * SEQS_PER_SESSION  # this session's sequence 0; its candidates follow
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
         self.n_cached = 0  # tokens[:n_cached] are in sequence 0
@@ -401,7 +570,7 @@ class LlamaCppSession:
         """Decode accepted tokens not yet cached, so that the next row is known."""
         m = self.m
         if self.reencode:  # reference behaviour: forget the cache, encode everything again
-            m.seq_rm(-1, -1, -1)
+            m._clear_slot(self.slot)
             self.n_cached = 0
             self._set_next(None)
         start = self.n_cached
@@ -409,7 +578,7 @@ class LlamaCppSession:
             chunk = self.tokens[self.n_cached : self.n_cached + m.n_batch]
             pos = list(range(self.n_cached, self.n_cached + len(chunk)))
             last = self.n_cached + len(chunk) == len(self.tokens)
-            rows = m.decode(chunk, pos, [0] * len(chunk), [False] * (len(chunk) - 1) + [last])
+            rows = m.decode(chunk, pos, [self.base] * len(chunk), [False] * (len(chunk) - 1) + [last])
             self.stats.decode_calls += 1
             self.n_cached += len(chunk)
             if last:
@@ -450,48 +619,37 @@ class LlamaCppSession:
 
     def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
         self._sync()
-        m = self.m
-        row, lse = self._prefix()
-        ids: list[int] = []
-        rows: list[np.ndarray] = []
-        logprobs: list[float] = []
-        logits: list[float] = []
-        finished = False
-        pos = len(self.tokens)
-        for step in range(max_tokens):
-            rows.append(row)
-            token = self._sample(row, sampling)
-            ids.append(token)
-            logits.append(float(row[token]))
-            logprobs.append(logits[-1] - lse)
-            if m.is_eog(token):
-                finished = True
-                break
-            if step == max_tokens - 1:
-                break
-            row = m.decode([token], [pos], [0], [True])[0].copy()
-            lse = m.softmax.lse(row)
-            self.stats.draft += 1
-            self.stats.decode_calls += 1
-            pos += 1
-        pieces = [m.piece(t) for t in ids]
-        self._draft = _DraftState(ids, pieces, rows)
-        return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished)
+        return self.m._draft_batch([self], [(max_tokens, sampling)])[0]
 
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
+        plan = self._plan_scores(list(texts))
+        self.m._verify_batch([plan])
+        return plan.answer()
+
+    def _plan_scores(self, texts: list[str]) -> "_VerifyPlan":
+        """What verifying `texts` needs: known scores, and the new candidates laid out in sequences."""
         if self.reencode:
             self._forget_round()
         self._sync()
-        results = {t: v.scores for t, v in self._verified.items()}
+        m = self.m
+        plan = _VerifyPlan(self, texts, {t: v.scores for t, v in self._verified.items()})
         if "" in texts:
-            results[""] = self._end_score()
-        pending = [t for t in dict.fromkeys(texts) if t not in results]
-        if len(pending) + len(self._verified) > MAX_CANDIDATES:
+            plan.results[""] = self._end_score()
+        plan.pending = [t for t in dict.fromkeys(texts) if t not in plan.results]
+        if len(plan.pending) + len(self._verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
-        if pending:
-            self._verify(pending)
-            results.update((t, self._verified[t].scores) for t in pending)
-        return [results[t] for t in texts]
+        n_prefix = len(self.tokens)
+        plan.encoded = [m.encode_continuation(t) for t in plan.pending]
+        total = sum(len(ids) for ids in plan.encoded)
+        if total > m.n_batch or n_prefix + total > m.n_ctx:
+            raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
+        for i, ids in enumerate(plan.encoded):
+            seq = self.base + 1 + len(self._verified) + i
+            m.seq_cp(self.base, seq, 0, n_prefix)
+            plan.tokens += ids
+            plan.positions += range(n_prefix, n_prefix + len(ids))
+            plan.seqs += [seq] * len(ids)
+        return plan
 
     def text_logprob(self, text: str, max_tokens: int = 256) -> tuple[float, int]:
         """How well this member predicts `text` on its own (prompt-fit weights).
@@ -509,7 +667,7 @@ class LlamaCppSession:
         ids = m.encode_continuation(text)[:max_tokens]
         if not ids:
             return 0.0, 0
-        seq, tokens = 1, anchor + ids
+        seq, tokens = self.base + 1, anchor + ids
         total, at, chunk = 0.0, 0, 64
         try:
             while at < len(tokens) - 1:
@@ -538,32 +696,16 @@ class LlamaCppSession:
         logprob = top + math.log(float(np.exp(eog - top).sum())) - lse
         return TokenScores((logprob,), (top,))
 
-    def _verify(self, texts: list[str]) -> None:
-        """Decode all candidates in one batch, each in its own sequence on the cached prefix."""
+    def _finish_verify(self, plan: "_VerifyPlan", rows: np.ndarray) -> None:
+        """Scores of the planned candidates from their decoded rows (row r predicts the token after r)."""
         m = self.m
         prefix_row, prefix_lse = self._prefix()
-        n_prefix = len(self.tokens)
-        encoded = [m.encode_continuation(t) for t in texts]
-        seq_of = [1 + len(self._verified) + i for i in range(len(texts))]
-        total = sum(len(ids) for ids in encoded)
-        if total > m.n_batch or n_prefix + total > m.n_ctx:
-            raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
-        tokens: list[int] = []
-        positions: list[int] = []
-        seqs: list[int] = []
-        for ids, seq in zip(encoded, seq_of):
-            m.seq_cp(0, seq, 0, n_prefix)
-            tokens += ids
-            positions += range(n_prefix, n_prefix + len(ids))
-            seqs += [seq] * len(ids)
-        rows = m.decode(tokens, positions, seqs, [True] * len(tokens))
-        self.stats.verify += len(tokens)
+        self.stats.verify += len(plan.tokens)
         self.stats.verify_calls += 1
         self.stats.decode_calls += 1
-        # Row r predicts the token after tokens[r]; each candidate's first
-        # token is predicted by the prefix row.
+        # Each candidate's first token is predicted by the prefix row.
         at = 0
-        for text, ids, seq in zip(texts, encoded, seq_of):
+        for text, ids in zip(plan.pending, plan.encoded):
             logprobs, logits = [], []
             for i, token in enumerate(ids):
                 row, lse = (prefix_row, prefix_lse) if i == 0 else (rows[at + i - 1], None)
@@ -571,7 +713,9 @@ class LlamaCppSession:
                 logits.append(logit)
                 logprobs.append(logit - (lse if lse is not None else m.softmax.lse(row)))
             scores = TokenScores(tuple(logprobs), tuple(logits))
+            seq = plan.seqs[at]
             self._verified[text] = _Verified(seq, ids, scores, rows[at + len(ids) - 1].copy())
+            plan.results[text] = scores
             at += len(ids)
 
     def accept(self, text: str) -> None:
@@ -579,25 +723,26 @@ class LlamaCppSession:
         n_prefix = len(self.tokens)
         draft, verified = self._draft, self._verified
         kept = draft.kept_tokens(text) if (draft and text) else None
+        base = self.base
         if not text:
-            m.seq_rm(0, n_prefix, -1)
+            m.seq_rm(base, n_prefix, -1)
         elif kept is not None:
             # Our own draft won: its tokens are already cached in sequence 0.
             decoded = min(kept, draft.n_decoded)
-            m.seq_rm(0, n_prefix + decoded, -1)
+            m.seq_rm(base, n_prefix + decoded, -1)
             self.tokens += draft.ids[:kept]
             self.n_cached = n_prefix + decoded
             self._set_next(draft.rows[kept] if decoded == kept else None)
         elif text in verified:
             # Another member's candidate won: we decoded it while verifying.
             cand = verified[text]
-            m.seq_rm(0, n_prefix, -1)
-            m.seq_cp(cand.seq, 0, n_prefix, -1)
+            m.seq_rm(base, n_prefix, -1)
+            m.seq_cp(cand.seq, base, n_prefix, -1)
             self.tokens += cand.ids
             self.n_cached = len(self.tokens)
             self._set_next(cand.last_row)
         else:
-            m.seq_rm(0, n_prefix, -1)
+            m.seq_rm(base, n_prefix, -1)
             self.tokens += m.encode_continuation(text)
             self.n_cached = min(self.n_cached, n_prefix)  # the new tokens are decoded on the next sync
             self._set_next(None)
@@ -612,7 +757,7 @@ class LlamaCppSession:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.m.release()
+            self.m.release(self.slot)
 
 
 def _check_gguf(path: Path) -> None:

@@ -494,9 +494,10 @@ def _typed(key: str, value: str) -> Any:
 
 
 def load(target: str, *, cache_dir: str | None = None, threads: int | None = None,
-         n_ctx: int | None = None, **options: Any) -> RemoteMember:
-    """Registry entry. `cache_dir` and `threads` are for local members and ignored here;
-    `n_ctx` is a fallback when neither the spec nor the server says the context size."""
+         n_ctx: int | None = None, slots: int | None = None, **options: Any) -> RemoteMember:
+    """Registry entry. `cache_dir`, `threads` and `slots` are for local members and ignored
+    here (each session is its own requests to the server); `n_ctx` is a fallback when
+    neither the spec nor the server says the context size."""
     url, from_spec = parse_target(target)
     try:
         opts = RemoteOptions(**{**options, **from_spec})

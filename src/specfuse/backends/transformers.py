@@ -540,12 +540,14 @@ def parse_target(target: str) -> tuple[str, dict[str, Any]]:
 
 
 def load(
-    target: str, *, cache_dir: str | None = None, threads: int | None = None, **options: Any
+    target: str, *, cache_dir: str | None = None, threads: int | None = None, slots: int | None = None,
+    **options: Any
 ) -> TransformersMember:
     """Registry entry: an embedded model name (its GGUF), a GGUF path or a model directory,
     optionally followed by ``#NAME,KEY=VALUE,...`` (see parse_target).
 
-    `threads` sets torch's CPU threads (process-wide) when given.
+    `threads` sets torch's CPU threads (process-wide) when given. `slots` is ignored:
+    every session keeps its own cache, so any number can be open.
     """
     from ..models import CATALOGUE, resolve
 
