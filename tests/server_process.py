@@ -37,15 +37,17 @@ class RunningServer:
 
 
 @contextmanager
-def specfuse_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536,
+def specfuse_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, max_concurrent: int = 2,
                     startup_s: float = 180.0) -> Iterator[RunningServer]:
-    """A server with the real default members, an API key, a small queue and body limit."""
+    """A server with the real default members, an API key, a small queue and body limit,
+    running `max_concurrent` generations together."""
     port = free_port()
     config = tmp / "specfuse.toml"
     config.write_text(
         "[server]\n"
         f'api_key = "{API_KEY}"\n'
         f"queue_size = {queue_size}\n"
+        f"max_concurrent = {max_concurrent}\n"
         f"max_body_bytes = {max_body_bytes}\n"
         # One llama.cpp thread per member: on a busy 2-core machine, threads that spin-wait for
         # each other made rounds 3-6x slower than a single thread (measured: 3.0 vs 10.9-18.7 s

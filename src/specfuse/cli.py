@@ -323,8 +323,11 @@ def serve(
     model: ModelOpt = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
                                                    "(default: $SPECFUSE_API_KEY, else no auth).")] = None,
+    max_concurrent: Annotated[Optional[int], typer.Option(
+        "--max-concurrent", help="Generations in flight at once, their member work batched (default 4; "
+                                 "1 runs one after another).")] = None,
     queue_size: Annotated[Optional[int], typer.Option(
-        "--queue-size", help="Requests that may wait behind the running one (default 16).")] = None,
+        "--queue-size", help="Requests that may wait for a free slot (default 16).")] = None,
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
@@ -334,6 +337,7 @@ def serve(
     from .server import build_config, run  # FastAPI and uvicorn load only for this command
 
     run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
+                     max_concurrent=max_concurrent,
                      cache_dir=cache_dir, threads=threads, n_ctx=n_ctx))
 
 

@@ -3,7 +3,7 @@
 ``create_app`` is what tests and embedders use; ``run`` is `specfuse serve`.
 Members are loaded before the app starts (``run``) or, when the app is created
 without an ensemble, in a background thread while /health says "loading" and
-completions answer 503.
+completions answer 503. /health and /metrics (Prometheus) need no API key.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..errors import SpecFuseError
 from ..options import FusionOptions
 from . import serving
 from .config import ServerConfig
+from .metrics import RequestMetrics, ServerMetrics
 from .protocol import Health, ModelCard, ModelList, QueueState
 from .serving import APIError
 from .worker import Job, Worker
@@ -47,6 +48,7 @@ class ServerState:
     config: ServerConfig
     defaults: FusionOptions
     worker: Worker
+    metrics: ServerMetrics
     status: Literal["ok", "loading", "failed"] = "loading"
     error: str | None = None
     members: list[str] = field(default_factory=list)
@@ -60,12 +62,14 @@ class ServerState:
 def load_ensemble(config: ServerConfig) -> Ensemble:
     """Load the configured members (the embedded three when none are named)."""
     m = config.members
-    return Ensemble(m.models or None, cache_dir=m.cache_dir, threads=m.threads, n_ctx=m.n_ctx)
+    return Ensemble(m.models or None, cache_dir=m.cache_dir, threads=m.threads, n_ctx=m.n_ctx,
+                    slots=config.server.max_concurrent)
 
 
 def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAPI:
     """The ASGI app. With ``ensemble`` given the caller keeps ownership of it."""
-    state = ServerState(config, config.fusion_defaults(), Worker(config.server.queue_size))
+    worker = Worker(config.server.queue_size, config.server.max_concurrent)
+    state = ServerState(config, config.fusion_defaults(), worker, ServerMetrics(worker))
     owned: list[Ensemble] = []
 
     def attach(ens: Ensemble) -> None:
@@ -73,6 +77,7 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAP
             state.status, state.error = "failed", "the ensemble has no members"
             return
         state.worker.start(ens)
+        state.metrics.members(ens.names)
         state.members, state.status = ens.names, "ok"
         log.info("serving %s with members %s", state.model_id, ", ".join(ens.names))
 
@@ -195,9 +200,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> JSONResponse:
         waiting, running = worker.state()
         body = Health(status=state.status, model=state.model_id, members=state.members, error=state.error,
-                      queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size),
+                      queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
+                                       max_concurrent=worker.max_concurrent),
                       counters=worker.snapshot())
         return JSONResponse(body.model_dump(), status_code=200 if state.status == "ok" else 503)
+
+    # Open like /health, for scrapers: counts and timings only, no request content.
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(require_key)])
     async def list_models() -> ModelList:
@@ -236,9 +247,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         def cancel() -> None:
             worker.cancel(job)
 
+        observer = RequestMetrics(state.metrics, job.created)
         if parsed.stream:
             return StreamingResponse(
-                serving.stream(job, model, parsed.include_usage, cancel),
+                serving.stream(job, model, parsed.include_usage, cancel, observer),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 background=BackgroundTask(cancel),  # also runs when the client hung up
@@ -248,7 +260,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        result = await serving.complete(job, model, disconnected, cancel)
+        result = await serving.complete(job, model, disconnected, cancel, observer)
         return JSONResponse(result.model_dump(mode="json"))
 
 

@@ -6,7 +6,8 @@ Example ``specfuse.toml``::
     host = "127.0.0.1"
     port = 8000
     api_key = "change-me"        # or set SPECFUSE_API_KEY; absent = no auth
-    queue_size = 16              # requests waiting for the worker; more get 429
+    max_concurrent = 4           # generations in flight at once, batched together
+    queue_size = 16              # requests waiting for a free slot; more get 429
     max_body_bytes = 1_000_000   # larger request bodies get 413
 
     [members]
@@ -28,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..ensemble import MAX_CONCURRENT
 from ..errors import SpecFuseError
 from ..options import FusionOptions
 
@@ -43,7 +45,9 @@ class ServerSection(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     api_key: str | None = Field(None, min_length=1, description="required as 'Authorization: Bearer <key>'")
     model_id: str = Field("specfuse", min_length=1, description="the ensemble's name in /v1/models")
-    queue_size: int = Field(16, ge=0, le=10_000, description="requests waiting behind the running one")
+    max_concurrent: int = Field(4, ge=1, le=MAX_CONCURRENT,
+                                description="generations in flight at once (1: one after another)")
+    queue_size: int = Field(16, ge=0, le=10_000, description="requests waiting for a free slot")
     max_body_bytes: int = Field(1_000_000, ge=1024)
     log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
 
@@ -82,7 +86,7 @@ def _describe(exc: ValidationError, source: str) -> str:
 def build_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServerConfig:
     """Read the TOML file (if any), apply non-None ``section.key`` overrides, validate.
 
-    ``overrides`` use flat names: host, port, api_key, queue_size, max_body_bytes,
+    ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
     log_level, model_id (server); models, n_ctx, threads, cache_dir (members).
     The API key falls back to $SPECFUSE_API_KEY.
     """

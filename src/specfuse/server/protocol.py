@@ -1,9 +1,11 @@
 """OpenAI chat-completions wire types (pydantic only, no behaviour).
 
 Requests are parsed strictly ("16" is not an int) so a client bug shows up as a
-422 instead of a silently coerced value. Fields OpenAI defines that SpecFuse
-does not use are accepted and ignored (the server logs them); ``specfuse`` is
-our extension, in requests (fusion knobs) and in responses (who wrote what).
+422 instead of a silently coerced value. A request field SpecFuse does not
+implement is refused (400 ``unsupported_parameter``) rather than ignored, unless
+it cannot change the answer: see ``TOLERATED_PARAMETERS`` and
+``NEUTRAL_PARAMETERS`` below. ``specfuse`` is our extension, in requests (fusion
+knobs) and in responses (who wrote what).
 """
 
 from __future__ import annotations
@@ -45,7 +47,11 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions``. Unknown fields are kept in ``model_extra``."""
+    """The body of ``POST /v1/chat/completions``.
+
+    Other fields are kept in ``model_extra``; ``serving.parse_request`` refuses
+    them unless they are tolerated or neutral (the tables below).
+    """
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -86,6 +92,35 @@ class ChatCompletionRequest(BaseModel):
     @property
     def answer_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+# Which request fields mean what. Everything else gets 400 unsupported_parameter (serving.unsupported).
+# Implemented: the fields of ChatCompletionRequest above.
+SUPPORTED_PARAMETERS: tuple[str, ...] = tuple(ChatCompletionRequest.model_fields)
+# Accepted with any value and ignored: bookkeeping that cannot change the answer.
+TOLERATED_PARAMETERS: frozenset[str] = frozenset({
+    "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+})
+# OpenAI parameters SpecFuse does not implement, accepted only at a value that asks for nothing
+# (their default); null is neutral for every one of them. Compared strictly: `false` is not `0`.
+NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+}
 
 
 # --------------------------------------------------------------------------- SpecFuse extension
@@ -239,9 +274,10 @@ class ErrorResponse(BaseModel):
 
 
 class QueueState(BaseModel):
-    waiting: int
-    running: bool
-    capacity: int
+    waiting: int = Field(description="requests queued for a free slot")
+    running: int = Field(description="generations in flight")
+    capacity: int = Field(description="how many may wait (queue_size)")
+    max_concurrent: int = Field(1, description="generations run together")
 
 
 class Health(BaseModel):

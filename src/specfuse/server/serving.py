@@ -26,7 +26,11 @@ from ..errors import (
 )
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, RoundEvent, Segment, SegmentEvent
+from .metrics import RequestMetrics
 from .protocol import (
+    NEUTRAL_PARAMETERS,
+    SUPPORTED_PARAMETERS,
+    TOLERATED_PARAMETERS,
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -85,14 +89,68 @@ def api_error(exc: BaseException) -> APIError:
 # --------------------------------------------------------------------------- parsing
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality that keeps booleans apart from numbers (``false`` is not ``0``)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return isinstance(value, bool) and isinstance(neutral, bool) and value == neutral
+    if isinstance(neutral, int | float):
+        return isinstance(value, int | float) and value == neutral
+    if isinstance(neutral, dict):
+        return (isinstance(value, dict) and value.keys() == neutral.keys()
+                and all(_same(value[k], neutral[k]) for k in neutral))
+    if isinstance(neutral, list):
+        return isinstance(value, list) and len(value) == len(neutral) and all(map(_same, value, neutral))
+    return type(value) is type(neutral) and value == neutral
+
+
+def unsupported(data: dict[str, Any]) -> list[str]:
+    """The request fields SpecFuse would have to ignore to answer, in body order.
+
+    Supported fields, tolerated ones and OpenAI parameters at a neutral value
+    (null included) pass; anything else would change what the client asked for.
+    """
+    refused = []
+    for name, value in data.items():
+        if name in SUPPORTED_PARAMETERS or name in TOLERATED_PARAMETERS:
+            continue
+        if name in NEUTRAL_PARAMETERS and (value is None or any(_same(value, n) for n in NEUTRAL_PARAMETERS[name])):
+            continue
+        refused.append(name)
+    return refused
+
+
+def unsupported_error(names: list[str]) -> APIError:
+    """400 unsupported_parameter naming the first refused field (and the others in the message)."""
+    first = names[0]
+    if first in NEUTRAL_PARAMETERS:
+        neutral = " or ".join([json.dumps(v) for v in NEUTRAL_PARAMETERS[first]] + ["null"])
+        why = f"unsupported parameter {first!r}: SpecFuse does not implement it (accepted only as {neutral})"
+    elif first in FusionOptions.model_fields:
+        why = (f"unsupported parameter {first!r}: fusion options go in the 'specfuse' object, "
+               f'as {{"specfuse": {{"{first}": ...}}}}')
+    else:
+        why = f"unsupported parameter {first!r}: SpecFuse does not know it"
+    also = f" (also unsupported: {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+    supported = ", ".join(SUPPORTED_PARAMETERS)
+    return APIError(400, f"{why}{also}. Supported parameters: {supported} (see docs/server.md)",
+                    code="unsupported_parameter", param=first)
+
+
 def parse_request(body: bytes) -> ChatCompletionRequest:
-    """JSON bytes -> a validated request: 400 for bad JSON, 422 for a bad shape."""
+    """JSON bytes -> a validated request.
+
+    400 for bad JSON or a parameter SpecFuse does not implement (``unsupported``),
+    422 for a bad shape.
+    """
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    refused = unsupported(data)
+    if refused:
+        raise unsupported_error(refused)
     try:
         request = ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -101,7 +159,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise APIError(422, f"{where}: {first['msg']}{more}", code="invalid_value", param=where or None) from None
     if request.model_extra:
-        log.info("ignoring unsupported request fields: %s", ", ".join(sorted(request.model_extra)))
+        log.debug("ignoring fields that do not change the answer: %s", ", ".join(sorted(request.model_extra)))
     return request
 
 
@@ -181,12 +239,14 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
 
 
 async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None]) -> ChatCompletion:
+                   cancel: Callable[[], None], observer: RequestMetrics | None = None) -> ChatCompletion:
     """Wait for the whole answer; ``cancel()`` the job if the client goes away first.
 
     ``disconnected`` returns when the client hangs up; the worker then stops
     the job within a round and the item stream ends with ``Cancelled``.
+    ``observer`` is told of the first segment and of the result (metrics).
     """
+    observer = observer or RequestMetrics(None, job.created)
 
     async def watch() -> None:
         await disconnected()
@@ -198,7 +258,10 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[No
         async for item in job.items():
             if isinstance(item, Started):
                 started = item
+            elif isinstance(item, SegmentEvent):
+                observer.segment()
             elif isinstance(item, DoneEvent):
+                observer.done(item.result)
                 return completion_body(job, model, item.result, started)
             elif isinstance(item, Failed):
                 raise api_error(item.error)
@@ -222,13 +285,16 @@ def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
     return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
 
 
-async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None]) -> AsyncIterator[str]:
+async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None],
+                 observer: RequestMetrics | None = None) -> AsyncIterator[str]:
     """SSE frames: role chunk, one delta per accepted segment, finish, [usage], [DONE].
 
     A failure after the stream began is sent as an ``error`` event; ``[DONE]``
     always ends the stream. If the client disconnects, the server cancels this
     generator at its current await and ``finally`` cancels the job.
+    ``observer`` is told of the first segment and of the result (metrics).
     """
+    observer = observer or RequestMetrics(None, job.created)
     yield _chunk(job, model, Delta(role="assistant", content=""), info=FusionInfo())
     started: Started | None = None
     pending: Segment | None = None
@@ -240,6 +306,7 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                 started = item
                 yield _chunk(job, model, Delta(), info=FusionInfo(prompt_tokens=item.prompt_tokens))
             elif isinstance(item, SegmentEvent):
+                observer.segment()
                 pending = item.segment  # sent with its round record, which follows at once
             elif isinstance(item, RoundEvent):
                 round_info = RoundInfo.model_validate(item.record.to_dict())
@@ -251,6 +318,7 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                     yield _chunk(job, model, Delta(), info=FusionInfo(round=round_info))
             elif isinstance(item, DoneEvent):
                 result = item.result
+                observer.done(result)
                 yield _chunk(job, model, Delta(), _finish_reason(result), _result_info(result, started))
                 if include_usage:
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
@@ -274,4 +342,6 @@ __all__ = [
     "parse_request",
     "stream",
     "to_engine_messages",
+    "unsupported",
+    "unsupported_error",
 ]

@@ -1,11 +1,13 @@
-"""One worker thread runs fused generations one at a time from a bounded queue.
+"""One worker thread runs the fused generations: up to ``max_concurrent`` at once.
 
-Members keep per-request state in their caches and run on every core, so two
-generations at once would only contend; requests wait their turn instead. The
-worker hands each event to the request's asyncio queue as it happens and checks
-the request's cancel flag after every event, so a cancelled generation stops
-within one round (the engine yields at least once per round) and its member
-sessions are closed by the generator's ``finally``.
+The thread drives a :class:`~specfuse.scheduler.Scheduler`: every tick it
+admits queued jobs while a slot is free (first come, first served), advances
+every generation in flight by one step and runs their member calls together,
+batched where a member can batch (llama.cpp). Requests beyond the slots wait
+in a bounded queue (429 beyond it). The worker hands each event to the
+request's asyncio queue as it happens; a cancelled job leaves the scheduler
+at its next tick (within a round), and closing its coroutine closes its member
+sessions. ``max_concurrent = 1`` is the serial worker: one job at a time.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..backends.base import Member
-from ..engine import fuse
+from ..engine import Steps, fusion_steps
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
+from ..scheduler import Cancelled as FlightCancelled
+from ..scheduler import Flight, Scheduler
 from ..types import DoneEvent, Event, Message, RoundEvent
 
 log = logging.getLogger("specfuse.server")
@@ -108,39 +112,44 @@ class Job:
 class Worker:
     """The bounded queue and the thread that serves it."""
 
-    def __init__(self, queue_size: int) -> None:
+    def __init__(self, queue_size: int, max_concurrent: int = 1) -> None:
         self.queue_size = queue_size
+        self.max_concurrent = max_concurrent
         self.counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._ensemble: Ensemble | None = None
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._cond = threading.Condition()
         self._stopping = False
+        self._scheduler = Scheduler()
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
+        # llama.cpp members hold as many sessions as they were loaded with.
+        self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
         self._thread.start()
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._cond:  # the worker thread and the event loop both count
-            self.counters[name] += 1
+            self.counters[name] += n
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:
             return dict(self.counters)
 
-    def state(self) -> tuple[int, bool]:
+    def state(self) -> tuple[int, int]:
+        """Jobs waiting, jobs in flight."""
         with self._cond:
-            return len(self._waiting), self._running is not None
+            return len(self._waiting), len(self._running)
 
     def submit(self, job: Job) -> None:
         """Queue a bound job, or raise QueueFullError when every slot is taken."""
         with self._cond:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down", "retry in a moment")
-            in_system = len(self._waiting) + (self._running is not None)
-            if in_system > self.queue_size:  # one runs, queue_size wait
+            free = self.max_concurrent - len(self._running)
+            if len(self._waiting) >= self.queue_size + max(0, free):  # queue_size wait behind the running
                 self.counters["rejected"] += 1
                 raise QueueFullError(
                     f"the request queue is full ({self.queue_size} waiting)", "retry in a little while"
@@ -150,7 +159,7 @@ class Worker:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop a job: drop it from the queue, or make the worker stop it after this round.
+        """Stop a job: drop it from the queue, or make the worker stop it at its next step.
 
         Safe to call more than once and after the job ended.
         """
@@ -163,12 +172,13 @@ class Worker:
                 self.counters["cancelled"] += 1
                 log.info("%s cancelled while queued", job.id)
                 job.emit(Cancelled())
+            self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel everything and wait for the worker to finish its round."""
+        """Cancel everything and wait for the worker to finish its step."""
         with self._cond:
             self._stopping = True
-            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            jobs = list(self._waiting) + list(self._running)
         for job in jobs:
             self.cancel(job)
         with self._cond:
@@ -179,61 +189,75 @@ class Worker:
     # ------------------------------------------------------------------ worker thread
 
     def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while not self._waiting and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and not self._waiting:
-                    return
-                job = self._waiting.popleft()
-                self._running = job
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
-
-    def _events(self, job: Job) -> tuple[list[Member], Iterator[Event]]:
-        assert self._ensemble is not None
-        if job.members is None:  # through the Ensemble, which may carry Hedge weights across queries
-            return self._ensemble.members, self._ensemble.stream(job.messages, options=job.options)
-        members = [m for m in self._ensemble.members if m.name in job.members]
-        return members, fuse(members, job.messages, job.options)
-
-    def _run(self, job: Job) -> None:
-        self._count("started")
-        rounds = 0
         try:
-            members, events = self._events(job)
-            job.emit(Started(time.time() - job.created, _prompt_tokens(members, job.messages)))
-            try:
-                for event in events:
-                    if isinstance(event, RoundEvent):
-                        rounds += 1
-                        self._count("rounds")
-                    job.emit(event)
-                    if job.cancel_flag.is_set() and not isinstance(event, DoneEvent):
-                        self._count("cancelled")
-                        log.info("%s cancelled after %d rounds", job.id, rounds)
-                        job.emit(Cancelled())
+            while True:
+                with self._cond:
+                    while not self._waiting and not self._running and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not self._waiting and not self._running:
                         return
-            finally:
-                close = getattr(events, "close", None)
-                if close is not None:
-                    close()  # closes the member sessions now, not at garbage collection
+                    admitted = []
+                    while self._waiting and len(self._running) < self.max_concurrent:
+                        job = self._waiting.popleft()
+                        self._running.add(job)
+                        admitted.append(job)
+                for job in admitted:
+                    self._admit(job)
+                self._scheduler.tick()
+        finally:
+            self._scheduler.close()
+
+    def _steps(self, job: Job) -> tuple[list[Member], Steps]:
+        ensemble = self._ensemble
+        assert ensemble is not None
+        if job.members is not None:
+            members = [m for m in ensemble.members if m.name in job.members]
+            return members, fusion_steps(members, job.messages, job.options)
+        persist = job.options.hedge and job.options.hedge_persist
+        weights = ensemble.hedge_weights or None if persist else None  # Hedge carried across queries
+        return ensemble.members, fusion_steps(ensemble.members, job.messages, job.options, weights=weights)
+
+    def _admit(self, job: Job) -> None:
+        self._count("started")
+        members, steps = self._steps(job)
+        job.emit(Started(time.time() - job.created, _prompt_tokens(members, job.messages)))
+        rounds = [0]
+
+        def on_event(event: Event) -> None:
+            if isinstance(event, RoundEvent):
+                rounds[0] += 1
+                self._count("rounds")
+            elif isinstance(event, DoneEvent) and job.members is None and job.options.hedge \
+                    and job.options.hedge_persist and self._ensemble is not None:
+                self._ensemble.hedge_weights = dict(event.result.weights)
+            job.emit(event)
+
+        def on_end(why: BaseException | None) -> None:
+            with self._cond:
+                self._running.discard(job)
+            self._finished(job, why, rounds[0])
+
+        self._scheduler.add(Flight(steps, on_event, on_end, job.cancel_flag.is_set))
+
+    def _finished(self, job: Job, why: BaseException | None, rounds: int) -> None:
+        if why is None:
             self._count("completed")
-        except InvalidRequestError as exc:
+        elif isinstance(why, FlightCancelled):
+            self._count("cancelled")
+            log.info("%s cancelled after %d rounds", job.id, rounds)
+            job.emit(Cancelled())
+        elif isinstance(why, InvalidRequestError):
             self._count("invalid")
-            log.info("%s rejected: %s", job.id, exc)
-            job.emit(Failed(exc))
-        except SpecFuseError as exc:
+            log.info("%s rejected: %s", job.id, why)
+            job.emit(Failed(why))
+        elif isinstance(why, SpecFuseError):
             self._count("failed")
-            log.warning("%s failed: %s", job.id, exc)
-            job.emit(Failed(exc))
-        except Exception as exc:  # a bug or a backend crash: report it, keep serving
+            log.warning("%s failed: %s", job.id, why)
+            job.emit(Failed(why))
+        else:  # a bug or a backend crash: report it, keep serving
             self._count("failed")
-            log.exception("%s crashed", job.id)
-            job.emit(Failed(exc))
+            log.error("%s crashed", job.id, exc_info=why)
+            job.emit(Failed(why))
 
 
 def _prompt_tokens(members: Sequence[Member], messages: Sequence[Message]) -> dict[str, int]:

@@ -1,0 +1,131 @@
+"""Prometheus metrics for ``GET /metrics`` (the ``prometheus-client`` package).
+
+Each app has its own ``CollectorRegistry``, so several apps in one process
+(tests, embedders) never clash. The request counters, the queue and the rounds
+are read from the worker when scraped, so they always agree with ``/health``;
+the rest (tokens, latencies, member departures) is observed by ``serving`` as
+each request's events arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..types import Result
+
+# How each request that reached the worker ended (429s included): the worker's counters of the same name.
+OUTCOMES = ("completed", "cancelled", "invalid", "failed", "rejected")
+# Seconds, from the request's acceptance: CPU answers take from a fraction of a second to minutes.
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+FIRST_SEGMENT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+
+class WorkerView(Protocol):
+    """What the metrics read from the worker (``worker.Worker`` provides it)."""
+
+    max_concurrent: int
+    queue_size: int
+
+    def state(self) -> tuple[int, int]: ...
+
+    def snapshot(self) -> dict[str, int]: ...
+
+
+class _WorkerCollector(Collector):
+    """The worker's counters and queue, read at scrape time."""
+
+    def __init__(self, worker: WorkerView) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterable[Metric]:
+        counters = self.worker.snapshot()
+        waiting, running = self.worker.state()
+        requests = CounterMetricFamily(
+            "specfuse_requests", "Requests that reached the worker, by how they ended "
+            "(rejected: the queue was full, 429; invalid: the members found the input bad)", labels=["outcome"])
+        for outcome in OUTCOMES:
+            requests.add_metric([outcome], counters.get(outcome, 0))
+        yield requests
+        yield CounterMetricFamily("specfuse_requests_accepted", "Requests queued for the worker",
+                                  value=counters.get("accepted", 0))
+        yield CounterMetricFamily("specfuse_rounds", "Fusion rounds run (draft, verify, pick a segment)",
+                                  value=counters.get("rounds", 0))
+        yield GaugeMetricFamily("specfuse_generations_in_flight", "Generations running now", value=int(running))
+        yield GaugeMetricFamily("specfuse_queue_depth", "Requests waiting for a free slot", value=waiting)
+        yield GaugeMetricFamily("specfuse_queue_capacity", "How many requests may wait (queue_size)",
+                                value=self.worker.queue_size)
+        yield GaugeMetricFamily("specfuse_max_concurrent", "Generations run together at most",
+                                value=self.worker.max_concurrent)
+
+
+class ServerMetrics:
+    """One app's registry and the metrics ``serving`` observes."""
+
+    def __init__(self, worker: WorkerView) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_WorkerCollector(worker))
+        r = self.registry
+        self.output_tokens = Counter("specfuse_output_tokens", "Answer tokens generated (the winners' tokens, "
+                                     "as usage.completion_tokens)", registry=r)
+        self.time_to_first_segment = Histogram(
+            "specfuse_time_to_first_segment_seconds",
+            "From the request's acceptance (queueing included) to its first accepted segment",
+            buckets=FIRST_SEGMENT_BUCKETS, registry=r)
+        self.latency = Histogram(
+            "specfuse_request_latency_seconds",
+            "From the request's acceptance (queueing included) to its complete answer; completed requests only",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.member_faults = Counter("specfuse_member_faults", "Members dropped from a query after a fault",
+                                     ["member"], registry=r)
+        self.member_exits = Counter("specfuse_member_exits", "Members that left a query by Model Exit",
+                                    ["member"], registry=r)
+
+    def members(self, names: Iterable[str]) -> None:
+        """Start each member's series at 0, so dashboards see them before the first departure."""
+        for name in names:
+            self.member_faults.labels(member=name)
+            self.member_exits.labels(member=name)
+
+    def first_segment(self, accepted: float) -> None:
+        """A request's first segment arrived; ``accepted`` is its ``time.time()`` at acceptance."""
+        self.time_to_first_segment.observe(max(0.0, time.time() - accepted))
+
+    def done(self, accepted: float, result: Result) -> None:
+        """A request completed with ``result``."""
+        self.latency.observe(max(0.0, time.time() - accepted))
+        self.output_tokens.inc(max(0, result.stats.tokens))
+        for departure in getattr(result, "departures", None) or ():
+            counter = self.member_faults if departure.kind == "fault" else self.member_exits
+            counter.labels(member=departure.model).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+
+class RequestMetrics:
+    """One request's observer: the first segment once, the end once (``serving`` calls it)."""
+
+    def __init__(self, metrics: ServerMetrics | None, accepted: float) -> None:
+        self.metrics = metrics
+        self.accepted = accepted
+        self._first_seen = False
+
+    def segment(self) -> None:
+        if self.metrics is not None and not self._first_seen:
+            self._first_seen = True
+            self.metrics.first_segment(self.accepted)
+
+    def done(self, result: Result) -> None:
+        if self.metrics is not None:
+            self.metrics.done(self.accepted, result)
+
+
+__all__ = ["OUTCOMES", "RequestMetrics", "ServerMetrics"]

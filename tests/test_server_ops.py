@@ -1,0 +1,216 @@
+"""Operating the server: Prometheus metrics at /metrics, and 400 for parameters SpecFuse does not implement.
+
+The first tests need no models (the metrics object and the parameter tables alone); the rest
+drive a real `specfuse serve` (tests/server_process.py) with the real `openai` client and raw
+HTTP. Only two short completions run (max_tokens 4): refused requests never reach the members.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_process import specfuse_server
+from specfuse import models as catalogue
+from specfuse.server import serving
+from specfuse.server.app import create_app
+from specfuse.server.config import build_config
+from specfuse.server.metrics import OUTCOMES, ServerMetrics
+from specfuse.types import Departure, Result, Stats
+
+MEMBERS = list(catalogue.DEFAULT_MODELS)
+SAY_HI = [{"role": "user", "content": "Say hi."}]
+ONE_TOOL = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                              "parameters": {"type": "object", "properties": {}}}}]
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text -> {(sample name, labels): value}, through prometheus_client's own parser."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(metrics: dict, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in metrics, f"no sample {name}{labels}; have {sorted(n for n, _ in metrics)}"
+    return metrics[key]
+
+
+# --------------------------------------------------------------------------- no models
+
+
+class StubWorker:
+    """What the metrics read from the worker, with made-up numbers."""
+
+    max_concurrent = 3
+    queue_size = 7
+
+    def state(self) -> tuple[int, int]:
+        return 2, 1
+
+    def snapshot(self) -> dict[str, int]:
+        return {"accepted": 9, "rejected": 1, "started": 8, "completed": 5, "cancelled": 1, "invalid": 1,
+                "failed": 0, "rounds": 40}
+
+
+def test_metrics_read_the_worker_and_count_results():
+    metrics, other = ServerMetrics(StubWorker()), ServerMetrics(StubWorker())  # per-app registries: no clash
+    metrics.members(["a", "b"])
+    result = Result(text="hi", segments=[], rounds=[], stats=Stats(tokens=7), models=["a", "b"],
+                    departures=[Departure("a", 1, "fault", "crashed"), Departure("b", 2, "exit", "agreed")])
+    metrics.first_segment(time.time() - 0.3)
+    metrics.done(time.time() - 1.0, result)
+    got = samples(metrics.render().decode())
+    snapshot = StubWorker().snapshot()
+    assert {o: value(got, "specfuse_requests_total", outcome=o) for o in OUTCOMES} == {o: snapshot[o] for o in OUTCOMES}
+    assert value(got, "specfuse_rounds_total") == 40
+    assert value(got, "specfuse_queue_depth") == 2 and value(got, "specfuse_generations_in_flight") == 1
+    assert value(got, "specfuse_max_concurrent") == 3 and value(got, "specfuse_queue_capacity") == 7
+    assert value(got, "specfuse_output_tokens_total") == 7
+    assert value(got, "specfuse_request_latency_seconds_count") == 1
+    assert value(got, "specfuse_request_latency_seconds_sum") == pytest.approx(1.0, abs=0.5)
+    assert value(got, "specfuse_time_to_first_segment_seconds_count") == 1
+    assert value(got, "specfuse_member_faults_total", member="a") == 1
+    assert value(got, "specfuse_member_faults_total", member="b") == 0  # started at 0 by members()
+    assert value(got, "specfuse_member_exits_total", member="b") == 1
+    assert value(samples(other.render().decode()), "specfuse_output_tokens_total") == 0
+    apps = [create_app(build_config()) for _ in range(2)]  # two apps in one process: two registries
+    assert apps[0].state.specfuse.metrics.registry is not apps[1].state.specfuse.metrics.registry
+
+
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "top_logprobs": None,
+           "logit_bias": {}, "tools": [], "tool_choice": "none", "functions": None, "function_call": None,
+           "response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "n": 1,
+           "metadata": {"team": "ops"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True}
+REFUSED = {"tools": ONE_TOOL, "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
+           "response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
+           "logit_bias": {"50256": -100}, "frequency_penalty": 0.5, "presence_penalty": -1,
+           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+           "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+           "bogus_field": 1, "window": 6}
+
+
+def test_parameter_tables():
+    assert serving.unsupported({"messages": SAY_HI, "max_tokens": 4, "specfuse": {"window": 4}, **NEUTRAL}) == []
+    for name, bad in REFUSED.items():
+        assert serving.unsupported({"messages": SAY_HI, name: bad}) == [name], name
+    # strict: a boolean is not a number and a number is not a boolean
+    assert serving.unsupported({"logprobs": 0, "frequency_penalty": False}) == ["logprobs", "frequency_penalty"]
+    error = serving.unsupported_error(["window"])
+    assert error.status == 400 and error.detail.param == "window" and "'specfuse' object" in error.detail.message
+
+
+# --------------------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    missing = [n for n in MEMBERS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
+    if missing:
+        pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
+    with specfuse_server(tmp_path_factory.mktemp("ops"), queue_size=4) as running:
+        yield running
+        assert running.health()["counters"]["failed"] == 0, running.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300)
+
+
+def scrape(server) -> dict:
+    response = httpx.get(f"{server.url}/metrics", timeout=10)  # no API key: open like /health
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    return samples(response.text)
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+def test_metrics_move_after_a_completion_with_neutral_parameters(server, client):
+    before = scrape(server)
+    answer = client.chat.completions.create(
+        model="specfuse", messages=SAY_HI, max_tokens=4, temperature=0,
+        # OpenAI parameters at their neutral values, and harmless ones: accepted
+        frequency_penalty=0, presence_penalty=0, logprobs=False, n=1, response_format={"type": "text"},
+        logit_bias={}, metadata={"test": "ops"}, extra_body={"tools": [], "tool_choice": None})
+    tokens = answer.usage.completion_tokens
+    assert answer.choices[0].finish_reason in ("stop", "length") and tokens > 0
+    after = scrape(server)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - before.get((name, frozenset(labels.items())), 0.0)
+
+    assert moved("specfuse_requests_total", outcome="completed") == 1
+    assert all(moved("specfuse_requests_total", outcome=o) == 0 for o in OUTCOMES if o != "completed")
+    assert moved("specfuse_output_tokens_total") == tokens
+    assert moved("specfuse_request_latency_seconds_count") == 1
+    assert moved("specfuse_time_to_first_segment_seconds_count") == 1
+    assert moved("specfuse_rounds_total") >= 1
+    assert value(after, "specfuse_generations_in_flight") == 0 and value(after, "specfuse_queue_depth") == 0
+    for member in MEMBERS:  # every member has its series, at 0 unless one left a query
+        value(after, "specfuse_member_faults_total", member=member)
+    # the counters are /health's
+    health = server.health()
+    assert {o: value(after, "specfuse_requests_total", outcome=o) for o in OUTCOMES} == \
+        {o: health["counters"][o] for o in OUTCOMES}
+    assert value(after, "specfuse_max_concurrent") == health["queue"]["max_concurrent"]
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+def test_a_stream_with_neutral_parameters_is_observed(server):
+    before = scrape(server)
+    body = {"messages": SAY_HI, "max_tokens": 4, "stream": True, "logit_bias": None, "tools": [],
+            "modalities": ["text"], "top_logprobs": None, "presence_penalty": 0.0, "store": True}
+    with httpx.stream("POST", f"{server.api}/chat/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {server.api_key}"}) as response:
+        assert response.status_code == 200, response.read()
+        frames = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    after = scrape(server)
+    assert value(after, "specfuse_request_latency_seconds_count") == \
+        value(before, "specfuse_request_latency_seconds_count") + 1
+    assert value(after, "specfuse_requests_total", outcome="completed") == \
+        value(before, "specfuse_requests_total", outcome="completed") + 1
+
+
+RAW_REFUSED = ["tools", "response_format", "logprobs", "top_logprobs", "logit_bias", "frequency_penalty",
+               "modalities", "bogus_field"]
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", RAW_REFUSED)
+def test_unsupported_parameter_gets_400_naming_it(server, name):
+    accepted = server.health()["counters"]["accepted"]
+    response = httpx.post(f"{server.api}/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {server.api_key}"},
+                          content=json.dumps({"messages": SAY_HI, "max_tokens": 4, name: REFUSED[name]}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"
+    assert error["param"] == name and repr(name) in error["message"] and "Supported parameters" in error["message"]
+    assert server.health()["counters"]["accepted"] == accepted  # refused before the queue
+
+
+@pytest.mark.models
+def test_openai_client_sees_bad_request(client):
+    cases = {
+        "tools": {"tools": ONE_TOOL},
+        "response_format": {"response_format": {"type": "json_object"}},
+        "logprobs": {"logprobs": True},
+        "bogus_field": {"extra_body": {"bogus_field": 1}},
+        "window": {"extra_body": {"window": 6}},
+    }
+    for name, extra in cases.items():
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="specfuse", messages=SAY_HI, max_tokens=4, **extra)
+        assert caught.value.code == "unsupported_parameter" and caught.value.param == name, caught.value
+    assert "'specfuse' object" in caught.value.message  # the last case: a fusion option at the top level
