@@ -254,3 +254,16 @@ def test_hedge_weights_move_and_are_reported(recording):
     for record in result.rounds:
         assert sum(record.weights.values()) == pytest.approx(1.0)
     assert len(set(round(w, 6) for w in result.weights.values())) > 1
+
+
+def test_rerank_scores_an_answer_longer_than_one_batch(default_ensemble):
+    """A text over n_batch tokens is scored in pieces on a second session, opened after the first closed."""
+    from specfuse.baselines import score_answers, split_for_scoring
+
+    qwen = next(m for m in default_ensemble.members if m.name.startswith("qwen"))
+    long_text = " ".join(f"step {i}: add {i} and {i + 1} to get {2 * i + 1}." for i in range(90))
+    assert len(qwen.encode_continuation(long_text)) > qwen.n_batch
+    (short, long), calls = score_answers(qwen, [Message("user", "Add some numbers.")], ["Fine.", long_text])
+    assert len(short.logprobs) >= 1 and len(long.logprobs) >= qwen.n_batch
+    assert calls == 1 + len(split_for_scoring(long_text))
+    assert qwen.free_slots == qwen.slots  # every session it opened was closed

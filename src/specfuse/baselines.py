@@ -171,21 +171,23 @@ def score_answers(member: Member, messages: Sequence[Message], texts: Sequence[s
     one batch is scored in pieces on a fresh session instead. An empty text
     scores the member's end-of-generation token ("no answer").
     """
-    results: list[TokenScores] = []
+    results: dict[int, TokenScores] = {}
     calls = 0
     session = member.start(messages, seed=None, reserve=1)
     try:
-        for text in texts:
+        for i, text in enumerate(texts):
             try:
-                results.append(session.score([text])[0])
+                results[i] = session.score([text])[0]
                 calls += 1
-            except (PromptTooLongError, ValueError):  # more tokens than one batch holds
-                scores, used = score_in_pieces(member, messages, text)
-                results.append(scores)
-                calls += used
+            except (PromptTooLongError, ValueError):  # more tokens than one batch holds: below
+                pass
     finally:
-        session.close()
-    return results, calls
+        session.close()  # before opening another: a member may hold one session at a time
+    for i, text in enumerate(texts):
+        if i not in results:
+            results[i], used = score_in_pieces(member, messages, text)
+            calls += used
+    return [results[i] for i in range(len(texts))], calls
 
 
 def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> tuple[TokenScores, int]:
