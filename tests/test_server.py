@@ -285,15 +285,18 @@ def health_when(server, condition, what: str, timeout: float = 120) -> dict:
         raise AssertionError(f"{exc}; last /health: {seen}") from None
 
 
-def _stream_until_first_segment(http, stack: ExitStack, prompt: str, max_tokens: int) -> None:
+def _stream_until_first_segment(http, stack: ExitStack, prompt: str, max_tokens: int):
+    """Open a stream and read it up to its first segment; returns the line iterator, which the
+    caller must keep: a dropped iterator closes the connection (httpx), i.e. hangs up."""
     # ignore_eos: the generation runs to max_tokens, so it keeps the worker busy however fast the machine
     response = stack.enter_context(http.stream("POST", "/v1/chat/completions", json={
         "messages": user(prompt), "max_tokens": max_tokens, "stream": True, "temperature": 0,
         "specfuse": {"ignore_eos": True, "gate": None}}))  # every round votes: slow enough to hold the worker
     assert response.status_code == 200
-    for line in response.iter_lines():
+    lines = response.iter_lines()
+    for line in lines:
         if line.startswith("data: {") and '"content": "' in line and '"segment"' in line:
-            return
+            return lines
     raise AssertionError("the stream ended before its first segment")
 
 
@@ -332,8 +335,7 @@ def test_disconnect_cancels_a_non_streaming_request(server):
 def test_full_queue_answers_429(http, client, server):
     before = server.health()["counters"]
     with ExitStack() as running:
-        for _ in range(2):  # occupies both slots
-            _stream_until_first_segment(http, running, LONG, max_tokens=400)
+        held = [_stream_until_first_segment(http, running, LONG, max_tokens=400) for _ in range(2)]  # both slots
         with ExitStack() as queued:
             for i in range(8):  # fills every waiting slot
                 response = queued.enter_context(http.stream("POST", "/v1/chat/completions", json={
@@ -348,6 +350,7 @@ def test_full_queue_answers_429(http, client, server):
                 client.chat.completions.create(model="specfuse", messages=OK_MESSAGES, max_tokens=4)
         # Their clients left while they waited: the slots free up at once.
         health_when(server, lambda h: h["queue"]["waiting"] == 0, "the queue to empty", timeout=30)
+        assert server.health()["queue"]["running"] == len(held)
     after = health_when(server, lambda h: not h["queue"]["running"], "the worker to stop")
     c = after["counters"]
     assert c["rejected"] == before["rejected"] + 2
