@@ -2,7 +2,7 @@
 
 Each generation is the engine's coroutine (:func:`specfuse.engine.fusion_steps`).
 One :meth:`Scheduler.tick` runs every generation in flight up to its next
-member calls (handing its events out on the way), then runs all those calls
+member calls that decode (handing its events out on the way), then runs all those calls
 together through a :class:`~specfuse.calls.CallRunner`: calls of one method to
 one member that can batch (llama.cpp) become one batched call, remote calls
 overlap in threads. Every flight advances by one step per tick, so none starves.
@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from .calls import CallRunner, Calls, Reply
 from .engine import Steps
 from .types import DoneEvent, Event, Result
+
+# Calls that decode nothing now (accepting a segment only edits caches and token lists): a
+# flight runs them at once instead of spending a tick, so the flights stay in step and the
+# next tick's draft batches stay full.
+INLINE = frozenset({"accept"})
 
 
 @dataclass(eq=False)
@@ -74,6 +79,9 @@ class Scheduler:
             while True:
                 item = flight.steps.send(reply)
                 if isinstance(item, Calls):
+                    if all(call.method in INLINE for call in item.calls):
+                        reply = self.runner.run(item.calls)  # cheap: run now, keep in step with the others
+                        continue
                     flight.pending = item
                     return
                 reply = None
