@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo test bench clean
+.PHONY: install models browser demo test bench bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ test: $(FULL) models browser
 
 bench: $(FULL) models
 	$(BIN)/specfuse bench
+
+# The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
+bench-serve: $(FULL) models
+	$(BIN)/specfuse bench --serve
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,48 @@
+"""The serving benchmark end to end, tiny: the real server in both modes, the real openai client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specfuse import bench_serve
+
+pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
+
+
+def test_bench_serve_measures_both_modes_and_writes_json(tmp_path):
+    pytest.importorskip("openai")
+    out = tmp_path / "bench-serve.json"
+    lines: list[str] = []
+    report = bench_serve.run([1, 2], requests=2, max_tokens=4, threads=1, out=out, log=lines.append)
+
+    assert set(report["modes"]) == {"serial", "concurrent"}
+    assert report["modes"]["serial"]["max_concurrent"] == 1
+    assert report["modes"]["concurrent"]["max_concurrent"] == 2
+    for mode in report["modes"].values():
+        assert len(mode["members"]) == 3  # the embedded default three
+        assert set(mode["levels"]) == {"1", "2"}
+        for level, m in mode["levels"].items():
+            assert m["requests"] == m["ok"] == 2 and m["errors"] == 0, m["error_messages"]
+            assert m["concurrency"] == int(level)
+            for key in ("requests_per_s", "output_tokens_per_s", "latency_p50_s", "latency_p95_s", "ttfs_p50_s"):
+                assert m[key] is not None and m[key] > 0, key
+            assert m["latency_p95_s"] >= m["latency_p50_s"]
+            for o in m["outcomes"]:
+                assert 0 < o["completion_tokens"] <= 4 and 0 < o["ttfs_s"] <= o["latency_s"]
+        assert mode["server_counters"]["failed"] == 0
+    for level in ("1", "2"):
+        ratios = report["ratios"][level]
+        for key in ("throughput", "requests_per_s", "p50_latency", "p50_ttfs"):
+            assert ratios[key] is not None and ratios[key] > 0, key
+    targets = report["targets"]
+    assert targets["lone_latency_ratio"]["measured"] is not None  # concurrency 1 was measured
+    assert targets["throughput_c4_ratio"]["met"] is None  # concurrency 4 was not
+    assert report["settings"]["threads"] == 1 and report["machine"]["cores"]
+
+    saved = json.loads(out.read_text())
+    assert saved["ratios"] == json.loads(json.dumps(report["ratios"]))
+    assert saved["modes"]["concurrent"]["levels"]["2"]["ok"] == 2
+    # The printed tables have a row per mode and level, and one per target.
+    assert len(bench_serve.format_table(report)) == 4 and len(bench_serve.format_targets(report)) == 3
