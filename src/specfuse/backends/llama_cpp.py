@@ -423,8 +423,12 @@ class LlamaCppMember:
         with self._slot_free:  # with every slot taken, wait for a session to close (as a lock would)
             while not self._free_slots:
                 self._slot_free.wait()
+            if len(self._free_slots) == self.slots:
+                # No other session: start from an empty cache, so the cells are used from the first one
+                # on and attention spans only them (a lone request runs as with a single slot).
+                lc.llama_memory_clear(self._mem, False)
             slot = self._free_slots.pop(0)
-        self._clear_slot(slot)
+            self._clear_slot(slot)
         return LlamaCppSession(self, prompt, seed, slot=slot, reencode=not self.prefix_cache)
 
     @property
