@@ -13,7 +13,7 @@ from specfuse import Ensemble
 from specfuse.engine import fuse
 from specfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
 from specfuse.options import FusionOptions
-from specfuse.types import DoneEvent, Message, Sampling, SegmentEvent
+from specfuse.types import Message, Sampling, SegmentEvent
 
 QUESTION = [Message("user", "What is the capital of France? Answer in one short sentence.")]
 EXPLAIN = [Message("user", "Explain in a few sentences how rain forms.")]
