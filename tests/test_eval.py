@@ -52,6 +52,8 @@ def test_reference_and_scoring():
     assert gsm8k_reference("She makes 9 * 2 = $<<9*2=18>>18.\n#### 18") == 18
     assert gsm8k_reference("#### 1,000") == 1000
     assert parse_number("12.50.") == 12.5 and parse_number("abc") is None
+    assert parse_number("1" * 400) is None  # a looping answer's endless digits do not crash the scorer
+    assert not score_gsm8k(Item("gsm8k-1", 1, "q", 3.0), "The answer is " + "9" * 400)["correct"]
     item = Item("gsm8k-0", 0, "q", 18.0)
     assert score_gsm8k(item, "So the answer is 18.0 dollars.")["correct"]
     assert not score_gsm8k(item, "The answer is 19.")["correct"]

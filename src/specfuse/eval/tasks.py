@@ -123,7 +123,7 @@ def parse_number(text: str) -> float | None:
             denominator = Fraction(match.group(2))
             return float(Fraction(match.group(1)) / denominator) if denominator else None
         return float(Fraction(match.group(1)))
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError, OverflowError):  # OverflowError: a looping model's endless digits
         return None
 
 
