@@ -367,3 +367,12 @@ def test_report_counts_answers_at_the_limit_and_looping_answers():
     assert (by["default"].at_limit, by["default"].looping) == (0.0, 0.0)
     text = comparisons(GSM8K, rows, records, common)
     assert "| `default` | `member:a` | +50.0% | 1 | 0 | 1.000 |" in text  # every engine variant vs the best member
+
+
+def test_scoring_pieces_are_bounded_in_bytes_not_characters():
+    from specfuse.baselines import split_for_scoring
+
+    text = "天气很好。" * 200 + " and some words at the end"
+    pieces = split_for_scoring(text, limit=400)
+    assert "".join(pieces) == text
+    assert all(len(p.encode("utf-8")) <= 400 for p in pieces)  # at most 400 tokens in any vocabulary

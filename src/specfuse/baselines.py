@@ -32,9 +32,9 @@ DEFAULT_CHUNK = 16
 """Tokens a lone member drafts per call: small enough to time the first token
 closely, large enough that re-drafting a cut-off word is rare overhead."""
 
-SCORE_PIECE_CHARS = 400
+SCORE_PIECE_BYTES = 400
 """An answer too long for one scoring batch is scored in pieces of at most this
-many characters (cut before whitespace), in order on the growing context,
+many UTF-8 bytes (cut before whitespace), in order on the growing context,
 exactly as the engine scores segments."""
 
 
@@ -207,14 +207,20 @@ def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> t
     return TokenScores(tuple(logprobs), tuple(logits)), len(pieces)
 
 
-def split_for_scoring(text: str, limit: int = SCORE_PIECE_CHARS) -> list[str]:
-    """Cut `text` into pieces of at most `limit` characters, before whitespace when possible."""
+def split_for_scoring(text: str, limit: int = SCORE_PIECE_BYTES) -> list[str]:
+    """Cut `text` into pieces of at most `limit` UTF-8 bytes, before whitespace when possible.
+
+    Bytes, not characters: a token spells at least one byte, so a piece is at
+    most `limit` tokens in any vocabulary (a 400-character piece of CJK text or
+    emoji can be 1,200 tokens).
+    """
     if not text:
         return [""]
     pieces: list[str] = []
-    while len(text) > limit:
-        at = max(text.rfind(" ", 1, limit), text.rfind("\n", 1, limit))
-        at = at if at > 0 else limit
+    while len(text.encode("utf-8")) > limit:
+        cut = len(text.encode("utf-8")[:limit].decode("utf-8", "ignore"))  # characters within the limit
+        at = max(text.rfind(" ", 1, cut), text.rfind("\n", 1, cut))
+        at = at if at > 0 else max(cut, 1)
         pieces.append(text[:at])
         text = text[at:]
     pieces.append(text)
