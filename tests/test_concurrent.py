@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import conftest
 import numpy as np
 import pytest
 
@@ -72,25 +73,13 @@ def test_batched_drafts_and_scores_agree_with_one_by_one(ensemble):
             s.close()
 
 
-class Recording:
-    """A real member whose sessions are kept, to read their contexts after the run."""
+class Recording(conftest.Recording):
+    """A real member whose sessions are kept, and whose batched calls stay batched."""
 
     def __init__(self, member):
-        self.member, self.sessions = member, []
+        super().__init__(member)
         self.draft_many, self.score_many = member.draft_many, member.score_many
         self.slots = member.slots
-
-    @property
-    def name(self):
-        return self.member.name
-
-    def start(self, messages, *, seed, reserve):
-        session = self.member.start(messages, seed=seed, reserve=reserve)
-        self.sessions.append(session)
-        return session
-
-    def close(self):
-        pass
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -170,19 +159,15 @@ def test_cancelling_one_generation_leaves_the_others_intact(ensemble):
     assert all(m.free_slots == 3 for m in ensemble.members)  # the cancelled sessions were closed
 
 
-class FaultyFor:
+class FaultyFor(conftest.Recording):
     """A real member whose sessions for one prompt fail when asked to score (a fault in one request)."""
 
     def __init__(self, member, marker):
-        self.member, self.marker = member, marker
-        self.slots = member.slots
-
-    @property
-    def name(self):
-        return self.member.name
+        super().__init__(member)
+        self.marker, self.slots = marker, member.slots
 
     def start(self, messages, *, seed, reserve):
-        session = self.member.start(messages, seed=seed, reserve=reserve)
+        session = super().start(messages, seed=seed, reserve=reserve)
         if not any(self.marker in m.content for m in messages):
             return session
         marker = self.marker

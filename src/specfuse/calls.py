@@ -22,8 +22,6 @@ from typing import Any
 
 from .backends.base import Member, MemberSession
 
-METHODS = ("draft", "score", "accept", "text_logprob")
-
 
 @dataclass(frozen=True)
 class Call:

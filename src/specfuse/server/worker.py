@@ -130,9 +130,9 @@ class Worker:
         self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
         self._thread.start()
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str) -> None:
         with self._cond:  # the worker thread and the event loop both count
-            self.counters[name] += n
+            self.counters[name] += 1
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:
