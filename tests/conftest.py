@@ -6,6 +6,7 @@ import pytest
 
 from specfuse import Ensemble
 from specfuse import models as catalogue
+from helpers import Recording
 
 
 def _require_prepared() -> None:
@@ -21,26 +22,6 @@ def default_ensemble():
     ensemble = Ensemble()
     yield ensemble
     ensemble.close()
-
-
-class Recording:
-    """Wraps a real member and keeps the sessions it opens, for inspecting them after a run."""
-
-    def __init__(self, member):
-        self.member = member
-        self.sessions = []
-
-    @property
-    def name(self):
-        return self.member.name
-
-    def start(self, messages, *, seed, reserve):
-        session = self.member.start(messages, seed=seed, reserve=reserve)
-        self.sessions.append(session)
-        return session
-
-    def close(self):
-        pass
 
 
 @pytest.fixture()

@@ -1,8 +1,9 @@
 """The systems SpecFuse is compared with, built on the same member protocol.
 
-- :func:`member_alone`: one member answers by itself, drafting in chunks on one
-  session (the same cutting and stop rules as the engine), so its answer is
-  what that member would say under the same prompt and sampling.
+- :func:`write_answer`: one member answers by itself, drafting in chunks on one
+  session (cut into segments as the engine cuts them), so its answer is what
+  that member would say under the same prompt and sampling; :func:`answer_output`
+  reports it like the other systems.
 - :func:`rerank`: a response-level ensemble (LLM-Blender's idea without its
   trained ranker): every member writes a full answer, every member scores every
   full answer (mean token log-probability, normalised across answers like the
@@ -21,11 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .backends.base import Member
-from .engine import fuse, member_seed
+from .engine import member_seed
+from .ensemble import Ensemble
 from .errors import PromptTooLongError
 from .options import FusionOptions
 from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
-from .segments import apply_stops, cut_draft, tokens_covering
+from .phases import cut_segment
 from .types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
@@ -98,22 +100,19 @@ def write_answer(
                 break
             drafted = session.draft(n, sampling)
             calls += 1
-            cut = cut_draft(drafted.pieces, drafted.finished)
-            kept, hit_stop = apply_stops(text, cut.text, stops)
-            finished = drafted.finished or hit_stop
-            if not kept and not finished:
+            segment = cut_segment(member.name, drafted, text, stops)  # as the engine cuts its segments
+            kept, finished, n_text = segment.candidate.text, segment.candidate.finished, segment.candidate.n_tokens
+            if not segment.eligible:
                 # One word longer than the draft (or a split character): draft longer.
                 session.accept("")
                 if n >= budget:
                     break
                 n *= 2
                 continue
-            n_text = cut.n_tokens - (1 if drafted.finished and cut.n_tokens else 0)
-            if kept != cut.text:
-                n_text = tokens_covering(drafted.pieces, len(kept.encode("utf-8")))
+            if segment.own_scores is None:
                 logprobs = None  # a stop cut inside a token: scores no longer align
             elif logprobs is not None:
-                logprobs.extend(drafted.logprobs[:n_text])
+                logprobs.extend(segment.own_scores.logprobs[:n_text])
             session.accept(kept)
             text += kept
             tokens += n_text
@@ -135,20 +134,6 @@ def write_answer(
         finish_reason=finish,
         own_logprobs=tuple(logprobs) if logprobs else None,
     )
-
-
-def member_alone(
-    member: Member,
-    messages: Sequence[Message],
-    *,
-    max_tokens: int,
-    sampling: Sampling,
-    stop: Sequence[str] = (),
-    chunk: int = DEFAULT_CHUNK,
-) -> SystemOutput:
-    """One member by itself; see :func:`write_answer`."""
-    answer = write_answer(member, messages, max_tokens=max_tokens, sampling=sampling, stop=stop, chunk=chunk)
-    return answer_output(answer)
 
 
 def answer_output(answer: Answer) -> SystemOutput:
@@ -288,13 +273,13 @@ def rerank(
 
 
 def fused(
-    members: Sequence[Member],
+    ensemble: Ensemble,
     messages: Sequence[Message],
     options: FusionOptions,
     weights: dict[str, float] | None = None,
 ) -> SystemOutput:
-    """The SpecFuse engine on `members` (starting from `weights`, if given), reported like the baselines."""
-    for event in fuse(members, messages, options, weights=weights):
+    """The SpecFuse engine on `ensemble` (starting from `weights`, if given), reported like the baselines."""
+    for event in ensemble.stream(messages, options=options, weights=weights):
         if isinstance(event, DoneEvent):
             result = event.result
             stats = result.stats

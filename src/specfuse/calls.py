@@ -1,36 +1,55 @@
 """Member calls as data, and running them: one by one, concurrently, or batched.
 
-The engine never calls a member session itself: it yields ``Calls`` (which
-method of which session, with which arguments) and is sent back one ``Reply``
-per call. That keeps the per-request logic in one place while a driver decides
-how the work runs:
+The engine never calls a member or a session itself: it yields ``Calls``
+(which method of which session, with which arguments) and is sent back one
+``Reply`` per call. That keeps the per-request logic in one place while a
+driver decides how the work runs:
 
-- one generation (:func:`specfuse.engine.fuse`): the calls of one round, local
+- one generation (:func:`specfuse.engine.fuse`): the calls of one step, local
   members one after another, remote (``parallel_safe``) members in threads;
 - many generations (``scheduler.py``): the same, but calls of several requests
-  to one member that can batch (``Member.draft_many`` / ``score_many``) go
-  into one batched call, e.g. one ``llama_decode`` for every session's token.
+  to one member that batches (``Capabilities.batched``) go into one batched
+  call, e.g. one ``llama_decode`` for every session's token.
+
+The one exception is closing a generation early (cancelled, failed): a closed
+coroutine cannot yield, so it closes its sessions directly.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from operator import methodcaller
+from typing import Any, Literal
 
 from .backends.base import Member, MemberSession
+
+Method = Literal["start", "draft", "score", "accept", "text_logprob", "counters", "close"]
+# Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):
+# a scheduler runs them at once instead of spending a tick on them.
+CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})
+BATCHED = {"draft": "draft_many", "score": "score_many"}  # methods a batching member serves together
 
 
 @dataclass(frozen=True)
 class Call:
-    """``session.<method>(*args)`` on a session of ``member``."""
+    """``session.<method>(*args)``, or ``member.<method>(...)`` when `session` is None (``start``)."""
 
     member: Member
-    session: MemberSession
-    method: str
+    session: MemberSession | None
+    method: Method
     args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def cheap(self) -> bool:
+        return self.method in CHEAP
+
+    def invoke(self) -> Any:
+        target = self.member if self.session is None else self.session
+        return methodcaller(self.method, *self.args, **self.kwargs)(target)
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,10 @@ class Calls:
     """What a generation needs done before it can go on (yielded by the engine)."""
 
     calls: list[Call]
+
+    @property
+    def cheap(self) -> bool:
+        return all(call.cheap for call in self.calls)
 
 
 @dataclass(frozen=True)
@@ -52,27 +75,22 @@ class Reply:
         return isinstance(self.value, Exception)
 
 
-def _timed(fn: Any, *args: Any) -> Reply:
+def _timed(call: Call) -> Reply:
     t0 = time.perf_counter()
     try:
-        value = fn(*args)
+        value = call.invoke()
     except Exception as exc:  # a member's failure is data: the engine drops that member
         value = exc
     return Reply(value, time.perf_counter() - t0)
 
 
-def _batch_of(member: Member, method: str) -> Any:
-    """The member's batched form of `method` (``draft_many``, ``score_many``), if it has one."""
-    return getattr(member, f"{method}_many", None)
-
-
 class CallRunner:
     """Runs a list of calls and returns one Reply per call, in order.
 
-    Calls to members that set ``parallel_safe = True`` (remote servers) run in
-    a thread pool while local ones run on the calling thread, so network waits
-    overlap with local CPU work and with each other. Several calls of one
-    method to one member that can batch are made as one batched call.
+    Calls to members that declare ``parallel_safe`` (remote servers) run in a
+    thread pool while local ones run on the calling thread, so network waits
+    overlap with local CPU work and with each other. Several draft or score
+    calls to one member that batches are made as one batched call.
     """
 
     def __init__(self, max_threads: int = 16) -> None:
@@ -87,11 +105,9 @@ class CallRunner:
         futures: dict[int, Future[Reply]] = {}
         local: list[list[int]] = []
         for indices in groups.values():
-            member = calls[indices[0]].member
-            if getattr(member, "parallel_safe", False) and len(calls) > 1:
+            if calls[indices[0]].member.capabilities.parallel_safe and len(calls) > 1:
                 for i in indices:
-                    c = calls[i]
-                    futures[i] = self._threads().submit(_timed, getattr(c.session, c.method), *c.args)
+                    futures[i] = self._threads().submit(_timed, calls[i])
             else:
                 local.append(indices)
         for indices in local:
@@ -101,13 +117,15 @@ class CallRunner:
         return [r for r in replies if r is not None]
 
     def _run_local(self, group: list[Call], indices: list[int], replies: list[Reply | None]) -> None:
-        batched = _batch_of(group[0].member, group[0].method) if len(group) > 1 else None
-        if batched is None:
-            for i, c in zip(indices, group):
-                replies[i] = _timed(getattr(c.session, c.method), *c.args)
+        first = group[0]
+        if len(group) == 1 or not first.member.capabilities.batched or first.method not in BATCHED:
+            for i, call in zip(indices, group):
+                replies[i] = _timed(call)
             return
         # One batched call: every session waited for the whole of it.
-        whole = _timed(batched, [c.session for c in group], [c.args for c in group])
+        batch = Call(first.member, None, BATCHED[first.method],  # type: ignore[arg-type]
+                     ([c.session for c in group], [c.args for c in group]))
+        whole = _timed(batch)
         values = whole.value if not whole.failed else [whole.value] * len(group)
         for i, value in zip(indices, values):
             replies[i] = Reply(value, whole.seconds)

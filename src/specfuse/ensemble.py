@@ -7,7 +7,7 @@ from typing import Any
 
 from .backends.base import Member
 from .backends.registry import load_member
-from .engine import fuse, fusion_steps
+from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
@@ -66,26 +66,52 @@ class Ensemble:
     def names(self) -> list[str]:
         return [m.name for m in self.members]
 
-    def stream(self, prompt: Conversation, **options: Any) -> Iterator[Event]:
+    def steps(self, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
+              weights: Mapping[str, float] | None = None) -> Steps:
+        """One generation as the engine's coroutine: the one way every interface starts one.
+
+        `members` picks some members by name (default: all). Hedge weights: the
+        given `weights`, else, with ``hedge_persist``, those the previous query
+        on the whole ensemble ended with (and this one's are kept for the next).
+        """
+        chosen = self._chosen(members)
+        persist = options.hedge and options.hedge_persist and members is None and weights is None
+        start = (self.hedge_weights or None) if persist else weights
+        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start)
+        return self._carrying(steps) if persist else steps
+
+    def _chosen(self, names: Sequence[str] | None) -> list[Member]:
+        if names is None:
+            return list(self.members)
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise InvalidRequestError(f"no member named {unknown[0]!r}", f"members: {', '.join(self.names)}")
+        return [m for m in self.members if m.name in names]
+
+    def _carrying(self, steps: Steps) -> Steps:
+        """`steps`, keeping the Hedge weights it ends with for the next query (in memory, on this object)."""
+        reply = None
+        try:
+            while True:
+                item = steps.send(reply)
+                if isinstance(item, DoneEvent):
+                    self.hedge_weights = dict(item.result.weights)
+                reply = yield item
+        except StopIteration:
+            return
+        finally:
+            steps.close()
+
+    def stream(self, prompt: Conversation, *, weights: Mapping[str, float] | None = None,
+               **options: Any) -> Iterator[Event]:
         """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent."""
         opts = options.pop("options", None) or FusionOptions.build(**options)
-        messages = to_messages(prompt)
-        if not (opts.hedge and opts.hedge_persist):
-            return fuse(self.members, messages, opts)
-        return self._stream_persisting(messages, opts)
-
-    def _stream_persisting(self, messages: list[Message], opts: FusionOptions) -> Iterator[Event]:
-        # Hedge weights learned on one query become the next query's prior. They
-        # live on this Ensemble object (in memory), see `hedge_weights`.
-        for event in fuse(self.members, messages, opts, weights=self.hedge_weights or None):
-            if isinstance(event, DoneEvent):
-                self.hedge_weights = dict(event.result.weights)
-            yield event
+        return drive(self.steps(prompt, opts, weights=weights))
 
     @property
     def slots(self) -> int:
         """How many generations the members can hold at once (llama.cpp members are loaded with ``slots``)."""
-        return min((int(getattr(m, "slots", MAX_CONCURRENT)) for m in self.members), default=1)
+        return min((m.slots or MAX_CONCURRENT for m in self.members), default=1)
 
     def generate_many(self, prompts: Sequence[Conversation], *, max_concurrent: int | None = None,
                       **options: Any) -> list[Result]:
@@ -99,7 +125,7 @@ class Ensemble:
         from .scheduler import run_all
 
         opts = options.pop("options", None) or FusionOptions.build(**options)
-        generations = [fusion_steps(self.members, to_messages(p), opts) for p in prompts]
+        generations = [self.steps(p, opts) for p in prompts]
         outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))
         for outcome in outcomes:
             if isinstance(outcome, BaseException):

@@ -257,3 +257,25 @@ def resolve(name_or_path: str, cache: str | os.PathLike[str] | None = None) -> t
         return candidate.stem, candidate, None
     get_spec(name_or_path)  # raises UnknownModelError with the list of known names
     raise AssertionError("unreachable")
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a readable file that starts with the GGUF magic bytes."""
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def check_gguf(path: Path) -> None:
+    """Raise ModelFileError unless `path` is a readable GGUF file."""
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}", "check the path or run `specfuse models prepare`")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc.strerror}", "check the file's permissions") from None
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path} is not a GGUF file", "give a .gguf model file (llama.cpp format)")

@@ -11,12 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from jinja2 import BaseLoader, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import InvalidRequestError, MemberLoadError
 from .types import Message
+
+if TYPE_CHECKING:
+    from .models import PromptFormat
 
 
 def _raise(message: str) -> None:
@@ -71,3 +75,14 @@ def validate_messages(messages: Sequence[Message]) -> None:
         raise InvalidRequestError("the last message must be from the user", "end the conversation with a question")
     if not last.content.strip():
         raise InvalidRequestError("the prompt is empty", "write a question")
+
+
+def choose_format(declared: PromptFormat | None, chat_template: str | None, name: str) -> PromptFormat:
+    """The member's prompt format: the declared one, else its chat template, else plain Question/Answer."""
+    from .models import CHAT, QUESTION_ANSWER
+
+    chosen = declared or (CHAT if chat_template else QUESTION_ANSWER)
+    if chosen.style == "chat" and not chat_template:
+        raise MemberLoadError(f"{name} has no chat template in its metadata",
+                              "use the plain Question/Answer format for base models")
+    return chosen

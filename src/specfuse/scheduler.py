@@ -21,12 +21,6 @@ from .calls import CallRunner, Calls, Reply
 from .engine import Steps
 from .types import DoneEvent, Event, Result
 
-# Calls that decode nothing now (accepting a segment only edits caches and token lists): a
-# flight runs them at once instead of spending a tick, so the flights stay in step and the
-# next tick's draft batches stay full.
-INLINE = frozenset({"accept"})
-
-
 @dataclass(eq=False)
 class Flight:
     """One generation in progress and where its output goes."""
@@ -79,8 +73,8 @@ class Scheduler:
             while True:
                 item = flight.steps.send(reply)
                 if isinstance(item, Calls):
-                    if all(call.method in INLINE for call in item.calls):
-                        reply = self.runner.run(item.calls)  # cheap: run now, keep in step with the others
+                    if item.cheap:  # decodes nothing: run it now, so the flights stay in step and
+                        reply = self.runner.run(item.calls)  # the next tick's draft batches stay full
                         continue
                     flight.pending = item
                     return

@@ -9,80 +9,118 @@ and whatever cache makes extending it cheap. A session does three things:
 - ``score``: per-token log-probabilities of candidate texts on the context;
 - ``accept``: append the winning text to the context (dropping draft tails).
 
-Optional, used when present (a backend without them still works):
-- ``Member.n_params``: parameter count; the confidence gate's default leader
-  is the largest member when every member states its size;
-- ``MemberSession.text_logprob(text) -> (summed log-prob, bytes)``: how well
-  the member predicts a text on its own (prompt-fit voting weights); llama.cpp
-  members have it, and an ensemble with a member without it keeps its weights.
-- ``Member.draft_many(sessions, [(max_tokens, sampling), ...])`` and
-  ``Member.score_many(sessions, [(texts,), ...])``: the same calls for several
-  sessions of this member at once (one result or exception per session); the
-  scheduler uses them to batch requests together (llama.cpp members batch
-  every session's token into one decode). Without them, sessions are called
-  one by one (local) or concurrently (``parallel_safe = True``, remote).
-- ``Member.slots``: how many sessions the member holds at once.
+What a member can do beyond that is *declared*, never probed:
+
+- ``Member.capabilities`` (:class:`Capabilities`): whether its calls may run in
+  threads beside others' (remote servers), whether ``draft_many`` /
+  ``score_many`` batch several sessions into one decode (llama.cpp), whether its
+  sessions offer ``text_logprob`` (prompt-fit voting weights);
+- ``Member.slots``: how many sessions it holds at once (None: any number);
+- ``Member.n_params``: its parameter count, where known (the confidence gate's
+  default leader is the largest member when every member states its size);
+- ``Member.prompt_tokens``: the templated prompt's tokens, where the member can
+  tell (the server reports them as usage).
+
+Subclass :class:`Member` and :class:`MemberSession`; the defaults say "cannot",
+and the batched calls default to one session after another.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
 
 from ..types import DraftTokens, Message, Sampling, TokenScores
 
 
-@runtime_checkable
-class MemberSession(Protocol):
+@dataclass(frozen=True)
+class Capabilities:
+    """What a member can do beyond the required calls."""
+
+    parallel_safe: bool = False  # its calls may run in threads beside other calls (remote servers)
+    batched: bool = False  # draft_many / score_many serve several sessions in one decode
+    prompt_fit: bool = False  # its sessions offer text_logprob
+
+
+class MemberSession(ABC):
+    """One request's context on a member."""
+
+    @abstractmethod
     def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
         """Sample up to `max_tokens` tokens after the context."""
-        ...
 
+    @abstractmethod
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
         """Score each text as a continuation of the context, in order.
 
         An empty text scores the member's end-of-generation token (the
         candidate "stop here").
         """
-        ...
 
+    @abstractmethod
     def accept(self, text: str) -> None:
         """Append `text` to the context."""
-        ...
 
     @property
+    @abstractmethod
     def stops(self) -> tuple[str, ...]:
         """Stop strings of this member's prompt format (e.g. a base model's next "Question:")."""
-        ...
 
     @property
+    @abstractmethod
     def room(self) -> int:
         """How many more tokens fit in this session's context window."""
-        ...
 
+    @abstractmethod
     def counters(self) -> dict[str, int]:
         """Work done so far (tokens decoded per kind), for tests and benchmarks."""
-        ...
 
+    @abstractmethod
     def close(self) -> None:
-        """Release the session (its cache, the member's lock)."""
-        ...
+        """Release the session (its cache, the member's slot)."""
+
+    def text_logprob(self, text: str) -> tuple[float, int]:
+        """(summed natural-log probability, bytes) of `text` on its own; see ``Capabilities.prompt_fit``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a text on its own")
 
 
-@runtime_checkable
-class Member(Protocol):
+class Member(ABC):
+    """A loaded model that opens sessions."""
+
     name: str
+    capabilities: Capabilities = Capabilities()
+    slots: int | None = None  # sessions held at once; None: any number
+    n_params: int | None = None  # parameter count, where known
 
-    def start(
-        self, messages: Sequence[Message], *, seed: int | None, reserve: int
-    ) -> MemberSession:
+    @abstractmethod
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> MemberSession:
         """Open a session on the templated `messages`.
 
         Raises PromptTooLongError if the prompt plus `reserve` tokens does not
         fit the member's context window.
         """
-        ...
 
     def close(self) -> None:
         """Free the model."""
-        ...
+
+    def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:
+        """The templated prompt's tokens; None where the member cannot tell."""
+        return None
+
+    def draft_many(self, sessions: Sequence[MemberSession],
+                   requests: Sequence[tuple[int, Sampling]]) -> list[DraftTokens | Exception]:
+        """``draft`` for several sessions: one result or exception per session, in order."""
+        return [_outcome(s.draft, *request) for s, request in zip(sessions, requests)]
+
+    def score_many(self, sessions: Sequence[MemberSession],
+                   requests: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+        """``score`` for several sessions: one result or exception per session, in order."""
+        return [_outcome(s.score, *request) for s, request in zip(sessions, requests)]
+
+
+def _outcome(fn, *args):  # type: ignore[no-untyped-def]
+    try:
+        return fn(*args)
+    except Exception as exc:  # one session's failure is that session's result
+        return exc

@@ -34,11 +34,12 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError, ModelFileError, PromptTooLongError
-from ..models import CHAT, QUESTION_ANSWER, PromptFormat
-from ..prompting import render_chat, render_plain
-from ..segments import tokens_spelling
+from ..errors import MemberLoadError, PromptTooLongError
+from ..models import PromptFormat, check_gguf
+from ..prompting import choose_format, render_chat, render_plain
 from ..types import DraftTokens, Message, Sampling, TokenScores
+from .base import Capabilities
+from .cached import CachedSession, DraftState, LocalMember, Verified
 
 # llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
 # SPECFUSE_LLAMA_LOG=1 prints it as it comes.
@@ -113,25 +114,8 @@ class LogSoftmax:
 
 
 @dataclass
-class _DraftState:
-    ids: list[int]
-    pieces: list[bytes]
-    rows: list[np.ndarray]  # rows[j]: logits used to sample ids[j]
-
-    @property
-    def n_decoded(self) -> int:
-        return len(self.ids) - 1  # the last sampled token is never fed back
-
-    def kept_tokens(self, text: str) -> int | None:
-        return tokens_spelling(self.pieces, text)
-
-
-@dataclass
-class _Verified:
-    seq: int
-    ids: list[int]
-    scores: TokenScores
-    last_row: np.ndarray  # logits after the candidate: the next round's first row
+class _InSequence(Verified):
+    seq: int  # the cache sequence holding the candidate's cells
 
 
 @dataclass
@@ -187,7 +171,7 @@ class _Drafting:
 
     def finish(self, m: "LlamaCppMember") -> DraftTokens:
         pieces = [m.piece(t) for t in self.ids]
-        self.session._draft = _DraftState(self.ids, pieces, self.rows)
+        self.session._draft = DraftState(self.ids, pieces, self.rows)
         return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished)
 
 
@@ -205,30 +189,10 @@ def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tu
     return ready, out
 
 
-@dataclass
-class Counters:
-    """Tokens decoded per purpose; tests use these to prove what was (not) re-encoded."""
-
-    prompt: int = 0  # prompt tokens, decoded once per session
-    catch_up: int = 0  # accepted tokens not already in the cache
-    draft: int = 0
-    verify: int = 0
-    verify_calls: int = 0
-    decode_calls: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "prompt": self.prompt,
-            "catch_up": self.catch_up,
-            "draft": self.draft,
-            "verify": self.verify,
-            "verify_calls": self.verify_calls,
-            "decode_calls": self.decode_calls,
-        }
-
-
-class LlamaCppMember:
+class LlamaCppMember(LocalMember):
     """A GGUF model loaded once; serves up to ``slots`` sessions at a time."""
+
+    capabilities = Capabilities(batched=True, prompt_fit=True)
 
     def __init__(
         self,
@@ -246,7 +210,7 @@ class LlamaCppMember:
             raise ValueError("slots must be at least 1")
         self.path = Path(path)
         self.name = name or self.path.stem
-        _check_gguf(self.path)
+        check_gguf(self.path)
         _init_backend()
         self.threads = threads or default_threads()
         self.prefix_cache = prefix_cache  # False only to measure the reference method
@@ -300,12 +264,7 @@ class LlamaCppMember:
 
         template = lc.llama_model_chat_template(model, None)
         self.chat_template = template.decode("utf-8") if template else None
-        self.prompt = prompt or (CHAT if self.chat_template else QUESTION_ANSWER)
-        if self.prompt.style == "chat" and not self.chat_template:
-            raise MemberLoadError(
-                f"{self.path.name} has no chat template in its metadata",
-                "use the plain Question/Answer format for base models",
-            )
+        self.prompt = choose_format(prompt, self.chat_template, self.path.name)
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
         bos, eos = lc.llama_vocab_bos(self._vocab), lc.llama_vocab_eos(self._vocab)
         self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
@@ -349,22 +308,8 @@ class LlamaCppMember:
             n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
 
-    def encode_continuation(self, text: str) -> list[int]:
-        """Tokens that spell exactly `text` when appended to a context.
-
-        SentencePiece-style vocabularies may add a leading-space marker to a
-        text tokenized alone; anchoring on a newline avoids it.
-        """
-        ids = self.tokenize(text, add_special=False, parse_special=False)
-        if b"".join(self.piece(t) for t in ids) == text.encode("utf-8"):
-            return ids
-        anchor = self.tokenize("\n", add_special=False, parse_special=False)
-        joined = self.tokenize("\n" + text, add_special=False, parse_special=False)
-        if joined[: len(anchor)] == anchor:
-            tail = joined[len(anchor) :]
-            if b"".join(self.piece(t) for t in tail) == text.encode("utf-8"):
-                return tail
-        return ids
+    def tokenize_plain(self, text: str) -> list[int]:
+        return self.tokenize(text, add_special=False, parse_special=False)
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         if self.prompt.style == "plain":
@@ -412,14 +357,7 @@ class LlamaCppMember:
         lc.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     # --- sessions ------------------------------------------------------------
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "LlamaCppSession":
-        prompt = self.prompt_tokens(messages)
-        if len(prompt) + reserve > self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt)} tokens for {self.name}, whose context holds {self.n_ctx} "
-                f"(with {reserve} tokens reserved for drafting)",
-                "shorten the prompt or load the member with a larger context (n_ctx)",
-            )
+    def open_session(self, prompt: list[int], seed: int | None) -> "LlamaCppSession":
         with self._slot_free:  # with every slot taken, wait for a session to close (as a lock would)
             while not self._free_slots:
                 self._slot_free.wait()
@@ -524,41 +462,27 @@ class LlamaCppMember:
             pass
 
 
-class LlamaCppSession:
-    """One request's context on a LlamaCppMember. See the module docstring.
+class LlamaCppSession(CachedSession):
+    """One request's context on a LlamaCppMember: sequence ``base`` of the cache and the
+    candidate sequences after it. See the module docstring.
 
     With ``reencode=True`` the session behaves like the paper's reference code
     (every draft and every verification re-encodes the whole context); it
     exists only so the benchmark can measure what the cache saves.
     """
 
+    m: LlamaCppMember
+    _verified: dict[str, _InSequence]  # type: ignore[assignment]
+
     def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None,
                  slot: int = 0, reencode: bool = False) -> None:
-        self.m = member
+        super().__init__(member, prompt)
         self.slot = slot
         self.base = slot * SEQS_PER_SESSION  # this session's sequence 0; its candidates follow
-        self.prompt_len = len(prompt)
-        self.tokens: list[int] = list(prompt)
-        self.n_cached = 0  # tokens[:n_cached] are in sequence 0
         self.reencode = reencode
-        self._next_row: np.ndarray | None = None  # logits after tokens, once cached
         self._next_lse: float | None = None
         self.rng = np.random.default_rng(seed)
-        self.stats = Counters()
-        self._draft: _DraftState | None = None
-        self._verified: dict[str, _Verified] = {}
         self._closed = False
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return self.m.prompt.stops
-
-    @property
-    def room(self) -> int:
-        return self.m.n_ctx - len(self.tokens)
-
-    def counters(self) -> dict[str, int]:
-        return self.stats.as_dict()
 
     def _set_next(self, row: np.ndarray | None) -> None:
         self._next_row, self._next_lse = row, None
@@ -571,7 +495,6 @@ class LlamaCppSession:
         return self._next_row, self._next_lse
 
     def _sync(self) -> None:
-        """Decode accepted tokens not yet cached, so that the next row is known."""
         m = self.m
         if self.reencode:  # reference behaviour: forget the cache, encode everything again
             m._clear_slot(self.slot)
@@ -587,9 +510,7 @@ class LlamaCppSession:
             self.n_cached += len(chunk)
             if last:
                 self._set_next(rows[0].copy())
-        prompt_part = max(0, min(self.n_cached, self.prompt_len) - start)
-        self.stats.prompt += prompt_part
-        self.stats.catch_up += self.n_cached - start - prompt_part
+        self._count_synced(start)
         if self._next_row is None:
             raise RuntimeError("context is empty")
 
@@ -625,24 +546,20 @@ class LlamaCppSession:
         self._sync()
         return self.m._draft_batch([self], [(max_tokens, sampling)])[0]
 
-    def score(self, texts: Sequence[str]) -> list[TokenScores]:
-        plan = self._plan_scores(list(texts))
+    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
+        plan = self._plan_scores(texts)
         self.m._verify_batch([plan])
-        return plan.answer()
+        return plan.results
 
     def _plan_scores(self, texts: list[str]) -> "_VerifyPlan":
         """What verifying `texts` needs: known scores, and the new candidates laid out in sequences."""
         if self.reencode:
             self._forget_round()
-        self._sync()
-        m = self.m
-        plan = _VerifyPlan(self, texts, {t: v.scores for t, v in self._verified.items()})
-        if "" in texts:
-            plan.results[""] = self._end_score()
-        plan.pending = [t for t in dict.fromkeys(texts) if t not in plan.results]
+        known, pending = self._known(texts)
+        plan = _VerifyPlan(self, texts, known, pending)
         if len(plan.pending) + len(self._verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
-        n_prefix = len(self.tokens)
+        m, n_prefix = self.m, len(self.tokens)
         plan.encoded = [m.encode_continuation(t) for t in plan.pending]
         total = sum(len(ids) for ids in plan.encoded)
         if total > m.n_batch or n_prefix + total > m.n_ctx:
@@ -718,62 +635,25 @@ class LlamaCppSession:
                 logprobs.append(logit - (lse if lse is not None else m.softmax.lse(row)))
             scores = TokenScores(tuple(logprobs), tuple(logits))
             seq = plan.seqs[at]
-            self._verified[text] = _Verified(seq, ids, scores, rows[at + len(ids) - 1].copy())
+            self._verified[text] = _InSequence(ids, scores, rows[at + len(ids) - 1].copy(), seq)
             plan.results[text] = scores
             at += len(ids)
 
-    def accept(self, text: str) -> None:
-        m = self.m
-        n_prefix = len(self.tokens)
-        draft, verified = self._draft, self._verified
-        kept = draft.kept_tokens(text) if (draft and text) else None
-        base = self.base
-        if not text:
-            m.seq_rm(base, n_prefix, -1)
-        elif kept is not None:
-            # Our own draft won: its tokens are already cached in sequence 0.
-            decoded = min(kept, draft.n_decoded)
-            m.seq_rm(base, n_prefix + decoded, -1)
-            self.tokens += draft.ids[:kept]
-            self.n_cached = n_prefix + decoded
-            self._set_next(draft.rows[kept] if decoded == kept else None)
-        elif text in verified:
-            # Another member's candidate won: we decoded it while verifying.
-            cand = verified[text]
-            m.seq_rm(base, n_prefix, -1)
-            m.seq_cp(cand.seq, base, n_prefix, -1)
-            self.tokens += cand.ids
-            self.n_cached = len(self.tokens)
-            self._set_next(cand.last_row)
-        else:
-            m.seq_rm(base, n_prefix, -1)
-            self.tokens += m.encode_continuation(text)
-            self.n_cached = min(self.n_cached, n_prefix)  # the new tokens are decoded on the next sync
-            self._set_next(None)
-        for cand in verified.values():
-            m.seq_rm(cand.seq, -1, -1)
-        self._draft = None
-        self._verified = {}
+    def _truncate(self, length: int) -> None:
+        self.m.seq_rm(self.base, length, -1)
 
-    def answer_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+    def _adopt(self, candidate: Verified, n_prefix: int) -> None:
+        assert isinstance(candidate, _InSequence)
+        self.m.seq_cp(candidate.seq, self.base, n_prefix, -1)
+
+    def _drop_candidates(self) -> None:
+        for candidate in self._verified.values():
+            self.m.seq_rm(candidate.seq, -1, -1)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.m.release(self.slot)
-
-
-def _check_gguf(path: Path) -> None:
-    if not path.is_file():
-        raise ModelFileError(f"model file not found: {path}", "check the path or run `specfuse models prepare`")
-    try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        raise ModelFileError(f"cannot read {path}: {exc.strerror}", "check the file's permissions") from None
-    if magic != b"GGUF":
-        raise ModelFileError(f"{path} is not a GGUF file", "give a .gguf model file (llama.cpp format)")
 
 
 def load(target: str, *, cache_dir: str | None = None, **options: object) -> LlamaCppMember:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MemberLoadError, ModelFileError
-from ..models import CATALOGUE, QUESTION_ANSWER, PromptFormat
+from ..models import CATALOGUE, QUESTION_ANSWER, PromptFormat, is_gguf
 from ..prompting import render_chat, render_plain
 from ..types import Message
 
@@ -64,7 +64,7 @@ def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | Non
                              "give an embedded model name, a .gguf file, a model directory or a .jinja file")
     if path.is_dir():
         found = _from_hf_dir(path)
-    elif _is_gguf(path):
+    elif is_gguf(path):
         found = _from_gguf(path)
     else:
         found = PromptSource(PromptFormat("chat"), template=path.read_text(encoding="utf-8"), origin=str(path))
@@ -77,11 +77,6 @@ def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | Non
     elif found.prompt.style == "chat" and not found.template:
         found = replace(found, prompt=QUESTION_ANSWER)  # base models: Question/Answer
     return found
-
-
-def _is_gguf(path: Path) -> bool:
-    with path.open("rb") as handle:
-        return handle.read(4) == b"GGUF"
 
 
 def _from_gguf(path: Path) -> PromptSource:

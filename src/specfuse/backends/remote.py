@@ -31,10 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..errors import InvalidRequestError, MemberLoadError, PromptTooLongError
+from ..errors import InvalidRequestError, MemberLoadError
 from ..types import DraftTokens, Message, Sampling, TokenScores
+from .base import Capabilities, Member, MemberSession
+from .cached import check_prompt_fits
 from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
 from .prompt_source import PromptSource, load_prompt_source
+from .spec import split_target
 
 ServerName = Literal["auto", "vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai"]
 
@@ -180,10 +183,10 @@ def _logsumexp(values: Sequence[float]) -> float:
 # --- member and session -----------------------------------------------------------------
 
 
-class RemoteMember:
+class RemoteMember(Member):
     """One model behind an OpenAI-compatible server."""
 
-    parallel_safe = True  # calls are HTTP requests; sessions share nothing but the pooled client
+    capabilities = Capabilities(parallel_safe=True)  # HTTP requests; sessions share only the pooled client
 
     def __init__(self, url: str, options: RemoteOptions, *, fallback_n_ctx: int | None = None) -> None:
         self.url = url.rstrip("/")
@@ -321,11 +324,7 @@ class RemoteMember:
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "RemoteSession":
         prompt = self.source.render(messages)
         estimate = len(prompt.encode("utf-8")) // 4  # refined by the first draft's usage
-        if estimate + reserve > self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt is about {estimate} tokens for {self.name}, whose context holds {self.n_ctx}",
-                "shorten the prompt, or give the member's real n_ctx",
-            )
+        check_prompt_fits(self.name, estimate, reserve, self.n_ctx, approximate=True)
         return RemoteSession(self, prompt, seed)
 
     def close(self) -> None:
@@ -338,10 +337,8 @@ class _Echo:
     n_generated: int
 
 
-class RemoteSession:
+class RemoteSession(MemberSession):
     """One request's context on a remote member: plain text, no server-side state."""
-
-    parallel_safe = True
 
     def __init__(self, member: RemoteMember, prompt: str, seed: int | None) -> None:
         self.m = member
@@ -458,39 +455,17 @@ def _int(value: Any) -> int | None:
 
 # --- registry entry -----------------------------------------------------------------------
 
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+TARGET_KEYS = {"model": str, "template": str, "format": str, "eos": str, "server": str, "batch": bool,
+               "timeout": float, "retries": int, "backoff": float, "n_ctx": int, "api_key": str, "check_echo": bool}
 
 
 def parse_target(target: str) -> tuple[str, dict[str, Any]]:
-    """``URL#NAME,KEY=VALUE,...`` -> (URL, options). Values are typed by RemoteOptions' fields."""
-    url, _, fragment = target.partition("#")
+    """``URL#NAME,KEY=VALUE,...`` -> (URL, options typed as RemoteOptions' fields)."""
+    url, options = split_target(target, TARGET_KEYS, "remote")
     if not url.startswith(("http://", "https://")):
         raise InvalidRequestError(f"remote member URL must start with http:// or https://: {url!r}",
                                   "e.g. remote:http://127.0.0.1:8000/v1#name")
-    options: dict[str, Any] = {}
-    fields = RemoteOptions.__dataclass_fields__
-    for item in filter(None, (part.strip() for part in fragment.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            options["name"] = item
-            continue
-        key = key.strip().replace("-", "_")
-        if key not in fields:
-            raise InvalidRequestError(f"unknown remote member option {key!r}", f"known: {', '.join(fields)}")
-        options[key] = _typed(key, value.strip())
     return url, options
-
-
-def _typed(key: str, value: str) -> Any:
-    if key in ("timeout", "backoff"):
-        return float(value)
-    if key in ("retries", "n_ctx"):
-        return int(value)
-    if key in ("batch", "check_echo"):
-        if value.lower() not in _TRUE | _FALSE:
-            raise InvalidRequestError(f"{key} must be true or false, not {value!r}", "")
-        return value.lower() in _TRUE
-    return value
 
 
 def load(target: str, *, cache_dir: str | None = None, threads: int | None = None,

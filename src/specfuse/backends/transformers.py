@@ -39,12 +39,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import MemberLoadError, ModelFileError, PromptTooLongError
-from ..models import CHAT, QUESTION_ANSWER, PromptFormat
+from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
-from ..prompting import render_plain
-from ..segments import tokens_spelling
+from ..prompting import choose_format, render_plain
 from ..types import DraftTokens, Message, Sampling, TokenScores
+from .cached import CachedSession, DraftState, LocalMember, Verified
 from .hf_tokens import piece_function
+from .spec import split_target
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -70,13 +71,6 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 # --- loading ---------------------------------------------------------------------------------
-
-
-def _is_gguf(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    with path.open("rb") as handle:
-        return handle.read(4) == b"GGUF"
 
 
 def converted_dir(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] | None) -> Path:
@@ -149,10 +143,9 @@ def sample(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | N
 # --- member ------------------------------------------------------------------------------------
 
 
-class TransformersMember:
-    """A causal LM loaded once; each session owns its own KV cache."""
-
-    parallel_safe = False  # on one device, concurrent forwards only contend
+class TransformersMember(LocalMember):
+    """A causal LM loaded once; each session owns its own KV cache (on one device, concurrent
+    forwards only contend: not parallel_safe)."""
 
     def __init__(
         self,
@@ -178,7 +171,7 @@ class TransformersMember:
         self.name = name or (source.stem if source.is_file() else source.name)
         kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
         directory = source
-        if _is_gguf(source):
+        if is_gguf(source):
             converted = convert_gguf(source, self.dtype, cache_dir)
             directory = converted or source.parent
             if converted is None:
@@ -211,10 +204,8 @@ class TransformersMember:
 
         tok = self.tokenizer
         self.chat_template: str | None = getattr(tok, "chat_template", None)
-        self.prompt = prompt or (CHAT if self.chat_template else QUESTION_ANSWER)
-        if self.prompt.style == "chat" and not self.chat_template:
-            raise MemberLoadError(f"{self.name} has no chat template", "use the plain Question/Answer format")
-        self.piece = piece_function(tok)
+        self.prompt = choose_format(prompt, self.chat_template, self.name)
+        self._piece = piece_function(tok)
         eog: set[int] = set()
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         for ids in (gen_eos, tok.eos_token_id):
@@ -229,20 +220,11 @@ class TransformersMember:
     def is_eog(self, token: int) -> bool:
         return token in self._eog_set
 
-    def tokenize(self, text: str) -> list[int]:
-        """Plain text -> ids, special-token markup taken literally (as llama.cpp's parse_special=False)."""
+    def tokenize_plain(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
-    def encode_continuation(self, text: str) -> list[int]:
-        """Tokens that spell exactly `text` after a context (see the llama.cpp backend)."""
-        target = text.encode("utf-8")
-        ids = self.tokenize(text)
-        if b"".join(self.piece(t) for t in ids) == target:
-            return ids
-        anchor, joined = self.tokenize("\n"), self.tokenize("\n" + text)
-        if joined[: len(anchor)] == anchor and b"".join(self.piece(t) for t in joined[len(anchor) :]) == target:
-            return joined[len(anchor) :]
-        return ids
+    def piece(self, token: int) -> bytes:
+        return self._piece(token)
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         tok = self.tokenizer
@@ -303,14 +285,7 @@ class TransformersMember:
         return masks
 
     # --- sessions ----------------------------------------------------------------------------
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "TransformersSession":
-        prompt = self.prompt_tokens(messages)
-        if len(prompt) + reserve > self.n_ctx:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt)} tokens for {self.name}, whose context holds {self.n_ctx} "
-                f"(with {reserve} tokens reserved for drafting)",
-                "shorten the prompt or load the member with a larger n_ctx",
-            )
+    def open_session(self, prompt: list[int], seed: int | None) -> "TransformersSession":
         return TransformersSession(self, prompt, seed)
 
     def close(self) -> None:
@@ -323,26 +298,9 @@ class TransformersMember:
 
 
 @dataclass
-class _Draft:
-    ids: list[int]
-    pieces: list[bytes]
-    rows: list[torch.Tensor]  # rows[j]: logits that sampled ids[j]
-
-    @property
-    def n_decoded(self) -> int:
-        return len(self.ids) - 1  # the last sampled token is never fed back
-
-    def kept_tokens(self, text: str) -> int | None:
-        return tokens_spelling(self.pieces, text)
-
-
-@dataclass
-class _Verified:
-    ids: list[int]
-    scores: TokenScores
+class _KeysValues(Verified):
     keys: list[torch.Tensor]  # per layer: this candidate's cached keys/values
     values: list[torch.Tensor]
-    last_row: torch.Tensor
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -358,47 +316,28 @@ def _log_softmax_at(rows: torch.Tensor, targets: Sequence[int]) -> tuple[list[fl
     return logprobs.tolist(), picked.tolist()
 
 
-class TransformersSession:
-    """One request's context on a TransformersMember. See the module docstring."""
+class TransformersSession(CachedSession):
+    """One request's context on a TransformersMember: one DynamicCache. See the module docstring."""
+
+    m: TransformersMember
 
     def __init__(self, member: TransformersMember, prompt: list[int], seed: int | None) -> None:
-        self.m = member
-        self.prompt_len = len(prompt)
-        self.tokens = list(prompt)
+        super().__init__(member, prompt)
         self.cache = DynamicCache()  # full layers: sliding windows are enforced by the masks, and cropping works
-        self.n_cached = 0
-        self.next_row: torch.Tensor | None = None
         self.generator: torch.Generator | None = None
         if seed is not None:
             gen_device = "cpu" if member.input_device.type == "cpu" else member.input_device
             self.generator = torch.Generator(device=gen_device).manual_seed(seed)
-        self.stats = {"prompt": 0, "catch_up": 0, "draft": 0, "verify": 0, "forward_calls": 0}
-        self._draft: _Draft | None = None
-        self._verified: dict[str, _Verified] = {}
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return self.m.prompt.stops
-
-    @property
-    def room(self) -> int:
-        return self.m.n_ctx - len(self.tokens)
-
-    def counters(self) -> dict[str, int]:
-        return dict(self.stats)
 
     def _sync(self) -> None:
-        """Run accepted tokens that are not cached yet, so that next_row is known."""
         start = self.n_cached
         if start < len(self.tokens):
             rows = self.m.forward(self.cache, self.tokens[start:], range(start, len(self.tokens)), last_only=True)
-            self.stats["forward_calls"] += 1
+            self.stats.decode_calls += 1
             self.n_cached = len(self.tokens)
-            self.next_row = rows[-1]
-            in_prompt = max(0, min(self.n_cached, self.prompt_len) - start)
-            self.stats["prompt"] += in_prompt
-            self.stats["catch_up"] += self.n_cached - start - in_prompt
-        if self.next_row is None:
+            self._next_row = rows[-1]
+            self._count_synced(start)
+        if self._next_row is None:
             raise RuntimeError("context is empty")
 
     def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
@@ -406,8 +345,7 @@ class TransformersSession:
             _crop(self.cache, len(self.tokens))
             self._draft, self._verified = None, {}
         self._sync()
-        row = self.next_row
-        assert row is not None
+        row = self._next_row
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         logprobs: list[float] = []
@@ -428,31 +366,22 @@ class TransformersSession:
             if step == max_tokens - 1:
                 break
             row = self.m.forward(self.cache, [token], [pos])[-1]
-            self.stats["draft"] += 1
-            self.stats["forward_calls"] += 1
+            self.stats.draft += 1
+            self.stats.decode_calls += 1
             pos += 1
         pieces = [self.m.piece(t) if not self.m.is_eog(t) else b"" for t in ids]
-        self._draft = _Draft(ids, pieces, rows)
+        self._draft = DraftState(ids, pieces, rows)
         return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished)
 
-    def score(self, texts: Sequence[str]) -> list[TokenScores]:
-        self._sync()
-        prefix_row = self.next_row
-        assert prefix_row is not None
-        results = {t: v.scores for t, v in self._verified.items()}
-        if "" in texts:
-            eog = prefix_row[self.m._eog.to(prefix_row.device)]
-            lp = float(torch.logsumexp(eog, 0) - torch.logsumexp(prefix_row, 0))
-            results[""] = TokenScores((lp,), (float(eog.max()),))
-        pending = [t for t in dict.fromkeys(texts) if t not in results]
-        if pending:
-            self._verify(pending, prefix_row)
-            results.update((t, self._verified[t].scores) for t in pending)
-        return [results[t] for t in texts]
+    def _end_score(self) -> TokenScores:
+        row = self._next_row
+        eog = row[self.m._eog.to(row.device)]
+        lp = float(torch.logsumexp(eog, 0) - torch.logsumexp(row, 0))
+        return TokenScores((lp,), (float(eog.max()),))
 
-    def _verify(self, texts: list[str], prefix_row: torch.Tensor) -> None:
+    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
         """All candidates in one forward pass; their keys/values are kept aside for accept."""
-        m, n_prefix = self.m, len(self.tokens)
+        m, n_prefix, prefix_row = self.m, len(self.tokens), self._next_row
         encoded = [m.encode_continuation(t) for t in texts]
         lengths = [len(ids) for ids in encoded]
         if n_prefix + sum(lengths) > m.n_ctx:
@@ -461,8 +390,9 @@ class TransformersSession:
         mask = m.block_mask(n_prefix, n_cache - n_prefix, lengths)
         positions = [n_prefix + i for n in lengths for i in range(n)]
         rows = m.forward(self.cache, [t for ids in encoded for t in ids], positions, mask=mask)
-        self.stats["verify"] += sum(lengths)
-        self.stats["forward_calls"] += 1
+        self.stats.verify += sum(lengths)
+        self.stats.verify_calls += 1
+        self.stats.decode_calls += 1
         layers = self.cache.layers
         keys = [layer.keys[..., n_cache:, :] for layer in layers]
         values = [layer.values[..., n_cache:, :] for layer in layers]
@@ -473,70 +403,31 @@ class TransformersSession:
             predictors = torch.cat([prefix_row[None, :], block[:-1]])
             lps, lgs = _log_softmax_at(predictors, ids)
             span = slice(at, at + len(ids))
-            self._verified[text] = _Verified(ids, TokenScores(tuple(lps), tuple(lgs)),
-                                             [k[..., span, :] for k in keys], [v[..., span, :] for v in values],
-                                             block[-1])
+            self._verified[text] = _KeysValues(ids, TokenScores(tuple(lps), tuple(lgs)), block[-1],
+                                               [k[..., span, :] for k in keys], [v[..., span, :] for v in values])
             at += len(ids)
+        return {t: self._verified[t].scores for t in texts}
 
-    def accept(self, text: str) -> None:
-        n_prefix = len(self.tokens)
-        draft = self._draft
-        kept = draft.kept_tokens(text) if (draft and text) else None
-        if kept is not None and draft is not None:
-            # Our own draft won: its tokens are already cached.
-            decoded = min(kept, draft.n_decoded)
-            _crop(self.cache, n_prefix + decoded)
-            self.tokens += draft.ids[:kept]
-            self.n_cached = n_prefix + decoded
-            self.next_row = draft.rows[kept] if decoded == kept else None
-        elif text and text in self._verified:
-            # Another member's candidate won: append the keys/values computed while verifying.
-            cand = self._verified[text]
-            _crop(self.cache, n_prefix)
-            for layer, k, v in zip(self.cache.layers, cand.keys, cand.values):
-                layer.keys = torch.cat([layer.keys, k], dim=-2)
-                layer.values = torch.cat([layer.values, v], dim=-2)
-            self.tokens += cand.ids
-            self.n_cached = len(self.tokens)
-            self.next_row = cand.last_row
-        else:
-            _crop(self.cache, n_prefix)
-            if text:
-                self.tokens += self.m.encode_continuation(text)
-                self.n_cached = n_prefix
-                self.next_row = None
-        self._draft = None
-        self._verified = {}
+    def _truncate(self, length: int) -> None:
+        _crop(self.cache, length)
 
-    def answer_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+    def _adopt(self, candidate: Verified, n_prefix: int) -> None:
+        assert isinstance(candidate, _KeysValues)
+        for layer, k, v in zip(self.cache.layers, candidate.keys, candidate.values):
+            layer.keys = torch.cat([layer.keys, k], dim=-2)
+            layer.values = torch.cat([layer.values, v], dim=-2)
 
     def close(self) -> None:
         self.cache = DynamicCache()
         self._verified = {}
 
 
-_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+TARGET_KEYS = {"device": str, "dtype": str, "attn_implementation": str, "n_ctx": int, "trust_remote_code": bool}
 
 
 def parse_target(target: str) -> tuple[str, dict[str, Any]]:
     """``PATH#NAME,device=cuda:0,dtype=bf16,...`` -> (PATH, options)."""
-    path, _, fragment = target.partition("#")
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in fragment.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            options["name"] = item
-        elif key in ("device", "dtype", "attn_implementation"):
-            options[key] = value
-        elif key == "n_ctx":
-            options[key] = int(value)
-        elif key == "trust_remote_code" and value.lower() in _FLAGS:
-            options[key] = _FLAGS[value.lower()]
-        else:
-            raise MemberLoadError(f"unknown or bad transformers member option {item!r}",
-                                  "known: NAME, device=, dtype=, n_ctx=, trust_remote_code=, attn_implementation=")
-    return path, options
+    return split_target(target, TARGET_KEYS, "transformers")
 
 
 def load(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
+from ..options import FusionOptions
 
 
 def run_command(
@@ -15,10 +16,6 @@ def run_command(
     systems: str,
     limit: int | None,
     offset: int,
-    max_tokens: int | None,
-    temperature: float,
-    seed: int,
-    window: int,
     model: list[str] | None,
     out: str,
     data: str | None,
@@ -26,10 +23,14 @@ def run_command(
     cache_dir: str | None,
     threads: int | None,
     n_ctx: int,
-    hedge_persist: bool = False,
-    **_: Any,
+    settings: dict[str, Any],
+    options: dict[str, Any],
 ) -> None:
-    """Run an evaluation (then write its report), or only rebuild a report."""
+    """Run an evaluation (then write its report), or only rebuild a report.
+
+    `settings` are the run's shared settings (max_tokens, temperature, top_p, seed,
+    window, stop, hedge_persist); `options` are fusion options for every fusion system.
+    """
     from .report import build_report
 
     if report is not None:
@@ -43,11 +44,15 @@ def run_command(
         raise InvalidRequestError("no task given", "specfuse eval gsm8k --limit 20   (or: --report DIR)")
     from .runner import run_eval
 
+    FusionOptions.build(**options)  # a bad value fails before any model loads
     member_options = {k: v for k, v in {"cache_dir": cache_dir, "threads": threads, "n_ctx": n_ctx}.items() if v}
+    temperature = settings.get("temperature", 0.0)
     path = run_eval(
-        task, out, systems=systems, members=model, limit=limit, offset=offset, max_tokens=max_tokens,
-        temperature=temperature, seed=seed, window=window, data=data, progress=progress,
-        member_options=member_options, hedge_persist=hedge_persist,
+        task, out, systems=systems, members=model, limit=limit, offset=offset,
+        max_tokens=settings.get("max_tokens"), temperature=temperature, top_p=settings.get("top_p"),
+        seed=settings.get("seed", 0), window=settings.get("window", 10), stop=tuple(settings.get("stop", ())),
+        data=data, progress=progress, member_options=member_options,
+        hedge_persist=settings.get("hedge_persist", False), options=options,
     )
     written = build_report(path.parent)
     sys.stderr.write(f"results: {path}\nreport: {written}\n")

@@ -103,7 +103,7 @@ class SpecFuseLM(LM):
             limit = int(gen_kwargs.get("max_gen_toks") or self.settings.max_tokens)
             settings = RunSettings(**{**self.settings.__dict__, "max_tokens": min(limit, self.settings.max_tokens),
                                       "stop": until})
-            output = system(ItemContext(self.ensemble.members), to_messages(context), settings)
+            output = system(ItemContext(self.ensemble), to_messages(context), settings)
             outputs.append(output.text)
             self.cache_hook.add_partial("generate_until", request.args, output.text)
         return outputs

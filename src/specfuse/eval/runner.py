@@ -78,7 +78,7 @@ def _check_run_file(path: Path, config: dict[str, Any]) -> None:
 
 def _recorded(settings: RunSettings) -> dict[str, Any]:
     """Settings as recorded in run.json; unused optional fields are left out so older runs still match."""
-    unused = {"stop": (), "hedge_persist": False}
+    unused = {"stop": (), "hedge_persist": False, "options": {}}
     return {
         k: list(v) if isinstance(v, tuple) else v
         for k, v in asdict(settings).items()
@@ -116,6 +116,9 @@ def run_eval(
     progress: bool = True,
     member_options: dict[str, Any] | None = None,
     hedge_persist: bool = False,
+    top_p: float | None = None,
+    stop: tuple[str, ...] = (),
+    options: dict[str, Any] | None = None,
 ) -> Path:
     """Evaluate `systems` on items [offset, offset+limit) of a task; return the JSONL path."""
     from ..ensemble import Ensemble  # loads llama.cpp: only when a run really starts
@@ -126,7 +129,8 @@ def run_eval(
     out.mkdir(parents=True, exist_ok=True)
     settings = RunSettings(
         max_tokens=max_tokens or task.default_max_tokens, temperature=temperature,
-        top_p=1.0 if temperature <= 0 else 0.9, seed=seed, window=window, hedge_persist=hedge_persist,
+        top_p=top_p if top_p is not None else 1.0 if temperature <= 0 else 0.9, seed=seed, window=window,
+        stop=stop, hedge_persist=hedge_persist, options=dict(options or {}),
     )
     path = results_path(out, task.name)
     previous = read_records(path)
@@ -150,11 +154,11 @@ def run_eval(
         for item, name in pending:
             first_pending.setdefault(name, item.index)
         carried = carried_weights(previous, first_pending)
-        context, context_item = ItemContext(ensemble.members, carried=carried), ""
+        context, context_item = ItemContext(ensemble, carried=carried), ""
         with path.open("a", encoding="utf-8") as sink:
             for item, name in pending:
                 if context_item != item.id:  # answers kept for rerank belong to one item
-                    context, context_item = ItemContext(ensemble.members, carried=carried), item.id
+                    context, context_item = ItemContext(ensemble, carried=carried), item.id
                     context.answers.update(recorded_answers(previous, item.id))
                 context.system = name
                 record = run_one(task, item, name, context, settings)

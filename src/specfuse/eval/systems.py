@@ -12,7 +12,7 @@ Built in:
   run* (each record keeps the options it ran with);
 - ``fusion:KEY=VALUE/KEY=VALUE``: any FusionOptions variant, for screening
   (e.g. ``fusion:gate=0.7/guard=true/prior=prompt``);
-- ``member:<name>``: one member alone (:func:`specfuse.baselines.member_alone`);
+- ``member:<name>``: one member alone (:func:`specfuse.baselines.write_answer`);
   ``members`` expands to every member.
 
 A variant of the engine is one line::
@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..backends.base import Member
 from ..baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
 from ..engine import member_seed
+from ..ensemble import Ensemble
 from ..errors import InvalidRequestError
 from ..options import FusionOptions
 from ..types import Message, Sampling
@@ -47,6 +49,7 @@ class RunSettings:
     window: int = 10
     stop: tuple[str, ...] = ()  # extra stop strings (lm-eval's `until`); none in our own tasks
     hedge_persist: bool = False  # Hedge presets start each item from the weights the previous item ended with
+    options: dict[str, Any] = field(default_factory=dict)  # fusion options for every fusion system (over presets)
 
     def sampling(self, member_index: int) -> Sampling:
         """Member i samples with the engine's per-member seed, so alone and in rerank it says the same."""
@@ -62,10 +65,14 @@ class ItemContext:
     answer) and counts their measured cost instead of writing them again.
     """
 
-    members: Sequence[Member]
+    ensemble: Ensemble
     answers: dict[str, Answer] = field(default_factory=dict)
     system: str = ""  # the system being run (set by the runner)
     carried: dict[str, dict[str, float]] = field(default_factory=dict)  # per system, across items of a run
+
+    @property
+    def members(self) -> Sequence[Member]:
+        return self.ensemble.members
 
     def member(self, name: str) -> tuple[int, Member]:
         for i, member in enumerate(self.members):
@@ -94,10 +101,10 @@ def fusion_system(**extra_options: object) -> SystemFn:
     def run(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
         options = FusionOptions.build(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            window=s.window, stop=s.stop, **extra_options,
+            window=s.window, stop=s.stop, **{**extra_options, **s.options},
         )
         persist = s.hedge_persist and options.hedge
-        output = fused(ctx.members, messages, options, weights=ctx.carried.get(ctx.system) if persist else None)
+        output = fused(ctx.ensemble, messages, options, weights=ctx.carried.get(ctx.system) if persist else None)
         if persist and output.weights:
             ctx.carried[ctx.system] = output.weights
         return output

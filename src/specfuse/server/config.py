@@ -83,12 +83,13 @@ def _describe(exc: ValidationError, source: str) -> str:
     return f"invalid server configuration in {source}: " + "; ".join(lines)
 
 
-def build_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServerConfig:
+def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[str, Any] | None = None,
+                 **overrides: Any) -> ServerConfig:
     """Read the TOML file (if any), apply non-None ``section.key`` overrides, validate.
 
     ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
-    log_level, model_id (server); models, n_ctx, threads, cache_dir (members).
-    The API key falls back to $SPECFUSE_API_KEY.
+    log_level, model_id (server); models, n_ctx, threads, cache_dir (members). ``defaults`` are
+    fusion options laid over the file's [defaults]. The API key falls back to $SPECFUSE_API_KEY.
     """
     data: dict[str, Any] = {}
     source = "flags"
@@ -102,6 +103,10 @@ def build_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -
             raise ConfigError(f"cannot read config file {path}: {exc}", "check its permissions") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}", "fix the syntax") from None
+    if defaults:
+        table = data.setdefault("defaults", {})
+        if isinstance(table, dict):  # else validation below reports the malformed section
+            table.update(defaults)
     sections = {"server": ServerSection, "members": MembersSection}
     for key, value in overrides.items():
         if value is None or (key == "models" and not value):

@@ -100,7 +100,7 @@ class ServerMetrics:
         """A request completed with ``result``."""
         self.latency.observe(max(0.0, time.time() - accepted))
         self.output_tokens.inc(max(0, result.stats.tokens))
-        for departure in getattr(result, "departures", None) or ():
+        for departure in result.departures:
             counter = self.member_faults if departure.kind == "fault" else self.member_exits
             counter.labels(member=departure.model).inc()
 

@@ -210,12 +210,11 @@ def _stats(result: Result, started: Started | None) -> FusionStats:
 
 def _result_info(result: Result, started: Started | None) -> FusionInfo:
     """The parts of a finished result every response carries (members, stats, weights, departures)."""
-    departures = getattr(result, "departures", None)
     return FusionInfo(
         members=result.models,
         stats=_stats(result, started),
-        weights=getattr(result, "weights", None) or None,
-        departures=[asdict(d) for d in departures] if departures else None,
+        weights=result.weights or None,
+        departures=[asdict(d) for d in result.departures] or None,
     )
 
 

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..backends.base import Member
-from ..engine import Steps, fusion_steps
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
@@ -207,19 +206,16 @@ class Worker:
         finally:
             self._scheduler.close()
 
-    def _steps(self, job: Job) -> tuple[list[Member], Steps]:
-        ensemble = self._ensemble
-        assert ensemble is not None
-        if job.members is not None:
-            members = [m for m in ensemble.members if m.name in job.members]
-            return members, fusion_steps(members, job.messages, job.options)
-        persist = job.options.hedge and job.options.hedge_persist
-        weights = ensemble.hedge_weights or None if persist else None  # Hedge carried across queries
-        return ensemble.members, fusion_steps(ensemble.members, job.messages, job.options, weights=weights)
-
     def _admit(self, job: Job) -> None:
         self._count("started")
-        members, steps = self._steps(job)
+        ensemble = self._ensemble
+        assert ensemble is not None
+        try:
+            steps = ensemble.steps(job.messages, job.options, members=job.members)
+        except SpecFuseError as exc:
+            self._end(job, exc, 0)
+            return
+        members = [m for m in ensemble.members if job.members is None or m.name in job.members]
         job.emit(Started(time.time() - job.created, _prompt_tokens(members, job.messages)))
         rounds = [0]
 
@@ -227,17 +223,15 @@ class Worker:
             if isinstance(event, RoundEvent):
                 rounds[0] += 1
                 self._count("rounds")
-            elif isinstance(event, DoneEvent) and job.members is None and job.options.hedge \
-                    and job.options.hedge_persist and self._ensemble is not None:
-                self._ensemble.hedge_weights = dict(event.result.weights)
             job.emit(event)
 
-        def on_end(why: BaseException | None) -> None:
-            with self._cond:
-                self._running.discard(job)
-            self._finished(job, why, rounds[0])
+        self._scheduler.add(Flight(steps, on_event, lambda why: self._end(job, why, rounds[0]),
+                                   job.cancel_flag.is_set))
 
-        self._scheduler.add(Flight(steps, on_event, on_end, job.cancel_flag.is_set))
+    def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
+        with self._cond:
+            self._running.discard(job)
+        self._finished(job, why, rounds)
 
     def _finished(self, job: Job, why: BaseException | None, rounds: int) -> None:
         if why is None:
@@ -264,10 +258,10 @@ def _prompt_tokens(members: Sequence[Member], messages: Sequence[Message]) -> di
     """Templated prompt length per member, where the backend can tell (for usage)."""
     counts: dict[str, int] = {}
     for member in members:
-        count = getattr(member, "prompt_tokens", None)
-        if callable(count):
-            try:
-                counts[member.name] = len(count(messages))
-            except SpecFuseError:
-                pass  # the generation itself reports a bad prompt
+        try:
+            tokens = member.prompt_tokens(messages)
+        except SpecFuseError:
+            continue  # the generation itself reports a bad prompt
+        if tokens is not None:
+            counts[member.name] = len(tokens)
     return counts

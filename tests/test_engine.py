@@ -6,54 +6,15 @@ test_real_models.py.
 
 from __future__ import annotations
 
-import math
 
 import pytest
+
+from fakes import FittedSession, ScriptedMember, ScriptedSession, fitted
 
 from specfuse.engine import fuse
 from specfuse.errors import InvalidRequestError
 from specfuse.options import FusionOptions
-from specfuse.types import DoneEvent, DraftTokens, Message, RoundEvent, SegmentEvent, TokenScores
-
-
-class ScriptedSession:
-    def __init__(self, drafts, prefs, stops=()):
-        self.drafts = list(drafts)  # per round: (pieces, finished)
-        self.prefs = prefs  # text -> probability this member gives each token of it
-        self.accepted: list[str] = []
-        self.stops = stops
-        self.room = 10_000
-        self.closed = False
-
-    def draft(self, max_tokens, sampling):
-        pieces, finished = self.drafts.pop(0)
-        pieces = pieces[:max_tokens]
-        lps = tuple(math.log(self.prefs.get(b"".join(pieces).decode(), 0.1)) for _ in pieces)
-        return DraftTokens(tuple(pieces), lps, lps, finished)
-
-    def score(self, texts):
-        return [TokenScores((math.log(self.prefs.get(t, 0.1)),), (0.0,)) for t in texts]
-
-    def accept(self, text):
-        self.accepted.append(text)
-
-    def counters(self):
-        return {}
-
-    def close(self):
-        self.closed = True
-
-
-class ScriptedMember:
-    def __init__(self, name, session):
-        self.name = name
-        self.session = session
-
-    def start(self, messages, *, seed, reserve):
-        return self.session
-
-    def close(self):
-        pass
+from specfuse.types import DoneEvent, Message, RoundEvent, SegmentEvent
 
 
 def run(members, **options):
@@ -200,27 +161,10 @@ def test_model_exit_removes_a_lagging_member_but_never_the_last():
 # --- selection: gate, leader, guard, prompt-fit prior ---------------------------------
 
 
-class FittedSession(ScriptedSession):
-    """A scripted session that also reports how well it predicts the prompt."""
-
-    def __init__(self, drafts, prefs, bpb):
-        super().__init__(drafts, prefs)
-        self.bpb = bpb
-        self.drafted = 0
-
-    def draft(self, max_tokens, sampling):
-        self.drafted += 1
-        return super().draft(max_tokens, sampling)
-
-    def text_logprob(self, text):
-        n = len(text.encode())
-        return -self.bpb * math.log(2.0) * n, n
-
-
 def test_a_confident_leader_wins_alone_and_the_others_only_follow():
     strong = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.9, "": 0.9}, bpb=0.8)
     weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.99}, bpb=1.4)
-    events, result = run([ScriptedMember("weak", weak), ScriptedMember("strong", strong)],
+    events, result = run([fitted("weak", weak), fitted("strong", strong)],
                          gate=0.5, prior="prompt")
     assert result.text == " Four."
     records = [e.record for e in events if isinstance(e, RoundEvent)]
@@ -234,7 +178,7 @@ def test_a_confident_leader_wins_alone_and_the_others_only_follow():
 def test_an_unsure_leader_calls_a_full_round():
     strong = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.3, " Five.": 0.1}, bpb=0.8)
     weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.2, " Four.": 0.6}, bpb=1.4)
-    events, result = run([ScriptedMember("weak", weak), ScriptedMember("strong", strong)],
+    events, result = run([fitted("weak", weak), fitted("strong", strong)],
                          gate=0.5, prior="prompt", leader="strong")
     first = [e for e in events if isinstance(e, RoundEvent)][0].record
     assert not first.gated and first.leader == "strong"
@@ -246,7 +190,7 @@ def test_an_unsure_leader_calls_a_full_round():
 def test_gate_above_one_never_skips_a_round():
     a = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 1.0, "": 1.0}, bpb=0.8)
     b = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 1.0, "": 1.0}, bpb=0.9)
-    _, result = run([ScriptedMember("a", a), ScriptedMember("b", b)], gate=1.01)
+    _, result = run([fitted("a", a), fitted("b", b)], gate=1.01)
     assert result.stats.gated_rounds == 0 and b.drafted == 2
 
 
@@ -280,7 +224,7 @@ def test_the_guard_gives_up_when_every_candidate_loops():
     def looping_pair():
         strong = FittedSession([([lap.encode()], False)] * 9 + [([b""], True)], {lap: 0.9, "": 0.9}, bpb=0.8)
         weak = FittedSession([([lap.encode()], False)] * 9 + [([b""], True)], {lap: 0.9, "": 0.9}, bpb=1.4)
-        return strong, weak, [ScriptedMember("strong", strong), ScriptedMember("weak", weak)]
+        return strong, weak, [fitted("strong", strong), fitted("weak", weak)]
 
     strong, weak, members = looping_pair()
     events, result = run(members, gate=0.5, guard=True, guard_patience=2, prior="prompt", max_tokens=9)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import conftest
 import numpy as np
 import pytest
+
+from helpers import Recording, SessionWrapper
 
 from specfuse import Ensemble
 from specfuse.backends.registry import load_member
@@ -71,15 +72,6 @@ def test_batched_drafts_and_scores_agree_with_one_by_one(ensemble):
     finally:
         for s in sessions:
             s.close()
-
-
-class Recording(conftest.Recording):
-    """A real member whose sessions are kept, and whose batched calls stay batched."""
-
-    def __init__(self, member):
-        super().__init__(member)
-        self.draft_many, self.score_many = member.draft_many, member.score_many
-        self.slots = member.slots
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -159,30 +151,29 @@ def test_cancelling_one_generation_leaves_the_others_intact(ensemble):
     assert all(m.free_slots == 3 for m in ensemble.members)  # the cancelled sessions were closed
 
 
-class FaultyFor(conftest.Recording):
+class BrokenScoring(SessionWrapper):
+    def score(self, texts):
+        raise RuntimeError("scoring failed for this request")
+
+
+class FaultyFor(Recording):
     """A real member whose sessions for one prompt fail when asked to score (a fault in one request)."""
 
     def __init__(self, member, marker):
         super().__init__(member)
-        self.marker, self.slots = marker, member.slots
+        self.marker = marker
 
     def start(self, messages, *, seed, reserve):
         session = super().start(messages, seed=seed, reserve=reserve)
-        if not any(self.marker in m.content for m in messages):
-            return session
-        marker = self.marker
+        return BrokenScoring(session) if any(self.marker in m.content for m in messages) else session
 
-        class Broken:
-            def __getattr__(self, attr):
-                return getattr(session, attr)
-
-            def score(self, texts):
-                raise RuntimeError(f"scoring failed for the {marker!r} request")
-
-        return Broken()
-
-    def close(self):
-        pass
+    def score_many(self, sessions, requests):
+        healthy = [i for i, s in enumerate(sessions) if not isinstance(s, BrokenScoring)]
+        scored = super().score_many([sessions[i] for i in healthy], [requests[i] for i in healthy])
+        out = [RuntimeError("scoring failed for this request")] * len(sessions)
+        for i, value in zip(healthy, scored):
+            out[i] = value
+        return out
 
 
 def test_a_member_fault_in_one_request_does_not_break_the_others(ensemble):

@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
 
-from llama_server import llama_server  # noqa: E402
+from helpers import SessionWrapper, Wrapped  # noqa: E402
+from specfuse.bench.processes import llama_cpp_server  # noqa: E402
 
 from specfuse import Ensemble, SegmentEvent  # noqa: E402
 from specfuse.backends.registry import load_member  # noqa: E402
@@ -21,43 +22,37 @@ SMOL = model_path(CATALOGUE["smollm2-135m"])
 PROMPT = "Explain in a few sentences how rain forms."
 
 
-class Timed:
+class Timed(Wrapped):
     """Wraps a real member and records when each of its draft calls ran."""
 
     def __init__(self, member):
-        self.member = member
-        self.parallel_safe = getattr(member, "parallel_safe", False)
+        super().__init__(member)
         self.calls: list[tuple[float, float]] = []
         self.lock = threading.Lock()
 
-    @property
-    def name(self):
-        return self.member.name
-
     def start(self, messages, *, seed, reserve):
-        session = self.member.start(messages, seed=seed, reserve=reserve)
-        outer = self
-
-        class Session:
-            def __getattr__(self, attr):
-                return getattr(session, attr)
-
-            def draft(self, max_tokens, sampling):
-                t0 = time.monotonic()
-                try:
-                    return session.draft(max_tokens, sampling)
-                finally:
-                    with outer.lock:
-                        outer.calls.append((t0, time.monotonic()))
-
-        return Session()
+        return TimedSession(super().start(messages, seed=seed, reserve=reserve), self)
 
     def close(self):
         self.member.close()
 
 
+class TimedSession(SessionWrapper):
+    def __init__(self, inner, owner: Timed):
+        super().__init__(inner)
+        self.owner = owner
+
+    def draft(self, max_tokens, sampling):
+        t0 = time.monotonic()
+        try:
+            return self.inner.draft(max_tokens, sampling)
+        finally:
+            with self.owner.lock:
+                self.owner.calls.append((t0, time.monotonic()))
+
+
 def test_two_remote_members_are_called_concurrently(tmp_path):
-    with llama_server(SMOL, tmp_path / "a.log") as a, llama_server(SMOL, tmp_path / "b.log") as b:
+    with llama_cpp_server(SMOL, tmp_path / "a.log") as a, llama_cpp_server(SMOL, tmp_path / "b.log") as b:
         members = [Timed(load_member(f"remote:{a.url}#remote-a")), Timed(load_member(f"remote:{b.url}#remote-b"))]
         with Ensemble(members) as ens:
             result = ens.generate(PROMPT, max_tokens=24, temperature=0.7, seed=3, exit=False, gate=None)  # both draft every round
@@ -70,13 +65,13 @@ def test_two_remote_members_are_called_concurrently(tmp_path):
 
 
 def test_server_killed_mid_answer_the_answer_completes_and_the_fault_is_recorded(tmp_path):
-    with llama_server(SMOL, tmp_path / "doomed.log") as server:
+    with llama_cpp_server(SMOL, tmp_path / "doomed.log") as server:
         remote = load_member(f"remote:{server.url}#doomed,retries=1,backoff=0.05,timeout=10")
         with Ensemble([remote, "smollm2-135m"]) as ens:
             events = []
             for event in ens.stream(PROMPT, max_tokens=48, temperature=0, seed=0):
                 events.append(event)
-                if isinstance(event, SegmentEvent) and server.proc.poll() is None:
+                if isinstance(event, SegmentEvent) and server.process.poll() is None:
                     server.kill()  # the member's server dies after the first segment
             result = events[-1].result
     faults = [d for d in result.departures if d.kind == "fault"]

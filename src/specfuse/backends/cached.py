@@ -1,0 +1,233 @@
+"""What the local backends (llama.cpp, transformers) share: members with a tokenizer and a
+context window, and sessions that keep their KV cache across rounds (NOTES §2).
+
+A :class:`CachedSession` holds the context's tokens, how many of them are in the
+cache, the pending draft and the candidates verified this round. Its template:
+
+- ``score``: known scores first (candidates verified earlier this round, the
+  end-of-generation probability for the empty text "stop here"), each distinct
+  new text decoded once on the cached prefix;
+- ``accept``: the winner's cells are kept wherever they already are: the
+  member's own draft (cut back to the kept tokens), or a verified candidate's
+  cells made part of the context; any other text is encoded and decoded at the
+  next sync.
+
+A backend supplies only its own cache operations and decode: ``draft``,
+``_sync`` (decode accepted tokens not yet cached), ``_end_score``, ``_verify``,
+``_truncate`` (drop cells from a position on), ``_adopt`` (keep a verified
+candidate's cells) and ``_drop_candidates``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import PromptTooLongError
+from ..models import PromptFormat
+from ..segments import tokens_spelling
+from ..types import Message, TokenScores
+from .base import Member, MemberSession
+
+
+def check_prompt_fits(name: str, n_prompt: int, reserve: int, n_ctx: int, *, approximate: bool = False) -> None:
+    """Raise PromptTooLongError unless the prompt plus `reserve` drafting tokens fit the window."""
+    if n_prompt + reserve > n_ctx:
+        about = "about " if approximate else ""
+        raise PromptTooLongError(
+            f"the prompt is {about}{n_prompt} tokens for {name}, whose context holds {n_ctx} "
+            f"(with {reserve} tokens reserved for drafting)",
+            "shorten the prompt or load the member with a larger context window (n_ctx)",
+        )
+
+
+@dataclass
+class Counters:
+    """Tokens decoded per purpose; tests use these to prove what was (not) re-encoded."""
+
+    prompt: int = 0  # prompt tokens, decoded once per session
+    catch_up: int = 0  # accepted tokens not already in the cache
+    draft: int = 0
+    verify: int = 0
+    verify_calls: int = 0
+    decode_calls: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class DraftState:
+    """The member's pending draft: its tokens, their pieces, and the rows that sampled them."""
+
+    ids: list[int]
+    pieces: list[bytes]
+    rows: list[Any]  # rows[j]: the logits row that sampled ids[j]
+
+    @property
+    def n_decoded(self) -> int:
+        return len(self.ids) - 1  # the last sampled token is never fed back
+
+    def kept_tokens(self, text: str) -> int | None:
+        return tokens_spelling(self.pieces, text)
+
+
+@dataclass
+class Verified:
+    """A candidate decoded this round: its tokens, scores, and the row after its last token."""
+
+    ids: list[int]
+    scores: TokenScores
+    last_row: Any
+
+
+class LocalMember(Member):
+    """A member whose tokenizer and weights are here; it opens :class:`CachedSession` s."""
+
+    n_ctx: int
+    prompt: PromptFormat
+
+    @abstractmethod
+    def tokenize_plain(self, text: str) -> list[int]:
+        """Ids of plain text: no special tokens added, special-token markup taken literally."""
+
+    @abstractmethod
+    def piece(self, token: int) -> bytes:
+        """Text bytes of a token as it appears in an answer (control tokens are empty)."""
+
+    @abstractmethod
+    def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
+        """The templated prompt's tokens."""
+
+    @abstractmethod
+    def open_session(self, prompt: list[int], seed: int | None) -> "CachedSession":
+        """A session on a prompt known to fit."""
+
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "CachedSession":
+        prompt = self.prompt_tokens(messages)
+        check_prompt_fits(self.name, len(prompt), reserve, self.n_ctx)
+        return self.open_session(prompt, seed)
+
+    def spells(self, ids: Sequence[int], text: str) -> bool:
+        return b"".join(self.piece(t) for t in ids) == text.encode("utf-8")
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Tokens that spell exactly `text` when appended to a context.
+
+        SentencePiece-style vocabularies may add a leading-space marker to a
+        text tokenized alone; anchoring on a newline avoids it.
+        """
+        ids = self.tokenize_plain(text)
+        if self.spells(ids, text):
+            return ids
+        anchor, joined = self.tokenize_plain("\n"), self.tokenize_plain("\n" + text)
+        if joined[: len(anchor)] == anchor and self.spells(joined[len(anchor) :], text):
+            return joined[len(anchor) :]
+        return ids
+
+
+class CachedSession(MemberSession):
+    """One request's context on a LocalMember; see the module docstring."""
+
+    def __init__(self, member: LocalMember, prompt: list[int]) -> None:
+        self.m = member
+        self.prompt_len = len(prompt)
+        self.tokens: list[int] = list(prompt)
+        self.n_cached = 0  # tokens[:n_cached] are in the cache
+        self._next_row: Any = None  # logits after tokens, once cached
+        self.stats = Counters()
+        self._draft: DraftState | None = None
+        self._verified: dict[str, Verified] = {}
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.m.prompt.stops
+
+    @property
+    def room(self) -> int:
+        return self.m.n_ctx - len(self.tokens)
+
+    def counters(self) -> dict[str, int]:
+        return self.stats.as_dict()
+
+    def answer_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    # --- the template -------------------------------------------------------------
+    def score(self, texts: Sequence[str]) -> list[TokenScores]:
+        known, pending = self._known(texts)
+        if pending:
+            known.update(self._verify(pending))
+        return [known[t] for t in texts]
+
+    def _known(self, texts: Sequence[str]) -> tuple[dict[str, TokenScores], list[str]]:
+        """Scores known without decoding, and the distinct texts still to verify (after a sync)."""
+        self._sync()
+        known = {t: v.scores for t, v in self._verified.items()}
+        if "" in texts:
+            known[""] = self._end_score()
+        return known, [t for t in dict.fromkeys(texts) if t not in known]
+
+    def accept(self, text: str) -> None:
+        n_prefix = len(self.tokens)
+        draft = self._draft
+        kept = draft.kept_tokens(text) if (draft and text) else None
+        if draft is not None and kept is not None:
+            # Our own draft won: its tokens are already cached.
+            decoded = min(kept, draft.n_decoded)
+            self._truncate(n_prefix + decoded)
+            self.tokens += draft.ids[:kept]
+            self.n_cached = n_prefix + decoded
+            self._set_next(draft.rows[kept] if decoded == kept else None)
+        elif text and text in self._verified:
+            # Another member's candidate won: its cells were computed while verifying.
+            candidate = self._verified[text]
+            self._truncate(n_prefix)
+            self._adopt(candidate, n_prefix)
+            self.tokens += candidate.ids
+            self.n_cached = len(self.tokens)
+            self._set_next(candidate.last_row)
+        else:
+            self._truncate(n_prefix)
+            if text:
+                self.tokens += self.m.encode_continuation(text)
+                self.n_cached = min(self.n_cached, n_prefix)  # the new tokens are decoded at the next sync
+                self._set_next(None)
+        self._drop_candidates()
+        self._draft = None
+        self._verified = {}
+
+    def _set_next(self, row: Any) -> None:
+        self._next_row = row
+
+    def _count_synced(self, start: int) -> None:
+        """Count tokens decoded by a sync from `start`: prompt tokens, or accepted text caught up."""
+        in_prompt = max(0, min(self.n_cached, self.prompt_len) - start)
+        self.stats.prompt += in_prompt
+        self.stats.catch_up += self.n_cached - start - in_prompt
+
+    # --- what each backend does its own way ---------------------------------------------
+    @abstractmethod
+    def _sync(self) -> None:
+        """Decode accepted tokens not yet cached, so that the row after the context is known."""
+
+    @abstractmethod
+    def _end_score(self) -> TokenScores:
+        """The candidate "stop here": the probability of any end-of-generation token."""
+
+    @abstractmethod
+    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
+        """Decode new candidates on the cached prefix; record them in ``_verified``."""
+
+    @abstractmethod
+    def _truncate(self, length: int) -> None:
+        """Drop the context's cache cells from position `length` on."""
+
+    @abstractmethod
+    def _adopt(self, candidate: Verified, n_prefix: int) -> None:
+        """Make a verified candidate's cells follow the context's first `n_prefix` tokens."""
+
+    def _drop_candidates(self) -> None:
+        """Free what verifying this round's candidates held (nothing, unless the backend keeps cells)."""

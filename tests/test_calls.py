@@ -1,0 +1,100 @@
+"""Running member calls: one by one, in threads for parallel-safe members, batched where members batch."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fakes import BatchingMember, ScriptedMember, ScriptedSession
+
+from specfuse.backends.base import Capabilities
+from specfuse.calls import Call, CallRunner, Calls
+from specfuse.types import Sampling
+
+GREEDY = Sampling(0.0, 1.0, 0)
+
+
+def draft_call(member, session, n=4):
+    return Call(member, session, "draft", (n, GREEDY))
+
+
+def test_replies_come_in_call_order_and_carry_exceptions_instead_of_raising():
+    a, b = ScriptedSession([([b" x"], False)], {}), ScriptedSession([], {})
+    b.draft = lambda n, s: (_ for _ in ()).throw(ConnectionError("gone"))  # this member's server died
+    with CallRunner() as runner:
+        replies = runner.run([draft_call(ScriptedMember("a", a), a), draft_call(ScriptedMember("b", b), b)])
+    assert replies[0].value.pieces == (b" x",) and not replies[0].failed
+    assert replies[1].failed and isinstance(replies[1].value, ConnectionError)
+
+
+def test_calls_on_the_member_itself_open_sessions():
+    session = ScriptedSession([], {})
+    member = ScriptedMember("a", session)
+    with CallRunner() as runner:
+        [reply] = runner.run([Call(member, None, "start", ([],), {"seed": 1, "reserve": 11})])
+    assert reply.value is session and member.started == 1
+
+
+def test_a_batching_member_gets_one_call_for_all_its_sessions():
+    member = BatchingMember("q")
+    sessions = [ScriptedSession([([b" w"], False)], {}) for _ in range(3)]
+    with CallRunner() as runner:
+        replies = runner.run([draft_call(member, s) for s in sessions])
+        accepted = runner.run([Call(member, s, "accept", (" w",)) for s in sessions])
+    assert member.batches == [("draft", 3)]  # accepts are not batched: they decode nothing
+    assert all(r.value.pieces == (b" w",) for r in replies)
+    assert len({r.seconds for r in replies}) == 1  # every session waited for the whole batch
+    assert all(not r.failed for r in accepted) and all(s.accepted == [" w"] for s in sessions)
+
+
+def test_a_failed_batch_fails_every_session_in_it():
+    member = BatchingMember("q")
+    member.draft_many = lambda sessions, requests: (_ for _ in ()).throw(RuntimeError("decode failed"))
+    sessions = [ScriptedSession([], {}) for _ in range(2)]
+    with CallRunner() as runner:
+        replies = runner.run([draft_call(member, s) for s in sessions])
+    assert all(isinstance(r.value, RuntimeError) for r in replies)
+
+
+def test_one_session_failing_inside_a_batch_fails_only_that_session():
+    member = BatchingMember("q")
+    good, bad = ScriptedSession([([b" ok"], False)], {}), ScriptedSession([], {})
+    bad.draft = lambda n, s: (_ for _ in ()).throw(ValueError("bad session"))
+    with CallRunner() as runner:
+        replies = runner.run([draft_call(member, good), draft_call(member, bad)])
+    assert replies[0].value.pieces == (b" ok",) and isinstance(replies[1].value, ValueError)
+
+
+class SlowSession(ScriptedSession):
+    def __init__(self, log, lock):
+        super().__init__([], {})
+        self.log, self.lock = log, lock
+
+    def draft(self, max_tokens, sampling):
+        started = time.monotonic()
+        time.sleep(0.2)
+        with self.lock:
+            self.log.append((started, time.monotonic(), threading.current_thread().name))
+        return super().draft(max_tokens, sampling)
+
+
+def test_parallel_safe_members_run_at_once_and_local_ones_one_after_another():
+    log, lock = [], threading.Lock()
+    remote = Capabilities(parallel_safe=True)
+    remotes = [ScriptedMember(f"r{i}", capabilities=remote) for i in range(2)]
+    with CallRunner() as runner:
+        runner.run([draft_call(m, SlowSession(log, lock)) for m in remotes])
+        overlapped = log[:]
+        log.clear()
+        local = [ScriptedMember(f"l{i}") for i in range(2)]
+        runner.run([draft_call(m, SlowSession(log, lock)) for m in local])
+    (s1, e1, t1), (s2, e2, t2) = overlapped
+    assert s1 < e2 and s2 < e1 and t1 != t2  # the two remote drafts overlapped, in worker threads
+    (s1, e1, t1), (s2, e2, t2) = sorted(log)
+    assert e1 <= s2 and t1 == t2 == threading.current_thread().name  # local drafts ran in turn, here
+
+
+def test_calls_that_decode_nothing_are_cheap():
+    member, session = ScriptedMember("a"), ScriptedSession([], {})
+    assert Calls([Call(member, session, "accept", ("x",)), Call(member, session, "close")]).cheap
+    assert not Calls([Call(member, session, "accept", ("x",)), draft_call(member, session)]).cheap

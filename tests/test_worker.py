@@ -1,0 +1,146 @@
+"""The server's worker on scripted members: admission, the bounded queue, cancellation, outcomes, Hedge carry-over."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from fakes import BlockingSession, ScriptedMember, ScriptedSession
+
+from specfuse import Ensemble
+from specfuse.errors import InvalidRequestError
+from specfuse.options import FusionOptions
+from specfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
+from specfuse.types import DoneEvent, Message
+
+import pytest
+
+WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
+PLAIN = FusionOptions.build(gate=None, max_tokens=32, temperature=0.0)
+
+
+def job(text: str, options: FusionOptions = PLAIN, members=None) -> Job:
+    return Job([Message("user", text)], options, members)
+
+
+async def outcome(j: Job):
+    """The job's items up to its terminal one."""
+    return [item async for item in j.items()]
+
+
+def run_jobs(worker: Worker, jobs: list[Job], before_wait=None):
+    async def main():
+        loop = asyncio.get_running_loop()
+        accepted, refused = [], []
+        for j in jobs:
+            j.bind(loop)
+            try:
+                worker.submit(j)
+                accepted.append(j)
+            except QueueFullError:
+                refused.append(j)
+        if before_wait:
+            await asyncio.to_thread(before_wait, accepted)
+        items = await asyncio.wait_for(asyncio.gather(*(outcome(j) for j in accepted)), 10)
+        return dict(zip((j.id for j in accepted), items)), refused
+
+    return asyncio.run(main())
+
+
+@pytest.fixture()
+def slow_ensemble():
+    """One member whose drafts wait for the test to open `gate`."""
+    gate = threading.Event()
+    opened: list[ScriptedSession] = []
+
+    def open_session(messages):
+        opened.append(BlockingSession(list(WORDS), {}, gate))
+        return opened[-1]
+
+    with Ensemble([ScriptedMember("slow", factory=open_session)]) as ensemble:
+        yield ensemble, gate, opened
+
+
+def test_jobs_beyond_the_running_and_the_queue_are_refused(slow_ensemble):
+    ensemble, gate, opened = slow_ensemble
+    worker = Worker(queue_size=1, max_concurrent=2)
+    worker.start(ensemble)
+
+    def while_blocked(accepted):
+        deadline = threading.Event()
+        for _ in range(100):  # the worker admits two, the third waits
+            if worker.state() == (1, 2):
+                break
+            deadline.wait(0.05)
+        assert worker.state() == (1, 2)
+        gate.set()
+
+    results, refused = run_jobs(worker, [job(f"q{i}") for i in range(4)], while_blocked)
+    worker.stop()
+    assert len(refused) == 1 and len(results) == 3
+    for items in results.values():
+        assert isinstance(items[0], Started) and isinstance(items[-1], DoneEvent)
+        assert items[-1].result.text == " one. two."
+    counters = worker.snapshot()
+    assert (counters["accepted"], counters["rejected"], counters["started"], counters["completed"]) == (3, 1, 3, 3)
+    assert all(s.closed for s in opened) and worker.state() == (0, 0)
+
+
+def test_cancelling_a_queued_and_a_running_job(slow_ensemble):
+    ensemble, gate, opened = slow_ensemble
+    worker = Worker(queue_size=4, max_concurrent=1)
+    worker.start(ensemble)
+    jobs = [job("running"), job("queued")]
+
+    def cancel_both(accepted):
+        for _ in range(100):
+            if worker.state() == (1, 1):
+                break
+            threading.Event().wait(0.05)
+        worker.cancel(jobs[1])  # still in the queue
+        worker.cancel(jobs[0])  # in flight: stops at its next step
+        gate.set()
+
+    results, _ = run_jobs(worker, jobs, cancel_both)
+    worker.stop()
+    assert isinstance(results[jobs[1].id][-1], Cancelled) and len(results[jobs[1].id]) == 1
+    assert isinstance(results[jobs[0].id][-1], Cancelled)
+    assert worker.snapshot()["cancelled"] == 2 and worker.snapshot()["started"] == 1
+    assert len(opened) == 1 and opened[0].closed  # the running job's session was released
+
+
+def test_a_bad_request_is_invalid_and_a_dead_member_is_a_failure():
+    def broken(messages):
+        raise OSError("the model file vanished")
+
+    with Ensemble([ScriptedMember("ok", factory=lambda m: ScriptedSession(list(WORDS), {})),
+                   ScriptedMember("broken", factory=broken)]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=2)
+        worker.start(ensemble)
+        results, _ = run_jobs(worker, [job("x", FusionOptions.build(leader="nobody")), job("y", members=["broken"])])
+        worker.stop()
+    invalid, failed = results.values()
+    assert isinstance(invalid[-1], Failed) and isinstance(invalid[-1].error, InvalidRequestError)
+    assert isinstance(failed[-1], Failed) and "vanished" in str(failed[-1].error)
+    counters = worker.snapshot()
+    assert counters["invalid"] == 1 and counters["failed"] == 1
+
+
+def test_hedge_weights_carry_from_one_query_to_the_next_through_the_ensemble():
+    prefs = {" x.": 0.9}
+
+    def member(name, text):
+        return ScriptedMember(name, factory=lambda m: ScriptedSession([([text, b"."], False), ([b""], True)], prefs))
+
+    with Ensemble([member("a", b" x"), member("b", b" y"), member("c", b" z")]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=1)
+        worker.start(ensemble)
+        options = FusionOptions.build(gate=None, hedge=True, hedge_persist=True, temperature=0.0)
+        first, _ = run_jobs(worker, [job("one", options)])
+        learned = dict(ensemble.hedge_weights)
+        second, _ = run_jobs(worker, [job("two", options)])
+        worker.stop()
+    assert learned["a"] > learned["b"] and learned == list(first.values())[0][-1].result.weights
+    # the second query started from the first one's weights: its first round's weights are not uniform
+    start = list(second.values())[0][-1].result.rounds[0].weights
+    assert start["a"] > 1 / 3
