@@ -1,0 +1,107 @@
+"""`specfuse bench`: the side-by-side speed benchmark, and the serving benchmark (--serve)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import SpecFuseError
+from ..extras import require
+from .app import app, err
+from .flags import CacheOpt, ModelOpt
+
+
+@app.command()
+def bench(
+    lengths: Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")] = "128,256",
+    reps: Annotated[int, typer.Option(help="Repetitions per length (median and spread).")] = 3,
+    model: ModelOpt = None,
+    window: Annotated[int, typer.Option(help="Max tokens each member drafts per round.")] = 10,
+    out: Annotated[Optional[str], typer.Option(
+        help="Folder for bench.json and the per-round plot (default runs/bench); "
+             "with --serve the JSON file (default runs/bench-serve.json).")] = None,
+    rss: Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")] = True,
+    serve: Annotated[bool, typer.Option(
+        "--serve", help="Serving benchmark instead: the real `specfuse serve` under 1..N streaming users, "
+                        "serial (max_concurrent 1) vs. concurrent worker.")] = False,
+    concurrency: Annotated[str, typer.Option(help="--serve: users in flight, comma-separated.")] = "1,2,4,8",
+    requests: Annotated[Optional[int], typer.Option(
+        help="--serve: requests per concurrency level (default max(8, 2 x users)).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="--serve: max_tokens of every request.")] = 32,
+    max_concurrent: Annotated[Optional[int], typer.Option(
+        "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users).")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        help="--serve: llama.cpp threads per member, the same in both modes (default: the server's).")] = None,
+    remote: Annotated[bool, typer.Option(
+        "--remote", help="--serve: the members are two llama_cpp.server processes started on loopback "
+                         "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.")] = False,
+    cache_dir: CacheOpt = None,
+) -> None:
+    """Measure the ensemble against its members, the floor, the reference method and response level.
+
+    With --serve: measure the server under concurrent users instead (docs/performance.md).
+    """
+    from pathlib import Path
+
+    serve_only = {"--concurrency": concurrency != "1,2,4,8", "--requests": requests is not None,
+                  "--max-tokens": max_tokens != 32, "--max-concurrent": max_concurrent is not None,
+                  "--threads": threads is not None, "--remote": remote, "--cache-dir": cache_dir is not None}
+    given = [flag for flag, set_ in serve_only.items() if set_]
+    if given and not serve:
+        raise SpecFuseError(f"{', '.join(given)}: options of the serving benchmark", "add --serve")
+    if serve:
+        _bench_serve(concurrency, requests, max_tokens, model, threads, max_concurrent, remote, out, cache_dir)
+        return
+    require("bench", "specfuse bench")
+    from ..bench import local as benchmark
+
+    out = out or "runs/bench"
+    sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    report = benchmark.run(sizes, reps, model or None, window, Path(out), log=err.print, rss=rss)
+    table = Table(*benchmark.TABLE_HEADER, title=f"SpecFuse benchmark ({', '.join(report['models'])})")
+    for row in benchmark.format_table(report):
+        table.add_row(*row)
+    out_console = Console(width=200)
+    out_console.print(table)
+    err.print(f"wrote {Path(out) / 'bench.json'} and {report.get('plot', '')}")
+
+
+def _bench_serve(concurrency: str, requests: int | None, max_tokens: int, model: list[str] | None,
+                 threads: int | None, max_concurrent: int | None, remote: bool, out: str | None,
+                 cache_dir: str | None) -> None:
+    from pathlib import Path
+
+    from ..extras import MissingExtraError
+
+    require("server", "specfuse bench --serve")
+    needed = ["openai", "httpx"] + (["llama_cpp.server", "sse_starlette", "starlette_context",
+                                     "pydantic_settings"] if remote else [])
+    missing = [m for m in needed if _missing(m)]
+    if missing:
+        raise MissingExtraError(f"specfuse bench --serve{' --remote' if remote else ''} needs "
+                                f"{', '.join(missing)}", "pip install openai httpx" +
+                                (" 'llama-cpp-python[server]'" if remote else ""))
+    from ..bench import serving as bench_serve
+
+    try:
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise SpecFuseError(f"--concurrency {concurrency!r} is not a comma-separated list of numbers",
+                            "e.g. --concurrency 1,2,4,8") from None
+    report = bench_serve.run(levels, requests=requests, max_tokens=max_tokens, models=model or None,
+                             threads=threads, max_concurrent=max_concurrent, remote=remote,
+                             out=Path(out or "runs/bench-serve.json"), cache_dir=cache_dir, log=err.print)
+    bench_serve.print_report(report, Console(width=200, highlight=False))
+    err.print(f"wrote {report['out']}")
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True

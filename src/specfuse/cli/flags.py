@@ -1,0 +1,113 @@
+"""Command-line options shared by several commands.
+
+Fusion options come from ``FusionOptions``' own fields, so the command line can
+never drift from the options the engine accepts: each field becomes ``--name``
+(underscores as dashes) with its type, description and default; a boolean
+becomes ``--name/--no-name``, a choice lists its values, a tuple repeats, and a
+field that may be None but is not by default also gets ``--no-name`` (``--no-gate``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal, Optional
+
+import typer
+from pydantic.fields import FieldInfo
+
+from ..options import FusionOptions
+
+PANEL = "Fusion options"
+PREFIX = "fusion__"  # parameter names of generated options; never clash with a command's own
+NONE_PREFIX = "fusion_none__"
+
+ModelOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--model", "-m", help="Member (repeat; default: the embedded three): a known model name, a .gguf "
+                 "path, transformers:PATH_OR_DIR\\[#name,key=value,...] or remote:URL\\[#name,key=value,...]."),
+]
+CacheOpt = Annotated[Optional[str], typer.Option("--cache-dir", help="Where assembled models live.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
+CtxOpt = Annotated[int, typer.Option("--n-ctx", help="Context window per member, in tokens.")]
+
+
+def _optional_of(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, whether None is allowed) of ``X | None``."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return annotation, False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parameter(name: str, field: FieldInfo, default: Any) -> inspect.Parameter:
+    """One typer option for one FusionOptions field; None when the user does not give it."""
+    kind, _ = _optional_of(field.annotation)
+    shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
+    common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": PANEL}
+    if default != () and default is not None:
+        common["show_default"] = str(shown)
+    if kind is bool:
+        annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
+    elif typing.get_origin(kind) is Literal:  # typer lists an Enum's values as the choices
+        choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
+        annotation, option = Optional[choices], typer.Option(None, _flag(name), **common)
+    elif typing.get_origin(kind) is tuple:
+        annotation, option = Optional[list[str]], typer.Option(None, _flag(name), **{**common, "help": common["help"]
+                                                                                    + " (repeatable)"})
+    else:
+        annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
+    return inspect.Parameter(PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _none_parameter(name: str) -> inspect.Parameter:
+    option = typer.Option(False, f"--no-{name.replace('_', '-')}", help=f"Set {name} to none.", rich_help_panel=PANEL)
+    return inspect.Parameter(NONE_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=bool)
+
+
+def _plain(value: Any) -> Any:
+    """A parsed option as FusionOptions takes it: choices as their text, repeated options as a tuple."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    return tuple(value) if isinstance(value, list) else value
+
+
+def fusion_flags(defaults: Mapping[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command one option per FusionOptions field.
+
+    The command receives ``fusion``: the fields the user set (plus the command's
+    own `defaults`, shown in the help), to be laid over a profile or config and
+    validated by ``FusionOptions.build``.
+    """
+    defaults = dict(defaults or {})
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != "fusion"]
+        fields = FusionOptions.model_fields
+        added = [_parameter(name, f, defaults.get(name, f.default)) for name, f in fields.items()]
+        nullable = [name for name, f in fields.items() if _optional_of(f.annotation)[1] and f.default is not None]
+        added += [_none_parameter(name) for name in nullable]
+
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            given = {name: values.pop(PREFIX + name) for name in fields}
+            given = {k: _plain(v) for k, v in given.items() if v is not None}
+            given.update({name: None for name in nullable if values.pop(NONE_PREFIX + name)})
+            return command(**values, fusion={**defaults, **given})
+
+        hints = typing.get_type_hints(command, include_extras=True)
+        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own] + added
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return decorate

@@ -1,0 +1,43 @@
+"""`specfuse serve`: the OpenAI-compatible server and its web view."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..extras import require
+from .app import app
+from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
+
+
+@app.command()
+@fusion_flags()
+def serve(
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="TOML config file (see docs/server.md).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default 8000).")] = None,
+    model: ModelOpt = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
+                                                   "(default: $SPECFUSE_API_KEY, else no auth).")] = None,
+    max_concurrent: Annotated[Optional[int], typer.Option(
+        "--max-concurrent", help="Generations in flight at once, their member work batched (default 4; "
+                                 "1 runs one after another).")] = None,
+    queue_size: Annotated[Optional[int], typer.Option(
+        "--queue-size", help="Requests that may wait for a free slot (default 16).")] = None,
+    cache_dir: CacheOpt = None,
+    threads: ThreadsOpt = None,
+    n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
+    fusion: dict[str, Any] | None = None,
+) -> None:
+    """Serve the ensemble over an OpenAI-compatible API, with a web view at /.
+
+    Fusion options given here are the defaults of requests that do not set them
+    (over the config file's [defaults]).
+    """
+    require("server", "specfuse serve")
+    from ..server import build_config, run  # FastAPI and uvicorn load only for this command
+
+    run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
+                     max_concurrent=max_concurrent, cache_dir=cache_dir, threads=threads, n_ctx=n_ctx,
+                     defaults=fusion or None))
