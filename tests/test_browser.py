@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server_process import specfuse_server
+from helpers import live_server
 from specfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
@@ -24,7 +24,7 @@ MEMBERS = list(catalogue.DEFAULT_MODELS)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with specfuse_server(tmp_path_factory.mktemp("browser-server")) as running:
+    with live_server(tmp_path_factory.mktemp("browser-server")) as running:
         yield running
 
 

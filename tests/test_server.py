@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from server_process import specfuse_server, wait_for
+from helpers import live_server, wait_for
 from specfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     missing = [n for n in MEMBERS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
     if missing:
         pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
-    with specfuse_server(tmp_path_factory.mktemp("server"), queue_size=8, max_body_bytes=65536) as running:
+    with live_server(tmp_path_factory.mktemp("server"), queue_size=8, max_body_bytes=65536) as running:
         yield running
         # Whatever the tests did, the server never crashed on a request.
         assert running.health()["counters"]["failed"] == 0, running.log_tail()

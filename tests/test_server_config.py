@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from server_process import free_port
+from specfuse.bench.processes import free_port
 from specfuse.server import ConfigError, build_config, create_app
 
 

@@ -1,7 +1,7 @@
 """Operating the server: Prometheus metrics at /metrics, and 400 for parameters SpecFuse does not implement.
 
 The first tests need no models (the metrics object and the parameter tables alone); the rest
-drive a real `specfuse serve` (tests/server_process.py) with the real `openai` client and raw
+drive a real `specfuse serve` (tests/helpers.py) with the real `openai` client and raw
 HTTP. Only two short completions run (max_tokens 4): refused requests never reach the members.
 """
 
@@ -17,7 +17,7 @@ from openai import OpenAI
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_process import specfuse_server
+from helpers import live_server
 from specfuse import models as catalogue
 from specfuse.server import serving
 from specfuse.server.app import create_app
@@ -115,7 +115,7 @@ def server(tmp_path_factory):
     missing = [n for n in MEMBERS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
     if missing:
         pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
-    with specfuse_server(tmp_path_factory.mktemp("ops"), queue_size=4) as running:
+    with live_server(tmp_path_factory.mktemp("ops"), queue_size=4) as running:
         yield running
         assert running.health()["counters"]["failed"] == 0, running.log_tail()
 

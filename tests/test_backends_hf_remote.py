@@ -35,7 +35,7 @@ from specfuse.errors import MemberLoadError  # noqa: E402
 from specfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
 from specfuse.scoring import normalise, raw_score  # noqa: E402
 from specfuse.types import Message, Sampling  # noqa: E402
-from llama_server import free_port, llama_server  # noqa: E402
+from specfuse.bench.processes import free_port, llama_cpp_server  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -71,7 +71,7 @@ def lc_member():
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory) -> Iterator[str]:
     pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
-    with llama_server(model_path(SMOL), tmp_path_factory.mktemp("server") / "smol.log") as server:
+    with llama_cpp_server(model_path(SMOL), tmp_path_factory.mktemp("server") / "smol.log") as server:
         yield server.url
 
 
@@ -209,7 +209,7 @@ def test_remote_refuses_off_by_one_echo(tmp_path):
     if not is_ready(QWEN):
         pytest.skip("Qwen2.5-Coder-0.5B is not prepared")
     pytest.importorskip("llama_cpp.server.app")
-    with llama_server(model_path(QWEN), tmp_path / "qwen.log") as server:
+    with llama_cpp_server(model_path(QWEN), tmp_path / "qwen.log") as server:
         with pytest.raises(MemberLoadError, match="1983"):
             load_member(f"remote:{server.url}#qwen-remote")
 

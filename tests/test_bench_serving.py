@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specfuse import bench_serve
+from specfuse.bench import serving as bench_serve
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
 

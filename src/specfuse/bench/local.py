@@ -21,8 +21,6 @@ measures, repeated and summarised as median / min / max:
 from __future__ import annotations
 
 import json
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,10 +30,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .backends.llama_cpp import LlamaCppMember
-from .baselines import rerank
-from .ensemble import Ensemble, to_messages
-from .types import Message, Result, Sampling
+from ..backends.llama_cpp import LlamaCppMember
+from ..baselines import rerank
+from ..ensemble import Ensemble, to_messages
+from ..types import Message, Result, Sampling
+from .machine import git, machine, peak_rss_self_mb
 
 PROMPTS = (
     "Write a detailed essay about the history of the printing press and how it changed Europe.",
@@ -130,8 +129,8 @@ def member_alone_seconds(member: LlamaCppMember, messages: Sequence[Message], le
 
 
 def peak_rss_mb(args: Sequence[str]) -> float:
-    """Peak RSS (MiB) of a child process running `python -m specfuse.bench --child ARGS`."""
-    proc = subprocess.run([sys.executable, "-m", "specfuse.bench", "--child", *args],
+    """Peak RSS (MiB) of a child process running `python -m specfuse.bench.local --child ARGS`."""
+    proc = subprocess.run([sys.executable, "-m", "specfuse.bench.local", "--child", *args],
                           capture_output=True, text=True, check=True)
     return float(proc.stdout.strip().splitlines()[-1])
 
@@ -148,18 +147,6 @@ def _child(argv: Sequence[str]) -> None:
     print(peak_rss_self_mb())
 
 
-def peak_rss_self_mb() -> float:
-    """This process's peak resident set (VmHWM).
-
-    Not ru_maxrss: Linux carries that across exec from the parent, so a child
-    of a big process would report the parent's size.
-    """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 # --- the benchmark ----------------------------------------------------------------
 
 
@@ -169,8 +156,7 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": _cores(),
-                    "python": platform.python_version()},
+        "machine": machine(), "git": git(),
         "window": window,
         "reps": reps,
         "lengths": {},
@@ -226,12 +212,6 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
         report["plot"] = str(plot_rounds(last_result, out / "bench_rounds.png"))
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     return report
-
-
-def _cores() -> int:
-    import os
-
-    return os.cpu_count() or 1
 
 
 def plot_rounds(result: Result, path: Path) -> Path:
