@@ -43,8 +43,11 @@ class ScriptedSession(MemberSession):
         return DraftTokens(tuple(pieces), lps, lps, finished)
 
     def score(self, texts):
+        """One token per text at the member's preference; its top choice is its favourite text's probability."""
         self.scored.append(list(texts))
-        return [TokenScores((math.log(self.prefs.get(t, 0.1)),), (0.0,)) for t in texts]
+        favourite = max(self.prefs.values(), default=0.1)
+        return [TokenScores((math.log(self.prefs.get(t, 0.1)),), (0.0,),
+                            (math.log(max(favourite, self.prefs.get(t, 0.1))),)) for t in texts]
 
     def accept(self, text):
         self.accepted.append(text)

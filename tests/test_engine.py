@@ -233,3 +233,45 @@ def test_the_guard_gives_up_when_every_candidate_loops():
     assert [r.gated for r in records][:5] == [True, False, False, True, True]
     assert all(len(r.penalised) == 2 for r in records[1:3])
     assert weak.drafted == 2
+
+
+# --- the leader verifies ----------------------------------------------------------------------
+
+
+def consulting_round(**options):
+    """An unsure leader (mean probability 0.3 < gate 0.5) and two others who both prefer a third text."""
+    leader = ScriptedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.3, " Five.": 0.05, "": 0.9})
+    weak1 = ScriptedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.9, " Four.": 0.05, "": 0.9})
+    weak2 = ScriptedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.9, " Four.": 0.05, "": 0.9})
+    members = [ScriptedMember("weak1", weak1, n_params=1), ScriptedMember("lead", leader, n_params=9),
+               ScriptedMember("weak2", weak2, n_params=1)]
+    events, result = run(members, gate=0.5, **options)
+    return result, (leader, weak1, weak2)
+
+
+def test_a_proposal_the_leader_rejects_cannot_win_however_the_others_vote():
+    today, _ = consulting_round()
+    assert today.text.startswith(" Five.")  # without the leader's test, the two weak members outvote it
+    verified, (leader, weak1, weak2) = consulting_round(accept_margin=1.0)
+    first = verified.rounds[0]
+    assert verified.text.startswith(" Four.") and first.winner == "lead" and not first.gated
+    assert set(first.consulted) == {"weak1", "weak2"} and all(v.startswith("rejected") for v in first.consulted.values())
+    assert leader.scored[0] == [" Five."]  # the leader scored the proposal once, in one call
+    assert weak1.scored == weak2.scored == []  # nothing was accepted: the others verified nothing
+
+
+def test_an_accepted_proposal_goes_to_the_vote():
+    result, (leader, weak1, weak2) = consulting_round(accept_margin=4.0)  # " Five." is 2.9 nats below its top choice
+    first = result.rounds[0]
+    assert all(v.startswith("accepted") for v in first.consulted.values())
+    assert result.text.startswith(" Five.") and first.winner == "weak1"
+    assert weak1.scored and weak2.scored  # the others verified what was accepted
+
+
+def test_margin_zero_is_the_leader_alone_and_none_is_todays_vote():
+    alone, (leader, weak1, weak2) = consulting_round(accept_margin=0.0)
+    assert alone.text == " Four." and weak1.drafted == weak2.drafted == 0
+    assert all(r.gated and r.winner == "lead" for r in alone.rounds)
+    vote, _ = consulting_round(accept_margin=None)
+    plain, _ = consulting_round()
+    assert vote.text == plain.text and [r.winner for r in vote.rounds] == [r.winner for r in plain.rounds]

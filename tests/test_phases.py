@@ -96,3 +96,34 @@ def test_cut_segment_keeps_whole_words_and_the_authors_scores_of_them():
     assert cut.own_scores == TokenScores((-0.1, -0.2, -0.3), (1.0, 2.0, 3.0))
     stopped = cut_segment("m", DraftTokens((b" 4", b".", b"\nQ", b":"), (0.0,) * 4, (0.0,) * 4, False), "", ("\nQ:",))
     assert stopped.candidate.text == " 4." and stopped.candidate.finished and stopped.own_scores is None
+
+
+# --- the leader's acceptance test -----------------------------------------------------------
+
+
+def scores(logprobs, tops=None):
+    return TokenScores(tuple(logprobs), tuple(logprobs), None if tops is None else tuple(tops))
+
+
+def test_worst_token_rule_accepts_only_segments_the_leader_nearly_wrote_token_by_token():
+    from specfuse.selection import leader_accepts
+
+    near = scores([-0.5, -1.0], [-0.4, -0.6])  # each token within 0.4 nats of the leader's choice
+    far = scores([-0.1, -3.0], [-0.1, -0.2])  # one token 2.8 nats below
+    assert leader_accepts(near, None, "worst", 0.5).accepted
+    assert not leader_accepts(near, None, "worst", 0.3).accepted
+    verdict = leader_accepts(far, None, "worst", 1.0)
+    assert not verdict.accepted and "2.80 nats" in verdict.reason
+    # margin 0: only the leader's own greedy choices pass
+    assert leader_accepts(scores([-0.2], [-0.2]), None, "worst", 0.0).accepted
+    assert not leader_accepts(scores([-0.21], [-0.2]), None, "worst", 0.0).accepted
+    assert not leader_accepts(scores([-0.2]), None, "worst", 5.0).accepted  # no top choices reported
+
+
+def test_mean_rule_compares_with_the_leaders_own_draft():
+    from specfuse.selection import leader_accepts
+
+    own = scores([-0.5, -0.5])
+    assert leader_accepts(scores([-1.0, -1.2]), own, "mean", 0.7).accepted  # 0.6 nats below on average
+    assert not leader_accepts(scores([-1.0, -1.2]), own, "mean", 0.5).accepted
+    assert not leader_accepts(scores([-0.1]), None, "mean", 1.0).accepted

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .backends.base import Member
-from .engine import member_seed
+from .engine import drive, member_seed
 from .ensemble import Ensemble
 from .errors import PromptTooLongError
 from .options import FusionOptions
@@ -277,9 +277,12 @@ def fused(
     messages: Sequence[Message],
     options: FusionOptions,
     weights: dict[str, float] | None = None,
+    members: Sequence[str] | None = None,
 ) -> SystemOutput:
-    """The SpecFuse engine on `ensemble` (starting from `weights`, if given), reported like the baselines."""
-    for event in ensemble.stream(messages, options=options, weights=weights):
+    """The SpecFuse engine on `ensemble` (or some of its `members`; starting from `weights`, if given),
+    reported like the baselines."""
+    steps = ensemble.steps(messages, options, weights=weights, members=members)
+    for event in drive(steps):
         if isinstance(event, DoneEvent):
             result = event.result
             stats = result.stats
@@ -301,7 +304,12 @@ def fused(
 def _selection_record(result: Result, options: FusionOptions) -> dict[str, object]:
     """What the selection mechanisms did in one answer (kept in evaluation records)."""
     leaders = [r.leader for r in result.rounds if r.leader]
+    verdicts = [v for r in result.rounds for v in r.consulted.values()]
     return {
+        "members": result.models,
+        "consulted_rounds": sum(1 for r in result.rounds if r.consulted),
+        "proposals": len(verdicts),
+        "accepted": sum(1 for v in verdicts if v.startswith("accepted")),
         "options": options.model_dump(mode="json", exclude={"max_tokens", "seed", "temperature", "top_p", "stop"}),
         "gated_rounds": result.stats.gated_rounds,
         "penalised": sum(len(r.penalised) for r in result.rounds),

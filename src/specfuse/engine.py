@@ -29,7 +29,7 @@ from .backends.base import Member
 from .calls import CallRunner, Calls, Reply
 from .errors import InvalidRequestError, MemberFailedError
 from .options import FusionOptions
-from .phases import Drafted, Ranking
+from .phases import Drafted, Known, Ranking
 from .seats import Seat, Seats
 from .selection import pick_leader
 from .types import Departure, DoneEvent, Event, Message, Result, RoundEvent, RoundRecord, Segment, SegmentEvent, Stats
@@ -172,7 +172,7 @@ class Generation:
         return None
 
     def _round(self, round_no: int) -> Generator[Calls, list[Reply], RoundRecord | Stop]:
-        """Gate, draft, verify, rank: the round's winner (not yet broadcast)."""
+        """Gate, draft, consult, verify, rank: the round's winner (not yet broadcast)."""
         o, seats = self.options, self.seats
         seats.new_round()
         calls_before = seats.calls
@@ -180,6 +180,7 @@ class Generation:
         n = min(o.window, budget)
         last = self.segments[-1].text if self.segments else ""
         leader = self._leader() if o.gate is not None and len(seats.active) > 1 else None
+        solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
@@ -188,20 +189,33 @@ class Generation:
                 check = phases.gate(early[0][1], o, answer=self.text, last=last,
                                     patient=self.hopeless < o.guard_patience)
                 confidence = check.confidence
-                if check.passes:
-                    alone = Ranking({}, {}, [1.0], [1.0], 0, {}, False)
-                    return self._record(round_no, early, alone, calls_before, leader, confidence, gated=True)
-        drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no)
+                if check.passes or (solo and early[0][1].eligible):
+                    return self._record(round_no, early, phases.alone(early, leader), calls_before, leader,
+                                        confidence, gated=True)
+        solo = solo and leader in seats.active
+        drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
+                                              only=leader if solo else None)
         if not drafted:
             return Stop("length")
-        drafted, known = yield from phases.verify(seats, drafted, round_no)
+        if solo:
+            return self._record(round_no, drafted, phases.alone(drafted, leader), calls_before, leader,  # type: ignore[arg-type]
+                                confidence, gated=True)
+        consulted: dict[str, str] = {}
+        known: Known = {}
+        if leader is not None and o.accept_margin is not None and any(s is leader and d.eligible for s, d in drafted):
+            drafted, scores, verdicts = yield from phases.consult(seats, leader, drafted, o, round_no)
+            consulted, known = {name: v.reason for name, v in verdicts.items()}, {leader.name: scores}
+            if leader in seats.active and not any(v.accepted for v in verdicts.values()):
+                return self._record(round_no, drafted, phases.alone(drafted, leader), calls_before, leader,
+                                    confidence, consulted=consulted)
+        drafted, known = yield from phases.verify(seats, drafted, round_no, known)
         if not any(d.eligible for _, d in drafted):
             return Stop("length")
         weights = self._voting_weights([seat.name for seat, _ in drafted])
         ranking = phases.rank([d for _, d in drafted], known, weights, o, round_no=round_no, answer=self.text,
                               last=last)
         self._learn(drafted, ranking)
-        return self._record(round_no, drafted, ranking, calls_before, leader, confidence)
+        return self._record(round_no, drafted, ranking, calls_before, leader, confidence, consulted=consulted)
 
     def _leader(self) -> Seat | None:
         """The member that drafts first under the gate.
@@ -236,8 +250,8 @@ class Generation:
         for (seat, _), gain in zip(drafted, phases.quality_gains(ranking, self.options)):
             seat.quality += gain
 
-    def _record(self, round_no: int, drafted: Drafted, ranking: Ranking, calls_before: int,
-                leader: Seat | None, confidence: float | None, gated: bool = False) -> RoundRecord:
+    def _record(self, round_no: int, drafted: Drafted, ranking: Ranking, calls_before: int, leader: Seat | None,
+                confidence: float | None, gated: bool = False, consulted: dict[str, str] | None = None) -> RoundRecord:
         names = [seat.name for seat, _ in drafted]
         return RoundRecord(
             index=round_no, active=names, candidates=[d.candidate for _, d in drafted],
@@ -246,6 +260,7 @@ class Generation:
             gated=gated, leader=leader.name if leader is not None else None, confidence=confidence,
             penalised=ranking.penalised, draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},
             verify_s={} if gated else {s.name: s.timings.get("verify", 0.0) for s, _ in drafted},
+            consulted=consulted or {},
         )
 
     def _append(self, record: RoundRecord) -> Iterator[Event]:

@@ -11,6 +11,9 @@ from .scoring import ScoreMode
 from .types import Sampling
 
 
+NULLABLE = ("seed", "gate", "accept_margin")  # fields where None is a value of its own, not "not given"
+
+
 class FusionOptions(BaseModel):
     """Knobs of one fused generation. Unknown fields are rejected."""
 
@@ -57,6 +60,14 @@ class FusionOptions(BaseModel):
         0.5, ge=0.0, description="the leader's draft wins alone when its mean token probability reaches this; "
         "None = every round is a full vote")
     leader: str = Field("auto", min_length=1, description="member that drafts first under the gate; auto = heaviest")
+    # The leader verifies (docs/results.md): when it is unsure, the others' drafts are proposals it must accept.
+    accept: Literal["worst", "mean"] = Field(
+        "worst", description="the leader's acceptance test of another member's segment: worst = every token within "
+        "accept_margin nats of the leader's own top choice there; mean = mean log-probability within accept_margin "
+        "of the leader's own draft's")
+    accept_margin: float | None = Field(
+        None, ge=0.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
+        "none = every proposal goes to the vote")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -76,7 +87,7 @@ class FusionOptions(BaseModel):
     def build(cls, **values: object) -> "FusionOptions":
         """Validate `values`, raising InvalidRequestError with a readable message."""
         # None means "not given" except where it is a value of its own (no seed, no gate).
-        values = {k: v for k, v in values.items() if v is not None or k in ("seed", "gate")}
+        values = {k: v for k, v in values.items() if v is not None or k in NULLABLE}
         try:
             return cls(**values)
         except ValidationError as exc:

@@ -2,6 +2,7 @@
 
 - :func:`gate`: does the leader's draft win alone? (pure)
 - :func:`draft`: members continue the answer by one segment, cut to whole words;
+- :func:`consult`: when the leader is unsure, it verifies the others' proposals first;
 - :func:`verify`: every member scores every distinct candidate once;
 - :func:`rank`: scores -> the winner (pure: no member calls, no state);
 - :func:`broadcast`: every member's context gets the winning text;
@@ -15,7 +16,7 @@ and return their phase's result; the engine strings them together.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .options import FusionOptions
 from .scoring import aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
@@ -29,6 +30,7 @@ from .selection import (
     degeneration,
     gate_passes,
     guard_eligible,
+    leader_accepts,
     mean_probability,
     prompt_weights,
 )
@@ -41,10 +43,11 @@ class Draft:
 
     candidate: Candidate
     own_scores: TokenScores | None
+    rejected: str | None = None  # why the leader did not accept it (it may not win)
 
     @property
     def eligible(self) -> bool:
-        return bool(self.candidate.text) or self.candidate.finished
+        return (bool(self.candidate.text) or self.candidate.finished) and self.rejected is None
 
 
 Drafted = list[tuple[Seat, Draft]]
@@ -109,15 +112,16 @@ def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: Fu
 
 
 def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, options: FusionOptions,
-              round_no: int) -> Asking:
-    """Every active member drafts (those in `early` already did), in member order.
+              round_no: int, only: Seat | None = None) -> Asking:
+    """Every active member (or `only` one) drafts, in member order; those in `early` already did.
 
     If no draft is usable (e.g. all end mid-character), the members draft again,
     twice as long, up to the budget. Returns the drafts, or [] when none is usable.
     """
     while True:
         done = {id(seat) for seat, _ in early}
-        fresh = yield from draft(seats, [s for s in seats.active if id(s) not in done], n, answer, options, round_no)
+        chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)]
+        fresh = yield from draft(seats, chosen, n, answer, options, round_no)
         order = {id(s): i for i, s in enumerate(seats.active)}
         drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
                          key=lambda pair: order[id(pair[0])])
@@ -137,16 +141,42 @@ def stops(seat: Seat, options: FusionOptions) -> tuple[str, ...]:
     return (*options.stop, *own)
 
 
-# --- verify -------------------------------------------------------------------------------
+# --- consult, verify ----------------------------------------------------------------------
 
 
 Known = dict[str, dict[str, TokenScores]]  # verifier name -> candidate text -> its scores
 
 
-def verify(seats: Seats, drafted: Drafted, round_no: int) -> Asking:
+def consult(seats: Seats, leader: Seat, drafted: Drafted, options: FusionOptions, round_no: int) -> Asking:
+    """The leader verifies the others' proposals in one call; a proposal it does not accept may not win.
+
+    Returns the drafts (rejected proposals marked), the leader's scores of the
+    proposals, and the verdicts by author. If the leader's call fails it leaves
+    the query and every proposal stands.
+    """
+    own = next(d for seat, d in drafted if seat is leader)
+    proposals = [(seat, d) for seat, d in drafted
+                 if seat is not leader and d.eligible and d.candidate.text != own.candidate.text]
+    texts = list(dict.fromkeys(d.candidate.text for _, d in proposals))
+    if not texts:
+        return drafted, {}, {}
+    outcome = yield from seats.ask([leader], "verify", "score", lambda s: (texts,))
+    answered = seats.survivors([leader], outcome, round_no, "verify")
+    if not answered:
+        return [(seat, d) for seat, d in drafted if seat is not leader], {}, {}
+    scores = dict(zip(texts, answered[0][1]))
+    verdicts = {seat.name: leader_accepts(scores[d.candidate.text], own.own_scores, options.accept,
+                                          options.accept_margin or 0.0) for seat, d in proposals}
+    marked = [(seat, d if seat.name not in verdicts or verdicts[seat.name].accepted
+               else replace(d, rejected=verdicts[seat.name].reason)) for seat, d in drafted]
+    return marked, scores, verdicts
+
+
+def verify(seats: Seats, drafted: Drafted, round_no: int, known_before: Known | None = None) -> Asking:
     """Every member scores every distinct usable candidate once (its own draft's scores are known).
 
-    Identical texts share one score, so ties between them are exact. Returns the
+    Identical texts share one score, so ties between them are exact. Scores in
+    `known_before` (verifier -> text -> scores) are not asked again. Returns the
     drafts of the members that verified, and what each of them scored.
     """
     texts = list(dict.fromkeys(d.candidate.text for _, d in drafted if d.eligible))
@@ -154,6 +184,7 @@ def verify(seats: Seats, drafted: Drafted, round_no: int) -> Asking:
     asks: dict[str, list[str]] = {}
     for seat, d in drafted:
         known[seat.name] = {d.candidate.text: d.own_scores} if d.own_scores is not None else {}
+        known[seat.name].update((known_before or {}).get(seat.name, {}))
         asks[seat.name] = [t for t in texts if t not in known[seat.name]]
     verifiers = [seat for seat, _ in drafted]
     asking = [s for s in verifiers if asks[s.name]]
@@ -212,6 +243,12 @@ def rank(drafts: Sequence[Draft], known: Mapping[str, Mapping[str, TokenScores]]
     stuck = options.guard and (won.model in penalised or continues_loop(
         answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share))
     return Ranking(raw, normalised, list(weights), totals, winner, penalised, stuck)
+
+
+def alone(drafted: Drafted, leader: Seat) -> Ranking:
+    """The leader's draft wins without a vote (the gate passed, or the leader accepted no proposal)."""
+    mine = [1.0 if seat is leader else 0.0 for seat, _ in drafted]
+    return Ranking({}, {}, mine, mine, mine.index(1.0), {}, False)
 
 
 def quality_gains(ranking: Ranking, options: FusionOptions) -> list[float]:

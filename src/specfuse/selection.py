@@ -10,6 +10,9 @@
   voting weights by a softmax over negative bits per byte.
 - Confidence gate (GaC-style thresholding): the leader's draft is accepted
   without a round when its own mean token probability reaches a threshold.
+- The leader verifies (speculative decoding's reading of a round, NOTES §7):
+  when it is unsure, another member's segment may win only if the leader
+  accepts it (:func:`leader_accepts`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .scoring import softmax
+from .types import TokenScores
 
 _WORD = re.compile(r"\S+")
 
@@ -149,3 +154,38 @@ def gate_passes(confidence: float, threshold: float) -> bool:
     A threshold above 1 never passes: every round is a full round.
     """
     return confidence >= threshold
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The leader's answer to one proposal, and why."""
+
+    accepted: bool
+    reason: str
+
+
+def leader_accepts(proposal: TokenScores, own: TokenScores | None, rule: str, margin: float) -> Verdict:
+    """Whether the leader accepts another member's segment (`proposal`: the leader's scores of it).
+
+    - ``worst``: every token of the segment is within `margin` nats of the
+      leader's own most likely token at that position (the leader would
+      nearly have written each of them). With margin 0 only the leader's own
+      greedy choices pass, as in speculative decoding's greedy acceptance.
+    - ``mean``: the leader's mean log-probability of the segment is within
+      `margin` nats of its mean log-probability of its own draft (`own`).
+    """
+    if rule == "worst":
+        if proposal.tops is None:
+            return Verdict(False, "rejected: the leader reports no top choices to compare with")
+        worst = max(top - lp for lp, top in zip(proposal.logprobs, proposal.tops))
+        if worst <= margin:
+            return Verdict(True, f"accepted: every token within {worst:.2f} nats of the leader's choice")
+        return Verdict(False, f"rejected: a token {worst:.2f} nats below the leader's choice (margin {margin:g})")
+    if rule == "mean":
+        if own is None or not own.logprobs or not proposal.logprobs:
+            return Verdict(False, "rejected: the leader's own draft has no score to compare with")
+        gap = sum(own.logprobs) / len(own.logprobs) - sum(proposal.logprobs) / len(proposal.logprobs)
+        verdict = "accepted" if gap <= margin else "rejected"
+        return Verdict(gap <= margin, f"{verdict}: mean log-probability {gap:.2f} nats below the leader's draft "
+                                      f"(margin {margin:g})")
+    raise ValueError(f"unknown acceptance rule {rule!r}")

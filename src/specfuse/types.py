@@ -46,10 +46,16 @@ class DraftTokens:
 
 @dataclass(frozen=True)
 class TokenScores:
-    """A verifier's per-token log-probabilities and raw logits for one text."""
+    """A verifier's per-token log-probabilities and raw logits for one text.
+
+    ``tops``, where the backend reports them, are the log-probabilities of the
+    verifier's own most likely token at each position (what it would have
+    written there greedily): the leader's acceptance test compares with them.
+    """
 
     logprobs: tuple[float, ...]
     logits: tuple[float, ...]
+    tops: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class RoundRecord:
     leader: str | None = None  # the member that drafted first under the gate
     confidence: float | None = None  # the leader's own mean token probability of its draft
     penalised: dict[str, str] = field(default_factory=dict)  # candidate author -> why it could not win
+    consulted: dict[str, str] = field(default_factory=dict)  # proposal author -> the leader's verdict and why
     draft_s: dict[str, float] = field(default_factory=dict)
     verify_s: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0

@@ -500,6 +500,7 @@ class LlamaCppSession(CachedSession):
             m._clear_slot(self.slot)
             self.n_cached = 0
             self._set_next(None)
+            self._draft, self._verified = None, {}  # nothing carries over from drafting to verifying
         start = self.n_cached
         while self.n_cached < len(self.tokens):
             chunk = self.tokens[self.n_cached : self.n_cached + m.n_batch]
@@ -547,16 +548,20 @@ class LlamaCppSession(CachedSession):
         return self.m._draft_batch([self], [(max_tokens, sampling)])[0]
 
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
-        plan = self._plan_scores(texts)
+        plan = _VerifyPlan(self, texts, {}, texts)
+        self._lay_out(plan)
         self.m._verify_batch([plan])
         return plan.results
 
     def _plan_scores(self, texts: list[str]) -> "_VerifyPlan":
-        """What verifying `texts` needs: known scores, and the new candidates laid out in sequences."""
-        if self.reencode:
-            self._forget_round()
+        """What verifying `texts` needs (for a batch of sessions): known scores, the new candidates laid out."""
         known, pending = self._known(texts)
         plan = _VerifyPlan(self, texts, known, pending)
+        self._lay_out(plan)
+        return plan
+
+    def _lay_out(self, plan: "_VerifyPlan") -> None:
+        """Each pending candidate in a sequence of its own, after a copy of the context's cells."""
         if len(plan.pending) + len(self._verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
         m, n_prefix = self.m, len(self.tokens)
@@ -570,7 +575,6 @@ class LlamaCppSession(CachedSession):
             plan.tokens += ids
             plan.positions += range(n_prefix, n_prefix + len(ids))
             plan.seqs += [seq] * len(ids)
-        return plan
 
     def text_logprob(self, text: str, max_tokens: int = 256) -> tuple[float, int]:
         """How well this member predicts `text` on its own (prompt-fit weights).
@@ -604,18 +608,13 @@ class LlamaCppSession(CachedSession):
             m.seq_rm(seq, -1, -1)
         return total, len(b"".join(m.piece(t) for t in ids))
 
-    def _forget_round(self) -> None:
-        """Reference mode: nothing carries over from drafting to verifying."""
-        self._draft = None
-        self._verified = {}
-
     def _end_score(self) -> TokenScores:
         """The candidate "stop here": probability of any end-of-generation token."""
         row, lse = self._prefix()
         eog = row[self.m.eog_ids]
         top = float(eog.max())
         logprob = top + math.log(float(np.exp(eog - top).sum())) - lse
-        return TokenScores((logprob,), (top,))
+        return TokenScores((logprob,), (top,), (float(row.max()) - lse,))
 
     def _finish_verify(self, plan: "_VerifyPlan", rows: np.ndarray) -> None:
         """Scores of the planned candidates from their decoded rows (row r predicts the token after r)."""
@@ -627,13 +626,15 @@ class LlamaCppSession(CachedSession):
         # Each candidate's first token is predicted by the prefix row.
         at = 0
         for text, ids in zip(plan.pending, plan.encoded):
-            logprobs, logits = [], []
+            logprobs, logits, tops = [], [], []
             for i, token in enumerate(ids):
                 row, lse = (prefix_row, prefix_lse) if i == 0 else (rows[at + i - 1], None)
+                lse = lse if lse is not None else m.softmax.lse(row)
                 logit = float(row[token])
                 logits.append(logit)
-                logprobs.append(logit - (lse if lse is not None else m.softmax.lse(row)))
-            scores = TokenScores(tuple(logprobs), tuple(logits))
+                logprobs.append(logit - lse)
+                tops.append(float(row.max()) - lse)
+            scores = TokenScores(tuple(logprobs), tuple(logits), tuple(tops))
             seq = plan.seqs[at]
             self._verified[text] = _InSequence(ids, scores, rows[at + len(ids) - 1].copy(), seq)
             plan.results[text] = scores

@@ -91,6 +91,7 @@ class Entry:
     token: str
     offset: int
     logprob: float | None
+    top: float | None = None  # log-prob of the most likely token at this position, where the server lists it
 
 
 def _entries(logprobs: dict[str, Any] | None) -> list[Entry]:
@@ -105,12 +106,24 @@ def _entries(logprobs: dict[str, Any] | None) -> list[Entry]:
         for token in tokens:
             offsets.append(at)
             at += len(token)
-    entries = [Entry(str(t), int(o), None if lp is None else float(lp)) for t, o, lp in zip(tokens, offsets, lps)]
+    alternatives = logprobs.get("top_logprobs") or [None] * len(tokens)
+    entries = [Entry(str(t), int(o), None if lp is None else float(lp), _top(lp, alt))
+               for t, o, lp, alt in zip(tokens, offsets, lps, alternatives)]
     for entry in entries:
         # A log-probability is finite and at most 0; allow float noise above 0.
         if entry.logprob is not None and not (math.isfinite(entry.logprob) and entry.logprob <= 1e-3):
             raise RemoteServerError(f"the server returned a nonsense log-probability {entry.logprob!r}", "")
     return entries
+
+
+def _top(logprob: Any, alternatives: Any) -> float | None:
+    """The best log-probability at a position: the listed alternatives' and the token's own."""
+    if not isinstance(alternatives, dict) or not alternatives or logprob is None:
+        return None
+    try:
+        return max(float(logprob), *(float(v) for v in alternatives.values()))
+    except (TypeError, ValueError):
+        return None
 
 
 def _pieces(text: str, entries: Sequence[Entry]) -> list[str]:
@@ -152,8 +165,8 @@ def _align(tokens: Sequence[str], text: str) -> list[str]:
     return pieces
 
 
-def _tail(entries: Sequence[Entry], n_generated: int, n_chars: int, *, last: int | None = None) -> list[float]:
-    """Log-probs of the trailing prompt tokens that cover the last `n_chars` characters.
+def _tail(entries: Sequence[Entry], n_generated: int, n_chars: int, *, last: int | None = None) -> list[Entry]:
+    """The trailing prompt tokens that cover the last `n_chars` characters.
 
     Offsets may be counted on the detokenized text (special tokens empty), so
     positions are taken relative to the end of the prompt, never its start.
@@ -172,7 +185,14 @@ def _tail(entries: Sequence[Entry], n_generated: int, n_chars: int, *, last: int
         picked = prompt[first:]
     if any(e.logprob is None for e in picked):
         raise RemoteServerError("the server gave no log-probability for a candidate token", "")
-    return [float(e.logprob) for e in picked]  # type: ignore[arg-type]
+    return picked
+
+
+def _scores(picked: Sequence[Entry]) -> TokenScores:
+    """Servers give log-probabilities, not logits: they stand in for both."""
+    lps = tuple(float(e.logprob) for e in picked)  # type: ignore[arg-type]
+    tops = tuple(e.top for e in picked) if all(e.top is not None for e in picked) else None
+    return TokenScores(lps, lps, tops)  # type: ignore[arg-type]
 
 
 def _logsumexp(values: Sequence[float]) -> float:
@@ -397,7 +417,8 @@ class RemoteSession(MemberSession):
         ends = self.m.source.end_texts
         echoes = self.m._echo([context + end for end in ends])
         self.stats["requests"] += 1 if self.m.batch else len(ends)
-        return _logsumexp([_tail(e.entries, e.n_generated, 0, last=1)[0] for e in echoes])
+        ends_found = [_tail(e.entries, e.n_generated, 0, last=1)[0] for e in echoes]
+        return _logsumexp([float(e.logprob) for e in ends_found])  # type: ignore[arg-type]
 
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
         unique = [t for t in dict.fromkeys(texts) if t]
@@ -409,10 +430,10 @@ class RemoteSession(MemberSession):
             echoes = self.m._echo([self.context + t for t in unique])
             self.stats["requests"] += 1 if self.m.batch else len(unique)
             for text, echo in zip(unique, echoes):
-                lps = tuple(_tail(echo.entries, echo.n_generated, len(text)))
-                self.stats["verify"] += len(lps)
-                self._draft_tokens.setdefault(text, len(lps))
-                results[text] = TokenScores(lps, lps)
+                scores = _scores(_tail(echo.entries, echo.n_generated, len(text)))
+                self.stats["verify"] += len(scores.logprobs)
+                self._draft_tokens.setdefault(text, len(scores.logprobs))
+                results[text] = scores
         return [results[t] for t in texts]
 
     def accept(self, text: str) -> None:

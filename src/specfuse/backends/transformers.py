@@ -309,11 +309,13 @@ def _crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)  # negative = tokens to remove; accepted by old and new transformers
 
 
-def _log_softmax_at(rows: torch.Tensor, targets: Sequence[int]) -> tuple[list[float], list[float]]:
+def _scores_at(rows: torch.Tensor, targets: Sequence[int]) -> TokenScores:
+    """Log-probabilities and logits of `targets` in `rows`, and each row's most likely token's log-probability."""
     index = torch.tensor(list(targets), device=rows.device)[:, None]
     picked = rows.gather(1, index)[:, 0]
-    logprobs = picked - torch.logsumexp(rows, dim=-1)
-    return logprobs.tolist(), picked.tolist()
+    lse = torch.logsumexp(rows, dim=-1)
+    tops = rows.max(dim=-1).values - lse
+    return TokenScores(tuple((picked - lse).tolist()), tuple(picked.tolist()), tuple(tops.tolist()))
 
 
 class TransformersSession(CachedSession):
@@ -376,8 +378,9 @@ class TransformersSession(CachedSession):
     def _end_score(self) -> TokenScores:
         row = self._next_row
         eog = row[self.m._eog.to(row.device)]
-        lp = float(torch.logsumexp(eog, 0) - torch.logsumexp(row, 0))
-        return TokenScores((lp,), (float(eog.max()),))
+        lse = torch.logsumexp(row, 0)
+        lp = float(torch.logsumexp(eog, 0) - lse)
+        return TokenScores((lp,), (float(eog.max()),), (float(row.max() - lse),))
 
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
         """All candidates in one forward pass; their keys/values are kept aside for accept."""
@@ -401,9 +404,8 @@ class TransformersSession(CachedSession):
         for text, ids in zip(texts, encoded):
             block = rows[at : at + len(ids)]
             predictors = torch.cat([prefix_row[None, :], block[:-1]])
-            lps, lgs = _log_softmax_at(predictors, ids)
             span = slice(at, at + len(ids))
-            self._verified[text] = _KeysValues(ids, TokenScores(tuple(lps), tuple(lgs)), block[-1],
+            self._verified[text] = _KeysValues(ids, _scores_at(predictors, ids), block[-1],
                                                [k[..., span, :] for k in keys], [v[..., span, :] for v in values])
             at += len(ids)
         return {t: self._verified[t].scores for t in texts}

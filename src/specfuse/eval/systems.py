@@ -90,8 +90,8 @@ def register(name: str, fn: SystemFn) -> None:
     SYSTEMS[name] = fn
 
 
-def fusion_system(**extra_options: object) -> SystemFn:
-    """A system running the engine with `extra_options` added to FusionOptions.
+def fusion_system(members: Sequence[str] | None = None, **extra_options: object) -> SystemFn:
+    """A system running the engine on `members` (default: all) with `extra_options` added to FusionOptions.
 
     With ``RunSettings.hedge_persist`` a Hedge preset carries its weights from
     one item to the next (``ItemContext.carried``, kept by the runner and
@@ -104,7 +104,8 @@ def fusion_system(**extra_options: object) -> SystemFn:
             window=s.window, stop=s.stop, **{**extra_options, **s.options},
         )
         persist = s.hedge_persist and options.hedge
-        output = fused(ctx.ensemble, messages, options, weights=ctx.carried.get(ctx.system) if persist else None)
+        output = fused(ctx.ensemble, messages, options, weights=ctx.carried.get(ctx.system) if persist else None,
+                       members=members)
         if persist and output.weights:
             ctx.carried[ctx.system] = output.weights
         return output
@@ -148,10 +149,16 @@ register("default", fusion_system())
 
 
 def parse_fusion(spec: str) -> dict[str, object]:
-    """``gate=0.7/guard=true/prior=prompt`` -> FusionOptions fields (validated when run)."""
+    """``gate=0.7/guard=true/prior=prompt`` -> FusionOptions fields (validated when run).
+
+    ``members=A+B`` runs the engine on those members of the run only.
+    """
     values: dict[str, object] = {}
     for part in filter(None, spec.split("/")):
         key, sep, text = part.partition("=")
+        if key == "members" and sep:
+            values["members"] = [m for m in text.split("+") if m]
+            continue
         if not sep or key not in FusionOptions.model_fields:
             raise InvalidRequestError(f"bad fusion option {part!r}", "write KEY=VALUE with a FusionOptions field")
         lowered = text.lower()
@@ -162,7 +169,7 @@ def parse_fusion(spec: str) -> dict[str, object]:
             except ValueError:
                 value = text
         values[key] = value
-    FusionOptions.build(**values)  # fail early on a bad value
+    FusionOptions.build(**{k: v for k, v in values.items() if k != "members"})  # fail early on a bad value
     return values
 
 
@@ -189,6 +196,12 @@ def resolve_systems(spec: str | Sequence[str], member_names: Sequence[str]) -> l
                 raise InvalidRequestError(
                     f"{item}: not a member of this run", f"members: {', '.join(member_names)}"
                 )
+            if item.startswith(FUSION_PREFIX):
+                chosen = parse_fusion(item[len(FUSION_PREFIX):]).get("members") or []
+                unknown = [m for m in chosen if m not in member_names]  # type: ignore[union-attr]
+                if unknown:
+                    raise InvalidRequestError(f"{item}: {unknown[0]} is not a member of this run",
+                                              f"members: {', '.join(member_names)}")
             get_system(item)
             if item not in expanded:
                 expanded.append(item)
