@@ -107,6 +107,17 @@ def test_parameter_tables():
     assert error.status == 400 and error.detail.param == "window" and "'specfuse' object" in error.detail.message
 
 
+def test_request_options_go_over_the_defaults_and_an_explicit_null_is_kept():
+    from specfuse.options import FusionOptions
+
+    defaults = FusionOptions.build(max_tokens=64, accept_margin=2.0)
+    request = serving.parse_request(json.dumps({"messages": SAY_HI, "max_tokens": 8, "temperature": None,
+                                                "specfuse": {"accept_margin": None, "gate": 0.7}}).encode())
+    options = serving.fusion_options(request, defaults)
+    assert (options.max_tokens, options.temperature, options.gate) == (8, defaults.temperature, 0.7)
+    assert options.accept_margin is None  # null: every proposal goes to the vote, not the server's default
+
+
 # --------------------------------------------------------------------------- a real server
 
 

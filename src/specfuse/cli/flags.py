@@ -21,10 +21,12 @@ import typer
 from pydantic.fields import FieldInfo
 
 from ..options import FusionOptions
+from ..profiles import load_profile
 
 PANEL = "Fusion options"
 PREFIX = "fusion__"  # parameter names of generated options; never clash with a command's own
 NONE_PREFIX = "fusion_none__"
+PROFILE = "fusion_profile"
 
 ModelOpt = Annotated[
     Optional[list[str]],
@@ -84,9 +86,9 @@ def _plain(value: Any) -> Any:
 def fusion_flags(defaults: Mapping[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command one option per FusionOptions field.
 
-    The command receives ``fusion``: the fields the user set (plus the command's
-    own `defaults`, shown in the help), to be laid over a profile or config and
-    validated by ``FusionOptions.build``.
+    The command receives ``fusion``: the fields the user set, over a
+    ``--profile`` (written by `specfuse calibrate`), over the command's own
+    `defaults` (shown in the help); ``FusionOptions.build`` validates them.
     """
     defaults = dict(defaults or {})
 
@@ -96,13 +98,19 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None) -> Callable[[Callabl
         added = [_parameter(name, f, defaults.get(name, f.default)) for name, f in fields.items()]
         nullable = [name for name, f in fields.items() if _optional_of(f.annotation)[1] and f.default is not None]
         added += [_none_parameter(name) for name in nullable]
+        added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+                                       default=typer.Option(None, "--profile", rich_help_panel=PANEL,
+                                                            help="TOML profile from `specfuse calibrate`: its "
+                                                                 "settings, under the flags given here.")))
 
         @functools.wraps(command)
         def run(**values: Any) -> Any:
             given = {name: values.pop(PREFIX + name) for name in fields}
             given = {k: _plain(v) for k, v in given.items() if v is not None}
             given.update({name: None for name in nullable if values.pop(NONE_PREFIX + name)})
-            return command(**values, fusion={**defaults, **given})
+            profile_path = values.pop(PROFILE)
+            profile = load_profile(profile_path) if profile_path else {}
+            return command(**values, fusion={**defaults, **profile, **given})
 
         hints = typing.get_type_hints(command, include_extras=True)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own] + added

@@ -101,7 +101,7 @@ def carried_weights(records: Sequence[dict[str, Any]], first_pending: dict[str, 
 
 
 def run_eval(
-    task_name: str,
+    task_name: str | Task,
     out_dir: str | Path,
     *,
     systems: str | Sequence[str] = "specfuse,rerank,members",
@@ -123,7 +123,7 @@ def run_eval(
     """Evaluate `systems` on items [offset, offset+limit) of a task; return the JSONL path."""
     from ..ensemble import Ensemble  # loads llama.cpp: only when a run really starts
 
-    task = get_task(task_name)
+    task = task_name if isinstance(task_name, Task) else get_task(task_name)
     items = task.load(data, offset=offset, limit=limit)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,8 @@ class Task:
 
     def load(self, path: str | Path | None = None, *, offset: int = 0, limit: int | None = None) -> list[Item]:
         """Items [offset, offset+limit) of the task's JSONL file."""
+        if not path and not self.default_data:
+            raise InvalidRequestError(f"the {self.name} task has no data of its own", "pass --data PATH to a JSONL file")
         data = Path(path) if path else default_data_path(self.default_data)
         if not data.is_file():
             raise InvalidRequestError(f"no data file at {data}", "pass --data PATH to the task's JSONL file")
@@ -79,7 +81,12 @@ class Task:
                     continue
                 if limit is not None and len(items) >= limit:
                     break
-                items.append(self.parse(json.loads(line), index))
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequestError(f"{data} line {index + 1} is not JSON: {exc.msg}",
+                                              "one JSON object per line") from None
+                items.append(self.parse(row, index))
         return items
 
 
@@ -226,3 +233,69 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     except KeyError:
         raise InvalidRequestError(f"unknown task {name!r}", f"choose one of {', '.join(TASKS)}") from None
+
+
+# --- the user's own prompts ----------------------------------------------------------------
+
+CHECKERS = ("number", "contains", "regex", "python:MODULE:FUNCTION")
+
+
+def _check_function(checker: str) -> Callable[[dict[str, Any], str], bool]:
+    """The rule that says whether an output answers a JSONL row (see :func:`jsonl_task`)."""
+    if checker == "number":
+        return lambda row, out: (got := extract_number(out)) is not None and abs(got - _number(row)) < 1e-6
+    if checker == "contains":
+        return lambda row, out: str(row["answer"]).strip().lower() in out.lower()
+    if checker == "regex":
+        return lambda row, out: re.search(str(row["answer"]), out) is not None
+    if checker.startswith("python:") and checker.count(":") == 2:
+        import importlib
+        import sys
+
+        _, module, function = checker.split(":")
+        sys.path.insert(0, str(Path.cwd()))
+        try:
+            fn = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError) as exc:
+            raise InvalidRequestError(f"cannot load the checker {checker}: {exc}",
+                                      "give python:MODULE:FUNCTION importable from the current folder") from None
+        return lambda row, out: bool(fn(row, out))
+    raise InvalidRequestError(f"unknown checker {checker!r}", f"choose one of {', '.join(CHECKERS)}")
+
+
+def _number(row: dict[str, Any]) -> float:
+    value = parse_number(str(row["answer"]))
+    if value is None:
+        raise InvalidRequestError(f"the answer {row['answer']!r} is not a number", "the number checker needs numbers")
+    return value
+
+
+def jsonl_task(checker: str | None) -> Task:
+    """A task of the user's own: a JSONL file, one ``{"prompt": ..., "answer": ...}`` per line.
+
+    `checker` says when an output is right: ``number`` (the output's final number,
+    found as for GSM8K, equals ``answer``), ``contains`` (``answer`` appears in
+    it, ignoring case), ``regex`` (``answer`` is a regular expression that
+    matches it), or ``python:MODULE:FUNCTION`` (``FUNCTION(row, output) -> bool``,
+    importable from the current folder; the row is the whole JSON object).
+    """
+    if not checker:
+        raise InvalidRequestError("a JSONL task needs a checker to say which answers are right",
+                                  f"add --checker, one of {', '.join(CHECKERS)}")
+    check = _check_function(checker)
+
+    def parse(row: dict, index: int) -> Item:
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequestError(f"line {index + 1} has no \"prompt\" text", 'write {"prompt": ..., "answer": ...}')
+        if not checker.startswith("python:") and "answer" not in row:
+            raise InvalidRequestError(f"line {index + 1} has no \"answer\" for the {checker} checker",
+                                      'write {"prompt": ..., "answer": ...}')
+        return Item(id=str(row.get("id", f"jsonl-{index}")), index=index, prompt=prompt, reference=row)
+
+    def score(item: Item, output: str) -> dict[str, Any]:
+        correct = check(item.reference, output)
+        return {"correct": correct, "accuracy": correct}
+
+    return Task(name="jsonl", default_data="", default_max_tokens=256, primary="accuracy", metrics=("accuracy",),
+                parse=parse, score=score)

@@ -173,9 +173,8 @@ def fusion_options(request: ChatCompletionRequest, defaults: FusionOptions) -> F
         "seed": request.seed,
         "stop": request.stop,
     }
-    if request.specfuse is not None:
-        asked.update(request.specfuse)
     values.update({k: v for k, v in asked.items() if v is not None})
+    values.update(request.specfuse or {})  # an explicit null is a value here (gate or accept_margin: none)
     try:
         return FusionOptions.build(**values)
     except InvalidRequestError as exc:

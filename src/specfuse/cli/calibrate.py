@@ -1,0 +1,59 @@
+"""`specfuse calibrate`: the cheapest engine setting that does not lose to the leader, on your own prompts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..extras import require
+from .app import app, err, out
+from .flags import CacheOpt, CtxOpt, ModelOpt, ThreadsOpt
+
+
+@app.command()
+def calibrate(
+    task: Annotated[str, typer.Argument(help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C).")],
+    data: Annotated[Optional[str], typer.Option(help="JSONL file of the items (jsonl: one {\"prompt\", \"answer\"} "
+                                                     "per line; built-in tasks: their data by default).")] = None,
+    checker: Annotated[Optional[str], typer.Option(
+        help="jsonl: when an answer is right: number, contains, regex or python:MODULE:FUNCTION.")] = None,
+    model: ModelOpt = None,
+    setting: Annotated[Optional[list[str]], typer.Option(
+        "--setting", help="A setting to try, KEY=VALUE/... as FusionOptions fields (repeatable; "
+                          "default: the leader verifying at margins 1, 2, 3 and today's vote).")] = None,
+    leader: Annotated[Optional[str], typer.Option(help="The member to compare with (default: the largest).")] = None,
+    limit: Annotated[int, typer.Option(help="Number of items (at least 10).")] = 40,
+    offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Answer budget (default: per task).")] = None,
+    out_dir: Annotated[str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")]
+    = "runs/calibrate",
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    cache_dir: CacheOpt = None,
+    threads: ThreadsOpt = None,
+    n_ctx: CtxOpt = 4096,
+) -> None:
+    """Run the leader alone and a few settings on the same items, paired; write the profile to use.
+
+    The profile holds the cheapest setting whose accuracy is not below the leader's (else the leader
+    alone); load it with `--profile` in generate, chat, serve and eval.
+    """
+    require("eval", "specfuse calibrate")
+    from ..eval.calibrate import DEFAULT_GRID, calibrate as run_calibration
+    from ..eval.tasks import get_task, jsonl_task
+
+    chosen_task = jsonl_task(checker) if task == "jsonl" else get_task(task)
+    member_options = {k: v for k, v in {"cache_dir": cache_dir, "threads": threads, "n_ctx": n_ctx}.items() if v}
+    profile, settings, chosen = run_calibration(
+        chosen_task, out_dir, members=model, grid=setting or DEFAULT_GRID, data=data, offset=offset, limit=limit,
+        max_tokens=max_tokens, member_options=member_options, progress=progress, leader=leader)
+    table = Table("setting", "right", "only it right", "only the leader right", "time ÷ leader's",
+                  title=f"calibration on {chosen_task.name}: the leader was right on "
+                        f"{settings[0].leader_correct if settings else 0}")
+    for s in settings:
+        mark = " ← chosen" if s.spec == chosen.spec else ""
+        table.add_row(s.spec + mark, f"{s.correct}/{s.items}", str(s.only_this), str(s.only_leader),
+                      f"{s.time_ratio:.2f}×")
+    out.print(table)
+    err.print(f"profile: {profile} ({chosen.spec}); use it with --profile {profile}")
