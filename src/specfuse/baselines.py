@@ -21,13 +21,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from .backends.base import Member
+from .backends.base import Member, MemberSession
 from .engine import drive, member_seed
 from .ensemble import Ensemble
 from .errors import PromptTooLongError
 from .options import FusionOptions
 from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
-from .phases import cut_segment
+from .phases import Draft, cut_segment
 from .types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
@@ -82,58 +82,71 @@ def write_answer(
     """Let `member` answer alone on one session, `chunk` tokens per draft call."""
     started = time.perf_counter()
     session = member.start(messages, seed=sampling.seed, reserve=chunk + 1)
-    text, tokens, calls = "", 0, 0
-    ttft: float | None = None
-    logprobs: list[float] | None = []
-    finish = "length"
     try:
         # Like the engine: a run forced to full length (ignore_eos) ignores the member's stops too.
         stops = (*stop, *(() if sampling.ignore_eos else session.stops))
-        n = chunk
-        while True:
-            budget = max_tokens - tokens
-            if budget <= 0:
-                break
-            n = min(n, budget)
-            if session.room < n + 1:
-                finish = "context"
-                break
-            drafted = session.draft(n, sampling)
-            calls += 1
-            segment = cut_segment(member.name, drafted, text, stops)  # as the engine cuts its segments
-            kept, finished, n_text = segment.candidate.text, segment.candidate.finished, segment.candidate.n_tokens
-            if not segment.eligible:
-                # One word longer than the draft (or a split character): draft longer.
-                session.accept("")
-                if n >= budget:
-                    break
-                n *= 2
-                continue
-            if segment.own_scores is None:
-                logprobs = None  # a stop cut inside a token: scores no longer align
-            elif logprobs is not None:
-                logprobs.extend(segment.own_scores.logprobs[:n_text])
-            session.accept(kept)
-            text += kept
-            tokens += n_text
-            if kept and ttft is None:
-                ttft = time.perf_counter() - started
-            if finished:
-                finish = "stop"
-                break
-            n = chunk
+        writing = _Writing(member.name, started, max_tokens, chunk, n=chunk)
+        while n := writing.next_size(session.room):
+            writing.add(session, cut_segment(member.name, session.draft(n, sampling), writing.text, stops))
     finally:
         session.close()
-    return Answer(
-        model=member.name,
-        text=text,
-        tokens=tokens,
-        member_calls=calls,
-        ttft_s=ttft,
-        total_s=time.perf_counter() - started,
-        finish_reason=finish,
-        own_logprobs=tuple(logprobs) if logprobs else None,
-    )
+    return writing.answer(time.perf_counter() - started)
+
+
+@dataclass
+class _Writing:
+    """A lone member's answer in progress: segments cut as the engine cuts them."""
+
+    model: str
+    started: float
+    max_tokens: int
+    chunk: int
+    n: int  # the next draft's size
+    text: str = ""
+    tokens: int = 0
+    calls: int = 0
+    ttft: float | None = None
+    logprobs: list[float] | None = field(default_factory=list)
+    finish: str = ""  # set when the answer ends: stop, length or context
+
+    def next_size(self, room: int) -> int:
+        """Tokens to draft next, or 0 when the answer has ended (or the budget or the window is spent)."""
+        budget = self.max_tokens - self.tokens
+        if self.finish or budget <= 0:
+            self.finish = self.finish or "length"
+            return 0
+        self.n = min(self.n, budget)
+        if room < self.n + 1:
+            self.finish = "context"
+            return 0
+        return self.n
+
+    def add(self, session: MemberSession, segment: Draft) -> None:
+        self.calls += 1
+        if not segment.eligible:
+            # One word longer than the draft (or a split character): draft longer, up to the budget.
+            session.accept("")
+            if self.n >= self.max_tokens - self.tokens:
+                self.finish = "length"
+            self.n *= 2
+            return
+        candidate = segment.candidate
+        if segment.own_scores is None:
+            self.logprobs = None  # a stop cut inside a token: scores no longer align
+        elif self.logprobs is not None:
+            self.logprobs.extend(segment.own_scores.logprobs[: candidate.n_tokens])
+        session.accept(candidate.text)
+        self.text += candidate.text
+        self.tokens += candidate.n_tokens
+        if candidate.text and self.ttft is None:
+            self.ttft = time.perf_counter() - self.started
+        self.finish = "stop" if candidate.finished else ""
+        self.n = self.chunk
+
+    def answer(self, total_s: float) -> Answer:
+        return Answer(model=self.model, text=self.text, tokens=self.tokens, member_calls=self.calls,
+                      ttft_s=self.ttft, total_s=total_s, finish_reason=self.finish or "length",
+                      own_logprobs=tuple(self.logprobs) if self.logprobs else None)
 
 
 def answer_output(answer: Answer) -> SystemOutput:

@@ -67,6 +67,22 @@ MAX_CANDIDATES = 7  # sequences 1..7 of a session hold one distinct candidate ea
 SEQS_PER_SESSION = MAX_CANDIDATES + 1
 
 
+def _load_model(path: Path) -> Any:
+    """The model's weights on the CPU, or a clear error quoting llama.cpp's log."""
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers = 0
+    _LOG_TAIL.clear()
+    model = lc.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        detail = _log_excerpt()
+        raise MemberLoadError(
+            f"llama.cpp could not load {path}" + (f" ({detail})" if detail else ""),
+            "the file is corrupt, truncated or of an unsupported architecture; replace it "
+            "(for embedded models: `specfuse models prepare`)",
+        )
+    return model
+
+
 def _init_backend() -> None:
     global _BACKEND_READY
     with _BACKEND_LOCK:
@@ -214,46 +230,49 @@ class LlamaCppMember(LocalMember):
         _init_backend()
         self.threads = threads or default_threads()
         self.prefix_cache = prefix_cache  # False only to measure the reference method
-        model_params = lc.llama_model_default_params()
-        model_params.n_gpu_layers = 0
-        _LOG_TAIL.clear()
-        model = lc.llama_model_load_from_file(str(self.path).encode(), model_params)
-        if not model:
-            detail = _log_excerpt()
-            raise MemberLoadError(
-                f"llama.cpp could not load {self.path}" + (f" ({detail})" if detail else ""),
-                "the file is corrupt, truncated or of an unsupported architecture; replace it "
-                "(for embedded models: `specfuse models prepare`)",
-            )
-        self._model = model
-        self._vocab = lc.llama_model_get_vocab(model)
+        self._model = _load_model(self.path)
+        self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
-        self.n_params = int(lc.llama_model_n_params(model))  # the gate's default leader is the largest member
-        ctx_params = lc.llama_context_default_params()
-        ctx_params.n_ctx = n_ctx * slots
-        ctx_params.n_batch = n_batch
-        ctx_params.n_ubatch = n_batch
-        ctx_params.n_seq_max = SEQS_PER_SESSION * slots
-        ctx_params.n_threads = self.threads
-        ctx_params.n_threads_batch = self.threads
-        ctx_params.kv_unified = True  # candidate sequences share the prefix cells
-        ctx_params.swa_full = True  # sliding-window layers must allow partial removal
-        ctx_params.no_perf = True
-        ctx = lc.llama_init_from_model(model, ctx_params)
+        self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
+        self._ctx = self._create_context(n_ctx, n_batch, slots)
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.slots = slots
+        self.n_ctx = lc.llama_n_ctx(self._ctx) // slots  # one session's window
+        self._free_slots = list(range(slots))
+        self._slot_free = threading.Condition()
+        self._init_batch(n_batch)
+        template = lc.llama_model_chat_template(self._model, None)
+        self.chat_template = template.decode("utf-8") if template else None
+        self.prompt = choose_format(prompt, self.chat_template, self.path.name)
+        self._read_special_tokens()
+        self._piece_cache: dict[int, bytes] = {}
+        self.softmax = LogSoftmax(self.n_vocab)
+
+    def _create_context(self, n_ctx: int, n_batch: int, slots: int) -> Any:
+        """A context of `slots` windows of `n_ctx` tokens, 8 sequences per slot, in one unified cache."""
+        params = lc.llama_context_default_params()
+        params.n_ctx = n_ctx * slots
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = SEQS_PER_SESSION * slots
+        params.n_threads = self.threads
+        params.n_threads_batch = self.threads
+        params.kv_unified = True  # candidate sequences share the prefix cells
+        params.swa_full = True  # sliding-window layers must allow partial removal
+        params.no_perf = True
+        ctx = lc.llama_init_from_model(self._model, params)
         if not ctx:
-            lc.llama_model_free(model)
+            lc.llama_model_free(self._model)
             detail = _log_excerpt()
             raise MemberLoadError(
                 f"llama.cpp could not create a context of {slots} x {n_ctx} tokens for {self.path}"
                 + (f" ({detail})" if detail else ""),
                 "lower n_ctx or the number of concurrent sessions (max_concurrent)",
             )
-        self._ctx = ctx
-        self._mem = lc.llama_get_memory(ctx)
-        self.slots = slots
-        self.n_ctx = lc.llama_n_ctx(ctx) // slots  # one session's window
-        self._free_slots = list(range(slots))
-        self._slot_free = threading.Condition()
+        return ctx
+
+    def _init_batch(self, n_batch: int) -> None:
+        """One reused batch, its fields seen as NumPy arrays so that filling it is cheap."""
         self.n_batch = n_batch
         self._batch = lc.llama_batch_init(n_batch, 0, 1)
         self._batch_tokens = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
@@ -262,20 +281,16 @@ class LlamaCppMember(LocalMember):
         self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._batch_nseq[:] = 1
 
-        template = lc.llama_model_chat_template(model, None)
-        self.chat_template = template.decode("utf-8") if template else None
-        self.prompt = choose_format(prompt, self.chat_template, self.path.name)
+    def _read_special_tokens(self) -> None:
+        """BOS/EOS texts for the chat template, and every end-of-generation token (EOS, EOT, <|im_end|>, ...)."""
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self._vocab))
         bos, eos = lc.llama_vocab_bos(self._vocab), lc.llama_vocab_eos(self._vocab)
         self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
         self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
-        # Every end-of-generation token the vocabulary declares (EOS, EOT, <|im_end|>, ...).
         is_eog, vocab = lc.llama_vocab_is_eog, self._vocab
         self.eog_ids = np.array([t for t in range(self.n_vocab) if is_eog(vocab, t)], dtype=np.int64)
         if not len(self.eog_ids):
             raise MemberLoadError(f"{self.path.name} declares no end-of-generation token", "use another model file")
-        self._piece_cache: dict[int, bytes] = {}
-        self.softmax = LogSoftmax(self.n_vocab)
 
     # --- tokens --------------------------------------------------------------
     def _piece(self, token: int, special: bool = False) -> bytes:

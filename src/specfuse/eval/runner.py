@@ -148,27 +148,33 @@ def run_eval(
             "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
         })
         pending = [(item, name) for item in items for name in names if (item.id, name) not in done]
-        bar = _progress(len(pending), task.name, enabled=progress)
-        running = _RunningAccuracy(previous, {i.id for i in items})
-        first_pending: dict[str, int] = {}
-        for item, name in pending:
-            first_pending.setdefault(name, item.index)
-        carried = carried_weights(previous, first_pending)
-        context, context_item = ItemContext(ensemble, carried=carried), ""
-        with path.open("a", encoding="utf-8") as sink:
-            for item, name in pending:
-                if context_item != item.id:  # answers kept for rerank belong to one item
-                    context, context_item = ItemContext(ensemble, carried=carried), item.id
-                    context.answers.update(recorded_answers(previous, item.id))
-                context.system = name
-                record = run_one(task, item, name, context, settings)
-                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                sink.flush()
-                running.add(record)
-                bar.update(1)
-                bar.set_postfix_str(running.summary(), refresh=False)
-        bar.close()
+        _run_pending(task, pending, ensemble, settings, previous, path, progress, {i.id for i in items})
     return path
+
+
+def _run_pending(task: Task, pending: Sequence[tuple[Any, str]], ensemble: Any, settings: RunSettings,
+                 previous: Sequence[dict[str, Any]], path: Path, progress: bool, ids: set[str]) -> None:
+    """Run each pending (item, system) in order, appending its record as soon as it is scored."""
+    bar = _progress(len(pending), task.name, enabled=progress)
+    running = _RunningAccuracy(list(previous), ids)
+    first_pending: dict[str, int] = {}
+    for item, name in pending:
+        first_pending.setdefault(name, item.index)
+    carried = carried_weights(previous, first_pending)
+    context, context_item = ItemContext(ensemble, carried=carried), ""
+    with path.open("a", encoding="utf-8") as sink:
+        for item, name in pending:
+            if context_item != item.id:  # answers kept for rerank belong to one item
+                context, context_item = ItemContext(ensemble, carried=carried), item.id
+                context.answers.update(recorded_answers(previous, item.id))
+            context.system = name
+            record = run_one(task, item, name, context, settings)
+            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+            sink.flush()
+            running.add(record)
+            bar.update(1)
+            bar.set_postfix_str(running.summary(), refresh=False)
+    bar.close()
 
 
 def recorded_answers(records: Sequence[dict[str, Any]], item_id: str) -> dict[str, Answer]:
