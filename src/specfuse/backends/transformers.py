@@ -169,6 +169,18 @@ class TransformersMember(LocalMember):
             # Candidates are verified with a custom 4-D mask, which flash-attention kernels do not take.
             raise MemberLoadError(f"attention {attn_implementation!r} is not supported", "use sdpa or eager")
         self.name = name or (source.stem if source.is_file() else source.name)
+        self._load(source, trust_remote_code, cache_dir, attn_implementation)
+        self.n_params = int(self.model.num_parameters())  # the gate's default leader is the largest member
+        self.input_device = self.model.get_input_embeddings().weight.device
+        self._read_attention(n_ctx)
+        self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
+        self.prompt = choose_format(prompt, self.chat_template, self.name)
+        self._piece = piece_function(self.tokenizer)
+        self._read_end_tokens()
+
+    def _load(self, source: Path, trust_remote_code: bool, cache_dir: str | os.PathLike[str] | None,
+              attn_implementation: str) -> None:
+        """Tokenizer and weights from a checkpoint directory, or a GGUF file (dequantized once, cached)."""
         kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
         directory = source
         if is_gguf(source):
@@ -188,8 +200,9 @@ class TransformersMember(LocalMember):
         if self.device != "auto":
             self.model.to(self.device)
         self.model.eval()
-        self.n_params = int(self.model.num_parameters())  # the gate's default leader is the largest member
-        self.input_device = self.model.get_input_embeddings().weight.device
+
+    def _read_attention(self, n_ctx: int | None) -> None:
+        """Layer kinds, sliding window and context length, as the batched verification masks need them."""
         config = self.model.config.get_text_config()
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
         unsupported = set(self.layer_types or ()) - {"full_attention", "sliding_attention"}
@@ -202,13 +215,11 @@ class TransformersMember(LocalMember):
         limit = getattr(config, "max_position_embeddings", None) or 4096
         self.n_ctx = min(n_ctx, limit) if n_ctx else limit
 
-        tok = self.tokenizer
-        self.chat_template: str | None = getattr(tok, "chat_template", None)
-        self.prompt = choose_format(prompt, self.chat_template, self.name)
-        self._piece = piece_function(tok)
+    def _read_end_tokens(self) -> None:
+        """Every end-of-generation id the model declares (generation config and tokenizer)."""
         eog: set[int] = set()
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for ids in (gen_eos, tok.eos_token_id):
+        for ids in (gen_eos, self.tokenizer.eos_token_id):
             eog.update([ids] if isinstance(ids, int) else list(ids or []))
         if not eog:
             raise MemberLoadError(f"{self.name} declares no end-of-generation token", "fix its tokenizer config")
