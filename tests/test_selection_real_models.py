@@ -74,3 +74,35 @@ def test_gate_with_one_leader_reproduces_the_leader_alone(default_ensemble):
     fused = list(fuse(default_ensemble.members, ARITHMETIC, gated))[-1].result
     assert fused.text == solo.text
     assert fused.stats.gated_rounds == fused.stats.rounds
+
+
+INSTRUCTION = [Message("user", "Write a haiku about the sea. Use only lowercase letters.")]
+
+
+def test_with_margin_zero_the_fused_answer_is_the_leaders_own(default_ensemble):
+    """accept_margin 0: the others are never consulted, and the answer is the leader's alone, byte for byte."""
+    from specfuse.baselines import write_answer
+    from specfuse.types import Sampling
+
+    leader = max(default_ensemble.members, key=lambda m: m.n_params)
+    alone = write_answer(leader, INSTRUCTION, max_tokens=96, sampling=Sampling(0.0, 1.0, 0))
+    options = FusionOptions.build(max_tokens=96, temperature=0.0, seed=0, accept_margin=0.0)
+    fused = list(fuse(default_ensemble.members, INSTRUCTION, options))[-1].result
+    assert alone.finish_reason == "stop"  # ended by itself: both answers end at the same place
+    assert fused.text == alone.text
+    assert all(r.gated and r.winner == leader.name and not r.consulted for r in fused.rounds)
+    assert fused.stats.model_calls == fused.stats.rounds  # one draft per round: nobody else was asked
+
+
+def test_the_leader_scores_the_proposals_and_records_every_verdict(default_ensemble):
+    """An unsure leader (gate above 1: it is always unsure) consults; each verdict names its reason."""
+    options = FusionOptions.build(max_tokens=24, temperature=0.0, seed=0, gate=1.01, accept_margin=1.0)
+    result = list(fuse(default_ensemble.members, INSTRUCTION, options))[-1].result
+    verdicts = [v for r in result.rounds for v in r.consulted.values()]
+    assert verdicts and all(v.startswith(("accepted: every token within", "rejected: a token")) for v in verdicts)
+    for record in result.rounds:
+        rejected = {author for author, v in record.consulted.items() if v.startswith("rejected")}
+        assert record.winner not in rejected  # a proposal the leader rejected never wins
+        for author in rejected:  # and nobody scored it
+            i = [c.model for c in record.candidates].index(author)
+            assert all(row[i] is None for row in record.raw_scores.values())
