@@ -9,6 +9,7 @@ from fakes import BlockingSession, ScriptedMember, ScriptedSession
 
 from specfuse import Ensemble
 from specfuse.errors import InvalidRequestError
+from specfuse.backends.base import Occupancy
 from specfuse.options import FusionOptions
 from specfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
 from specfuse.types import DoneEvent, Message
@@ -144,3 +145,38 @@ def test_hedge_weights_carry_from_one_query_to_the_next_through_the_ensemble():
     # the second query started from the first one's weights: its first round's weights are not uniform
     start = list(second.values())[0][-1].result.rounds[0].weights
     assert start["a"] > 1 / 3
+
+
+class Holding(ScriptedMember):
+    """Two slots; each open session holds one slot and ten cache cells until it is closed.
+    Every read of what it holds is recorded."""
+
+    def __init__(self):
+        super().__init__("holding", factory=self._open, slots=2)
+        self.open: list[ScriptedSession] = []
+        self.reads: list[Occupancy] = []
+
+    def _open(self, messages):
+        self.open.append(ScriptedSession(list(WORDS), {}))
+        return self.open[-1]
+
+    def occupancy(self):
+        held = sum(not s.closed for s in self.open)
+        self.reads.append(Occupancy(slots=2, free_slots=2 - held, cache_cells=10 * held))
+        return self.reads[-1]
+
+
+def test_the_worker_shows_what_members_hold_and_nothing_once_idle():
+    member = Holding()
+    with Ensemble([member]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=2)
+        worker.start(ensemble)
+        assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
+        run_jobs(worker, [job("a"), job("b")])
+        for _ in range(100):  # the view is refreshed after the step that ended the jobs
+            if len(member.reads) > 1 and worker.occupancy()["holding"].free_slots == 2:
+                break
+            threading.Event().wait(0.05)
+        worker.stop()
+    assert Occupancy(2, 0, 20) in member.reads  # read while both generations ran, between steps
+    assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}

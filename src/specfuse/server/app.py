@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -32,7 +32,7 @@ from ..options import FusionOptions
 from . import serving
 from .config import ServerConfig
 from .metrics import RequestMetrics, ServerMetrics
-from .protocol import Health, ModelCard, ModelList, QueueState
+from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .serving import APIError
 from .worker import Job, Worker
 
@@ -202,7 +202,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = Health(status=state.status, model=state.model_id, members=state.members, error=state.error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
-                      counters=worker.snapshot())
+                      counters=worker.snapshot(),
+                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
         return JSONResponse(body.model_dump(), status_code=200 if state.status == "ok" else 503)
 
     # Open like /health, for scrapers: counts and timings only, no request content.

@@ -8,6 +8,8 @@ in a bounded queue (429 beyond it). The worker hands each event to the
 request's asyncio queue as it happens; a cancelled job leaves the scheduler
 at its next tick (within a round), and closing its coroutine closes its member
 sessions. ``max_concurrent = 1`` is the serial worker: one job at a time.
+After every tick the thread also notes what each member holds (free slots, KV
+cells): only it may read a llama.cpp cache, which must not be read mid-decode.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from ..backends.base import Member
+from ..backends.base import Member, Occupancy
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
@@ -121,12 +123,14 @@ class Worker:
         self._cond = threading.Condition()
         self._stopping = False
         self._scheduler = Scheduler()
+        self._occupancy: dict[str, Occupancy] = {}
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
         # llama.cpp members hold as many sessions as they were loaded with.
         self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
+        self._observe()  # the thread has not started: nothing decodes yet
         self._thread.start()
 
     def _count(self, name: str) -> None:
@@ -141,6 +145,11 @@ class Worker:
         """Jobs waiting, jobs in flight."""
         with self._cond:
             return len(self._waiting), len(self._running)
+
+    def occupancy(self) -> dict[str, Occupancy]:
+        """What each member held after the worker's last step (all slots free and no cells when idle)."""
+        with self._cond:
+            return dict(self._occupancy)
 
     def submit(self, job: Job) -> None:
         """Queue a bound job, or raise QueueFullError when every slot is taken."""
@@ -203,8 +212,21 @@ class Worker:
                 for job in admitted:
                     self._admit(job)
                 self._scheduler.tick()
+                self._observe()
         finally:
             self._scheduler.close()
+
+    def _observe(self) -> None:
+        assert self._ensemble is not None
+        seen = {}
+        for member in self._ensemble.members:
+            try:
+                seen[member.name] = member.occupancy()
+            except Exception:  # a view for operators must never stop the worker
+                log.exception("could not read what %s holds", member.name)
+                seen[member.name] = Occupancy(member.slots)
+        with self._cond:
+            self._occupancy = seen
 
     def _admit(self, job: Job) -> None:
         self._count("started")
