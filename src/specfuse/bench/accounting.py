@@ -38,6 +38,7 @@ class Record:
     index: int
     kind: str
     phase: int
+    cycle: int  # of the plan; -1 outside it (probes, warm-up)
     start_s: float
     latency_s: float
     outcome: str
@@ -164,22 +165,26 @@ def agree(counters: Mapping[str, float], metrics: Mapping[str, float]) -> list[C
 
 
 def latency_tenths(records: Sequence[Record], kinds: frozenset[str]) -> dict[str, Any]:
-    """p50/p95 latency of answered `kinds` that started in the first and in the last tenth of the traffic."""
-    timed = [r for r in records if r.kind in kinds and r.outcome == "answered"]
-    starts = [r.start_s for r in records]
-    if not timed or not starts:
-        return {"first": None, "last": None, "p95_ratio": None}
-    t0, t1 = min(starts), max(starts)
-    span = max(t1 - t0, 1e-9)
+    """p50/p95 latency of answered `kinds` in the first and in the last tenth of the run's cycles.
 
-    def tenth(lo: float, hi: float) -> dict[str, Any]:
-        lat = [r.latency_s for r in timed if lo <= r.start_s <= hi]
-        return {"from_s": lo, "to_s": hi, "requests": len(lat), "p50_s": percentile(lat, 50),
-                "p95_s": percentile(lat, 95)}
+    Tenths of cycles, not of time: every cycle holds the same levels and kinds, so the two tenths
+    hold the same mix (at least one cycle each; the last cycle counts only if it ran whole).
+    """
+    cycles = sorted({r.cycle for r in records if r.cycle >= 0})
+    whole = [c for c in cycles if any(r.cycle == c and r.kind == "burst" for r in records)]  # its burst ran
+    if len(whole) < 2:
+        return {"cycles": len(whole), "first": None, "last": None, "p95_ratio": None}
+    k = max(1, len(whole) // 10)
 
-    first, last = tenth(t0, t0 + span / 10), tenth(t1 - span / 10, t1)
+    def tenth(chosen: list[int]) -> dict[str, Any]:
+        lat = [r.latency_s for r in records if r.cycle in chosen and r.kind in kinds and r.outcome == "answered"]
+        starts = [r.start_s for r in records if r.cycle in chosen]
+        return {"cycles": chosen, "from_s": min(starts), "to_s": max(starts), "requests": len(lat),
+                "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95)}
+
+    first, last = tenth(whole[:k]), tenth(whole[-k:])
     ratio = last["p95_s"] / first["p95_s"] if first["p95_s"] and last["p95_s"] is not None else None
-    return {"first": first, "last": last, "p95_ratio": ratio}
+    return {"cycles": len(whole), "first": first, "last": last, "p95_ratio": ratio}
 
 
 @dataclass

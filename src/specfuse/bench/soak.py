@@ -34,7 +34,7 @@ from .accounting import Memory, Record, delta, parse_metrics
 from .machine import git, loadavg, machine, rss_mb
 from .processes import SpecfuseServer, free_port, llama_cpp_server, sigterm_as_interrupt, specfuse_server
 from .soak_client import SoakClient
-from .traffic import Action, Mix, Phase, plan, probe
+from .traffic import Action, Mix, Phase, plan, probe, warmup
 
 MAX_BODY_BYTES = 65_536
 WARM_FRACTION = 0.1  # memory "after warm-up": the first idle checkpoint past this share of the run
@@ -157,10 +157,8 @@ class Soak:
         return self._result(before, after, start_rss, end)
 
     def _warm_up(self) -> None:
-        mix = self.settings.mix
-        for kind in ("warmup", "warmup"):
-            action = Action(next(self._extra), -1, kind, 0, mix.max_tokens, 0.0, 0)
-            self.records.append(self.client.send(action))
+        for _ in range(2):
+            self.records.append(self.client.send(warmup(next(self._extra), self.settings.mix)))
         self._checkpoint("warm-up")
 
     def _traffic(self) -> None:
@@ -188,8 +186,8 @@ class Soak:
                                 f"{self.server.log_tail()}", f"see {self.server.log}")
 
     def _lost(self, action: Action) -> Record:
-        return Record(action.index, action.kind, action.phase, self.now(), self.settings.request_timeout_s + 60,
-                      "lost", (), detail="no answer before the run's deadline")
+        return Record(action.index, action.kind, action.phase, action.cycle, self.now(),
+                      self.settings.request_timeout_s + 60, "lost", (), detail="no answer before the run's deadline")
 
     # ------------------------------------------------------------------ idle checkpoints
 
@@ -203,7 +201,7 @@ class Soak:
                  "accepted": health["counters"]["accepted"], "occupancy": health.get("occupancy", {}),
                  "held": held(health), "rss_mb": rss_mb(self.server.process.pid)}
         if send_probe:
-            record = self.client.send(probe(next(self._extra), -1, self.settings.mix))
+            record = self.client.send(probe(next(self._extra), self.settings.mix))
             self.records.append(record)
             entry["probe_latency_s"] = record.latency_s
         self.checkpoints.append(entry)

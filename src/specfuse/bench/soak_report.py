@@ -47,15 +47,25 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"({report['warm_checkpoint']}), end {_fmt(m['end_mb'], '.0f', ' MiB')}: "
         f"{_fmt(m['growth_per_1000_requests_mb'], '+.1f', ' MiB')} per 1,000 requests "
         f"({m['requests_since_warm']} accepted since warm-up)",
-        f"latency of answered requests (stream, complete, multi-turn): first tenth p50 "
-        f"{_fmt(first.get('p50_s'), '.2f', ' s')} p95 {_fmt(first.get('p95_s'), '.2f', ' s')} "
-        f"({first.get('requests', 0)} requests); last tenth p50 {_fmt(last.get('p50_s'), '.2f', ' s')} "
-        f"p95 {_fmt(last.get('p95_s'), '.2f', ' s')} ({last.get('requests', 0)} requests)",
+        _latency_line(lat),
         f"probe alone on the idle server: first {_fmt(probes[0] if probes else None, '.2f', ' s')}, "
         f"last {_fmt(probes[-1] if probes else None, '.2f', ' s')} ({len(probes)} probes)",
         f"idle checkpoints: {len(report['checkpoints'])}, with anything held: {report['held_when_idle']}; "
         f"events: {', '.join(e['event'] for e in report['events']) or 'none'}",
     ]
+
+
+def _latency_line(lat: dict[str, Any]) -> str:
+    if lat.get("first") is None:
+        return f"latency drift: not measured ({lat.get('cycles', 0)} whole cycles; it takes 2)"
+
+    def tenth(t: dict[str, Any]) -> str:
+        cycles = f"cycle{'s' if len(t['cycles']) > 1 else ''} {', '.join(str(c + 1) for c in t['cycles'])}"
+        return (f"{cycles}: p50 {_fmt(t['p50_s'], '.2f', ' s')}, p95 {_fmt(t['p95_s'], '.2f', ' s')} "
+                f"({t['requests']} requests)")
+
+    return (f"latency of answered stream/complete/multi-turn requests, first tenth of {lat['cycles']} cycles "
+            f"{tenth(lat['first'])}; last tenth {tenth(lat['last'])}")
 
 
 def print_report(report: dict[str, Any], console: Any) -> None:

@@ -58,6 +58,7 @@ class Action:
 
     index: int
     phase: int
+    cycle: int  # -1: outside the plan (probes, warm-up)
     kind: str
     prompt: int  # into PROMPTS, or into MALFORMED for "malformed"
     max_tokens: int
@@ -87,25 +88,32 @@ class Mix:
 
 
 def plan(mix: Mix) -> Iterator[Phase]:
-    """The phases of a run, endlessly: a mixed phase per level (seeded order), then a burst; again."""
+    """The phases of a run, endlessly: a mixed phase per level (seeded order), then a burst; again.
+
+    Every cycle holds each mixed kind at least once, the rest drawn by weight, so even a short run
+    sees them all.
+    """
     rng = random.Random(mix.seed)
     counter = iter(range(1 << 62))
     phase = cycle = 0
     while True:
-        for level in rng.sample(mix.levels, len(mix.levels)):
-            size = max(3, 2 * level)
-            kinds = rng.choices(MIXED, weights=[KINDS[k].weight for k in MIXED], k=size)
-            yield Phase(phase, cycle, "mixed", level, tuple(_action(rng, next(counter), phase, k, mix) for k in kinds))
+        levels = rng.sample(mix.levels, len(mix.levels))
+        sizes = [max(3, 2 * level) for level in levels]
+        kinds = MIXED + rng.choices(MIXED, weights=[KINDS[k].weight for k in MIXED], k=max(0, sum(sizes) - len(MIXED)))
+        rng.shuffle(kinds)
+        for level, size in zip(levels, sizes):
+            drawn, kinds = kinds[:size], kinds[size:]
+            yield Phase(phase, cycle, "mixed", level, tuple(_action(rng, next(counter), phase, cycle, k, mix) for k in drawn))
             phase += 1
-        burst = tuple(_action(rng, next(counter), phase, "burst", mix) for _ in range(mix.burst))
+        burst = tuple(_action(rng, next(counter), phase, cycle, "burst", mix) for _ in range(mix.burst))
         yield Phase(phase, cycle, "burst", mix.burst, burst)
         phase += 1
         cycle += 1
 
 
-def _action(rng: random.Random, index: int, phase: int, kind: str, mix: Mix) -> Action:
+def _action(rng: random.Random, index: int, phase: int, cycle: int, kind: str, mix: Mix) -> Action:
     return Action(
-        index=index, phase=phase, kind=kind,
+        index=index, phase=phase, cycle=cycle, kind=kind,
         prompt=rng.randrange(len(MALFORMED) if kind == "malformed" else len(PROMPTS)),
         max_tokens=rng.randint(max(1, mix.max_tokens // 2), mix.max_tokens),
         temperature=rng.choice((0.0, 0.6)),
@@ -115,9 +123,14 @@ def _action(rng: random.Random, index: int, phase: int, kind: str, mix: Mix) -> 
     )
 
 
-def probe(index: int, phase: int, mix: Mix) -> Action:
+def probe(index: int, mix: Mix) -> Action:
     """The request sent alone at every idle checkpoint: the same prompt and settings each time."""
-    return Action(index, phase, "probe", -1, mix.max_tokens, 0.0, 0)
+    return Action(index, -1, -1, "probe", -1, mix.max_tokens, 0.0, 0)
+
+
+def warmup(index: int, mix: Mix) -> Action:
+    """A request before the measured traffic (the first prompt, greedy)."""
+    return Action(index, -1, -1, "warmup", 0, mix.max_tokens, 0.0, 0)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -214,4 +227,4 @@ def malformed_body(m: Malformed, max_body_bytes: int) -> bytes | None:
 
 
 __all__ = ["KINDS", "MALFORMED", "NORMAL", "STREAMED", "Action", "Kind", "Malformed", "Mix", "Phase",
-           "filler", "malformed_body", "messages", "plan", "probe"]
+           "filler", "malformed_body", "messages", "plan", "probe", "warmup"]
