@@ -180,3 +180,39 @@ def test_the_worker_shows_what_members_hold_and_nothing_once_idle():
         worker.stop()
     assert Occupancy(2, 0, 20) in member.reads  # read while both generations ran, between steps
     assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
+
+
+class Watching:
+    """An observer that notes what it is told (the server's metrics are one)."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, str | None]] = []
+
+    def first_segment(self, accepted):
+        self.seen.append(("first_segment", None))
+
+    def done(self, accepted, result):
+        self.seen.append(("done", result.text))
+
+
+def test_a_completion_nobody_reads_is_still_observed_once():
+    """Found by the soak: a client that hung up just as its answer completed left the request counted
+    completed but missing from the latency and token metrics, which the handler used to observe."""
+    with Ensemble([ScriptedMember("a", factory=lambda m: ScriptedSession(list(WORDS), {}))]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=1)
+        worker.observer = watching = Watching()
+        worker.start(ensemble)
+
+        async def submit_and_leave():
+            j = job("nobody reads this")
+            j.bind(asyncio.get_running_loop())
+            worker.submit(j)  # and never read its items: the client is gone
+            for _ in range(200):
+                if worker.snapshot()["completed"]:
+                    return
+                await asyncio.sleep(0.02)
+
+        asyncio.run(submit_and_leave())
+        worker.stop()
+    assert worker.snapshot()["completed"] == 1
+    assert watching.seen == [("first_segment", None), ("done", " one. two.")]

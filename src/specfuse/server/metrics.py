@@ -4,8 +4,9 @@ Each app has its own ``CollectorRegistry``, so several apps in one process
 (tests, embedders) never clash. The request counters, the queue, the rounds and
 what each member holds (free slots, KV-cache cells) are read from the worker
 when scraped, so they always agree with ``/health``;
-the rest (tokens, latencies, member departures) is observed by ``serving`` as
-each request's events arrive.
+the rest (tokens, latencies, member departures) is observed by the worker as
+each generation's events happen, whether or not a client still reads them, so
+that a completed request is always observed once.
 """
 
 from __future__ import annotations
@@ -130,22 +131,4 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
 
-class RequestMetrics:
-    """One request's observer: the first segment once, the end once (``serving`` calls it)."""
-
-    def __init__(self, metrics: ServerMetrics | None, accepted: float) -> None:
-        self.metrics = metrics
-        self.accepted = accepted
-        self._first_seen = False
-
-    def segment(self) -> None:
-        if self.metrics is not None and not self._first_seen:
-            self._first_seen = True
-            self.metrics.first_segment(self.accepted)
-
-    def done(self, result: Result) -> None:
-        if self.metrics is not None:
-            self.metrics.done(self.accepted, result)
-
-
-__all__ = ["OUTCOMES", "RequestMetrics", "ServerMetrics"]
+__all__ = ["OUTCOMES", "ServerMetrics"]

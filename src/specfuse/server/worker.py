@@ -20,8 +20,9 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..backends.base import Member, Occupancy
 from ..ensemble import Ensemble
@@ -29,13 +30,22 @@ from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
 from ..scheduler import Cancelled as FlightCancelled
 from ..scheduler import Flight, Scheduler
-from ..types import DoneEvent, Event, Message, RoundEvent
+from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
 
 log = logging.getLogger("specfuse.server")
 
 # accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
 # completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
 COUNTERS = ("accepted", "rejected", "started", "completed", "cancelled", "invalid", "failed", "rounds")
+
+
+class Observer(Protocol):
+    """What watches each generation as it happens (the server's metrics); `accepted` is the job's
+    ``time.time()`` at acceptance. Called on the worker thread."""
+
+    def first_segment(self, accepted: float) -> None: ...
+
+    def done(self, accepted: float, result: Result) -> None: ...
 
 
 class QueueFullError(SpecFuseError):
@@ -124,6 +134,9 @@ class Worker:
         self._stopping = False
         self._scheduler = Scheduler()
         self._occupancy: dict[str, Occupancy] = {}
+        # Told of each generation's first segment and result here, where it happens: a client that
+        # left must not make a completed request go unobserved.
+        self.observer: Observer | None = None
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
 
     def start(self, ensemble: Ensemble) -> None:
@@ -240,15 +253,29 @@ class Worker:
         members = [m for m in ensemble.members if job.members is None or m.name in job.members]
         job.emit(Started(time.time() - job.created, _prompt_tokens(members, job.messages)))
         rounds = [0]
+        first = [True]
 
         def on_event(event: Event) -> None:
             if isinstance(event, RoundEvent):
                 rounds[0] += 1
                 self._count("rounds")
+            elif isinstance(event, SegmentEvent) and first[0]:
+                first[0] = False
+                self._tell(lambda o: o.first_segment(job.created))
+            elif isinstance(event, DoneEvent):
+                self._tell(lambda o: o.done(job.created, event.result))
             job.emit(event)
 
         self._scheduler.add(Flight(steps, on_event, lambda why: self._end(job, why, rounds[0]),
                                    job.cancel_flag.is_set))
+
+    def _tell(self, call: Callable[[Observer], None]) -> None:
+        if self.observer is None:
+            return
+        try:
+            call(self.observer)
+        except Exception:  # metrics must never stop a generation
+            log.exception("the observer failed")
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         with self._cond:
