@@ -107,7 +107,8 @@ def reconcile(records: Sequence[Record], counters: Mapping[str, float], metrics:
         Check("every accepted request ended once", f"queue after the run: {idle.get('waiting')} waiting, "
               f"{idle.get('running')} running", f"accepted {c['accepted']} = ended {ended}",
               c["accepted"] == ended and not idle.get("waiting") and not idle.get("running")),
-        Check("accepted = requests that reached the worker", f"{reached}", f"{c['accepted']}", c["accepted"] == reached),
+        Check("accepted = requests that reached the worker", f"{reached}", f"{c['accepted']}",
+              c["accepted"] == reached),
         Check("completed: the answered, and abandoned ones that finished first",
               f"{answered} answered, {n['abandoned']} abandoned", f"{c['completed']} completed",
               answered <= c["completed"] <= answered + n["abandoned"]),

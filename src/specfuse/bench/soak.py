@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -154,7 +155,7 @@ class Soak:
         end = self._checkpoint("end", send_probe=False)
         after = self._counters(), self._metrics()
         self.client.close()
-        return self._result(before, after, start_rss, end)
+        return {**self._result(before, after, start_rss, end), "log_errors": log_errors(self.server.log)}
 
     def _warm_up(self) -> None:
         for _ in range(2):
@@ -278,6 +279,13 @@ class Soak:
         }
 
 
+def log_errors(path: Path, keep: int = 5) -> dict[str, Any]:
+    """Tracebacks and ERROR lines in the server's log: how many, and the first few."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    found = [i for i, line in enumerate(lines) if line.startswith("Traceback") or " ERROR " in line]
+    return {"count": len(found), "first": ["\n".join(lines[i : i + 12]) for i in found[:keep]]}
+
+
 def held(health: dict[str, Any]) -> list[str]:
     """Members that hold a slot or a KV-cache cell, by /health's occupancy."""
     found = []
@@ -323,6 +331,10 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
         report["members"] = server.health()["members"]
         log(f"soaking {', '.join(report['members'])} for {settings.duration_s:.0f} s (seed {settings.seed})…")
         raw = Soak(server, settings, log, disrupt).run()
+        if out is not None:  # the server's log outlives its temporary folder, beside the report
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(server.log, Path(out).with_suffix(".server.log"))
+            report["server_log"] = str(Path(out).with_suffix(".server.log"))
     report["loadavg"]["end"] = loadavg()
     report.update(summarise(raw))
     if out is not None:
@@ -356,16 +368,20 @@ def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,
 
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """The checks, the outcomes, memory, latency and the targets of a run's raw data."""
-    from .accounting import by_kind, latency_tenths, reconcile, tally, targets
+    from .accounting import Check, by_kind, latency_tenths, reconcile, tally, targets
     from .traffic import NORMAL
 
     records: list[Record] = raw["records"]
     memory: Memory = raw["memory"]
     checks = reconcile(records, raw["counters_delta"], raw["metrics_delta"], raw["idle"])
+    errors = raw["log_errors"]
+    checks.append(Check("no error in the server's log", "", f"{errors['count']} tracebacks or ERROR lines",
+                        errors["count"] == 0))
     bursts = [r for r in records if r.kind == "burst"]
     if bursts:
         rejected = sum(r.outcome == "rejected" for r in bursts)
-        checks.append(_burst_check(rejected, len(bursts)))
+        checks.append(Check("bursts past the queue got 429", f"{rejected} of {len(bursts)} burst requests refused",
+                            "", rejected > 0))
     held_when_idle = sum(1 for c in raw["checkpoints"] if c["held"] or c["waiting"] or c["running"])
     latency = latency_tenths(records, NORMAL)
     probes = [r.latency_s for r in records if r.kind == "probe" and r.outcome == "answered"]
@@ -376,16 +392,11 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "metrics_delta": {k: v for k, v in raw["metrics_delta"].items() if k.startswith("specfuse_") and v},
         "memory": memory.to_dict(), "memory_samples": memory.samples, "warm_checkpoint": raw["warm_checkpoint"],
         "checkpoints": raw["checkpoints"], "held_when_idle": held_when_idle,
-        "latency": latency, "probe_latency_s": probes, "events": raw["events"], "samples": raw["samples"],
+        "latency": latency, "probe_latency_s": probes, "log_errors": errors, "events": raw["events"],
+        "samples": raw["samples"],
         "targets": targets(records, memory, held_when_idle, latency["p95_ratio"]),
         "records": [asdict(r) for r in records],
     }
-
-
-def _burst_check(rejected: int, sent: int) -> Any:
-    from .accounting import Check
-
-    return Check("bursts past the queue got 429", f"{rejected} of {sent} burst requests refused", "", rejected > 0)
 
 
 __all__ = ["MemberServer", "Soak", "SoakSettings", "held", "run", "summarise"]

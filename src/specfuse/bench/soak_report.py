@@ -40,7 +40,6 @@ def target_rows(report: dict[str, Any]) -> list[list[str]]:
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     m, lat = report["memory"], report["latency"]
-    first, last = lat.get("first") or {}, lat.get("last") or {}
     probes = report.get("probe_latency_s") or []
     return [
         f"server RSS: start {_fmt(m['start_mb'], '.0f', ' MiB')}, after warm-up {_fmt(m['warm_mb'], '.0f', ' MiB')} "

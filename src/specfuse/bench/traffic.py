@@ -103,7 +103,8 @@ def plan(mix: Mix) -> Iterator[Phase]:
         rng.shuffle(kinds)
         for level, size in zip(levels, sizes):
             drawn, kinds = kinds[:size], kinds[size:]
-            yield Phase(phase, cycle, "mixed", level, tuple(_action(rng, next(counter), phase, cycle, k, mix) for k in drawn))
+            actions = tuple(_action(rng, next(counter), phase, cycle, k, mix) for k in drawn)
+            yield Phase(phase, cycle, "mixed", level, actions)
             phase += 1
         burst = tuple(_action(rng, next(counter), phase, cycle, "burst", mix) for _ in range(mix.burst))
         yield Phase(phase, cycle, "burst", mix.burst, burst)
