@@ -216,3 +216,24 @@ def test_a_completion_nobody_reads_is_still_observed_once():
         worker.stop()
     assert worker.snapshot()["completed"] == 1
     assert watching.seen == [("first_segment", None), ("done", " one. two.")]
+
+
+def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on():
+    """Without this, an exception that is not a SpecFuseError (here from a member's tokenizer) ended
+    the worker thread: every later request was accepted and never answered, while /health said ok."""
+
+    class Odd(ScriptedMember):
+        def prompt_tokens(self, messages):
+            if "boom" in messages[-1].content:
+                raise ValueError("a tokenizer bug")
+            return [1, 2]
+
+    with Ensemble([Odd("a", factory=lambda m: ScriptedSession(list(WORDS), {}))]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=1)
+        worker.start(ensemble)
+        crashed, fine = job("boom"), job("fine")
+        results, _ = run_jobs(worker, [crashed, fine])
+        worker.stop()
+    assert isinstance(results[crashed.id][-1], Failed) and "tokenizer" in str(results[crashed.id][-1].error)
+    assert isinstance(results[fine.id][-1], DoneEvent)
+    assert worker.snapshot()["failed"] == 1 and worker.snapshot()["completed"] == 1

@@ -223,7 +223,10 @@ class Worker:
                         self._running.add(job)
                         admitted.append(job)
                 for job in admitted:
-                    self._admit(job)
+                    try:
+                        self._admit(job)
+                    except Exception as exc:  # a bug in one admission must not stop the worker for all
+                        self._end(job, exc, 0)
                 self._scheduler.tick()
                 self._observe()
         finally:
