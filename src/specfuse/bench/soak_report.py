@@ -50,8 +50,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"probe alone on the idle server: first {_fmt(probes[0] if probes else None, '.2f', ' s')}, "
         f"last {_fmt(probes[-1] if probes else None, '.2f', ' s')} ({len(probes)} probes)",
         f"idle checkpoints: {len(report['checkpoints'])}, with anything held: {report['held_when_idle']}; "
-        f"events: {', '.join(e['event'] for e in report['events']) or 'none'}",
+        f"events: {', '.join(e['event'] for e in report['events']) or 'none'}; member faults: {_faults(report)}",
     ]
+
+
+def _faults(report: dict[str, Any]) -> str:
+    """Members dropped from a request after a fault, by /metrics over the run."""
+    prefix = "specfuse_member_faults_total{member="
+    faults = {k[len(prefix) : -1]: int(v) for k, v in report["metrics_delta"].items() if k.startswith(prefix)}
+    return ", ".join(f"{name} {n}" for name, n in faults.items()) or "none"
 
 
 def _latency_line(lat: dict[str, Any]) -> str:
