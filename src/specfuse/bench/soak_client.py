@@ -44,8 +44,8 @@ class SoakClient:
                 self._stream(action, record, start)
             else:
                 self._complete(action, record)
-        except openai.APITimeoutError:
-            record.outcome = "abandoned" if action.kind == "timeout" else "unexpected"
+        except openai.APITimeoutError:  # planned for "timeout"; for any other kind no answer came in time
+            record.outcome = "abandoned" if action.kind == "timeout" else "lost"
             record.detail = "client time-out"
         except openai.APIStatusError as exc:
             record.status, record.code = exc.status_code, _code(exc)
