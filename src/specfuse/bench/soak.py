@@ -7,8 +7,8 @@ that bursts pass it) and sends it the seeded mix of ``traffic.py`` with the real
 is reached (the phase under way finishes). After every cycle's burst it waits
 for the server to go idle and checks that no slot or KV-cache cell is held, reads
 its resident memory and sends the probe. With ``remote`` the members are
-``llama_cpp.server`` processes, and the leader's is killed at 30 % of the run and
-started again, on the same port, at 40 %.
+``llama_cpp.server`` processes, and the first one's is killed at 30 % of the run
+and started again, on the same port, at 40 %.
 
 At the end it sets what the client saw against ``/health`` and ``/metrics``
 (``accounting.py``) and writes a JSON record; ``soak_report.py`` prints and plots it.
@@ -347,7 +347,8 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
 
 def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,
              log: Log) -> tuple[list[str], MemberServer | None]:
-    """The member specs; with ``remote``, member servers started here (the last one is disrupted)."""
+    """The member specs; with ``remote``, member servers started here, and the one to disrupt: the first
+    (smollm2-135m, which leads, as remote members do not state their sizes)."""
     if not settings.remote:
         return list(settings.models), None
     from ..models import CATALOGUE, model_path
@@ -363,7 +364,7 @@ def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,
         served.start()
         servers.append(served)
         members.append(f"remote:{served.url}#{member_name}")
-    return members, servers[-1]
+    return members, servers[0]
 
 
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
