@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from itertools import islice
 
@@ -257,3 +259,20 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
     assert "accounting: all" in console.file.getvalue()
     pytest.importorskip("matplotlib")
     assert soak_report.plot(report, tmp_path / "soak.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--soak", "1m"], "add --serve"),
+    (["--serve", "--soak", "1x"], "not a duration"),
+    (["--serve", "--seed", "3"], "add --soak"),
+    (["--serve", "--soak", "1m", "--concurrency", "1,2"], "leave out --concurrency"),
+    (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
+])
+def test_soak_options_are_checked_before_anything_starts(args, says):
+    done = subprocess.run([sys.executable, "-m", "specfuse.cli", "bench", *args], input="", capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
