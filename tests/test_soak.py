@@ -53,7 +53,8 @@ def test_a_duration_that_is_not_one_is_refused_with_an_example(text):
 
 
 def test_durations_are_written_back_the_same_way():
-    assert [format_duration(s) for s in (1800, 90, 3903, 3600, 45.4, 0)] == ["30m", "1m30s", "1h5m3s", "1h", "45s", "0s"]
+    written = [format_duration(s) for s in (1800, 90, 3903, 3600, 45.4, 0)]
+    assert written == ["30m", "1m30s", "1h5m3s", "1h", "45s", "0s"]
 
 
 # --------------------------------------------------------------------------- the traffic mix

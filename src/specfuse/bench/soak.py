@@ -31,11 +31,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecFuseError
-from .accounting import Memory, Record, delta, parse_metrics
+from .accounting import (
+    Check,
+    Memory,
+    Record,
+    by_kind,
+    delta,
+    latency_tenths,
+    parse_metrics,
+    reconcile,
+    tally,
+    targets,
+)
 from .machine import git, loadavg, machine, rss_mb
 from .processes import SpecfuseServer, free_port, llama_cpp_server, sigterm_as_interrupt, specfuse_server
 from .soak_client import SoakClient
-from .traffic import Action, Mix, Phase, plan, probe, warmup
+from .traffic import NORMAL, Action, Mix, Phase, plan, probe, warmup
 
 MAX_BODY_BYTES = 65_536
 WARM_FRACTION = 0.1  # memory "after warm-up": the first idle checkpoint past this share of the run
@@ -369,9 +380,6 @@ def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,
 
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """The checks, the outcomes, memory, latency and the targets of a run's raw data."""
-    from .accounting import Check, by_kind, latency_tenths, reconcile, tally, targets
-    from .traffic import NORMAL
-
     records: list[Record] = raw["records"]
     memory: Memory = raw["memory"]
     checks = reconcile(records, raw["counters_delta"], raw["metrics_delta"], raw["idle"])
