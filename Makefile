@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo test bench bench-serve clean
+.PHONY: install models browser demo test bench bench-serve soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,13 @@ bench: $(FULL) models
 # The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
 bench-serve: $(FULL) models
 	$(BIN)/specfuse bench --serve
+
+# The server under a seeded mix of traffic for SOAK (default 30m): nothing lost, nothing leaking
+# (docs/reliability.md). E.g. `make soak SOAK=2h`; SOAK_ARGS adds options (`SOAK_ARGS=--remote`).
+SOAK ?= 30m
+SOAK_ARGS ?=
+soak: $(FULL) models
+	$(BIN)/specfuse bench --serve --soak $(SOAK) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -8,6 +8,7 @@ import pytest
 from helpers import Recording, SessionWrapper
 
 from specfuse import Ensemble
+from specfuse.backends.base import Occupancy
 from specfuse.backends.registry import load_member
 from specfuse.engine import fusion_steps
 from specfuse.ensemble import to_messages
@@ -45,6 +46,25 @@ def test_one_member_holds_sessions_in_separate_slots(ensemble):
         for s in sessions:
             s.close()
     assert qwen.free_slots == 3
+
+
+def test_occupancy_counts_the_cells_sessions_hold_and_none_once_closed(ensemble):
+    qwen = _qwen(ensemble)
+    assert qwen.occupancy() == Occupancy(slots=3, free_slots=3, cache_cells=0)
+    sessions = [qwen.start([Message("user", p)], seed=0, reserve=31) for p in PROMPTS[:2]]
+    try:
+        drafts = qwen.draft_many(sessions, [(4, GREEDY)] * 2)
+        prompts = sum(s.prompt_len for s in sessions)
+        held = qwen.occupancy()
+        assert held.free_slots == 1 and held.cache_cells >= prompts  # prompts and draft tails are cached
+        sessions[0].score([" maybe", " surely not"])  # two candidate sequences copied from the context
+        assert qwen.occupancy().cache_cells > held.cache_cells
+        sessions[0].accept(b"".join(drafts[0].pieces).decode("utf-8", "replace"))
+        assert qwen.occupancy() == held  # its own draft won whole: the candidates' cells are gone, its kept
+    finally:
+        for s in sessions:
+            s.close()
+    assert qwen.occupancy() == Occupancy(slots=3, free_slots=3, cache_cells=0)
 
 
 def test_batched_drafts_and_scores_agree_with_one_by_one(ensemble):

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import live_server
 from specfuse import models as catalogue
+from specfuse.backends.base import Occupancy
 from specfuse.server import serving
 from specfuse.server.app import create_app
 from specfuse.server.config import build_config
@@ -59,6 +60,9 @@ class StubWorker:
         return {"accepted": 9, "rejected": 1, "started": 8, "completed": 5, "cancelled": 1, "invalid": 1,
                 "failed": 0, "rounds": 40}
 
+    def occupancy(self) -> dict[str, Occupancy]:
+        return {"a": Occupancy(slots=4, free_slots=3, cache_cells=57), "b": Occupancy()}  # b cannot tell
+
 
 def test_metrics_read_the_worker_and_count_results():
     metrics, other = ServerMetrics(StubWorker()), ServerMetrics(StubWorker())  # per-app registries: no clash
@@ -78,6 +82,9 @@ def test_metrics_read_the_worker_and_count_results():
     assert value(got, "specfuse_request_latency_seconds_sum") == pytest.approx(1.0, abs=0.5)
     assert value(got, "specfuse_time_to_first_segment_seconds_count") == 1
     assert value(got, "specfuse_member_faults_total", member="a") == 1
+    assert value(got, "specfuse_member_free_slots", member="a") == 3
+    assert value(got, "specfuse_member_cache_cells", member="a") == 57
+    assert ("specfuse_member_cache_cells", frozenset({("member", "b")})) not in got  # unknown is not 0
     assert value(got, "specfuse_member_faults_total", member="b") == 0  # started at 0 by members()
     assert value(got, "specfuse_member_exits_total", member="b") == 1
     assert value(samples(other.render().decode()), "specfuse_output_tokens_total") == 0

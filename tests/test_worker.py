@@ -9,6 +9,7 @@ from fakes import BlockingSession, ScriptedMember, ScriptedSession
 
 from specfuse import Ensemble
 from specfuse.errors import InvalidRequestError
+from specfuse.backends.base import Occupancy
 from specfuse.options import FusionOptions
 from specfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
 from specfuse.types import DoneEvent, Message
@@ -144,3 +145,95 @@ def test_hedge_weights_carry_from_one_query_to_the_next_through_the_ensemble():
     # the second query started from the first one's weights: its first round's weights are not uniform
     start = list(second.values())[0][-1].result.rounds[0].weights
     assert start["a"] > 1 / 3
+
+
+class Holding(ScriptedMember):
+    """Two slots; each open session holds one slot and ten cache cells until it is closed.
+    Every read of what it holds is recorded."""
+
+    def __init__(self):
+        super().__init__("holding", factory=self._open, slots=2)
+        self.open: list[ScriptedSession] = []
+        self.reads: list[Occupancy] = []
+
+    def _open(self, messages):
+        self.open.append(ScriptedSession(list(WORDS), {}))
+        return self.open[-1]
+
+    def occupancy(self):
+        held = sum(not s.closed for s in self.open)
+        self.reads.append(Occupancy(slots=2, free_slots=2 - held, cache_cells=10 * held))
+        return self.reads[-1]
+
+
+def test_the_worker_shows_what_members_hold_and_nothing_once_idle():
+    member = Holding()
+    with Ensemble([member]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=2)
+        worker.start(ensemble)
+        assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
+        run_jobs(worker, [job("a"), job("b")])
+        for _ in range(100):  # the view is refreshed after the step that ended the jobs
+            if len(member.reads) > 1 and worker.occupancy()["holding"].free_slots == 2:
+                break
+            threading.Event().wait(0.05)
+        worker.stop()
+    assert Occupancy(2, 0, 20) in member.reads  # read while both generations ran, between steps
+    assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
+
+
+class Watching:
+    """An observer that notes what it is told (the server's metrics are one)."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, str | None]] = []
+
+    def first_segment(self, accepted):
+        self.seen.append(("first_segment", None))
+
+    def done(self, accepted, result):
+        self.seen.append(("done", result.text))
+
+
+def test_a_completion_nobody_reads_is_still_observed_once():
+    """Found by the soak: a client that hung up just as its answer completed left the request counted
+    completed but missing from the latency and token metrics, which the handler used to observe."""
+    with Ensemble([ScriptedMember("a", factory=lambda m: ScriptedSession(list(WORDS), {}))]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=1)
+        worker.observer = watching = Watching()
+        worker.start(ensemble)
+
+        async def submit_and_leave():
+            j = job("nobody reads this")
+            j.bind(asyncio.get_running_loop())
+            worker.submit(j)  # and never read its items: the client is gone
+            for _ in range(200):
+                if worker.snapshot()["completed"]:
+                    return
+                await asyncio.sleep(0.02)
+
+        asyncio.run(submit_and_leave())
+        worker.stop()
+    assert worker.snapshot()["completed"] == 1
+    assert watching.seen == [("first_segment", None), ("done", " one. two.")]
+
+
+def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on():
+    """Without this, an exception that is not a SpecFuseError (here from a member's tokenizer) ended
+    the worker thread: every later request was accepted and never answered, while /health said ok."""
+
+    class Odd(ScriptedMember):
+        def prompt_tokens(self, messages):
+            if "boom" in messages[-1].content:
+                raise ValueError("a tokenizer bug")
+            return [1, 2]
+
+    with Ensemble([Odd("a", factory=lambda m: ScriptedSession(list(WORDS), {}))]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=1)
+        worker.start(ensemble)
+        crashed, fine = job("boom"), job("fine")
+        results, _ = run_jobs(worker, [crashed, fine])
+        worker.stop()
+    assert isinstance(results[crashed.id][-1], Failed) and "tokenizer" in str(results[crashed.id][-1].error)
+    assert isinstance(results[fine.id][-1], DoneEvent)
+    assert worker.snapshot()["failed"] == 1 and worker.snapshot()["completed"] == 1

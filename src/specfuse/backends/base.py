@@ -19,7 +19,9 @@ What a member can do beyond that is *declared*, never probed:
 - ``Member.n_params``: its parameter count, where known (the confidence gate's
   default leader is the largest member when every member states its size);
 - ``Member.prompt_tokens``: the templated prompt's tokens, where the member can
-  tell (the server reports them as usage).
+  tell (the server reports them as usage);
+- ``Member.occupancy``: the session slots free and the KV-cache cells held now,
+  where the member can tell (the server shows them, so that a leak is seen).
 
 Subclass :class:`Member` and :class:`MemberSession`; the defaults say "cannot",
 and the batched calls default to one session after another.
@@ -41,6 +43,15 @@ class Capabilities:
     parallel_safe: bool = False  # its calls may run in threads beside other calls (remote servers)
     batched: bool = False  # draft_many / score_many serve several sessions in one decode
     prompt_fit: bool = False  # its sessions offer text_logprob
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What a member holds right now; None where it cannot tell (a remote server keeps its cache)."""
+
+    slots: int | None = None  # sessions it can hold at once
+    free_slots: int | None = None  # of those, not taken by an open session
+    cache_cells: int | None = None  # KV-cache positions held, summed over its sequences
 
 
 class MemberSession(ABC):
@@ -107,6 +118,11 @@ class Member(ABC):
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:
         """The templated prompt's tokens; None where the member cannot tell."""
         return None
+
+    def occupancy(self) -> Occupancy:
+        """Slots free and cache cells held. Call it only from the thread that runs this member's
+        calls: a cache must not be read while it decodes."""
+        return Occupancy(slots=self.slots)
 
     def draft_many(self, sessions: Sequence[MemberSession],
                    requests: Sequence[tuple[int, Sampling]]) -> list[DraftTokens | Exception]:

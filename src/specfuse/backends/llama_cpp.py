@@ -38,7 +38,7 @@ from ..errors import MemberLoadError, PromptTooLongError
 from ..models import PromptFormat, check_gguf
 from ..prompting import choose_format, render_chat, render_plain
 from ..types import DraftTokens, Message, Sampling, TokenScores
-from .base import Capabilities
+from .base import Capabilities, Occupancy
 from .cached import CachedSession, DraftState, LocalMember, Verified
 
 # llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
@@ -388,6 +388,21 @@ class LlamaCppMember(LocalMember):
     def free_slots(self) -> int:
         with self._slot_free:
             return len(self._free_slots)
+
+    def occupancy(self) -> Occupancy:
+        """Slots free, and the cache positions every sequence holds (0 when no session is open).
+
+        A cell shared by several sequences (a candidate copied from the context) counts once per
+        sequence. Read it between decodes, from the thread that decodes.
+        """
+        if not self._ctx:
+            return Occupancy(self.slots, self.free_slots, None)
+        cells = 0
+        for seq in range(SEQS_PER_SESSION * self.slots):
+            last = lc.llama_memory_seq_pos_max(self._mem, seq)
+            if last >= 0:
+                cells += last - lc.llama_memory_seq_pos_min(self._mem, seq) + 1
+        return Occupancy(self.slots, self.free_slots, cells)
 
     def _clear_slot(self, slot: int) -> None:
         for seq in range(slot * SEQS_PER_SESSION, (slot + 1) * SEQS_PER_SESSION):

@@ -22,38 +22,60 @@ def bench(
     window: Annotated[int, typer.Option(help="Max tokens each member drafts per round.")] = 10,
     out: Annotated[Optional[str], typer.Option(
         help="Folder for bench.json and the per-round plot (default runs/bench); "
-             "with --serve the JSON file (default runs/bench-serve.json).")] = None,
+             "with --serve the JSON file (default runs/bench-serve.json; with --soak runs/soak.json, "
+             "its plot beside it).")] = None,
     rss: Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")] = True,
     serve: Annotated[bool, typer.Option(
         "--serve", help="Serving benchmark instead: the real `specfuse serve` under 1..N streaming users, "
                         "serial (max_concurrent 1) vs. concurrent worker.")] = False,
     concurrency: Annotated[str, typer.Option(help="--serve: users in flight, comma-separated.")] = "1,2,4,8",
     requests: Annotated[Optional[int], typer.Option(
-        help="--serve: requests per concurrency level (default max(8, 2 x users)).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="--serve: max_tokens of every request.")] = 32,
+        help="--serve: requests per concurrency level (default max(8, 2 x users)); "
+             "with --soak the most requests of the run (default 10 per second of it).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        "--max-tokens", help="--serve: max_tokens of every request (default 32; with --soak at most, "
+                             "default 16).")] = None,
     max_concurrent: Annotated[Optional[int], typer.Option(
-        "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users).")] = None,
+        "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users; "
+                                 "with --soak the server's, default 4).")] = None,
     threads: Annotated[Optional[int], typer.Option(
         help="--serve: llama.cpp threads per member, the same in both modes (default: the server's).")] = None,
     remote: Annotated[bool, typer.Option(
         "--remote", help="--serve: the members are two llama_cpp.server processes started on loopback "
                          "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.")] = False,
     cache_dir: CacheOpt = None,
+    soak: Annotated[Optional[str], typer.Option(
+        "--soak", metavar="DURATION", help="--serve: a soak instead: the server under a seeded mix of traffic "
+                                           "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
+                                           "leaks (docs/reliability.md).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="--soak: the seed of the traffic mix (default 0).")] = None,
 ) -> None:
     """Measure the ensemble against its members, the floor, the reference method and response level.
 
-    With --serve: measure the server under concurrent users instead (docs/performance.md).
+    With --serve: measure the server under concurrent users instead (docs/performance.md); with
+    --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md).
     """
     from pathlib import Path
 
     serve_only = {"--concurrency": concurrency != "1,2,4,8", "--requests": requests is not None,
-                  "--max-tokens": max_tokens != 32, "--max-concurrent": max_concurrent is not None,
-                  "--threads": threads is not None, "--remote": remote, "--cache-dir": cache_dir is not None}
+                  "--max-tokens": max_tokens is not None, "--max-concurrent": max_concurrent is not None,
+                  "--threads": threads is not None, "--remote": remote, "--cache-dir": cache_dir is not None,
+                  "--soak": soak is not None, "--seed": seed is not None}
     given = [flag for flag, set_ in serve_only.items() if set_]
     if given and not serve:
         raise SpecFuseError(f"{', '.join(given)}: options of the serving benchmark", "add --serve")
+    if seed is not None and soak is None:
+        raise SpecFuseError("--seed: an option of the soak", "add --soak DURATION")
+    if soak is not None:
+        if concurrency != "1,2,4,8":
+            raise SpecFuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
+                                "leave out --concurrency with --soak")
+        _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
+                    cache_dir)
+        return
     if serve:
-        _bench_serve(concurrency, requests, max_tokens, model, threads, max_concurrent, remote, out, cache_dir)
+        _bench_serve(concurrency, requests, max_tokens or 32, model, threads, max_concurrent, remote, out,
+                     cache_dir)
         return
     require("bench", "specfuse bench")
     from ..bench import local as benchmark
@@ -74,16 +96,7 @@ def _bench_serve(concurrency: str, requests: int | None, max_tokens: int, model:
                  cache_dir: str | None) -> None:
     from pathlib import Path
 
-    from ..extras import MissingExtraError
-
-    require("server", "specfuse bench --serve")
-    needed = ["openai", "httpx"] + (["llama_cpp.server", "sse_starlette", "starlette_context",
-                                     "pydantic_settings"] if remote else [])
-    missing = [m for m in needed if _missing(m)]
-    if missing:
-        raise MissingExtraError(f"specfuse bench --serve{' --remote' if remote else ''} needs "
-                                f"{', '.join(missing)}", "pip install openai httpx" +
-                                (" 'llama-cpp-python[server]'" if remote else ""))
+    _require_serving_clients("specfuse bench --serve", remote)
     from ..bench import serving as bench_serve
 
     try:
@@ -96,6 +109,42 @@ def _bench_serve(concurrency: str, requests: int | None, max_tokens: int, model:
                              out=Path(out or "runs/bench-serve.json"), cache_dir=cache_dir, log=err.print)
     bench_serve.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
+
+
+def _require_serving_clients(command: str, remote: bool) -> None:
+    from ..extras import MissingExtraError
+
+    require("server", command)
+    needed = ["openai", "httpx"] + (["llama_cpp.server", "sse_starlette", "starlette_context",
+                                     "pydantic_settings"] if remote else [])
+    missing = [m for m in needed if _missing(m)]
+    if missing:
+        raise MissingExtraError(f"{command}{' --remote' if remote else ''} needs {', '.join(missing)}",
+                                "pip install openai httpx" + (" 'llama-cpp-python[server]'" if remote else ""))
+
+
+def _bench_soak(duration: str, seed: int, requests: int | None, max_tokens: int, model: list[str] | None,
+                threads: int | None, max_concurrent: int | None, remote: bool, out: str | None,
+                cache_dir: str | None) -> None:
+    from pathlib import Path
+
+    from ..bench.duration import parse_duration
+
+    seconds = parse_duration(duration)
+    _require_serving_clients("specfuse bench --serve --soak", remote)
+    from ..bench import soak as bench_soak
+    from ..bench import soak_report
+
+    settings = bench_soak.SoakSettings(duration_s=seconds, seed=seed, max_tokens=max_tokens, max_requests=requests,
+                                       models=tuple(model or ()), threads=threads,
+                                       max_concurrent=max_concurrent or 4, remote=remote, cache_dir=cache_dir)
+    path = Path(out or "runs/soak.json")
+    report = bench_soak.run(settings, out=path, log=err.print)
+    soak_report.print_report(report, Console(width=200, highlight=False))
+    try:
+        err.print(f"wrote {report['out']} and {soak_report.plot(report, path.with_suffix('.png'))}")
+    except ImportError:
+        err.print(f"wrote {report['out']} (no plot: matplotlib is missing; pip install 'specfuse[bench]')")
 
 
 def _missing(module: str) -> bool:

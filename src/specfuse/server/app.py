@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -31,8 +31,8 @@ from ..errors import SpecFuseError
 from ..options import FusionOptions
 from . import serving
 from .config import ServerConfig
-from .metrics import RequestMetrics, ServerMetrics
-from .protocol import Health, ModelCard, ModelList, QueueState
+from .metrics import ServerMetrics
+from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .serving import APIError
 from .worker import Job, Worker
 
@@ -70,6 +70,7 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAP
     """The ASGI app. With ``ensemble`` given the caller keeps ownership of it."""
     worker = Worker(config.server.queue_size, config.server.max_concurrent)
     state = ServerState(config, config.fusion_defaults(), worker, ServerMetrics(worker))
+    worker.observer = state.metrics
     owned: list[Ensemble] = []
 
     def attach(ens: Ensemble) -> None:
@@ -202,7 +203,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = Health(status=state.status, model=state.model_id, members=state.members, error=state.error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
-                      counters=worker.snapshot())
+                      counters=worker.snapshot(),
+                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
         return JSONResponse(body.model_dump(), status_code=200 if state.status == "ok" else 503)
 
     # Open like /health, for scrapers: counts and timings only, no request content.
@@ -247,10 +249,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         def cancel() -> None:
             worker.cancel(job)
 
-        observer = RequestMetrics(state.metrics, job.created)
         if parsed.stream:
             return StreamingResponse(
-                serving.stream(job, model, parsed.include_usage, cancel, observer),
+                serving.stream(job, model, parsed.include_usage, cancel),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 background=BackgroundTask(cancel),  # also runs when the client hung up
@@ -260,7 +261,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        result = await serving.complete(job, model, disconnected, cancel, observer)
+        result = await serving.complete(job, model, disconnected, cancel)
         return JSONResponse(result.model_dump(mode="json"))
 
 

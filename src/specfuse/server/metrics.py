@@ -1,22 +1,25 @@
 """Prometheus metrics for ``GET /metrics`` (the ``prometheus-client`` package).
 
 Each app has its own ``CollectorRegistry``, so several apps in one process
-(tests, embedders) never clash. The request counters, the queue and the rounds
-are read from the worker when scraped, so they always agree with ``/health``;
-the rest (tokens, latencies, member departures) is observed by ``serving`` as
-each request's events arrive.
+(tests, embedders) never clash. The request counters, the queue, the rounds and
+what each member holds (free slots, KV-cache cells) are read from the worker
+when scraped, so they always agree with ``/health``;
+the rest (tokens, latencies, member departures) is observed by the worker as
+each generation's events happen, whether or not a client still reads them, so
+that a completed request is always observed once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..backends.base import Occupancy
 from ..types import Result
 
 # How each request that reached the worker ended (429s included): the worker's counters of the same name.
@@ -35,6 +38,8 @@ class WorkerView(Protocol):
     def state(self) -> tuple[int, int]: ...
 
     def snapshot(self) -> dict[str, int]: ...
+
+    def occupancy(self) -> Mapping[str, Occupancy]: ...
 
 
 class _WorkerCollector(Collector):
@@ -62,6 +67,22 @@ class _WorkerCollector(Collector):
                                 value=self.worker.queue_size)
         yield GaugeMetricFamily("specfuse_max_concurrent", "Generations run together at most",
                                 value=self.worker.max_concurrent)
+        yield from _occupancy(self.worker.occupancy())
+
+
+def _occupancy(held: Mapping[str, Occupancy]) -> Iterable[Metric]:
+    """Per member, what it held after the worker's last step (members that cannot tell are left out)."""
+    free = GaugeMetricFamily("specfuse_member_free_slots", "Session slots of the member no request holds",
+                             labels=["member"])
+    cells = GaugeMetricFamily("specfuse_member_cache_cells", "KV-cache positions the member holds, "
+                              "summed over its sequences (0 when no request is in flight)", labels=["member"])
+    for name, o in held.items():
+        if o.free_slots is not None:
+            free.add_metric([name], o.free_slots)
+        if o.cache_cells is not None:
+            cells.add_metric([name], o.cache_cells)
+    yield free
+    yield cells
 
 
 class ServerMetrics:
@@ -110,22 +131,4 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
 
-class RequestMetrics:
-    """One request's observer: the first segment once, the end once (``serving`` calls it)."""
-
-    def __init__(self, metrics: ServerMetrics | None, accepted: float) -> None:
-        self.metrics = metrics
-        self.accepted = accepted
-        self._first_seen = False
-
-    def segment(self) -> None:
-        if self.metrics is not None and not self._first_seen:
-            self._first_seen = True
-            self.metrics.first_segment(self.accepted)
-
-    def done(self, result: Result) -> None:
-        if self.metrics is not None:
-            self.metrics.done(self.accepted, result)
-
-
-__all__ = ["OUTCOMES", "RequestMetrics", "ServerMetrics"]
+__all__ = ["OUTCOMES", "ServerMetrics"]

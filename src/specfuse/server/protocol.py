@@ -280,6 +280,14 @@ class QueueState(BaseModel):
     max_concurrent: int = Field(1, description="generations run together")
 
 
+class MemberOccupancy(BaseModel):
+    """What one member held after the worker's last step; null where the member cannot tell."""
+
+    slots: int | None = Field(None, description="sessions it can hold at once")
+    free_slots: int | None = Field(None, description="slots no open session takes")
+    cache_cells: int | None = Field(None, description="KV-cache positions held, summed over its sequences")
+
+
 class Health(BaseModel):
     """``GET /health``: readiness plus the work counters tests and operators read."""
 
@@ -289,3 +297,5 @@ class Health(BaseModel):
     error: str | None = None
     queue: QueueState
     counters: dict[str, int]
+    occupancy: dict[str, MemberOccupancy] = Field(default_factory=dict,
+                                                  description="per member: slots free, cache cells held")

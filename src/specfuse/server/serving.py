@@ -26,7 +26,6 @@ from ..errors import (
 )
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, RoundEvent, Segment, SegmentEvent
-from .metrics import RequestMetrics
 from .protocol import (
     NEUTRAL_PARAMETERS,
     SUPPORTED_PARAMETERS,
@@ -237,14 +236,12 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
 
 
 async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None], observer: RequestMetrics | None = None) -> ChatCompletion:
+                   cancel: Callable[[], None]) -> ChatCompletion:
     """Wait for the whole answer; ``cancel()`` the job if the client goes away first.
 
     ``disconnected`` returns when the client hangs up; the worker then stops
     the job within a round and the item stream ends with ``Cancelled``.
-    ``observer`` is told of the first segment and of the result (metrics).
     """
-    observer = observer or RequestMetrics(None, job.created)
 
     async def watch() -> None:
         await disconnected()
@@ -256,10 +253,7 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[No
         async for item in job.items():
             if isinstance(item, Started):
                 started = item
-            elif isinstance(item, SegmentEvent):
-                observer.segment()
             elif isinstance(item, DoneEvent):
-                observer.done(item.result)
                 return completion_body(job, model, item.result, started)
             elif isinstance(item, Failed):
                 raise api_error(item.error)
@@ -283,16 +277,13 @@ def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
     return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
 
 
-async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None],
-                 observer: RequestMetrics | None = None) -> AsyncIterator[str]:
+async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None]) -> AsyncIterator[str]:
     """SSE frames: role chunk, one delta per accepted segment, finish, [usage], [DONE].
 
     A failure after the stream began is sent as an ``error`` event; ``[DONE]``
     always ends the stream. If the client disconnects, the server cancels this
     generator at its current await and ``finally`` cancels the job.
-    ``observer`` is told of the first segment and of the result (metrics).
     """
-    observer = observer or RequestMetrics(None, job.created)
     yield _chunk(job, model, Delta(role="assistant", content=""), info=FusionInfo())
     started: Started | None = None
     pending: Segment | None = None
@@ -304,7 +295,6 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                 started = item
                 yield _chunk(job, model, Delta(), info=FusionInfo(prompt_tokens=item.prompt_tokens))
             elif isinstance(item, SegmentEvent):
-                observer.segment()
                 pending = item.segment  # sent with its round record, which follows at once
             elif isinstance(item, RoundEvent):
                 round_info = RoundInfo.model_validate(item.record.to_dict())
@@ -316,7 +306,6 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                     yield _chunk(job, model, Delta(), info=FusionInfo(round=round_info))
             elif isinstance(item, DoneEvent):
                 result = item.result
-                observer.done(result)
                 yield _chunk(job, model, Delta(), _finish_reason(result), _result_info(result, started))
                 if include_usage:
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],

@@ -8,6 +8,8 @@ in a bounded queue (429 beyond it). The worker hands each event to the
 request's asyncio queue as it happens; a cancelled job leaves the scheduler
 at its next tick (within a round), and closing its coroutine closes its member
 sessions. ``max_concurrent = 1`` is the serial worker: one job at a time.
+After every tick the thread also notes what each member holds (free slots, KV
+cells): only it may read a llama.cpp cache, which must not be read mid-decode.
 """
 
 from __future__ import annotations
@@ -18,22 +20,32 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from ..backends.base import Member
+from ..backends.base import Member, Occupancy
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
 from ..scheduler import Cancelled as FlightCancelled
 from ..scheduler import Flight, Scheduler
-from ..types import DoneEvent, Event, Message, RoundEvent
+from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
 
 log = logging.getLogger("specfuse.server")
 
 # accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
 # completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
 COUNTERS = ("accepted", "rejected", "started", "completed", "cancelled", "invalid", "failed", "rounds")
+
+
+class Observer(Protocol):
+    """What watches each generation as it happens (the server's metrics); `accepted` is the job's
+    ``time.time()`` at acceptance. Called on the worker thread."""
+
+    def first_segment(self, accepted: float) -> None: ...
+
+    def done(self, accepted: float, result: Result) -> None: ...
 
 
 class QueueFullError(SpecFuseError):
@@ -121,12 +133,17 @@ class Worker:
         self._cond = threading.Condition()
         self._stopping = False
         self._scheduler = Scheduler()
+        self._occupancy: dict[str, Occupancy] = {}
+        # Told of each generation's first segment and result here, where it happens: a client that
+        # left must not make a completed request go unobserved.
+        self.observer: Observer | None = None
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
         # llama.cpp members hold as many sessions as they were loaded with.
         self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
+        self._observe()  # the thread has not started: nothing decodes yet
         self._thread.start()
 
     def _count(self, name: str) -> None:
@@ -141,6 +158,11 @@ class Worker:
         """Jobs waiting, jobs in flight."""
         with self._cond:
             return len(self._waiting), len(self._running)
+
+    def occupancy(self) -> dict[str, Occupancy]:
+        """What each member held after the worker's last step (all slots free and no cells when idle)."""
+        with self._cond:
+            return dict(self._occupancy)
 
     def submit(self, job: Job) -> None:
         """Queue a bound job, or raise QueueFullError when every slot is taken."""
@@ -201,10 +223,26 @@ class Worker:
                         self._running.add(job)
                         admitted.append(job)
                 for job in admitted:
-                    self._admit(job)
+                    try:
+                        self._admit(job)
+                    except Exception as exc:  # a bug in one admission must not stop the worker for all
+                        self._end(job, exc, 0)
                 self._scheduler.tick()
+                self._observe()
         finally:
             self._scheduler.close()
+
+    def _observe(self) -> None:
+        assert self._ensemble is not None
+        seen = {}
+        for member in self._ensemble.members:
+            try:
+                seen[member.name] = member.occupancy()
+            except Exception:  # a view for operators must never stop the worker
+                log.exception("could not read what %s holds", member.name)
+                seen[member.name] = Occupancy(member.slots)
+        with self._cond:
+            self._occupancy = seen
 
     def _admit(self, job: Job) -> None:
         self._count("started")
@@ -218,15 +256,29 @@ class Worker:
         members = [m for m in ensemble.members if job.members is None or m.name in job.members]
         job.emit(Started(time.time() - job.created, _prompt_tokens(members, job.messages)))
         rounds = [0]
+        first = [True]
 
         def on_event(event: Event) -> None:
             if isinstance(event, RoundEvent):
                 rounds[0] += 1
                 self._count("rounds")
+            elif isinstance(event, SegmentEvent) and first[0]:
+                first[0] = False
+                self._tell(lambda o: o.first_segment(job.created))
+            elif isinstance(event, DoneEvent):
+                self._tell(lambda o: o.done(job.created, event.result))
             job.emit(event)
 
         self._scheduler.add(Flight(steps, on_event, lambda why: self._end(job, why, rounds[0]),
                                    job.cancel_flag.is_set))
+
+    def _tell(self, call: Callable[[Observer], None]) -> None:
+        if self.observer is None:
+            return
+        try:
+            call(self.observer)
+        except Exception:  # metrics must never stop a generation
+            log.exception("the observer failed")
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         with self._cond:

@@ -1,0 +1,231 @@
+"""The soak's traffic: a fixed, seeded mix of requests, as data (nothing here talks to a server).
+
+A plan is an endless, reproducible sequence of phases: the same seed gives the
+same phases, request for request. Each *cycle* runs one mixed phase at each
+concurrency level (1, 2, 4, 8 in flight, in a seeded order) and then a burst
+past the queue, so every stretch of a long run sees the same mix and its early
+and late latencies can be compared. The run (``soak.py``) decides how many
+phases fit in its time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .load import PROMPTS
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of request: its share of a mixed phase, the client outcomes that are right for it."""
+
+    weight: int  # 0: only where the run schedules it
+    expected: frozenset[str]
+    what: str
+
+
+def _kind(weight: int, expected: str, what: str) -> Kind:
+    return Kind(weight, frozenset(expected.split()), what)
+
+
+KINDS: dict[str, Kind] = {
+    "stream": _kind(30, "answered", "streamed, read to the end"),
+    "complete": _kind(14, "answered", "not streamed"),
+    "multi_turn": _kind(6, "answered", "a system prompt and earlier turns, streamed"),
+    "drop_first": _kind(8, "abandoned", "streamed; the client hangs up after the first chunk"),
+    "drop_mid": _kind(8, "abandoned answered", "streamed; the client hangs up at the first text"),
+    "timeout": _kind(8, "abandoned answered", "not streamed; the client gives up after 1-4 s"),
+    "malformed": _kind(12, "refused", "malformed or unsupported (raw HTTP): its own 4xx"),
+    "over_limit": _kind(4, "invalid", "a prompt well over the context window: 400"),
+    "near_limit": _kind(3, "answered invalid", "a prompt of 60-95 % of the context window"),
+    "burst": _kind(0, "answered rejected", "one of a burst past the queue: 200 or 429"),
+    "probe": _kind(0, "answered", "alone on the idle server, always the same: latency drift"),
+    "warmup": _kind(0, "answered", "before the measured traffic"),
+}
+MIXED = [name for name, kind in KINDS.items() if kind.weight]
+STREAMED = frozenset({"stream", "multi_turn", "drop_first", "drop_mid", "probe", "warmup"})
+NORMAL = frozenset({"stream", "complete", "multi_turn"})  # whose latencies show drift
+LEVELS = (1, 2, 4, 8)
+PROBE_PROMPT = "Name three primary colors."
+
+
+@dataclass(frozen=True)
+class Action:
+    """One request of the plan; `index` is unique in a run."""
+
+    index: int
+    phase: int
+    cycle: int  # -1: outside the plan (probes, warm-up)
+    kind: str
+    prompt: int  # into PROMPTS, or into MALFORMED for "malformed"
+    max_tokens: int
+    temperature: float
+    seed: int
+    timeout_s: float | None = None  # "timeout": when the client gives up
+    fill: float | None = None  # near/over_limit: prompt tokens wanted, as a fraction of n_ctx
+
+
+@dataclass(frozen=True)
+class Phase:
+    index: int
+    cycle: int
+    kind: Literal["mixed", "burst"]
+    concurrency: int  # requests in flight at once
+    actions: tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class Mix:
+    """What a plan depends on: its seed, the answer length, the size of a burst."""
+
+    seed: int = 0
+    max_tokens: int = 16
+    burst: int = 12  # requests sent at once: make it more than queue_size + max_concurrent
+    levels: tuple[int, ...] = LEVELS
+
+
+def plan(mix: Mix) -> Iterator[Phase]:
+    """The phases of a run, endlessly: a mixed phase per level (seeded order), then a burst; again.
+
+    Every cycle holds each mixed kind at least once, the rest drawn by weight, so even a short run
+    sees them all.
+    """
+    rng = random.Random(mix.seed)
+    counter = iter(range(1 << 62))
+    phase = cycle = 0
+    while True:
+        levels = rng.sample(mix.levels, len(mix.levels))
+        sizes = [max(3, 2 * level) for level in levels]
+        kinds = MIXED + rng.choices(MIXED, weights=[KINDS[k].weight for k in MIXED], k=max(0, sum(sizes) - len(MIXED)))
+        rng.shuffle(kinds)
+        for level, size in zip(levels, sizes):
+            drawn, kinds = kinds[:size], kinds[size:]
+            actions = tuple(_action(rng, next(counter), phase, cycle, k, mix) for k in drawn)
+            yield Phase(phase, cycle, "mixed", level, actions)
+            phase += 1
+        burst = tuple(_action(rng, next(counter), phase, cycle, "burst", mix) for _ in range(mix.burst))
+        yield Phase(phase, cycle, "burst", mix.burst, burst)
+        phase += 1
+        cycle += 1
+
+
+def _action(rng: random.Random, index: int, phase: int, cycle: int, kind: str, mix: Mix) -> Action:
+    return Action(
+        index=index, phase=phase, cycle=cycle, kind=kind,
+        prompt=rng.randrange(len(MALFORMED) if kind == "malformed" else len(PROMPTS)),
+        max_tokens=rng.randint(max(1, mix.max_tokens // 2), mix.max_tokens),
+        temperature=rng.choice((0.0, 0.6)),
+        seed=rng.randrange(1 << 16),
+        timeout_s=round(rng.uniform(1.0, 4.0), 2) if kind == "timeout" else None,
+        fill={"near_limit": round(rng.uniform(0.6, 0.95), 3), "over_limit": round(rng.uniform(1.2, 2.0), 3)}.get(kind),
+    )
+
+
+def probe(index: int, mix: Mix) -> Action:
+    """The request sent alone at every idle checkpoint: the same prompt and settings each time."""
+    return Action(index, -1, -1, "probe", -1, mix.max_tokens, 0.0, 0)
+
+
+def warmup(index: int, mix: Mix) -> Action:
+    """A request before the measured traffic (the first prompt, greedy)."""
+    return Action(index, -1, -1, "warmup", 0, mix.max_tokens, 0.0, 0)
+
+
+# --------------------------------------------------------------------------- prompts
+
+SENTENCES = (
+    "Rivers carry water from the hills to the sea, and towns grow along their banks.",
+    "In spring the orchards bloom, and bees move from one tree to the next all day.",
+    "The old library keeps maps of every road that crossed the valley a century ago.",
+    "Trains leave the station each hour, and the last one returns long after midnight.",
+)
+TOKENS_PER_WORD = 1.15  # these sentences, measured with the three default members' tokenizers
+
+
+def filler(tokens: int) -> str:
+    """About `tokens` tokens of plain prose."""
+    words: list[str] = []
+    i = 0
+    while len(words) * TOKENS_PER_WORD < tokens:
+        words += SENTENCES[i % len(SENTENCES)].split()
+        i += 1
+    return " ".join(words[: max(1, round(tokens / TOKENS_PER_WORD))])
+
+
+def messages(action: Action, n_ctx: int) -> list[dict[str, str]]:
+    """The chat messages of an action (not for "malformed")."""
+    if action.kind == "probe":
+        return [{"role": "user", "content": PROBE_PROMPT}]
+    question = PROMPTS[action.prompt % len(PROMPTS)]
+    if action.fill is not None:
+        text = filler(int(action.fill * n_ctx))
+        return [{"role": "user", "content": f"{text}\n\nIgnoring the text above: {question}"}]
+    if action.kind == "multi_turn":
+        earlier = PROMPTS[(action.prompt + 1) % len(PROMPTS)]
+        return [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": earlier},
+                {"role": "assistant", "content": "I will keep it short."}, {"role": "user", "content": question}]
+    return [{"role": "user", "content": question}]
+
+
+# --------------------------------------------------------------------------- malformed requests
+
+SAY_HI = [{"role": "user", "content": "Say hi."}]
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request the server must refuse before any member sees it, with this status and error code."""
+
+    name: str
+    status: int
+    code: str | None
+    json: Mapping[str, Any] | None = None
+    raw: bytes | None = None  # sent as is instead of `json`
+    method: str = "POST"
+    path: str = "/v1/chat/completions"
+    key: bool = True  # send the API key
+    oversized: bool = False  # a body past max_body_bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+MALFORMED: tuple[Malformed, ...] = (
+    Malformed("truncated JSON", 400, "invalid_json", raw=b'{"messages": [{"role": "user", "content": "Hi'),
+    Malformed("not an object", 400, "invalid_json", raw=b"[1, 2, 3]"),
+    Malformed("tools", 400, "unsupported_parameter", json={"messages": SAY_HI, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]}),
+    Malformed("logprobs", 400, "unsupported_parameter", json={"messages": SAY_HI, "logprobs": True}),
+    Malformed("fusion option at the top", 400, "unsupported_parameter", json={"messages": SAY_HI, "window": 6}),
+    Malformed("n = 2", 422, "invalid_value", json={"messages": SAY_HI, "n": 2}),
+    Malformed("max_tokens as a string", 422, "invalid_value", json={"messages": SAY_HI, "max_tokens": "16"}),
+    Malformed("no messages", 422, "invalid_value", json={"messages": []}),
+    Malformed("last turn not the user's", 400, "invalid_messages",
+              json={"messages": [*SAY_HI, {"role": "assistant", "content": "Hi!"}]}),
+    Malformed("blank question", 400, "invalid_messages", json={"messages": [{"role": "user", "content": "  "}]}),
+    Malformed("bad fusion option", 400, "invalid_value", json={"messages": SAY_HI, "specfuse": {"window": 0}}),
+    Malformed("unknown model", 404, "model_not_found", json={"messages": SAY_HI, "model": "no-such-model"}),
+    Malformed("no API key", 401, "invalid_api_key", json={"messages": SAY_HI}, key=False),
+    Malformed("wrong method", 405, "method_not_allowed", method="GET"),
+    Malformed("unknown route", 404, "not_found", json={"messages": SAY_HI}, path="/v1/chat/complete"),
+    Malformed("body too large", 413, "request_too_large", oversized=True),
+)
+
+
+def malformed_body(m: Malformed, max_body_bytes: int) -> bytes | None:
+    """The bytes to send for `m` (None: no body)."""
+    if m.oversized:
+        pad = "x" * (max_body_bytes + 1024)
+        return ('{"messages": [{"role": "user", "content": "' + pad + '"}]}').encode()
+    if m.raw is not None:
+        return m.raw
+    if m.json is not None:
+        import json
+
+        return json.dumps(m.json).encode()
+    return None
+
+
+__all__ = ["KINDS", "MALFORMED", "NORMAL", "STREAMED", "Action", "Kind", "Malformed", "Mix", "Phase",
+           "filler", "malformed_body", "messages", "plan", "probe", "warmup"]

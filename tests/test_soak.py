@@ -1,0 +1,279 @@
+"""The soak (`specfuse bench --serve --soak`): its pure parts, then a short run on the real server.
+
+The pure parts need no models: durations, the seeded traffic mix, the accounting that sets the
+client's outcomes against the server's counters, latency tenths, memory growth, targets. The last
+test soaks a real `specfuse serve` with the default members for about 40 s of traffic and checks
+the accounting and the idle state; it never checks timings (the machine may be busy).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from itertools import islice
+
+import pytest
+
+from specfuse.bench import accounting as acc
+from specfuse.bench.accounting import Memory, Record
+from specfuse.bench.duration import format_duration, parse_duration
+from specfuse.bench.soak import held
+from specfuse.bench.traffic import (
+    KINDS,
+    LEVELS,
+    MALFORMED,
+    MIXED,
+    TOKENS_PER_WORD,
+    Mix,
+    filler,
+    malformed_body,
+    messages,
+    plan,
+    probe,
+)
+from specfuse.errors import SpecFuseError
+
+# --------------------------------------------------------------------------- durations
+
+
+@pytest.mark.parametrize("text, seconds", [("30m", 1800), ("90s", 90), ("1h30m", 5400), ("2.5m", 150), ("45", 45),
+                                           ("1h 5m 3s", 3903), (" 10S ", 10)])
+def test_durations_are_read_as_people_write_them(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "m", "30x", "5m1h", "1m1m", "10s5", "-3s", "0s", "1.m", "1h30"])
+def test_a_duration_that_is_not_one_is_refused_with_an_example(text):
+    with pytest.raises(SpecFuseError, match="duration") as error:
+        parse_duration(text)
+    assert "30m" in error.value.hint
+
+
+def test_durations_are_written_back_the_same_way():
+    written = [format_duration(s) for s in (1800, 90, 3903, 3600, 45.4, 0)]
+    assert written == ["30m", "1m30s", "1h5m3s", "1h", "45s", "0s"]
+
+
+# --------------------------------------------------------------------------- the traffic mix
+
+
+def phases(seed: int, n: int, **mix):
+    return list(islice(plan(Mix(seed=seed, **mix)), n))
+
+
+def test_the_same_seed_gives_the_same_traffic_and_another_seed_other_traffic():
+    assert phases(7, 12) == phases(7, 12)
+    assert phases(7, 12) != phases(8, 12)
+
+
+def test_every_cycle_runs_each_level_once_then_a_burst_and_holds_every_kind():
+    run = phases(3, 15, max_tokens=16, burst=13)
+    for k in range(3):
+        cycle = run[5 * k : 5 * k + 5]
+        assert {p.cycle for p in cycle} == {k}
+        assert sorted(p.concurrency for p in cycle[:4]) == sorted(LEVELS) and cycle[4].kind == "burst"
+        assert cycle[4].concurrency == len(cycle[4].actions) == 13
+        assert {a.kind for p in cycle[:4] for a in p.actions} == set(MIXED)
+        for p in cycle[:4]:
+            assert len(p.actions) == max(3, 2 * p.concurrency) and p.kind == "mixed"
+    actions = [a for p in run for a in p.actions]
+    assert len({a.index for a in actions}) == len(actions)  # one id per request
+
+
+def test_each_action_carries_only_what_its_kind_needs():
+    actions = [a for p in phases(1, 30, max_tokens=16) for a in p.actions]
+    for a in actions:
+        assert 8 <= a.max_tokens <= 16 and a.temperature in (0.0, 0.6)
+        assert (a.timeout_s is not None) == (a.kind == "timeout")
+        assert (a.fill is not None) == (a.kind in ("near_limit", "over_limit"))
+        if a.kind == "timeout":
+            assert 1.0 <= a.timeout_s <= 4.0
+        if a.kind == "near_limit":
+            assert 0.6 <= a.fill <= 0.95
+        if a.kind == "over_limit":
+            assert 1.2 <= a.fill <= 2.0
+        if a.kind == "malformed":
+            assert 0 <= a.prompt < len(MALFORMED)
+    assert set(KINDS["drop_first"].expected) == {"abandoned"} and "rejected" in KINDS["burst"].expected
+
+
+def test_prompts_near_and_over_the_window_are_about_the_asked_size():
+    for tokens in (100, 400, 1000):
+        assert abs(len(filler(tokens).split()) * TOKENS_PER_WORD - tokens) <= 2 * TOKENS_PER_WORD
+    near = next(a for p in phases(0, 30) for a in p.actions if a.kind == "near_limit")
+    text = messages(near, 512)[-1]["content"]
+    assert abs(len(text.split()) * TOKENS_PER_WORD - near.fill * 512) < 30  # the question adds a few words
+    turns = messages(next(a for p in phases(0, 30) for a in p.actions if a.kind == "multi_turn"), 512)
+    assert [m["role"] for m in turns] == ["system", "user", "assistant", "user"]
+    assert messages(probe(99, Mix()), 512) == messages(probe(5, Mix(seed=9)), 512)  # always the same probe
+
+
+def test_malformed_bodies():
+    big = next(m for m in MALFORMED if m.oversized)
+    assert len(malformed_body(big, 1000)) > 1000 and json.loads(malformed_body(big, 1000))
+    assert malformed_body(next(m for m in MALFORMED if m.method == "GET"), 1000) is None
+    tools = next(m for m in MALFORMED if m.name == "tools")
+    assert json.loads(malformed_body(tools, 1000))["tools"]
+    assert all(400 <= m.status < 500 for m in MALFORMED)
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def rec(index: int, kind: str, outcome: str, *, cycle: int = 0, start: float = 0.0, latency: float = 1.0,
+        response_id: str | None = None, finishes: int = 0) -> Record:
+    return Record(index, kind, 0, cycle, start, latency, outcome, tuple(sorted(KINDS[kind].expected)),
+                  response_id=response_id if response_id is not None else (f"id{index}" if outcome == "answered"
+                                                                            else None),
+                  finishes=finishes)
+
+
+RECORDS = [rec(0, "stream", "answered", finishes=1), rec(1, "complete", "answered"),
+           rec(2, "drop_first", "abandoned"), rec(3, "timeout", "abandoned"), rec(4, "burst", "rejected"),
+           rec(5, "over_limit", "invalid"), rec(6, "malformed", "refused")]
+# The server's side of RECORDS: one abandoned request finished before its client left, one was cancelled.
+COUNTERS = {"accepted": 5, "rejected": 1, "started": 5, "completed": 3, "cancelled": 1, "invalid": 1, "failed": 0}
+METRICS = {acc.metric_key("specfuse_requests_total", {"outcome": o}): COUNTERS[o]
+           for o in ("completed", "cancelled", "invalid", "failed", "rejected")}
+METRICS |= {"specfuse_requests_accepted_total": 5, "specfuse_request_latency_seconds_count": 3}
+IDLE = {"waiting": 0, "running": 0}
+
+
+def failing(checks):
+    return [c.name for c in checks if not c.ok]
+
+
+def test_consistent_counts_pass_every_check():
+    assert failing(acc.reconcile(RECORDS, COUNTERS, METRICS, IDLE)) == []
+    assert acc.tally(RECORDS)["abandoned"] == 2 and acc.by_kind(RECORDS)["burst"]["rejected"] == 1
+
+
+def test_a_request_counted_twice_or_never_is_caught():
+    twice = COUNTERS | {"cancelled": 2}  # a cancel counted twice: more ends than acceptances
+    assert "every accepted request ended once" in failing(acc.reconcile(RECORDS, twice, METRICS, IDLE))
+    stuck = {"waiting": 1, "running": 0}  # a request left in the queue
+    assert "every accepted request ended once" in failing(acc.reconcile(RECORDS, COUNTERS, METRICS, stuck))
+    lost = [*RECORDS, rec(7, "stream", "lost")]
+    assert "no request lost by the client" in failing(acc.reconcile(lost, COUNTERS, METRICS, IDLE))
+    unseen = COUNTERS | {"accepted": 4, "completed": 2}  # the server never saw an answered request
+    assert "accepted = requests that reached the worker" in failing(acc.reconcile(RECORDS, unseen, METRICS, IDLE))
+
+
+def test_duplicated_answers_and_empty_200s_are_caught():
+    dupe = [*RECORDS[:-1], rec(9, "stream", "answered", response_id="id0", finishes=2)]
+    found = acc.duplicates(dupe)
+    assert any("id0" in f for f in found) and any("2 finish chunks" in f for f in found)
+    assert "no duplicated answer" in failing(acc.reconcile(dupe, COUNTERS, METRICS, IDLE))
+    empty = [replace(RECORDS[0], outcome="empty"), *RECORDS[1:]]
+    assert failing(acc.reconcile(empty, COUNTERS, METRICS, IDLE)) == ["no empty 200"]
+
+
+def test_a_wrong_answer_for_its_kind_is_caught():
+    wrong = [*RECORDS[:-1], replace(RECORDS[-1], outcome="unexpected", status=500)]
+    assert failing(acc.reconcile(wrong, COUNTERS, METRICS, IDLE)) == ["every request got the answer its kind expects"]
+
+
+def test_metrics_that_disagree_with_health_are_caught():
+    unobserved = METRICS | {"specfuse_request_latency_seconds_count": 2}  # a completion not observed
+    assert failing(acc.agree(COUNTERS, unobserved)) == ["/metrics latency observations = completed"]
+    text = ('# TYPE specfuse_requests counter\nspecfuse_requests_total{outcome="completed"} 3.0\n'
+            "# TYPE specfuse_rounds counter\nspecfuse_rounds_total 7.0\n")
+    assert acc.parse_metrics(text) == {"specfuse_requests_total{outcome=completed}": 3.0, "specfuse_rounds_total": 7.0}
+    assert acc.delta({"a": 1, "b": 2}, {"a": 4, "b": 2, "c": 1}) == {"a": 3, "b": 0, "c": 1}
+
+
+def test_latency_drift_compares_whole_cycles():
+    def cycle(k: int, latency: float) -> list[Record]:
+        normal = [rec(10 * k + i, "stream", "answered", cycle=k, start=100.0 * k + i, latency=latency)
+                  for i in range(4)]
+        return [*normal, rec(10 * k + 9, "burst", "answered", cycle=k, start=100.0 * k + 9, latency=50.0)]
+
+    assert acc.latency_tenths(cycle(0, 1.0), acc_kinds())["p95_ratio"] is None  # one cycle: nothing to compare
+    records = [r for k in range(20) for r in cycle(k, 1.0 if k < 18 else 1.5)]
+    records += [rec(999, "stream", "answered", cycle=20, start=2001.0, latency=99.0)]  # cycle 21 never finished
+    tenths = acc.latency_tenths(records, acc_kinds())
+    assert tenths["cycles"] == 20 and tenths["first"]["cycles"] == [0, 1] and tenths["last"]["cycles"] == [18, 19]
+    assert tenths["first"]["requests"] == 8 and tenths["p95_ratio"] == pytest.approx(1.5)  # bursts left out
+
+
+def acc_kinds():
+    return frozenset({"stream", "complete", "multi_turn"})
+
+
+def test_memory_growth_after_warm_up_and_per_thousand_requests():
+    memory = Memory(start_mb=900.0, warm_mb=1000.0, end_mb=1030.0, requests_since_warm=600)
+    assert memory.growth == pytest.approx(0.03) and memory.per_1000_mb == pytest.approx(50.0)
+    assert Memory(900.0, None, 1000.0, 0).growth is None and Memory(900.0, 1000.0, 1000.0, 0).per_1000_mb is None
+
+
+def test_targets_are_measured_and_judged_never_enforced():
+    memory = Memory(900.0, 1000.0, 1080.0, 500)
+    t = acc.targets([*RECORDS, rec(8, "stream", "lost")], memory, held_when_idle=0, p95_ratio=None)
+    assert t["lost_or_duplicated"]["measured"] == 1 and t["lost_or_duplicated"]["met"] is False
+    assert t["memory_growth"]["met"] is False and t["held_when_idle"]["met"] is True
+    assert t["p95_drift"]["met"] is None  # not measured
+
+
+def test_held_names_members_holding_slots_or_cells_and_ignores_those_that_cannot_tell():
+    health = {"occupancy": {"a": {"slots": 4, "free_slots": 3, "cache_cells": 120},
+                            "b": {"slots": 4, "free_slots": 4, "cache_cells": 0},
+                            "remote": {"slots": None, "free_slots": None, "cache_cells": None}}}
+    assert held(health) == ["a: 1 slots", "a: 120 cells"]
+    assert held({"occupancy": {}}) == []
+
+
+# --------------------------------------------------------------------------- a short soak on the real server
+
+
+@pytest.mark.models
+@pytest.mark.timeout(600)
+def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_path):
+    pytest.importorskip("openai")
+    from rich.console import Console
+
+    from specfuse.bench import soak, soak_report
+
+    settings = soak.SoakSettings(duration_s=40, seed=0, max_tokens=4, threads=1)
+    report = soak.run(settings, out=tmp_path / "soak.json", log=lambda line: None)
+
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert not failed, failed
+    outcomes = report["outcomes"]
+    assert outcomes["lost"] == outcomes["empty"] == outcomes["unexpected"] == 0
+    assert outcomes["answered"] and outcomes["abandoned"] and outcomes["refused"] and outcomes["invalid"]
+    assert report["counters_delta"]["accepted"] == sum(outcomes[o] for o in acc.REACHED)
+    for checkpoint in report["checkpoints"]:  # idle: queue empty, every slot free, no KV cell held
+        assert (checkpoint["waiting"], checkpoint["running"], checkpoint["held"]) == (0, 0, []), checkpoint
+        for member in checkpoint["occupancy"].values():
+            assert member["free_slots"] == member["slots"] == 4 and member["cache_cells"] == 0
+    assert report["memory"]["start_mb"] > 0 and report["memory"]["end_mb"] > 0
+    assert report["log_errors"]["count"] == 0, report["log_errors"]["first"]
+
+    saved = json.loads((tmp_path / "soak.json").read_text())
+    assert saved["outcomes"] == outcomes and len(saved["records"]) == report["requests"]
+    assert (tmp_path / "soak.server.log").exists()
+    console = Console(file=io.StringIO(), width=200)
+    soak_report.print_report(report, console)
+    assert "accounting: all" in console.file.getvalue()
+    pytest.importorskip("matplotlib")
+    assert soak_report.plot(report, tmp_path / "soak.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--soak", "1m"], "add --serve"),
+    (["--serve", "--soak", "1x"], "not a duration"),
+    (["--serve", "--seed", "3"], "add --soak"),
+    (["--serve", "--soak", "1m", "--concurrency", "1,2"], "leave out --concurrency"),
+    (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
+])
+def test_soak_options_are_checked_before_anything_starts(args, says):
+    done = subprocess.run([sys.executable, "-m", "specfuse.cli", "bench", *args], input="", capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
