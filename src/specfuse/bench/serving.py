@@ -109,6 +109,45 @@ def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]]
     return ratios, targets
 
 
+def _remote_members(stack: ExitStack, workdir: Path, threads: int | None, cache_dir: str | None,
+                    log: Callable[[str], None]) -> list[str]:
+    """Start a llama_cpp.server per REMOTE_MODELS entry (stopped with `stack`); their member specs."""
+    from ..models import CATALOGUE, model_path
+
+    members = []
+    for catalogue_name, member_name in REMOTE_MODELS:
+        gguf = model_path(CATALOGUE[catalogue_name], cache_dir)
+        log(f"starting llama_cpp.server for {catalogue_name}…")
+        served = stack.enter_context(llama_cpp_server(gguf, workdir / f"{catalogue_name}.log", threads=threads))
+        members.append(f"remote:{served.url}#{member_name}")
+    return members
+
+
+def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], levels: Sequence[int],
+              per_level: dict[int, int], max_tokens: int, warmup: int, startup_s: float,
+              log: Callable[[str], None]) -> dict[str, Any]:
+    """One server (serial or concurrent worker) driven at every concurrency level."""
+    import httpx
+
+    t0 = time.perf_counter()
+    with specfuse_server(workdir, mode, config, startup_s=startup_s) as server:
+        entry: dict[str, Any] = {"max_concurrent": config["server"]["max_concurrent"],
+                                 "members": server.health().get("members"), "startup_s": time.perf_counter() - t0,
+                                 "levels": {}}
+        if warmup:
+            warm = drive(server, 1, warmup, max_tokens, offset=len(PROMPTS) - 1)
+            entry["warmup"] = {k: v for k, v in warm.items() if k != "outcomes"}
+        for c in levels:
+            log(f"   concurrency {c}: {per_level[c]} requests…")
+            level = drive(server, c, per_level[c], max_tokens)
+            entry["levels"][str(c)] = level
+            log(f"   concurrency {c}: {_fmt(level['requests_per_s'], '.2f')} req/s, "
+                f"{_fmt(level['output_tokens_per_s'], '.1f')} tok/s, "
+                f"p50 {_fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}")
+        entry["server_counters"] = httpx.get(f"{server.url}/health", timeout=10).json().get("counters")
+    return entry
+
+
 def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None = None, max_tokens: int = 32,
         models: Sequence[str] | None = None, threads: int | None = None, max_concurrent: int | None = None,
         remote: bool = False, out: Path | None = Path("runs/bench-serve.json"), n_ctx: int | None = None,
@@ -129,7 +168,7 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         raise SpecFuseError("--max-tokens must be at least 1")
     if remote and models:
         raise SpecFuseError("--remote starts its own members", "leave out -m/--model with --remote")
-    import httpx  # before anything starts: fail at once when the client libraries are missing
+    import httpx  # noqa: F401  (before anything starts: fail at once when the client libraries are missing)
     import openai  # noqa: F401
 
     widest = max_concurrent or levels[-1]
@@ -156,38 +195,16 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specfuse-bench-serve-")))
         members = list(models or [])
         if remote:
-            from ..models import CATALOGUE, model_path
-
-            for catalogue_name, member_name in REMOTE_MODELS:
-                gguf = model_path(CATALOGUE[catalogue_name], cache_dir)
-                log(f"starting llama_cpp.server for {catalogue_name}…")
-                served = stack.enter_context(llama_cpp_server(gguf, workdir / f"{catalogue_name}.log",
-                                                              threads=threads))
-                members.append(f"remote:{served.url}#{member_name}")
+            members += _remote_members(stack, workdir, threads, cache_dir, log)
             settings["remote_servers"] = list(members)
         settings["members"] = members or "default"
         for mode in MODES:
             mc = 1 if mode == "serial" else widest
             log(f"== {mode}: starting `specfuse serve` with max_concurrent={mc}…")
-            t0 = time.perf_counter()
             config = server_config(max_concurrent=mc, queue_size=settings["queue_size"], models=members,
                                    threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
-            with specfuse_server(workdir, mode, config, startup_s=startup_s) as server:
-                health = httpx.get(f"{server.url}/health", timeout=10).json()
-                entry: dict[str, Any] = {"max_concurrent": mc, "members": health.get("members"),
-                                         "startup_s": time.perf_counter() - t0, "levels": {}}
-                if warmup:
-                    warm = drive(server, 1, warmup, max_tokens, offset=len(PROMPTS) - 1)
-                    entry["warmup"] = {k: v for k, v in warm.items() if k != "outcomes"}
-                for c in levels:
-                    log(f"   concurrency {c}: {per_level[c]} requests…")
-                    level = drive(server, c, per_level[c], max_tokens)
-                    entry["levels"][str(c)] = level
-                    log(f"   concurrency {c}: {_fmt(level['requests_per_s'], '.2f')} req/s, "
-                        f"{_fmt(level['output_tokens_per_s'], '.1f')} tok/s, "
-                        f"p50 {_fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}")
-                entry["server_counters"] = httpx.get(f"{server.url}/health", timeout=10).json().get("counters")
-            report["modes"][mode] = entry
+            report["modes"][mode] = _run_mode(workdir, mode, config, levels, per_level, max_tokens, warmup,
+                                              startup_s, log)
     report["loadavg"]["end"] = loadavg()
     report["ratios"], report["targets"] = compare(report["modes"])
     if out is not None:

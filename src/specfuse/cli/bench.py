@@ -55,39 +55,44 @@ def bench(
     With --serve: measure the server under concurrent users instead (docs/performance.md); with
     --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md).
     """
-    from pathlib import Path
-
-    serve_only = {"--concurrency": concurrency != "1,2,4,8", "--requests": requests is not None,
-                  "--max-tokens": max_tokens is not None, "--max-concurrent": max_concurrent is not None,
-                  "--threads": threads is not None, "--remote": remote, "--cache-dir": cache_dir is not None,
-                  "--soak": soak is not None, "--seed": seed is not None}
-    given = [flag for flag, set_ in serve_only.items() if set_]
-    if given and not serve:
-        raise SpecFuseError(f"{', '.join(given)}: options of the serving benchmark", "add --serve")
-    if seed is not None and soak is None:
-        raise SpecFuseError("--seed: an option of the soak", "add --soak DURATION")
+    _check_flags(serve, concurrency=concurrency != "1,2,4,8", requests=requests is not None,
+                 max_tokens=max_tokens is not None, max_concurrent=max_concurrent is not None,
+                 threads=threads is not None, remote=remote, cache_dir=cache_dir is not None,
+                 soak=soak is not None, seed=seed is not None)
     if soak is not None:
-        if concurrency != "1,2,4,8":
-            raise SpecFuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
-                                "leave out --concurrency with --soak")
         _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
                     cache_dir)
-        return
-    if serve:
+    elif serve:
         _bench_serve(concurrency, requests, max_tokens or 32, model, threads, max_concurrent, remote, out,
                      cache_dir)
-        return
+    else:
+        _bench_local(lengths, reps, model, window, out or "runs/bench", rss)
+
+
+def _check_flags(serve: bool, **given: bool) -> None:
+    """Options of the serving benchmark need --serve; the seed needs --soak, which runs its own concurrency."""
+    flags = [f"--{name.replace('_', '-')}" for name, on in given.items() if on]
+    if flags and not serve:
+        raise SpecFuseError(f"{', '.join(flags)}: options of the serving benchmark", "add --serve")
+    if given["seed"] and not given["soak"]:
+        raise SpecFuseError("--seed: an option of the soak", "add --soak DURATION")
+    if given["soak"] and given["concurrency"]:
+        raise SpecFuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
+                            "leave out --concurrency with --soak")
+
+
+def _bench_local(lengths: str, reps: int, model: list[str] | None, window: int, out: str, rss: bool) -> None:
+    from pathlib import Path
+
     require("bench", "specfuse bench")
     from ..bench import local as benchmark
 
-    out = out or "runs/bench"
     sizes = [int(x) for x in lengths.split(",") if x.strip()]
     report = benchmark.run(sizes, reps, model or None, window, Path(out), log=err.print, rss=rss)
     table = Table(*benchmark.TABLE_HEADER, title=f"SpecFuse benchmark ({', '.join(report['models'])})")
     for row in benchmark.format_table(report):
         table.add_row(*row)
-    out_console = Console(width=200)
-    out_console.print(table)
+    Console(width=200).print(table)
     err.print(f"wrote {Path(out) / 'bench.json'} and {report.get('plot', '')}")
 
 
