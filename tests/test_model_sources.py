@@ -79,8 +79,9 @@ def hf_repo(hub: Path, repo_id: str, files: dict[str, Path | bytes], rev: str = 
     """models--ORG--NAME/{blobs,refs/main,snapshots/REV/...}, snapshot files linking to blobs as the hub does."""
     repo = hub / f"models--{repo_id.replace('/', '--')}"
     for relpath, content in files.items():
-        if isinstance(content, Path):
-            blob = _link(content, repo / "blobs" / SHA256[content])
+        if isinstance(content, Path):  # blobs are named by the file's sha256 (a stand-in for big unknown files)
+            digest = SHA256.get(content) or hashlib.sha256(str(content).encode()).hexdigest()
+            blob = _link(content, repo / "blobs" / digest)
         else:
             blob = repo / "blobs" / hashlib.sha1(content).hexdigest()
             blob.parent.mkdir(parents=True, exist_ok=True)
@@ -473,3 +474,20 @@ def test_generate_with_members_named_each_way(home):
     assert result["models"] == ["smollm2:135m", "smollm2-135m-instruct-q4_1", "SmolLM2-135M-Instruct-Q4_1",
                                 "smollm2-135m-instruct-q4_1#2"]
     assert result["text"] and result["text"] == json.loads(alone.stdout)["text"]
+
+
+@pytest.mark.models
+def test_a_cached_checkpoint_is_a_transformers_member(home):
+    """`-m transformers:hf:ORG/REPO`: a checkpoint from the Hugging Face cache, loaded by transformers."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from specfuse import Ensemble
+    from specfuse.backends.registry import load_member
+    from specfuse.backends.transformers import convert_gguf, pick_dtype
+
+    checkpoint = convert_gguf(SMOL, pick_dtype("auto", "cpu"), None)  # SmolLM2 as a plain checkpoint (cached)
+    hf_repo(home / ".cache" / "huggingface" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct",
+            {f.name: f for f in checkpoint.iterdir() if f.is_file()})
+    member = load_member("transformers:hf:HuggingFaceTB/SmolLM2-135M-Instruct", threads=1)
+    with Ensemble([member]) as ensemble:
+        result = ensemble.generate("What is the capital of France?", max_tokens=8, temperature=0)
+    assert result.models == ["SmolLM2-135M-Instruct"] and "Paris" in result.text
