@@ -15,17 +15,17 @@ on disk; nothing is ever downloaded. One module per source, each with
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from ..errors import ModelFileError, UnknownModelError
 from . import hf, llama_cache, lmstudio, ollama
-from .entry import Entry
+from .entry import Entry, Source
 from .gguf_info import read_gguf
 
-SOURCES: dict[str, ModuleType] = {m.PREFIX: m for m in (ollama, hf, lmstudio, llama_cache)}
+SOURCES: dict[str, Source] = {
+    ollama.PREFIX: ollama, hf.PREFIX: hf, lmstudio.PREFIX: lmstudio, llama_cache.PREFIX: llama_cache,
+}
 PREFIXES: tuple[str, ...] = tuple(SOURCES)
 
-__all__ = ["Entry", "PREFIXES", "SOURCES", "entries", "is_sourced", "locate", "resolve", "suggest"]
+__all__ = ["PREFIXES", "SOURCES", "Entry", "Source", "entries", "is_sourced", "locate", "resolve", "suggest"]
 
 
 def is_sourced(name: str) -> bool:

@@ -6,6 +6,7 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import UnknownModelError
 
@@ -27,6 +28,18 @@ class Entry:
     files: tuple[Path, ...]  # every file of the model on disk, for its size
     hint: str  # what to do when it cannot be used: how to download it again, or what to use instead
     problem: str | None = None
+
+
+class Source(Protocol):
+    """What each source module provides (ollama.py, hf.py, lmstudio.py, llama_cache.py)."""
+
+    PREFIX: str
+
+    def roots(self) -> list[Path]: ...  # where it looks, for error messages
+
+    def entries(self) -> list[Entry]: ...  # every model it found, for `specfuse models`
+
+    def find(self, ref: str, *, checkpoint: bool = False) -> Entry: ...  # the model `ref` names
 
 
 def not_found(name: str, what: str, roots: Sequence[Path], known: Sequence[str]) -> UnknownModelError:
