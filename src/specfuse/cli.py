@@ -469,15 +469,17 @@ def models_list(
             sys.stdout.write(f"{row.name}\t{row.path or '-'}\n")
         return
     # Names are what `-m` takes: they never wrap or shorten; the long file paths get their own lines.
-    table = Table("source", "name", "size", "quant", "arch", "prompt", "status",
+    table = Table("source", "name", "status", "size", "quant", "arch", "prompt",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
-    table.columns[1].no_wrap, table.columns[1].min_width = True, max(len(r.name) for r in rows)
-    for column in table.columns[:6]:
-        column.no_wrap = True
+    for column, key in zip(table.columns[:3], ("source", "name", "status"), strict=True):
+        # never shortened: which model, how to name it, whether it can be used
+        column.no_wrap, column.min_width = True, max(len(getattr(r, key)) for r in rows)
+    for column in table.columns[3:]:
+        column.no_wrap = True  # on a narrow terminal these are cut short, with an ellipsis
     for row in rows:
         prompt = {True: "chat", False: "base"}.get(row.chat_template, "")
-        table.add_row(row.source, row.name, _size(row.size), row.quantisation or "", row.architecture or "",
-                      prompt, row.status)
+        table.add_row(row.source, row.name, row.status, _size(row.size), row.quantisation or "",
+                      row.architecture or "", prompt)
     out.print(table)
     out.print()
     for row in rows:
