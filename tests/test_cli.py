@@ -47,21 +47,29 @@ def test_no_prompt_at_all_is_a_clear_error():
     assert "no prompt given" in done.stderr
 
 
-def test_the_model_list_never_cuts_a_name_at_80_columns():
-    done = specfuse("models", env={"COLUMNS": "80"})
+def only_embedded(home) -> dict[str, str]:
+    """An environment whose tools (Ollama, Hugging Face, LM Studio, llama.cpp) hold no models."""
+    return {"HOME": str(home), "SPECFUSE_CACHE_DIR": str(catalogue.cache_dir()), "OLLAMA_MODELS": str(home / "none"),
+            "HF_HUB_CACHE": str(home / "none"), "LLAMA_CACHE": str(home / "none")}
+
+
+def test_the_model_list_never_cuts_a_name_at_80_columns(tmp_path):
+    done = specfuse("models", env={"COLUMNS": "80", **only_embedded(tmp_path)})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert max(len(line) for line in lines[:12]) <= 80  # the table fits the terminal
+    table = lines[: lines.index("")]  # the table, a blank line, then one line per file
+    assert max(len(line) for line in table) <= 80  # the table fits the terminal
     for name in catalogue.CATALOGUE:
-        assert any(name in line for line in lines), name
+        assert any(name in line for line in table), name
         assert any(line.startswith(f"{name}: ") for line in lines)  # its file (or install line) on its own line
 
 
-def test_the_model_list_as_json_and_paths():
-    rows = json.loads(specfuse("models", "--json").stdout)
+def test_the_model_list_as_json_and_paths(tmp_path):
+    rows = json.loads(specfuse("models", "--json", env=only_embedded(tmp_path)).stdout)
     assert [r["name"] for r in rows] == list(catalogue.CATALOGUE)
-    assert {"name", "ready", "path", "install", "default"} <= set(rows[0])
-    paths = specfuse("models", "--paths").stdout.splitlines()
+    assert {"name", "ready", "path", "install", "default", "source", "size", "quantisation", "architecture",
+            "chat_template"} <= set(rows[0])
+    paths = specfuse("models", "--paths", env=only_embedded(tmp_path)).stdout.splitlines()
     assert [line.split("\t")[0] for line in paths] == list(catalogue.CATALOGUE)
 
 

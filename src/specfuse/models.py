@@ -19,6 +19,7 @@ from typing import Literal
 
 from platformdirs import user_cache_dir
 
+from . import sources
 from .errors import ModelFileError, UnknownModelError
 
 PromptStyle = Literal["chat", "plain"]
@@ -234,13 +235,21 @@ def prepare(spec: ModelSpec, cache: str | os.PathLike[str] | None = None) -> Pat
     return path
 
 
-def resolve(name_or_path: str, cache: str | os.PathLike[str] | None = None) -> tuple[str, Path, PromptFormat | None]:
+def resolve(
+    name_or_path: str, cache: str | os.PathLike[str] | None = None, *, checkpoint: bool = False
+) -> tuple[str, Path, PromptFormat | None]:
     """Turn a member argument into (display name, GGUF path, prompt format).
 
-    A known name must be prepared; a path must exist. For a path the prompt
-    format is None: the backend reads the chat template from the file and
-    falls back to the plain format when there is none.
+    A known name must be prepared; a path must exist; a name with a source
+    prefix (``ollama:``, ``hf:``, ``lmstudio:``, ``llamacache:``) is looked up
+    on disk by `sources`. For a path or a sourced name the prompt format is
+    None: the backend reads the chat template from the file and falls back to
+    the plain format when there is none. With `checkpoint`, an ``hf:`` name may
+    resolve to a transformers checkpoint folder instead of a GGUF file.
     """
+    if sources.is_sourced(name_or_path):
+        entry = sources.resolve(name_or_path, checkpoint=checkpoint)
+        return entry.label, entry.path, None
     candidate = Path(name_or_path).expanduser()
     if name_or_path in CATALOGUE:
         spec = CATALOGUE[name_or_path]
@@ -255,8 +264,13 @@ def resolve(name_or_path: str, cache: str | os.PathLike[str] | None = None) -> t
         if not candidate.is_file():
             raise ModelFileError(f"model file not found: {candidate}", "check the path")
         return candidate.stem, candidate, None
-    get_spec(name_or_path)  # raises UnknownModelError with the list of known names
-    raise AssertionError("unreachable")
+    close = sources.suggest(name_or_path)
+    raise UnknownModelError(
+        f"unknown model {name_or_path!r}",
+        (f"did you mean {' or '.join(close)}? " if close else "")
+        + f"known models: {', '.join(CATALOGUE)}; or a path to a .gguf file, or a model of yours "
+        f"({', '.join(p + ':' for p in sources.PREFIXES)}; `specfuse models` lists them)",
+    )
 
 
 def is_gguf(path: Path) -> bool:

@@ -4,10 +4,12 @@ A remote member's server only sees text, so SpecFuse renders the chat
 template itself. The template, the BOS/EOS texts and the end-of-generation
 tokens come from the model's own metadata (NOTES §3), read from:
 
-- a GGUF file or an embedded model name: llama.cpp reads the vocabulary only
-  (no weights, well under a second);
-- a Hugging Face model directory: ``tokenizer_config.json`` (or
-  ``chat_template.jinja``), ``tokenizer.json`` and ``generation_config.json``;
+- a GGUF file, an embedded model name or a model of yours (``ollama:NAME``,
+  ``hf:ORG/REPO``, ...): llama.cpp reads the vocabulary only (no weights, well
+  under a second);
+- a Hugging Face model directory, or ``hf:ORG/REPO`` of a cached one:
+  ``tokenizer_config.json`` (or ``chat_template.jinja``), ``tokenizer.json`` and
+  ``generation_config.json``;
 - a Jinja file: the template alone; give ``eos`` explicitly.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 from ..errors import MemberLoadError, ModelFileError
 from ..models import CATALOGUE, QUESTION_ANSWER, PromptFormat, is_gguf
 from ..prompting import render_chat, render_plain
+from ..sources import is_sourced
 from ..types import Message
 
 
@@ -53,15 +56,16 @@ class PromptSource:
 def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | None = None) -> PromptSource:
     """Read a prompt format from an embedded model name, a GGUF file, an HF directory or a Jinja file."""
     prompt: PromptFormat | None = None
-    if source in CATALOGUE:
+    if source in CATALOGUE or is_sourced(source):
         from ..models import resolve
 
-        _, path, prompt = resolve(source)
+        _, path, prompt = resolve(source, checkpoint=True)  # hf:ORG/REPO may be a tokenizer folder
     else:
         path = Path(source).expanduser()
     if not path.exists():
         raise ModelFileError(f"template source not found: {source}",
-                             "give an embedded model name, a .gguf file, a model directory or a .jinja file")
+                             "give an embedded model name, a .gguf file, a model directory, a .jinja file "
+                             "or a model of yours (ollama:NAME, hf:ORG/REPO, ...)")
     if path.is_dir():
         found = _from_hf_dir(path)
     elif is_gguf(path):

