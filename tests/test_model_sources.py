@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from specfuse import models as catalogue
-from specfuse.backends.llama_cpp import _check_gguf
+from specfuse.models import check_gguf
 from specfuse.backends.prompt_source import load_prompt_source
 from specfuse.errors import ModelFileError, SpecFuseError, UnknownModelError
 from specfuse.models import resolve
@@ -410,7 +410,7 @@ def test_a_bad_blob_gets_the_error_of_a_bad_gguf_path(home, tmp_path_factory, da
         assert error.message.startswith(f"{blob} is truncated")
         return
     with pytest.raises(ModelFileError) as by_path:
-        _check_gguf(blob)  # what the llama.cpp backend says of a .gguf path
+        check_gguf(blob)  # what the llama.cpp backend says of a .gguf path
     assert error.message == by_path.value.message
 
 

@@ -29,7 +29,7 @@ class FusionOptions(BaseModel):
     stop: tuple[str, ...] = Field((), description="stop strings; the answer ends before them")
     ignore_eos: bool = Field(False, description="run to max_tokens: no end-of-generation, no member stops")
     # Online feedback (SpecEM): per-member voting weights updated every round. Off by default since the
-    # 512-token study (docs/results.md): with the confidence gate the votes are rare, and Hedge learned
+    # 512-token study (docs/results-gate.md): with the confidence gate the votes are rare, and Hedge learned
     # from the same votes that let weak members hijack the answer.
     hedge: bool = Field(False, description="update voting weights with Hedge each round")
     hedge_eta: float = Field(1.0, gt=0.0, description="Hedge learning rate eta0")
@@ -43,8 +43,8 @@ class FusionOptions(BaseModel):
     exit_min_active: int = Field(1, ge=1, description="never fewer active members than this")
     exit_votes: Literal["all", "others"] = Field(
         "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)")
-    # Selection that weak members cannot hijack (docs/results.md says which are on and why).
-    # Off by default: on IFEval it broke near-loops of the leader that the checks needed (docs/results.md).
+    # Selection that weak members cannot hijack (docs/results-gate.md says which are on and why).
+    # Off by default: on IFEval it broke near-loops of the leader that the checks needed (docs/results-gate.md).
     guard: bool = Field(False, description="a candidate that makes the answer loop may not win")
     guard_ngram: int = Field(6, ge=2, le=32, description="word n-gram length of the degeneration guard")
     guard_times: int = Field(2, ge=1, description="an n-gram seen this often already is a loop")
@@ -55,7 +55,7 @@ class FusionOptions(BaseModel):
     prior: Literal["uniform", "prompt"] = Field(
         "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt")
     prior_temperature: float = Field(0.1, gt=0.0, description="softmax temperature over negative bits per byte")
-    # The default engine: the largest member leads and its confident drafts win alone (docs/results.md).
+    # The default engine: the largest member leads and its confident drafts win alone (docs/results-gate.md).
     gate: float | None = Field(
         0.5, ge=0.0, description="the leader's draft wins alone when its mean token probability reaches this; "
         "None = every round is a full vote")

@@ -221,6 +221,7 @@ class LlamaCppMember(LocalMember):
         threads: int | None = None,
         prefix_cache: bool = True,
         slots: int = 1,
+        max_outputs: int = 64,
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be at least 1")
@@ -241,12 +242,14 @@ class LlamaCppMember(LocalMember):
         self._free_slots = list(range(slots))
         self._slot_free = threading.Condition()
         self._init_batch(n_batch)
+        self.max_outputs = max(1, max_outputs)  # logits rows one decode asks for (see decode)
         template = lc.llama_model_chat_template(self._model, None)
         self.chat_template = template.decode("utf-8") if template else None
         self.prompt = choose_format(prompt, self.chat_template, self.path.name)
         self._read_special_tokens()
         self._piece_cache: dict[int, bytes] = {}
         self.softmax = LogSoftmax(self.n_vocab)
+        self._reserve_outputs()
 
     def _create_context(self, n_ctx: int, n_batch: int, slots: int) -> Any:
         """A context of `slots` windows of `n_ctx` tokens, 8 sequences per slot, in one unified cache."""
@@ -337,7 +340,34 @@ class LlamaCppMember(LocalMember):
     # --- raw decoding --------------------------------------------------------
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
                outputs: Sequence[bool]) -> np.ndarray:
-        """Decode one batch; return the logits rows of tokens with an output flag."""
+        """Decode one batch; return the logits rows of tokens with an output flag.
+
+        llama.cpp keeps a logits buffer as large as the most rows one decode ever asked for
+        (a row is the vocabulary: 1 MiB for Gemma 3), so a batch asking for more than
+        ``max_outputs`` rows is decoded in parts (each part's tokens after the earlier parts',
+        in the same cache) and its rows are copied out. Memory then stays at the buffer reserved
+        at load, however many sessions verify together.
+        """
+        flags = list(outputs)
+        if sum(flags) <= self.max_outputs:
+            return self._decode_once(tokens, positions, seqs, flags)
+        parts, start, seen = [], 0, 0
+        for end, flag in enumerate(flags, 1):
+            seen += flag
+            if seen == self.max_outputs or end == len(flags):
+                parts.append(self._decode_once(tokens[start:end], positions[start:end], seqs[start:end],
+                                               flags[start:end]).copy())
+                start, seen = end, 0
+        return np.concatenate(parts)
+
+    def _reserve_outputs(self) -> None:
+        """Grow llama.cpp's logits buffer to ``max_outputs`` rows now, once, rather than in steps while serving."""
+        n = min(self.max_outputs, self.n_batch, self.n_ctx)
+        self._decode_once([0] * n, list(range(n)), [0] * n, [True] * n)
+        lc.llama_memory_clear(self._mem, False)
+
+    def _decode_once(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+                     outputs: Sequence[bool]) -> np.ndarray:
         n = len(tokens)
         if n > self.n_batch:
             raise ValueError("batch larger than n_batch")

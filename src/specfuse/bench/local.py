@@ -112,7 +112,7 @@ def floor_seconds(counters: dict[str, dict[str, int]], speeds: dict[str, dict[st
 
 def run_specfuse(ensemble: Ensemble, prompt: str, length: int, window: int) -> Result:
     # Plain fusion (every member drafts and verifies every round): the engine's worst case,
-    # and what docs/performance.md measured. Model Exit's savings are measured in docs/results.md.
+    # and what docs/performance.md measured. Model Exit's savings are measured in docs/results-256.md.
     return ensemble.generate(prompt, max_tokens=length, temperature=0.0, top_p=1.0, seed=0,
                              ignore_eos=True, window=window, exit=False, hedge=False)
 
