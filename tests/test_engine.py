@@ -255,6 +255,7 @@ def test_a_proposal_the_leader_rejects_cannot_win_however_the_others_vote():
     verified, (leader, weak1, weak2) = consulting_round(accept_margin=1.0)
     first = verified.rounds[0]
     assert verified.text.startswith(" Four.") and first.winner == "lead" and not first.gated
+    assert first.decision == "rejected"
     assert set(first.consulted) == {"weak1", "weak2"} and all(v.startswith("rejected") for v in first.consulted.values())
     assert leader.scored[0] == [" Five."]  # the leader scored the proposal once, in one call
     assert weak1.scored == weak2.scored == []  # nothing was accepted: the others verified nothing
@@ -264,7 +265,7 @@ def test_an_accepted_proposal_goes_to_the_vote():
     result, (leader, weak1, weak2) = consulting_round(accept_margin=4.0)  # " Five." is 2.9 nats below its top choice
     first = result.rounds[0]
     assert all(v.startswith("accepted") for v in first.consulted.values())
-    assert result.text.startswith(" Five.") and first.winner == "weak1"
+    assert result.text.startswith(" Five.") and first.winner == "weak1" and first.decision == "vote"
     assert weak1.scored and weak2.scored  # the others verified what was accepted
 
 
@@ -272,6 +273,7 @@ def test_margin_zero_is_the_leader_alone_and_none_is_todays_vote():
     alone, (leader, weak1, weak2) = consulting_round(accept_margin=0.0)
     assert alone.text == " Four." and weak1.drafted == weak2.drafted == 0
     assert all(r.gated and r.winner == "lead" for r in alone.rounds)
+    assert alone.rounds[0].decision == "alone"  # unsure (0.3 < gate 0.5), yet nobody is consulted
     vote, _ = consulting_round(accept_margin=None)
     plain, _ = consulting_round()
     assert vote.text == plain.text and [r.winner for r in vote.rounds] == [r.winner for r in plain.rounds]

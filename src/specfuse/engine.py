@@ -253,6 +253,9 @@ class Generation:
     def _record(self, round_no: int, drafted: Drafted, ranking: Ranking, calls_before: int, leader: Seat | None,
                 confidence: float | None, gated: bool = False, consulted: dict[str, str] | None = None) -> RoundRecord:
         names = [seat.name for seat, _ in drafted]
+        o = self.options
+        confident = gated and confidence is not None and o.gate is not None and confidence >= o.gate
+        decision = "confident" if confident else "alone" if gated else "vote" if ranking.raw else "rejected"
         return RoundRecord(
             index=round_no, active=names, candidates=[d.candidate for _, d in drafted],
             raw_scores=ranking.raw, scores=ranking.scores, weights=dict(zip(names, ranking.weights)),
@@ -260,7 +263,7 @@ class Generation:
             gated=gated, leader=leader.name if leader is not None else None, confidence=confidence,
             penalised=ranking.penalised, draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},
             verify_s={} if gated else {s.name: s.timings.get("verify", 0.0) for s, _ in drafted},
-            consulted=consulted or {},
+            consulted=consulted or {}, decision=decision,
         )
 
     def _append(self, record: RoundRecord) -> Iterator[Event]:

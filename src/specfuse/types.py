@@ -111,6 +111,9 @@ class RoundRecord:
     confidence: float | None = None  # the leader's own mean token probability of its draft
     penalised: dict[str, str] = field(default_factory=dict)  # candidate author -> why it could not win
     consulted: dict[str, str] = field(default_factory=dict)  # proposal author -> the leader's verdict and why
+    # how the winner was decided: "confident" (the gate passed), "alone" (the leader answers alone,
+    # accept_margin 0), "rejected" (the leader accepted no proposal), "vote"
+    decision: str = "vote"
     draft_s: dict[str, float] = field(default_factory=dict)
     verify_s: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0

@@ -65,13 +65,23 @@ function shown(candidate) {
   return candidate.text.replace(/\n/g, "↵") + (candidate.finished ? " ⏹" : "");
 }
 
+// How a round's winner was decided (RoundRecord.decision).
+const DECISIONS = {
+  confident: "alone: the leader was confident",
+  alone: "alone: the leader answers alone",
+  rejected: "the leader accepted no proposal",
+  vote: "put to a vote",
+};
+
 function showRound(span, round) {
   const verifiers = Object.keys(round.scores);
   const head = el("tr", {}, el("th", { textContent: "member" }), el("th", { textContent: "candidate" }),
     el("th", { textContent: "total" }), ...verifiers.map((v) => el("th", { textContent: `by ${v}`, title: "normalised score from this verifier" })));
   const rows = round.candidates.map((cand, i) => el("tr", { className: i === round.winner_index ? "won" : "" },
     el("td", {}, el("span", { className: "swatch", style: { background: colour(cand.model) } }), cand.model, i === round.winner_index ? " ✓" : ""),
-    el("td", { className: "text", textContent: shown(cand) + (round.penalised && round.penalised[cand.model] ? ` (held back: ${round.penalised[cand.model]})` : "") }),
+    el("td", { className: "text", textContent: shown(cand) +
+      (round.penalised && round.penalised[cand.model] ? ` (held back: ${round.penalised[cand.model]})` : "") +
+      (round.consulted && round.consulted[cand.model] ? ` (the leader ${round.consulted[cand.model]})` : "") }),
     el("td", { textContent: fmt(round.aggregate[i]) }),
     ...verifiers.map((v) => el("td", { textContent: fmt(round.scores[v][i]) }))));
   // Weights are worth showing only once Hedge has moved them off uniform.
@@ -81,8 +91,7 @@ function showRound(span, round) {
   const tip = $("tip");
   tip.replaceChildren(
     el("div", { className: "caption", textContent: `round ${round.index} · won by ${round.winner}` + (weights ? ` · weights: ${weights}` : "") +
-      (round.gated ? ` · alone: the leader was confident (${fmt(round.confidence)})` : "") +
-      (!round.gated && round.leader ? ` · put to a vote (leader ${round.leader}, confidence ${fmt(round.confidence)})` : "") }),
+      (round.leader ? ` · ${DECISIONS[round.decision] || round.decision} (leader ${round.leader}, confidence ${fmt(round.confidence)})` : "") }),
     el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
   tip.hidden = false;
   const box = span.getBoundingClientRect();
