@@ -258,7 +258,8 @@ class Generation:
         decision = "confident" if confident else "alone" if gated else "vote" if ranking.raw else "rejected"
         return RoundRecord(
             index=round_no, active=names, candidates=[d.candidate for _, d in drafted],
-            raw_scores=ranking.raw, scores=ranking.scores, weights=dict(zip(names, ranking.weights)),
+            raw_scores=ranking.raw, scores=ranking.scores,
+            weights=dict(zip(names, self._voting_weights(names) if decision == "rejected" else ranking.weights)),
             aggregate=ranking.totals, winner_index=ranking.winner, model_calls=self.seats.calls - calls_before,
             gated=gated, leader=leader.name if leader is not None else None, confidence=confidence,
             penalised=ranking.penalised, draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},

@@ -62,6 +62,10 @@ def summary_line(result: Result) -> str:
     leaders = [r.leader for r in result.rounds if r.leader]
     if leaders:
         line += f" · {s.gated_rounds}/{s.rounds} rounds won alone by leader {leaders[0]}"
+    verdicts = [v for r in result.rounds for v in r.consulted.values()]
+    if verdicts:
+        accepted = sum(v.startswith("accepted") for v in verdicts)
+        line += f" · the leader accepted {accepted} of {len(verdicts)} proposals"
     penalised = sum(len(r.penalised) for r in result.rounds)
     if penalised:
         line += f" · {penalised} looping candidates held back"
