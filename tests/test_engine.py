@@ -19,7 +19,7 @@ from specfuse.types import DoneEvent, Message, RoundEvent, SegmentEvent
 
 def run(members, **options):
     # Plain fusion unless a test asks for Model Exit or Hedge: these tests check the round mechanics.
-    options = {"exit": False, "hedge": False, "gate": None, "guard": False, **options}  # plain fusion
+    options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion
     events = list(fuse(members, [Message("user", "q")], FusionOptions.build(**options)))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result

@@ -29,7 +29,7 @@ def close_logprobs(a, b):
 
 
 def run(members, messages=QUESTION, **options):
-    options = {"exit": False, "hedge": False, "gate": None, "guard": False, **options}  # plain fusion unless a test asks otherwise
+    options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion unless a test asks otherwise
     events = list(fuse(members, messages, FusionOptions.build(**options)))
     return events, events[-1].result
 

@@ -42,7 +42,7 @@ def test_a_looping_candidate_loses_to_a_fresh_one(default_ensemble):
 
 def test_prompt_fit_picks_a_leader_and_the_gate_skips_rounds(default_ensemble):
     options = FusionOptions.build(max_tokens=48, temperature=0, exit=False, hedge=False, guard=True,
-                                  prior="prompt", gate=0.5)
+                                  prior="prompt", gate=0.5, accept_margin=None)
     result = list(fuse(default_ensemble.members, ARITHMETIC, options))[-1].result
     names = default_ensemble.names
     assert set(result.prompt_bpb) == set(names)

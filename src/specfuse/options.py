@@ -61,12 +61,14 @@ class FusionOptions(BaseModel):
         "None = every round is a full vote")
     leader: str = Field("auto", min_length=1, description="member that drafts first under the gate; auto = heaviest")
     # The leader verifies (docs/results.md): when it is unsure, the others' drafts are proposals it must accept.
+    # Default 0, the leader alone: on the study items no margin gained at a cost within 1.15x of the leader's
+    # (with the three embedded members); `specfuse calibrate` chooses one for other members.
     accept: Literal["worst", "mean"] = Field(
         "worst", description="the leader's acceptance test of another member's segment: worst = every token within "
         "accept_margin nats of the leader's own top choice there; mean = mean log-probability within accept_margin "
         "of the leader's own draft's")
     accept_margin: float | None = Field(
-        None, ge=0.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
+        0.0, ge=0.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
         "none = every proposal goes to the vote")
 
     @field_validator("stop", mode="before")
