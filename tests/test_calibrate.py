@@ -36,15 +36,15 @@ def test_compare_pairs_each_setting_with_the_leader_item_by_item():
     assert (first.correct, first.items, first.only_this, first.only_leader, first.leader_correct) == (5, 10, 1, 1, 5)
     assert first.time_ratio == pytest.approx(1.1)
     assert (second.correct, second.only_leader) == (4, 1)
-    assert choose(settings) is first  # not below the leader, and cheaper than nothing else that holds
+    assert choose(settings).spec == LEADER_ALONE  # a tie (5 against 5) is not worth 1.1x the time
 
 
-def test_choose_takes_the_cheapest_setting_that_holds_or_the_leader_alone():
+def test_choose_takes_the_cheapest_setting_that_gains_or_the_leader_alone():
     def setting(spec, correct, ratio):
         return Setting(spec, correct, 20, 0, 0, ratio, 8)
 
-    assert choose([setting("a", 9, 1.3), setting("b", 8, 1.1), setting("c", 7, 1.0)]).spec == "b"
-    alone = choose([setting("a", 7, 1.3), setting("c", 5, 1.0)])
+    assert choose([setting("a", 10, 1.3), setting("b", 9, 1.1), setting("c", 8, 1.0)]).spec == "b"
+    alone = choose([setting("a", 8, 1.3), setting("c", 5, 1.0)])
     assert alone.spec == LEADER_ALONE and alone.correct == 8 and alone.time_ratio == 1.0
 
 

@@ -36,8 +36,8 @@ def calibrate(
 ) -> None:
     """Run the leader alone and a few settings on the same items, paired; write the profile to use.
 
-    The profile holds the cheapest setting whose accuracy is not below the leader's (else the leader
-    alone); load it with `--profile` in generate, chat, serve and eval.
+    The profile holds the cheapest setting right on more items than the leader (else the leader
+    alone: a tie is not worth its time); load it with `--profile` in generate, chat, serve and eval.
     """
     require("eval", "specfuse calibrate")
     from ..eval.calibrate import DEFAULT_GRID, calibrate as run_calibration

@@ -3,8 +3,8 @@
 The leader (the largest member) answers alone, and each setting of a small grid
 answers the same items, in the same process, item by item (the evaluation
 harness: resumable, a progress bar). The profile keeps the cheapest setting
-whose accuracy is not below the leader's; if none qualifies, the leader alone
-(``accept_margin = 0``). It is a TOML file (``profiles.py``) that
+right on more items than the leader; if none is, the leader alone
+(``accept_margin = 0``), the cheapest setting that does not lose. It is a TOML file (``profiles.py``) that
 ``generate``, ``chat``, ``serve`` and ``eval`` load with ``--profile``; its
 ``[calibration]`` table records the figures the choice was made on.
 """
@@ -102,10 +102,13 @@ def compare(records: Sequence[dict[str, Any]], ids: set[str], systems: Sequence[
 
 
 def choose(settings: Sequence[Setting]) -> Setting:
-    """The cheapest setting that is not below the leader; the leader alone when none is."""
-    holding = [s for s in settings if s.correct >= s.leader_correct]
-    if holding:
-        return min(holding, key=lambda s: (s.time_ratio, s.only_leader))
+    """The cheapest setting right on more items than the leader alone; else the leader alone.
+
+    A tie is not worth its time: the leader alone is then the cheapest setting that does not lose.
+    """
+    gaining = [s for s in settings if s.correct > s.leader_correct]
+    if gaining:
+        return min(gaining, key=lambda s: (s.time_ratio, s.only_leader))
     n = max((s.items for s in settings), default=0)
     leader_correct = max((s.leader_correct for s in settings), default=0)
     return Setting(LEADER_ALONE, leader_correct, n, 0, 0, 1.0, leader_correct)
