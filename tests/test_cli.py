@@ -35,6 +35,16 @@ def test_a_piped_document_and_a_prompt_make_one_message():
     assert "pineapple" in json.loads(done.stdout)["text"].lower()
 
 
+@pytest.mark.models
+def test_the_demo_answers_with_the_default_ensemble_and_says_how_to_consult_the_others():
+    done = specfuse("demo", "--threads", "1", "--max-tokens", "24")
+    assert done.returncode == 0, done.stderr
+    assert "question:" in done.stderr and "smollm2-135m" in done.stderr and "gemma3-270m" in done.stderr
+    assert len(done.stdout.split()) >= 3  # the streamed answer
+    assert "rounds won alone by leader qwen2.5-coder-0.5b" in done.stderr  # the default: the largest member leads
+    assert "--accept-margin 2" in done.stderr
+
+
 def test_dash_with_nothing_piped_is_a_clear_error():
     done = specfuse("generate", "-")
     assert done.returncode == 2

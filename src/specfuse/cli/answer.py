@@ -194,3 +194,7 @@ def demo(
         options = FusionOptions.build(max_tokens=max_tokens, seed=seed)
         result = print_stream(ensemble.stream(DEMO_QUESTION, options=options), ensemble.names)
         err.print(f"[dim]{summary_line(result)}[/]", soft_wrap=True)
+    # The default lets the largest member answer alone (docs/results.md): say how to see the others at work.
+    err.print("[dim]by default the largest member leads and accepts none of the others' segments; "
+              "`specfuse generate --accept-margin 2` lets it accept them, `--no-gate` is plain fusion[/]",
+              soft_wrap=True)
