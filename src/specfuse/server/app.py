@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -171,7 +171,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    worker = state.worker
+    _add_status_routes(app, state)
+    _add_model_routes(app, state)
+    _add_completion_route(app, state)
+
+
+def _key_check(state: ServerState) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that enforces the API key (none configured: every request passes)."""
 
     async def require_key(request: Request) -> None:
         key = state.config.server.api_key
@@ -182,16 +188,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    def require_members() -> None:
-        if state.status == "loading":
-            raise APIError(503, "the members are still loading; retry shortly", "server_error", "loading")
-        if state.status == "failed":
-            raise APIError(503, f"no members available: {state.error}", "server_error", "no_members")
+    return require_key
 
-    def model_cards() -> list[ModelCard]:
-        cards = [ModelCard(id=state.model_id, created=state.started, members=state.members)]
-        cards += [ModelCard(id=name, created=state.started, parent=state.model_id) for name in state.members]
-        return cards
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """The web view, /health and /metrics: open, no request content."""
+    worker = state.worker
 
     @app.get("/", include_in_schema=False)
     async def index() -> FileResponse:
@@ -212,31 +214,57 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    """The fused model, then each member (a member alone is a model of its own: a baseline)."""
+    cards = [ModelCard(id=state.model_id, created=state.started, members=state.members)]
+    cards += [ModelCard(id=name, created=state.started, parent=state.model_id) for name in state.members]
+    return cards
+
+
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+    require_key = _key_check(state)
+
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(require_key)])
     async def list_models() -> ModelList:
-        return ModelList(data=model_cards())
+        return ModelList(data=_model_cards(state))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[Depends(require_key)])
     async def get_model(model_id: str) -> ModelCard:
-        for card in model_cards():
+        for card in _model_cards(state):
             if card.id == model_id:
                 return card
         raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")
 
+
+def _require_members(state: ServerState) -> None:
+    if state.status == "loading":
+        raise APIError(503, "the members are still loading; retry shortly", "server_error", "loading")
+    if state.status == "failed":
+        raise APIError(503, f"no members available: {state.error}", "server_error", "no_members")
+
+
+def _members_for(state: ServerState, model: str) -> list[str] | None:
+    """Who answers a request for `model`: every member (None) for the fused model, or one member alone."""
+    if model == state.model_id:
+        return None
+    if model in state.members:
+        return [model]
+    raise APIError(404, f"unknown model {model!r}; this server serves {state.model_id!r} "
+                   f"and its members {', '.join(state.members)}", code="model_not_found", param="model")
+
+
+def _add_completion_route(app: FastAPI, state: ServerState) -> None:
+    worker = state.worker
+
     # The body is parsed by hand (serving.parse_request) to tell bad JSON (400) from a bad shape (422).
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(_key_check(state))])
     async def chat_completions(request: Request) -> Response:
         body = await _read_body(request, state.config.server.max_body_bytes)
         parsed = serving.parse_request(body)
-        require_members()
+        _require_members(state)
         model = parsed.model or state.model_id
-        if model == state.model_id:
-            members = None
-        elif model in state.members:
-            members = [model]  # one member alone, through the same engine: a baseline
-        else:
-            raise APIError(404, f"unknown model {model!r}; this server serves {state.model_id!r} "
-                           f"and its members {', '.join(state.members)}", code="model_not_found", param="model")
+        members = _members_for(state, model)
         job = Job(serving.to_engine_messages(parsed), serving.fusion_options(parsed, state.defaults), members)
         if parsed.user:
             log.info("%s for user %s", job.id, parsed.user)
