@@ -243,31 +243,11 @@ def rerank(
     member-alone baseline); its measured cost is counted as if written here.
     Member i samples with seed ``member_seed(sampling.seed, i)``, as in the engine.
     """
-    written: list[Answer] = []
-    for i, member in enumerate(members):
-        given = answers[i] if answers is not None else None
-        if given is None:
-            seeded = replace(sampling, seed=member_seed(sampling.seed, i))
-            given = write_answer(member, messages, max_tokens=max_tokens, sampling=seeded, stop=stop, chunk=chunk)
-        written.append(given)
-    calls = sum(a.member_calls for a in written)
+    written = _answers(members, messages, max_tokens=max_tokens, sampling=sampling, stop=stop, answers=answers,
+                       chunk=chunk)
     scoring_started = time.perf_counter()
-
-    # Every verifier scores every distinct answer once; identical answers tie exactly.
-    texts = list(dict.fromkeys(a.text for a in written))
-    rows: list[list[float]] = []
-    for j, member in enumerate(members):
-        known: dict[str, TokenScores] = {}
-        own = written[j]
-        if own.own_logprobs is not None and score != "mean_logit":  # drafting kept no logits
-            known[own.text] = TokenScores(own.own_logprobs, own.own_logprobs)
-        missing = [t for t in texts if t not in known]
-        if missing:
-            scores, used = score_answers(member, messages, missing)
-            known.update(zip(missing, scores))
-            calls += used
-        raw = [raw_score(known[a.text], score) for a in written]
-        rows.append(normalise(raw, score))
+    rows, scoring_calls = _score_rows(members, messages, written, score)
+    calls = sum(a.member_calls for a in written) + scoring_calls
     totals = aggregate(rows, [1.0 / len(members)] * len(members))
     best = pick_winner(totals)
     winner = written[best]
@@ -283,6 +263,43 @@ def rerank(
         wins={a.model: int(i == best) for i, a in enumerate(written)},
         extra={"aggregate": totals, "winner": winner.model},
     )
+
+
+def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_tokens: int, sampling: Sampling,
+             stop: Sequence[str], answers: Sequence[Answer | None] | None, chunk: int) -> list[Answer]:
+    """Each member's answer: the one given, else written now with the member's own seed."""
+    written: list[Answer] = []
+    for i, member in enumerate(members):
+        given = answers[i] if answers is not None else None
+        if given is None:
+            seeded = replace(sampling, seed=member_seed(sampling.seed, i))
+            given = write_answer(member, messages, max_tokens=max_tokens, sampling=seeded, stop=stop, chunk=chunk)
+        written.append(given)
+    return written
+
+
+def _score_rows(members: Sequence[Member], messages: Sequence[Message], written: Sequence[Answer],
+                score: ScoreMode) -> tuple[list[list[float]], int]:
+    """Per verifier, its normalised scores of every answer, and the member calls that took.
+
+    Every verifier scores every distinct answer once (identical answers tie exactly); its own
+    answer's scores are kept from writing it.
+    """
+    texts = list(dict.fromkeys(a.text for a in written))
+    rows: list[list[float]] = []
+    calls = 0
+    for j, member in enumerate(members):
+        known: dict[str, TokenScores] = {}
+        own = written[j]
+        if own.own_logprobs is not None and score != "mean_logit":  # drafting kept no logits
+            known[own.text] = TokenScores(own.own_logprobs, own.own_logprobs)
+        missing = [t for t in texts if t not in known]
+        if missing:
+            scores, used = score_answers(member, messages, missing)
+            known.update(zip(missing, scores))
+            calls += used
+        rows.append(normalise([raw_score(known[a.text], score) for a in written], score))
+    return rows, calls
 
 
 def fused(
