@@ -150,6 +150,10 @@ def _child(argv: Sequence[str]) -> None:
 # --- the benchmark ----------------------------------------------------------------
 
 
+ROWS = ("specfuse", "specfuse_ttfs", "specfuse_tokens", "members_sum", "floor", "reference_method",
+        "response_level", "response_ttft")
+
+
 def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str] | None = None,
         window: int = 10, out: Path = Path("runs/bench"), log: Callable[[str], None] = print,
         rss: bool = True) -> dict[str, Any]:
@@ -168,40 +172,14 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
         last_result: Result | None = None
         for length in lengths:
             log(f"== answers of {length} tokens, {reps} repetitions")
-            rows: dict[str, list[float]] = {k: [] for k in (
-                "specfuse", "specfuse_ttfs", "specfuse_tokens", "members_sum", "floor", "reference_method",
-                "response_level", "response_ttft")}
+            rows: dict[str, list[float]] = {k: [] for k in ROWS}
             for rep in range(reps):
-                prompt = PROMPTS[rep % len(PROMPTS)]
-                messages = to_messages(prompt)
-                result = run_specfuse(ens, prompt, length, window)
-                last_result = result
-                rows["specfuse"].append(result.stats.total_s)
-                rows["specfuse_ttfs"].append(result.stats.time_to_first_segment_s or 0.0)
-                rows["specfuse_tokens"].append(result.stats.tokens)
-                context = len(ens.members[0].prompt_tokens(messages)) + length // 2
-                speeds = {}
-                for member in ens.members:
-                    c = result.counters[member.name]
-                    batch = max(1, round(c["verify"] / max(c["verify_calls"], 1)))
-                    speeds[member.name] = member_speeds(member, messages, context, batch)
-                rows["floor"].append(floor_seconds(result.counters, speeds))
-                rows["members_sum"].append(sum(member_alone_seconds(m, messages, length) for m in ens.members))
-                ref = run_specfuse(reference, prompt, length, window)
-                rows["reference_method"].append(ref.stats.total_s)
-                response = rerank(ens.members, messages, max_tokens=length, sampling=GREEDY)
-                rows["response_level"].append(response.total_s)
-                rows["response_ttft"].append(response.ttft_s or response.total_s)
-                log(f"  rep {rep + 1}: specfuse {result.stats.total_s:.1f}s ({result.stats.tokens} tok), "
+                last_result = _repetition(ens, reference, PROMPTS[rep % len(PROMPTS)], length, window, rows)
+                log(f"  rep {rep + 1}: specfuse {rows['specfuse'][-1]:.1f}s ({last_result.stats.tokens} tok), "
                     f"floor {rows['floor'][-1]:.1f}s, members {rows['members_sum'][-1]:.1f}s, "
-                    f"reference {ref.stats.total_s:.1f}s, response-level {response.total_s:.1f}s")
-            entry: dict[str, Any] = {k: spread(v) for k, v in rows.items()}
-            med = {k: v["median"] for k, v in entry.items()}
-            entry["specfuse_tokens_per_s"] = med["specfuse_tokens"] / med["specfuse"]
-            entry["ratio_vs_floor"] = med["specfuse"] / med["floor"]
-            entry["ratio_vs_members_sum"] = med["specfuse"] / med["members_sum"]
-            entry["ratio_reference_over_specfuse"] = med["reference_method"] / med["specfuse"]
-            entry["ttfs_over_response_ttft"] = med["specfuse_ttfs"] / med["response_ttft"]
+                    f"reference {rows['reference_method'][-1]:.1f}s, "
+                    f"response-level {rows['response_level'][-1]:.1f}s")
+            entry = _summary(rows)
             if rss:
                 ens_rss = peak_rss_mb(["ensemble", str(length), *names])
                 alone = [peak_rss_mb(["member", str(length), n]) for n in names]
@@ -212,6 +190,41 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
         report["plot"] = str(plot_rounds(last_result, out / "bench_rounds.png"))
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _repetition(ens: Ensemble, reference: Ensemble, prompt: str, length: int, window: int,
+                rows: dict[str, list[float]]) -> Result:
+    """One prompt, every system side by side: appends a time (or count) to each row; returns SpecFuse's result."""
+    messages = to_messages(prompt)
+    result = run_specfuse(ens, prompt, length, window)
+    rows["specfuse"].append(result.stats.total_s)
+    rows["specfuse_ttfs"].append(result.stats.time_to_first_segment_s or 0.0)
+    rows["specfuse_tokens"].append(result.stats.tokens)
+    context = len(ens.members[0].prompt_tokens(messages)) + length // 2
+    speeds = {}
+    for member in ens.members:
+        c = result.counters[member.name]
+        batch = max(1, round(c["verify"] / max(c["verify_calls"], 1)))
+        speeds[member.name] = member_speeds(member, messages, context, batch)
+    rows["floor"].append(floor_seconds(result.counters, speeds))
+    rows["members_sum"].append(sum(member_alone_seconds(m, messages, length) for m in ens.members))
+    rows["reference_method"].append(run_specfuse(reference, prompt, length, window).stats.total_s)
+    response = rerank(ens.members, messages, max_tokens=length, sampling=GREEDY)
+    rows["response_level"].append(response.total_s)
+    rows["response_ttft"].append(response.ttft_s or response.total_s)
+    return result
+
+
+def _summary(rows: dict[str, list[float]]) -> dict[str, Any]:
+    """Spreads of every row and the ratios of medians the benchmark reports."""
+    entry: dict[str, Any] = {k: spread(v) for k, v in rows.items()}
+    med = {k: v["median"] for k, v in entry.items()}
+    entry["specfuse_tokens_per_s"] = med["specfuse_tokens"] / med["specfuse"]
+    entry["ratio_vs_floor"] = med["specfuse"] / med["floor"]
+    entry["ratio_vs_members_sum"] = med["specfuse"] / med["members_sum"]
+    entry["ratio_reference_over_specfuse"] = med["reference_method"] / med["specfuse"]
+    entry["ttfs_over_response_ttft"] = med["specfuse_ttfs"] / med["response_ttft"]
+    return entry
 
 
 def plot_rounds(result: Result, path: Path) -> Path:

@@ -148,6 +148,24 @@ def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], level
     return entry
 
 
+def _check_arguments(concurrency: Sequence[int], requests: int | None, max_tokens: int, remote: bool,
+                     models: Sequence[str] | None) -> list[int]:
+    """The concurrency levels, sorted; a bad argument or a missing client library fails before anything starts."""
+    levels = sorted(set(int(c) for c in concurrency))
+    if not levels or levels[0] < 1:
+        raise SpecFuseError("concurrency levels must be positive integers", "e.g. --concurrency 1,2,4,8")
+    if requests is not None and requests < 1:
+        raise SpecFuseError("--requests must be at least 1")
+    if max_tokens < 1:
+        raise SpecFuseError("--max-tokens must be at least 1")
+    if remote and models:
+        raise SpecFuseError("--remote starts its own members", "leave out -m/--model with --remote")
+    import httpx  # noqa: F401
+    import openai  # noqa: F401
+
+    return levels
+
+
 def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None = None, max_tokens: int = 32,
         models: Sequence[str] | None = None, threads: int | None = None, max_concurrent: int | None = None,
         remote: bool = False, out: Path | None = Path("runs/bench-serve.json"), n_ctx: int | None = None,
@@ -159,18 +177,7 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
     (default: the server's). With `remote`, `models` must be empty: the members are two
     llama_cpp.server processes started here (their threads: `threads`, else llama_cpp.server's default).
     """
-    levels = sorted(set(int(c) for c in concurrency))
-    if not levels or levels[0] < 1:
-        raise SpecFuseError("concurrency levels must be positive integers", "e.g. --concurrency 1,2,4,8")
-    if requests is not None and requests < 1:
-        raise SpecFuseError("--requests must be at least 1")
-    if max_tokens < 1:
-        raise SpecFuseError("--max-tokens must be at least 1")
-    if remote and models:
-        raise SpecFuseError("--remote starts its own members", "leave out -m/--model with --remote")
-    import httpx  # noqa: F401  (before anything starts: fail at once when the client libraries are missing)
-    import openai  # noqa: F401
-
+    levels = _check_arguments(concurrency, requests, max_tokens, remote, models)
     widest = max_concurrent or levels[-1]
     per_level = {c: requests or max(8, 2 * c) for c in levels}
     settings = {
