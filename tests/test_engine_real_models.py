@@ -113,7 +113,12 @@ def test_own_draft_scores_match_verifying_the_same_text(default_ensemble):
         finally:
             session.close()
         assert len(again.logprobs) == n, member.name  # greedy drafts are canonical tokenizations
-        assert close_logprobs(draft.logprobs[:n], again.logprobs), (member.name, draft.logprobs, again.logprobs)
+        # Drafting decodes one token at a time, scoring the whole text in one batch: llama.cpp runs the two through
+        # different quantised kernels (measured on an AVX-512 machine: one Gemma token 0.1 nat apart), so tokens
+        # agree to kernel noise and the mean, which is what the ranking uses, closely.
+        mine, theirs = draft.logprobs[:n], again.logprobs
+        assert all(abs(x - y) <= 0.15 + 0.03 * abs(y) for x, y in zip(mine, theirs)), (member.name, mine, theirs)
+        assert abs(sum(mine) / n - sum(theirs) / n) <= 0.03, (member.name, mine, theirs)
 
 
 def test_same_seed_same_answer(recording):
