@@ -93,6 +93,16 @@ def test_ifeval_known_pass_and_fail():
     assert not IFEVAL.score(title, "A poem")["prompt_level_loose_acc"]
 
 
+def test_ifeval_scores_one_answer_the_same_every_time():
+    # lm_eval picks a random letter to count when the item's is not a-z (IFEval item 1129 asks for 6 "!"),
+    # so without a seed the same answer scored differently from one call to the next.
+    item = _ifeval_item(["keywords:letter_frequency"],
+                        [{"let_relation": "at least", "letter": "!", "let_frequency": 6}])
+    answer = "Sunnis ice cream! Gentle! On the stomach! Try it! Today! Now! " + "abcdefghijklmnopqrstuvwxyz " * 3
+    scores = {IFEVAL.score(item, answer)["inst_level_loose_acc"][0] for _ in range(20)}
+    assert len(scores) == 1
+
+
 def test_punkt_data_is_written_in_nltk_format(tmp_path, monkeypatch):
     import nltk
     from nltk.tokenize.punkt import PunktTokenizer

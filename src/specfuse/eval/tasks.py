@@ -28,6 +28,7 @@ IFEval (instruction following)
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -207,7 +208,14 @@ def score_ifeval(item: Item, output: str) -> dict[str, Any]:
     ensure_punkt()  # before lm_eval's ifeval module is imported: it looks for punkt_tab
     from lm_eval.tasks.ifeval.utils import process_results
 
-    result = process_results(item.reference, [output])
+    # lm_eval draws a random letter where an item's letter is not a-z (e.g. "!"), and random words and counts
+    # where kwargs leave them out: seed per item, so one answer always gets one score (global state restored).
+    state = random.getstate()
+    random.seed(item.id)
+    try:
+        result = process_results(item.reference, [output])
+    finally:
+        random.setstate(state)
     scores: dict[str, Any] = {k: bool(result[k]) for k in IFEVAL_PROMPT_METRICS}
     scores.update({k: [bool(v) for v in result[k]] for k in IFEVAL_INST_METRICS})
     scores["correct"] = scores["prompt_level_strict_acc"]
