@@ -86,9 +86,9 @@ def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | Non
 def _from_gguf(path: Path) -> PromptSource:
     import llama_cpp as lc
 
-    from .llama_cpp import _init_backend  # also routes llama.cpp's log away from the terminal
+    from .llama_runtime import init_backend  # also routes llama.cpp's log away from the terminal
 
-    _init_backend()
+    init_backend()
     params = lc.llama_model_default_params()
     params.vocab_only = True
     model = lc.llama_model_load_from_file(str(path).encode(), params)

@@ -1,0 +1,108 @@
+"""llama.cpp's process-wide side: its log, the backend, loading weights, threads, log-softmax.
+
+Nothing here knows about sessions or members; ``llama_cpp.py`` (the member) and
+``llama_session.py`` (one request's cache) build on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+from ..errors import MemberLoadError
+
+# llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
+# SPECFUSE_LLAMA_LOG=1 prints it as it comes.
+_LOG_TAIL: deque[str] = deque(maxlen=40)
+_LOG_ECHO = os.environ.get("SPECFUSE_LLAMA_LOG") == "1"
+
+
+@lc.llama_log_callback
+def _on_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    line = text.decode("utf-8", "replace")
+    _LOG_TAIL.append(line)
+    if _LOG_ECHO:
+        print(line, end="", file=sys.stderr)
+
+
+lc.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
+
+
+def log_excerpt() -> str:
+    lines = [line.strip() for line in _LOG_TAIL if "error" in line.lower() or "failed" in line.lower()]
+    return "; ".join(lines[-2:])
+
+
+_BACKEND_READY = False
+_BACKEND_LOCK = threading.Lock()
+
+
+def load_model(path: Path) -> Any:
+    """The model's weights on the CPU, or a clear error quoting llama.cpp's log."""
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers = 0
+    _LOG_TAIL.clear()
+    model = lc.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        detail = log_excerpt()
+        raise MemberLoadError(
+            f"llama.cpp could not load {path}" + (f" ({detail})" if detail else ""),
+            "the file is corrupt, truncated or of an unsupported architecture; replace it "
+            "(for embedded models: `specfuse models prepare`)",
+        )
+    return model
+
+
+def init_backend() -> None:
+    global _BACKEND_READY
+    with _BACKEND_LOCK:
+        if not _BACKEND_READY:
+            lc.llama_backend_init()
+            _BACKEND_READY = True
+
+
+def default_threads() -> int:
+    """Threads for llama.cpp: $SPECFUSE_THREADS, else all cores up to 8.
+
+    Members run one at a time, so each may use every core; more than the
+    physical cores only adds contention on a shared machine.
+    """
+    env = os.environ.get("SPECFUSE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class LogSoftmax:
+    """log-sum-exp over one vocabulary with a reused work buffer.
+
+    Rows are read in place from llama.cpp's logits buffer; only the target
+    token's log-probability is needed, so nothing vocabulary-sized is allocated
+    per row.
+    """
+
+    def __init__(self, n_vocab: int) -> None:
+        self._buf = np.empty(n_vocab, dtype=np.float32)
+
+    def lse(self, row: np.ndarray) -> float:
+        top = float(row.max())
+        np.subtract(row, top, out=self._buf)
+        np.exp(self._buf, out=self._buf)
+        return top + math.log(float(self._buf.sum()))
+
+    def probs(self, row: np.ndarray, temperature: float) -> np.ndarray:
+        """softmax(row / temperature), in the work buffer (valid until the next call)."""
+        np.multiply(row, np.float32(1.0 / temperature), out=self._buf)
+        self._buf -= self._buf.max()
+        np.exp(self._buf, out=self._buf)
+        self._buf /= self._buf.sum()
+        return self._buf
