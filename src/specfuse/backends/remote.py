@@ -25,7 +25,6 @@ and safe to run concurrently (``parallel_safe``).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from ..errors import InvalidRequestError, MemberLoadError
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .base import Capabilities, Member, MemberSession
 from .cached import check_prompt_fits
+from .completion_logprobs import Entry, choices_of, entries_of, logsumexp, pieces_of, scores_of, tail
 from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
 from .prompt_source import PromptSource, load_prompt_source
 from .spec import split_target
@@ -81,123 +81,6 @@ class RemoteOptions:
     n_ctx: int | None = None
     api_key: str | None = None  # default: $SPECFUSE_REMOTE_API_KEY
     check_echo: bool = True  # probe that echoed log-probs agree with generated ones
-
-
-# --- the text <-> tokens bookkeeping of completion responses -------------------------------
-
-
-@dataclass(frozen=True)
-class Entry:
-    token: str
-    offset: int
-    logprob: float | None
-    top: float | None = None  # log-prob of the most likely token at this position, where the server lists it
-
-
-def _entries(logprobs: dict[str, Any] | None) -> list[Entry]:
-    if not logprobs or not isinstance(logprobs.get("tokens"), list):
-        raise RemoteServerError("the server returned no per-token log-probabilities",
-                                "it must support `logprobs` on /v1/completions")
-    tokens = logprobs["tokens"]
-    lps = logprobs.get("token_logprobs") or [None] * len(tokens)
-    offsets = logprobs.get("text_offset")
-    if not offsets or len(offsets) != len(tokens):  # rebuild from token texts
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-    alternatives = logprobs.get("top_logprobs") or [None] * len(tokens)
-    entries = [Entry(str(t), int(o), None if lp is None else float(lp), _top(lp, alt))
-               for t, o, lp, alt in zip(tokens, offsets, lps, alternatives)]
-    for entry in entries:
-        # A log-probability is finite and at most 0; allow float noise above 0.
-        if entry.logprob is not None and not (math.isfinite(entry.logprob) and entry.logprob <= 1e-3):
-            raise RemoteServerError(f"the server returned a nonsense log-probability {entry.logprob!r}", "")
-    return entries
-
-
-def _top(logprob: Any, alternatives: Any) -> float | None:
-    """The best log-probability at a position: the listed alternatives' and the token's own."""
-    if not isinstance(alternatives, dict) or not alternatives or logprob is None:
-        return None
-    try:
-        return max(float(logprob), *(float(v) for v in alternatives.values()))
-    except (TypeError, ValueError):
-        return None
-
-
-def _pieces(text: str, entries: Sequence[Entry]) -> list[str]:
-    """Split `text` into one piece per token, using the offsets.
-
-    A character split across tokens belongs to the token that completes it
-    (offsets count whole characters), so pieces never hold half a character.
-    """
-    if not entries:
-        return []
-    base = entries[0].offset
-    bounds = [min(max(e.offset - base, 0), len(text)) for e in entries] + [len(text)]
-    pieces = [text[bounds[i] : max(bounds[i], bounds[i + 1])] for i in range(len(entries))]
-    if "".join(pieces) != text:  # offsets unusable: align the token texts on the text
-        pieces = _align([e.token for e in entries], text)
-    return pieces
-
-
-def _align(tokens: Sequence[str], text: str) -> list[str]:
-    """Pieces of `text`, one per token, from token texts that may hold U+FFFD for half characters.
-
-    A half-character token gets an empty piece; the next token that matches takes the
-    characters in between, so the pieces always spell the text exactly.
-    """
-    pieces: list[str] = []
-    at = 0
-    for token in tokens:
-        if not token or "\ufffd" in token:
-            pieces.append("")
-            continue
-        found = text.find(token, at)
-        if found < 0:
-            raise RemoteServerError("the server's tokens do not spell its completion text",
-                                    "use a server whose logprobs report tokens and text offsets")
-        pieces.append(text[at : found + len(token)])
-        at = found + len(token)
-    if pieces:
-        pieces[-1] += text[at:]
-    return pieces
-
-
-def _tail(entries: Sequence[Entry], n_generated: int, n_chars: int, *, last: int | None = None) -> list[Entry]:
-    """The trailing prompt tokens that cover the last `n_chars` characters.
-
-    Offsets may be counted on the detokenized text (special tokens empty), so
-    positions are taken relative to the end of the prompt, never its start.
-    A token straddling the boundary belongs to the candidate.
-    """
-    prompt = list(entries[: len(entries) - n_generated])
-    if not prompt:
-        raise RemoteServerError("the server echoed no prompt tokens", "it must support echo with logprobs")
-    if last is not None:
-        picked = prompt[-last:]
-    else:
-        end = entries[len(prompt)].offset if n_generated else prompt[-1].offset + len(prompt[-1].token)
-        ends = [e.offset for e in prompt[1:]] + [end]
-        start = end - n_chars
-        first = next((i for i, stop in enumerate(ends) if stop > start), len(prompt) - 1)
-        picked = prompt[first:]
-    if any(e.logprob is None for e in picked):
-        raise RemoteServerError("the server gave no log-probability for a candidate token", "")
-    return picked
-
-
-def _scores(picked: Sequence[Entry]) -> TokenScores:
-    """Servers give log-probabilities, not logits: they stand in for both."""
-    lps = tuple(float(e.logprob) for e in picked)  # type: ignore[arg-type]
-    tops = tuple(e.top for e in picked) if all(e.top is not None for e in picked) else None
-    return TokenScores(lps, lps, tops)  # type: ignore[arg-type]
-
-
-def _logsumexp(values: Sequence[float]) -> float:
-    top = max(values)
-    return top + math.log(sum(math.exp(v - top) for v in values))
 
 
 # --- member and session -----------------------------------------------------------------
@@ -274,7 +157,7 @@ class RemoteMember(Member):
         prompt = self.source.render([Message("user", "Say hello.")])
         gen = self._complete(prompt, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
         text = gen.get("text") or ""
-        entries = [e for e in _entries(gen.get("logprobs")) if e.logprob is not None] if text else []
+        entries = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
         if not entries:
             return  # nothing to compare
         echoed = self._echo([prompt + text])[0].entries
@@ -308,7 +191,7 @@ class RemoteMember(Member):
         if ignore_eos:
             body.update(self._no_end())
         data = self.client.post("/completions", body)
-        choice = _choices(data, 1)[0]
+        choice = choices_of(data, 1)[0]
         choice["_usage"] = data.get("usage") or {}
         return choice
 
@@ -333,12 +216,12 @@ class RemoteMember(Member):
             }
             data = self.client.post("/completions", body)
             usage = data.get("usage") or {}
-            for choice in _choices(data, len(group)):
+            for choice in choices_of(data, len(group)):
                 # The generated tokens follow the echoed prompt: max_tokens of them per prompt, except
                 # where the server reports fewer (llama-cpp-python lists no end-of-generation token).
                 n_gen = _int(usage.get("completion_tokens")) if len(group) == 1 else None
                 n_gen = self.kind.echo_max_tokens if n_gen is None else min(n_gen, self.kind.echo_max_tokens)
-                out.append(_Echo(_entries(choice.get("logprobs")), n_gen))
+                out.append(_Echo(entries_of(choice.get("logprobs")), n_gen))
         return out
 
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "RemoteSession":
@@ -397,9 +280,9 @@ class RemoteSession(MemberSession):
             self.n_tokens = prompt_tokens
         text = choice.get("text") or ""
         raw = choice.get("logprobs")
-        entries = _entries(raw) if text or (raw and raw.get("tokens")) else []
+        entries = entries_of(raw) if text or (raw and raw.get("tokens")) else []
         finished = choice.get("finish_reason") == "stop"  # no stop strings are sent: "stop" is EOS
-        pieces = _pieces(text, entries)
+        pieces = pieces_of(text, entries)
         logprobs = [e.logprob if e.logprob is not None else 0.0 for e in entries]
         listed_end = bool(entries) and pieces[-1] == "" and entries[-1].token in ("", *self.m.source.end_texts)
         if finished and not listed_end:
@@ -417,8 +300,8 @@ class RemoteSession(MemberSession):
         ends = self.m.source.end_texts
         echoes = self.m._echo([context + end for end in ends])
         self.stats["requests"] += 1 if self.m.batch else len(ends)
-        ends_found = [_tail(e.entries, e.n_generated, 0, last=1)[0] for e in echoes]
-        return _logsumexp([float(e.logprob) for e in ends_found])  # type: ignore[arg-type]
+        ends_found = [tail(e.entries, e.n_generated, 0, last=1)[0] for e in echoes]
+        return logsumexp([float(e.logprob) for e in ends_found])  # type: ignore[arg-type]
 
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
         unique = [t for t in dict.fromkeys(texts) if t]
@@ -430,7 +313,7 @@ class RemoteSession(MemberSession):
             echoes = self.m._echo([self.context + t for t in unique])
             self.stats["requests"] += 1 if self.m.batch else len(unique)
             for text, echo in zip(unique, echoes):
-                scores = _scores(_tail(echo.entries, echo.n_generated, len(text)))
+                scores = scores_of(tail(echo.entries, echo.n_generated, len(text)))
                 self.stats["verify"] += len(scores.logprobs)
                 self._draft_tokens.setdefault(text, len(scores.logprobs))
                 results[text] = scores
@@ -443,14 +326,6 @@ class RemoteSession(MemberSession):
 
     def close(self) -> None:
         pass
-
-
-def _choices(data: Any, n: int) -> list[dict[str, Any]]:
-    choices = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(choices, list) or len(choices) != n:
-        raise RemoteServerError(f"expected {n} completion choice(s), got {data!r:.200}",
-                                "is this an OpenAI-compatible completions server?")
-    return sorted(choices, key=lambda c: c.get("index", 0))
 
 
 def _detect(requested: str, listed: dict[str, Any]) -> str:
