@@ -31,21 +31,21 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..errors import MemberLoadError, ModelFileError, PromptTooLongError
+from ..errors import MemberLoadError, ModelFileError
 from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
 from ..prompting import choose_format, render_plain
-from ..types import DraftTokens, Message, Sampling, TokenScores
-from .cached import CachedSession, DraftState, LocalMember, Verified
+from ..types import Message
+from .cached import LocalMember
 from .hf_tokens import piece_function
 from .spec import split_target
+from .transformers_session import TransformersSession
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -116,28 +116,6 @@ def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] |
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-# --- sampling ----------------------------------------------------------------------------------
-
-
-def sample(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
-           banned: torch.Tensor | None = None) -> int:
-    """Temperature + nucleus sampling on one logits row (float32); greedy at temperature 0.
-
-    `banned` token ids are never picked (end-of-generation under Sampling.ignore_eos).
-    """
-    if banned is not None:
-        row = row.index_fill(0, banned.to(row.device), float("-inf"))
-    if sampling.greedy:
-        return int(row.argmax())
-    probs = torch.softmax(row / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = (sorted_probs.cumsum(0) - sorted_probs) < sampling.top_p  # always keeps the top token
-        picked = torch.multinomial(sorted_probs * keep, 1, generator=generator)
-        return int(order[picked])
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 # --- member ------------------------------------------------------------------------------------
@@ -303,136 +281,6 @@ class TransformersMember(LocalMember):
         self.model = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-# --- session -----------------------------------------------------------------------------------
-
-
-@dataclass
-class _KeysValues(Verified):
-    keys: list[torch.Tensor]  # per layer: this candidate's cached keys/values
-    values: list[torch.Tensor]
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)  # negative = tokens to remove; accepted by old and new transformers
-
-
-def _scores_at(rows: torch.Tensor, targets: Sequence[int]) -> TokenScores:
-    """Log-probabilities and logits of `targets` in `rows`, and each row's most likely token's log-probability."""
-    index = torch.tensor(list(targets), device=rows.device)[:, None]
-    picked = rows.gather(1, index)[:, 0]
-    lse = torch.logsumexp(rows, dim=-1)
-    tops = rows.max(dim=-1).values - lse
-    return TokenScores(tuple((picked - lse).tolist()), tuple(picked.tolist()), tuple(tops.tolist()))
-
-
-class TransformersSession(CachedSession):
-    """One request's context on a TransformersMember: one DynamicCache. See the module docstring."""
-
-    m: TransformersMember
-
-    def __init__(self, member: TransformersMember, prompt: list[int], seed: int | None) -> None:
-        super().__init__(member, prompt)
-        self.cache = DynamicCache()  # full layers: sliding windows are enforced by the masks, and cropping works
-        self.generator: torch.Generator | None = None
-        if seed is not None:
-            gen_device = "cpu" if member.input_device.type == "cpu" else member.input_device
-            self.generator = torch.Generator(device=gen_device).manual_seed(seed)
-
-    def _sync(self) -> None:
-        start = self.n_cached
-        if start < len(self.tokens):
-            rows = self.m.forward(self.cache, self.tokens[start:], range(start, len(self.tokens)), last_only=True)
-            self.stats.decode_calls += 1
-            self.n_cached = len(self.tokens)
-            self._next_row = rows[-1]
-            self._count_synced(start)
-        if self._next_row is None:
-            raise RuntimeError("context is empty")
-
-    def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
-        if self._draft is not None:  # an earlier draft was never accepted: drop its tokens
-            _crop(self.cache, len(self.tokens))
-            self._draft, self._verified = None, {}
-        self._sync()
-        row = self._next_row
-        ids: list[int] = []
-        rows: list[torch.Tensor] = []
-        logprobs: list[float] = []
-        logits: list[float] = []
-        finished = False
-        pos = len(self.tokens)
-        banned = self.m._eog if sampling.ignore_eos else None
-        for step in range(max_tokens):
-            rows.append(row)
-            token = sample(row, sampling, self.generator, banned)
-            ids.append(token)
-            logit = float(row[token])
-            logits.append(logit)
-            logprobs.append(logit - float(torch.logsumexp(row, dim=-1)))
-            if self.m.is_eog(token):
-                finished = True
-                break
-            if step == max_tokens - 1:
-                break
-            row = self.m.forward(self.cache, [token], [pos])[-1]
-            self.stats.draft += 1
-            self.stats.decode_calls += 1
-            pos += 1
-        pieces = [self.m.piece(t) if not self.m.is_eog(t) else b"" for t in ids]
-        self._draft = DraftState(ids, pieces, rows)
-        return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished)
-
-    def _end_score(self) -> TokenScores:
-        row = self._next_row
-        eog = row[self.m._eog.to(row.device)]
-        lse = torch.logsumexp(row, 0)
-        lp = float(torch.logsumexp(eog, 0) - lse)
-        return TokenScores((lp,), (float(eog.max()),), (float(row.max() - lse),))
-
-    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
-        """All candidates in one forward pass; their keys/values are kept aside for accept."""
-        m, n_prefix, prefix_row = self.m, len(self.tokens), self._next_row
-        encoded = [m.encode_continuation(t) for t in texts]
-        lengths = [len(ids) for ids in encoded]
-        if n_prefix + sum(lengths) > m.n_ctx:
-            raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
-        n_cache = self.cache.get_seq_length()  # prefix + this round's pending draft tokens
-        mask = m.block_mask(n_prefix, n_cache - n_prefix, lengths)
-        positions = [n_prefix + i for n in lengths for i in range(n)]
-        rows = m.forward(self.cache, [t for ids in encoded for t in ids], positions, mask=mask)
-        self.stats.verify += sum(lengths)
-        self.stats.verify_calls += 1
-        self.stats.decode_calls += 1
-        layers = self.cache.layers
-        keys = [layer.keys[..., n_cache:, :] for layer in layers]
-        values = [layer.values[..., n_cache:, :] for layer in layers]
-        _crop(self.cache, n_cache)
-        at = 0
-        for text, ids in zip(texts, encoded):
-            block = rows[at : at + len(ids)]
-            predictors = torch.cat([prefix_row[None, :], block[:-1]])
-            span = slice(at, at + len(ids))
-            self._verified[text] = _KeysValues(ids, _scores_at(predictors, ids), block[-1],
-                                               [k[..., span, :] for k in keys], [v[..., span, :] for v in values])
-            at += len(ids)
-        return {t: self._verified[t].scores for t in texts}
-
-    def _truncate(self, length: int) -> None:
-        _crop(self.cache, length)
-
-    def _adopt(self, candidate: Verified, n_prefix: int) -> None:
-        assert isinstance(candidate, _KeysValues)
-        for layer, k, v in zip(self.cache.layers, candidate.keys, candidate.values):
-            layer.keys = torch.cat([layer.keys, k], dim=-2)
-            layer.values = torch.cat([layer.values, v], dim=-2)
-
-    def close(self) -> None:
-        self.cache = DynamicCache()
-        self._verified = {}
 
 
 TARGET_KEYS = {"device": str, "dtype": str, "attn_implementation": str, "n_ctx": int, "trust_remote_code": bool}
