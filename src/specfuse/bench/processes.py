@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,6 +196,39 @@ def llama_cpp_server(gguf: Path, log: Path, *, threads: int | None = 1, n_ctx: i
         url = f"http://127.0.0.1:{port}/v1"
         wait_until_serving(process, f"{url}/models", startup_s, log)
         yield LlamaServer(url, log, process)
+
+
+class MemberServer:
+    """A ``llama_cpp.server`` on a port of its own, which the soak kills and starts again."""
+
+    def __init__(self, gguf: Path, workdir: Path, name: str, threads: int | None, n_ctx: int) -> None:
+        self.gguf, self.workdir, self.name, self.threads, self.n_ctx = gguf, workdir, name, threads, n_ctx
+        self.port = free_port()
+        self.starts = 0
+        self._stack: ExitStack | None = None
+        self._process: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> None:
+        stack = ExitStack()
+        log = self.workdir / f"{self.name}-{self.starts}.log"
+        self._process = stack.enter_context(llama_cpp_server(self.gguf, log, threads=self.threads, n_ctx=self.n_ctx,
+                                                              port=self.port))
+        self._stack, self.starts = stack, self.starts + 1
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self._process is not None:
+            self._process.kill()
+        self.stop()
+
+    def stop(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
 
 
 @contextmanager

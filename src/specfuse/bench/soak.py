@@ -44,7 +44,7 @@ from .accounting import (
     targets,
 )
 from .machine import git, loadavg, machine, rss_mb
-from .processes import SpecfuseServer, free_port, llama_cpp_server, sigterm_as_interrupt, specfuse_server
+from .processes import MemberServer, SpecfuseServer, sigterm_as_interrupt, specfuse_server
 from .soak_client import SoakClient
 from .traffic import NORMAL, Action, Mix, Phase, plan, probe, warmup
 
@@ -100,39 +100,6 @@ class SoakSettings:
                         "cache_dir": self.cache_dir},
             "defaults": {"max_tokens": self.max_tokens},
         }
-
-
-class MemberServer:
-    """A ``llama_cpp.server`` on a port of its own, which the soak kills and starts again."""
-
-    def __init__(self, gguf: Path, workdir: Path, name: str, threads: int | None, n_ctx: int) -> None:
-        self.gguf, self.workdir, self.name, self.threads, self.n_ctx = gguf, workdir, name, threads, n_ctx
-        self.port = free_port()
-        self.starts = 0
-        self._stack: ExitStack | None = None
-        self._process: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> None:
-        stack = ExitStack()
-        log = self.workdir / f"{self.name}-{self.starts}.log"
-        self._process = stack.enter_context(llama_cpp_server(self.gguf, log, threads=self.threads, n_ctx=self.n_ctx,
-                                                              port=self.port))
-        self._stack, self.starts = stack, self.starts + 1
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self._process is not None:
-            self._process.kill()
-        self.stop()
-
-    def stop(self) -> None:
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
 
 
 class Soak:
