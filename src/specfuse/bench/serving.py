@@ -160,7 +160,7 @@ def _check_arguments(concurrency: Sequence[int], requests: int | None, max_token
         raise SpecFuseError("--max-tokens must be at least 1")
     if remote and models:
         raise SpecFuseError("--remote starts its own members", "leave out -m/--model with --remote")
-    import httpx  # noqa: F401
+    import httpx  # noqa: F401  (the client libraries: missing ones fail here, before any server starts)
     import openai  # noqa: F401
 
     return levels

@@ -4,9 +4,10 @@ The leader (the largest member) answers alone, and each setting of a small grid
 answers the same items, in the same process, item by item (the evaluation
 harness: resumable, a progress bar). The profile keeps the cheapest setting
 right on more items than the leader; if none is, the leader alone
-(``accept_margin = 0``), the cheapest setting that does not lose. It is a TOML file (``profiles.py``) that
-``generate``, ``chat``, ``serve`` and ``eval`` load with ``--profile``; its
-``[calibration]`` table records the figures the choice was made on.
+(``accept_margin = 0``), the cheapest setting that does not lose. It is a
+TOML file (``profiles.py``) that ``generate``, ``chat``, ``serve`` and
+``eval`` load with ``--profile``; its ``[calibration]`` table records the
+figures the choice was made on.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -171,9 +171,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+    require_key = Depends(_key_check(state))
     _add_status_routes(app, state)
-    _add_model_routes(app, state)
-    _add_completion_route(app, state)
+    _add_model_routes(app, state, require_key)
+    _add_completion_route(app, state, require_key)
 
 
 def _key_check(state: ServerState) -> Callable[[Request], Awaitable[None]]:
@@ -222,14 +223,12 @@ def _model_cards(state: ServerState) -> list[ModelCard]:
     return cards
 
 
-def _add_model_routes(app: FastAPI, state: ServerState) -> None:
-    require_key = _key_check(state)
-
-    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(require_key)])
+def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    @app.get("/v1/models", response_model=ModelList, dependencies=[require_key])
     async def list_models() -> ModelList:
         return ModelList(data=_model_cards(state))
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[Depends(require_key)])
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[require_key])
     async def get_model(model_id: str) -> ModelCard:
         for card in _model_cards(state):
             if card.id == model_id:
@@ -254,11 +253,11 @@ def _members_for(state: ServerState, model: str) -> list[str] | None:
                    f"and its members {', '.join(state.members)}", code="model_not_found", param="model")
 
 
-def _add_completion_route(app: FastAPI, state: ServerState) -> None:
+def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) -> None:
     worker = state.worker
 
     # The body is parsed by hand (serving.parse_request) to tell bad JSON (400) from a bad shape (422).
-    @app.post("/v1/chat/completions", dependencies=[Depends(_key_check(state))])
+    @app.post("/v1/chat/completions", dependencies=[require_key])
     async def chat_completions(request: Request) -> Response:
         body = await _read_body(request, state.config.server.max_body_bytes)
         parsed = serving.parse_request(body)
