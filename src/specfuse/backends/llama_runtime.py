@@ -46,10 +46,31 @@ _BACKEND_READY = False
 _BACKEND_LOCK = threading.Lock()
 
 
+def amx_advertised() -> bool:
+    """Whether the CPU claims Intel AMX (Linux: /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return any(line.startswith("flags") and "amx_int8" in line.split() for line in info)
+    except OSError:
+        return False
+
+
+def use_extra_buffer_types() -> bool:
+    """Whether llama.cpp may place weights in its extra CPU buffer types (AMX, repacked layouts).
+
+    Not where the CPU advertises AMX: in some virtual machines it does so, yet AMX instructions
+    fault (seen: a general protection fault in ggml_backend_amx_mul_mat on the first batched decode
+    of a llama.cpp built with -march=native). SPECFUSE_LLAMA_EXTRA_BUFTS=1 (or 0) decides instead.
+    """
+    env = os.environ.get("SPECFUSE_LLAMA_EXTRA_BUFTS")
+    return env == "1" if env in ("0", "1") else not amx_advertised()
+
+
 def load_model(path: Path) -> Any:
     """The model's weights on the CPU, or a clear error quoting llama.cpp's log."""
     params = lc.llama_model_default_params()
     params.n_gpu_layers = 0
+    params.use_extra_bufts = use_extra_buffer_types()
     _LOG_TAIL.clear()
     model = lc.llama_model_load_from_file(str(path).encode(), params)
     if not model:

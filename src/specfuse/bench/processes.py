@@ -183,9 +183,11 @@ class LlamaServer:
 @contextmanager
 def llama_cpp_server(gguf: Path, log: Path, *, threads: int | None = 1, n_ctx: int = 2048,
                      startup_s: float = 180, port: int | None = None) -> Iterator[LlamaServer]:
-    """`python -m llama_cpp.server` for one GGUF on loopback (`port`, else a free one), until the block ends."""
+    """`python -m llama_cpp.server` for one GGUF on loopback (`port`, else a free one), until the block ends.
+
+    Started through ``llama_server.py``, which loads the model as our own llama.cpp members do."""
     port = port or free_port()
-    args = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    args = [sys.executable, "-m", "specfuse.bench.llama_server", "--model", str(gguf), "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(n_ctx),
             # flash attention as in the local llama.cpp backend, so that both compute the same numbers
             # (without it log-probs differ by up to ~0.3 nats: f16 attention accumulates differently)
