@@ -20,7 +20,8 @@ What a member can do beyond that is *declared*, never probed:
   default leader is the largest member when every member states its size);
 - ``Member.prompt_tokens``: the templated prompt's tokens, where the member can
   tell (the server reports them as usage);
-- ``Member.occupancy``: the session slots free and the KV-cache cells held now,
+- ``Member.occupancy``: the session slots free and the KV-cache cells held now
+  (by sessions, by the prefix cache kept between requests, by neither: a leak),
   where the member can tell (the server shows them, so that a leak is seen).
 
 Subclass :class:`Member` and :class:`MemberSession`; the defaults say "cannot",
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..types import DraftTokens, Message, Sampling, TokenScores
+from .prefix_cache import PrefixStats
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ class Occupancy:
 
     slots: int | None = None  # sessions it can hold at once
     free_slots: int | None = None  # of those, not taken by an open session
-    cache_cells: int | None = None  # KV-cache positions held, summed over its sequences
+    cache_cells: int | None = None  # KV-cache positions open sessions hold, summed over their sequences
+    stray_cells: int | None = None  # positions held by no session and no prefix-cache entry (a leak)
+    prefix: PrefixStats | None = None  # the prefix cache kept between requests, where the member has one
 
 
 class MemberSession(ABC):

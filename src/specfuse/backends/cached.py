@@ -48,6 +48,7 @@ class Counters:
     """Tokens decoded per purpose; tests use these to prove what was (not) re-encoded."""
 
     prompt: int = 0  # prompt tokens, decoded once per session
+    reused: int = 0  # prompt tokens found in the prefix cache instead (not decoded)
     catch_up: int = 0  # accepted tokens not already in the cache
     draft: int = 0
     verify: int = 0

@@ -13,6 +13,12 @@ decode is the last token of a fully kept own draft, fed next round.
 
 Several sessions at once (``slots``): the context holds ``slots`` windows of
 ``n_ctx`` tokens, and session k owns sequences 8k..8k+7 of the unified cache.
+
+Between requests (``prefix_cache_cells``): the context holds that many cells
+more, and each prefix-cache entry (``prefix_cache.py``) is one sequence after
+the sessions'. A closing session's context is copied into an entry (cells are
+shared, not copied); a new session copies the longest matching prefix from an
+entry into its sequence 0 and decodes only the rest of its prompt.
 ``draft_many`` advances every drafting session by one token per
 ``llama_decode``; ``score_many`` verifies every session's candidates in one
 batch (chunked at ``n_batch``). One session alone decodes exactly as before.
@@ -38,6 +44,9 @@ from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .llama_runtime import LogSoftmax, default_threads, init_backend, load_model, log_excerpt
 from .llama_session import SEQS_PER_SESSION, Drafting, LlamaCppSession, VerifyPlan
+from .prefix_cache import PrefixCache
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 
 __all__ = ["LlamaCppMember", "LlamaCppSession", "default_threads", "load"]
 
@@ -70,26 +79,38 @@ class LlamaCppMember(LocalMember):
         n_ctx: int = 4096,
         n_batch: int = 512,
         threads: int | None = None,
-        prefix_cache: bool = True,
+        reencode: bool = False,
         slots: int = 1,
         max_outputs: int = 64,
+        prefix_cache_cells: int | None = None,
     ) -> None:
+        """`prefix_cache_cells`: cells kept between requests (None: half of ``n_ctx * slots``; 0: off).
+        `reencode`: every call re-encodes the whole context, as the paper's reference code (benchmarks only)."""
         if slots < 1:
             raise ValueError("slots must be at least 1")
+        if prefix_cache_cells is not None and prefix_cache_cells < 0:
+            raise ValueError("prefix_cache_cells must be 0 (off) or more")
         self.path = Path(path)
         self.name = name or self.path.stem
         check_gguf(self.path)
         init_backend()
         self.threads = threads or default_threads()
-        self.prefix_cache = prefix_cache  # False only to measure the reference method
+        self.reencode = reencode
+        cells = n_ctx * slots // 2 if prefix_cache_cells is None else prefix_cache_cells
+        entries = min(max(4, 2 * slots), MAX_SEQUENCES - SEQS_PER_SESSION * slots) if cells and not reencode else 0
+        cells = cells if entries > 0 else 0
         self._model = load_model(self.path)
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
-        self._ctx = self._create_context(n_ctx, n_batch, slots)
+        self._ctx = self._create_context(n_ctx, n_batch, slots, cells, entries)
         self._mem = lc.llama_get_memory(self._ctx)
         self.slots = slots
-        self.n_ctx = lc.llama_n_ctx(self._ctx) // slots  # one session's window
+        self.n_ctx = (lc.llama_n_ctx(self._ctx) - cells) // slots  # one session's window
+        first = SEQS_PER_SESSION * slots
+        self._entry_seqs = range(first, first + entries)
+        self.prefix_cache: PrefixCache[int] = PrefixCache(cells, self._entry_seqs,
+                                                          lambda seq: self.seq_rm(seq, -1, -1))
         self._free_slots = list(range(slots))
         self._slot_free = threading.Condition()
         self._init_batch(n_batch)
@@ -102,13 +123,14 @@ class LlamaCppMember(LocalMember):
         self.softmax = LogSoftmax(self.n_vocab)
         self._reserve_outputs()
 
-    def _create_context(self, n_ctx: int, n_batch: int, slots: int) -> Any:
-        """A context of `slots` windows of `n_ctx` tokens, 8 sequences per slot, in one unified cache."""
+    def _create_context(self, n_ctx: int, n_batch: int, slots: int, cached: int, entries: int) -> Any:
+        """A context of `slots` windows of `n_ctx` tokens, 8 sequences per slot, and `cached` cells in
+        `entries` sequences for the prefix cache, in one unified cache."""
         params = lc.llama_context_default_params()
-        params.n_ctx = n_ctx * slots
+        params.n_ctx = n_ctx * slots + cached
         params.n_batch = n_batch
         params.n_ubatch = n_batch
-        params.n_seq_max = SEQS_PER_SESSION * slots
+        params.n_seq_max = SEQS_PER_SESSION * slots + entries
         params.n_threads = self.threads
         params.n_threads_batch = self.threads
         params.kv_unified = True  # candidate sequences share the prefix cells
@@ -231,6 +253,8 @@ class LlamaCppMember(LocalMember):
         for i, seq in enumerate(seqs):
             seq_ptrs[i][0] = seq
         status = lc.llama_decode(self._ctx, batch)
+        while status == 1 and self.prefix_cache.evict_one():  # no room: cached prefixes give way first
+            status = lc.llama_decode(self._ctx, batch)
         if status == 1:
             raise PromptTooLongError(
                 f"{self.name}: the context window ({self.n_ctx} tokens) is full",
@@ -257,13 +281,38 @@ class LlamaCppMember(LocalMember):
         with self._slot_free:  # with every slot taken, wait for a session to close (as a lock would)
             while not self._free_slots:
                 self._slot_free.wait()
-            if len(self._free_slots) == self.slots:
-                # No other session: start from an empty cache, so the cells are used from the first one
-                # on and attention spans only them (a lone request runs as with a single slot).
+            if len(self._free_slots) == self.slots and not self.prefix_cache.handles:
+                # No other session and nothing cached: start from an empty cache, so the cells are used
+                # from the first one on and attention spans only them (a lone request runs as with a
+                # single slot).
                 lc.llama_memory_clear(self._mem, False)
             slot = self._free_slots.pop(0)
             self._clear_slot(slot)
-        return LlamaCppSession(self, prompt, seed, slot=slot, reencode=not self.prefix_cache)
+        session = LlamaCppSession(self, prompt, seed, slot=slot, reencode=self.reencode)
+        session.n_cached = session.stats.reused = self._reuse_prefix(prompt, session.base)
+        return session
+
+    def _reuse_prefix(self, prompt: list[int], seq: int) -> int:
+        """Copy the longest cached prefix of `prompt` into sequence `seq`; how many tokens it covers.
+
+        At least the prompt's last token is left to decode: its logits row starts the answer.
+        """
+        cache = self.prefix_cache
+        with cache.lock:
+            found = cache.lookup(prompt, len(prompt) - 1)
+            if found is None:
+                return 0
+            entry, length = found
+            self.seq_cp(entry, seq, 0, length)
+            return length
+
+    def keep_prefix(self, seq: int, tokens: list[int]) -> None:
+        """Keep the cells of `tokens`, held by sequence `seq` from position 0, in the prefix cache."""
+        def copy(entry: int, n: int) -> None:
+            self.seq_rm(entry, -1, -1)
+            self.seq_cp(seq, entry, 0, n)
+
+        self.prefix_cache.store(tokens, copy)
 
     @property
     def free_slots(self) -> int:
@@ -271,26 +320,41 @@ class LlamaCppMember(LocalMember):
             return len(self._free_slots)
 
     def occupancy(self) -> Occupancy:
-        """Slots free, and the cache positions every sequence holds (0 when no session is open).
+        """Slots free; the cache positions open sessions hold (0 when none is open); the prefix cache;
+        and stray positions: held by a free slot, by no live entry, or by an entry beyond its tokens.
 
-        A cell shared by several sequences (a candidate copied from the context) counts once per
-        sequence. Read it between decodes, from the thread that decodes.
+        A cell shared by several sequences (a candidate copied from the context, a prefix kept
+        between requests) counts once per sequence. Read it between decodes, from the thread that
+        decodes.
         """
         if not self._ctx:
             return Occupancy(self.slots, self.free_slots, None)
-        cells = 0
+        with self._slot_free:
+            free = set(self._free_slots)
+        entries = self.prefix_cache.lengths()
+        held = stray = 0
         for seq in range(SEQS_PER_SESSION * self.slots):
-            last = lc.llama_memory_seq_pos_max(self._mem, seq)
-            if last >= 0:
-                cells += last - lc.llama_memory_seq_pos_min(self._mem, seq) + 1
-        return Occupancy(self.slots, self.free_slots, cells)
+            cells = self._seq_cells(seq)
+            held, stray = (held, stray + cells) if seq // SEQS_PER_SESSION in free else (held + cells, stray)
+        for seq in self._entry_seqs:
+            stray += abs(self._seq_cells(seq) - entries.get(seq, 0))
+        return Occupancy(self.slots, len(free), held, stray, self.prefix_cache.stats())
+
+    def _seq_cells(self, seq: int) -> int:
+        last = lc.llama_memory_seq_pos_max(self._mem, seq)
+        return last - lc.llama_memory_seq_pos_min(self._mem, seq) + 1 if last >= 0 else 0
 
     def _clear_slot(self, slot: int) -> None:
         for seq in range(slot * SEQS_PER_SESSION, (slot + 1) * SEQS_PER_SESSION):
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
-    def release(self, slot: int = 0) -> None:
-        self._clear_slot(slot)
+    def release(self, slot: int = 0, keep: list[int] | None = None) -> None:
+        """Free `slot`; `keep`: the tokens its sequence 0 holds from position 0, for the prefix cache."""
+        try:
+            if keep:
+                self.keep_prefix(slot * SEQS_PER_SESSION, keep)
+        finally:
+            self._clear_slot(slot)
         with self._slot_free:
             self._free_slots.append(slot)
             self._free_slots.sort()

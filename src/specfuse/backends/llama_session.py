@@ -107,6 +107,7 @@ class LlamaCppSession(CachedSession):
         self._next_lse: float | None = None
         self.rng = np.random.default_rng(seed)
         self._closed = False
+        self._prompt_kept = reencode  # the prompt goes to the prefix cache once decoded (not when re-encoding)
 
     def _set_next(self, row: np.ndarray | None) -> None:
         self._next_row, self._next_lse = row, None
@@ -138,6 +139,10 @@ class LlamaCppSession(CachedSession):
         self._count_synced(start)
         if self._next_row is None:
             raise RuntimeError("context is empty")
+        if not self._prompt_kept:
+            # Requests that arrive while this one runs may start from its prompt (a shared system prompt).
+            self._prompt_kept = True
+            m.keep_prefix(self.base, self.tokens[: self.prompt_len])
 
     def _sample(self, row: np.ndarray, sampling: Sampling) -> int:
         if sampling.greedy:
@@ -276,6 +281,7 @@ class LlamaCppSession(CachedSession):
             self.m.seq_rm(candidate.seq, -1, -1)
 
     def close(self) -> None:
+        """Free the slot; the context's cached cells stay in the member's prefix cache."""
         if not self._closed:
             self._closed = True
-            self.m.release(self.slot)
+            self.m.release(self.slot, None if self.reencode else self.tokens[: self.n_cached])

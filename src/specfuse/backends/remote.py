@@ -365,9 +365,11 @@ def parse_target(target: str) -> tuple[str, dict[str, Any]]:
 
 
 def load(target: str, *, cache_dir: str | None = None, threads: int | None = None,
-         n_ctx: int | None = None, slots: int | None = None, **options: Any) -> RemoteMember:
-    """Registry entry. `cache_dir`, `threads` and `slots` are for local members and ignored
-    here (each session is its own requests to the server); `n_ctx` is a fallback when
+         n_ctx: int | None = None, slots: int | None = None, prefix_cache_cells: int | None = None,
+         **options: Any) -> RemoteMember:
+    """Registry entry. `cache_dir`, `threads`, `slots` and `prefix_cache_cells` are for local members
+    and ignored here (each session is its own requests to the server, which caches prefixes
+    itself); `n_ctx` is a fallback when
     neither the spec nor the server says the context size."""
     url, from_spec = parse_target(target)
     try:

@@ -139,10 +139,10 @@ def _child(argv: Sequence[str]) -> None:
     """Subprocess body for RSS: load members, generate, print peak RSS in MiB."""
     kind, length, *names = argv
     if kind == "ensemble":
-        with Ensemble(names) as ens:
+        with Ensemble(names, prefix_cache_cells=0) as ens:
             run_specfuse(ens, PROMPTS[0], int(length), 10)
     else:
-        with Ensemble(names) as ens:
+        with Ensemble(names, prefix_cache_cells=0) as ens:
             member_alone_seconds(ens.members[0], to_messages(PROMPTS[0]), int(length))
     print(peak_rss_self_mb())
 
@@ -165,7 +165,8 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
         "reps": reps,
         "lengths": {},
     }
-    with Ensemble(models) as ens, Ensemble(models, prefix_cache=False) as reference:
+    # No prefix cache between requests: every repetition pays for its prompt, as the members alone do.
+    with Ensemble(models, prefix_cache_cells=0) as ens, Ensemble(models, reencode=True) as reference:
         names = ens.names
         report["models"] = names
         report["threads"] = {m.name: m.threads for m in ens.members}

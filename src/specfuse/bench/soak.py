@@ -178,14 +178,14 @@ class Soak:
         entry = {"t_s": self.now(), "label": label, "idle_wait_s": time.monotonic() - t_wait,
                  "waiting": health["queue"]["waiting"], "running": health["queue"]["running"],
                  "accepted": health["counters"]["accepted"], "occupancy": health.get("occupancy", {}),
-                 "held": held(health), "rss_mb": rss_mb(self.server.process.pid)}
+                 "held": held(health), "cached_cells": cached(health), "rss_mb": rss_mb(self.server.process.pid)}
         if send_probe:
             record = self.client.send(probe(next(self._extra), self.settings.mix))
             self.records.append(record)
             entry["probe_latency_s"] = record.latency_s
         self.checkpoints.append(entry)
         self.log(f"   {entry['t_s']:7.1f} s  idle checkpoint {label}: RSS {entry['rss_mb']:.0f} MiB, "
-                 f"held: {', '.join(entry['held']) or 'nothing'}")
+                 f"held: {', '.join(entry['held']) or 'nothing'}; cached: {entry['cached_cells']} cells")
         return entry
 
     def _poll(self, ok: Callable[[dict[str, Any]], bool], timeout: float,
@@ -265,14 +265,26 @@ def log_errors(path: Path, keep: int = 5) -> dict[str, Any]:
 
 
 def held(health: dict[str, Any]) -> list[str]:
-    """Members that hold a slot or a KV-cache cell, by /health's occupancy."""
+    """What members hold when idle that they should not, by /health's occupancy: a slot, a session's
+    KV-cache cell, a stray cell (held by no session and no prefix-cache entry), or prefix-cache cells
+    beyond its bound. Cached prefixes within the bound are kept on purpose, not leaked."""
     found = []
     for name, o in health.get("occupancy", {}).items():
         if o.get("slots") is not None and o.get("free_slots") is not None and o["free_slots"] != o["slots"]:
             found.append(f"{name}: {o['slots'] - o['free_slots']} slots")
         if o.get("cache_cells"):
             found.append(f"{name}: {o['cache_cells']} cells")
+        if o.get("stray_cells"):
+            found.append(f"{name}: {o['stray_cells']} stray cells")
+        prefix = o.get("prefix") or {}
+        if prefix.get("cells", 0) > prefix.get("bound", 0):
+            found.append(f"{name}: {prefix['cells']} cached cells over the bound {prefix['bound']}")
     return found
+
+
+def cached(health: dict[str, Any]) -> int:
+    """Cells the members' prefix caches hold (kept on purpose, within their bounds)."""
+    return sum((o.get("prefix") or {}).get("cells", 0) for o in health.get("occupancy", {}).values())
 
 
 # --------------------------------------------------------------------------- the command

@@ -28,6 +28,10 @@ def serve(
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
+    prefix_cache_cells: Annotated[Optional[int], typer.Option(
+        "--prefix-cache-cells", min=0, help="KV-cache cells each llama.cpp member keeps between requests, so "
+        "that a chat's next turn or a shared system prompt is not read again (default: half of n-ctx x "
+        "max-concurrent; 0: off).")] = None,
     fusion: dict[str, Any] | None = None,
 ) -> None:
     """Serve the ensemble over an OpenAI-compatible API, with a web view at /.
@@ -40,4 +44,4 @@ def serve(
 
     run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
                      max_concurrent=max_concurrent, cache_dir=cache_dir, threads=threads, n_ctx=n_ctx,
-                     defaults=fusion or None))
+                     prefix_cache_cells=prefix_cache_cells, defaults=fusion or None))

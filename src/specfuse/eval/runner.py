@@ -140,7 +140,9 @@ def run_eval(
     planned = _planned_systems(systems, members)
     if planned and all((item.id, name) in done for item in items for name in planned):
         return path  # everything is recorded already: nothing to load
-    with Ensemble(list(members) if members else None, **(member_options or {})) as ensemble:
+    # Systems take turns on each item: none may read its prompt from the cache the one before filled.
+    member_options = {"prefix_cache_cells": 0, **(member_options or {})}
+    with Ensemble(list(members) if members else None, **member_options) as ensemble:
         names = resolve_systems(systems, ensemble.names)
         _check_run_file(run_file, {
             "task": task.name, "settings": _recorded(settings), "members": ensemble.names, "systems": names,

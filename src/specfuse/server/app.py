@@ -62,8 +62,9 @@ class ServerState:
 def load_ensemble(config: ServerConfig) -> Ensemble:
     """Load the configured members (the embedded three when none are named)."""
     m = config.members
+    cache = {} if m.prefix_cache_cells is None else {"prefix_cache_cells": m.prefix_cache_cells}
     return Ensemble(m.models or None, cache_dir=m.cache_dir, threads=m.threads, n_ctx=m.n_ctx,
-                    slots=config.server.max_concurrent)
+                    slots=config.server.max_concurrent, **cache)
 
 
 def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAPI:

@@ -13,6 +13,7 @@ Example ``specfuse.toml``::
     [members]
     models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     n_ctx = 4096
+    prefix_cache_cells = 8192    # kept between requests (default: half of n_ctx x max_concurrent; 0: off)
 
     [defaults]                   # fusion options for requests that do not set them
     max_tokens = 256
@@ -57,6 +58,9 @@ class MembersSection(BaseModel):
 
     models: list[str] = Field(default_factory=list, description="empty = the embedded default three")
     n_ctx: int = Field(4096, ge=256)
+    prefix_cache_cells: int | None = Field(
+        None, ge=0, description="KV-cache cells a llama.cpp member keeps between requests (chats' earlier "
+        "turns, shared system prompts); default half of n_ctx x max_concurrent; 0 = off")
     threads: int | None = Field(None, ge=1)
     cache_dir: str | None = None
 
@@ -88,7 +92,7 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
     """Read the TOML file (if any), apply non-None ``section.key`` overrides, validate.
 
     ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
-    log_level, model_id (server); models, n_ctx, threads, cache_dir (members). ``defaults`` are
+    log_level, model_id (server); models, n_ctx, threads, cache_dir, prefix_cache_cells (members). ``defaults`` are
     fusion options laid over the file's [defaults]. The API key falls back to $SPECFUSE_API_KEY.
     """
     data: dict[str, Any] = {}

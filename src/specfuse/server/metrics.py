@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..backends.base import Occupancy
+from ..backends.prefix_cache import PrefixStats
 from ..types import Result
 
 # How each request that reached the worker ended (429s included): the worker's counters of the same name.
@@ -74,15 +75,43 @@ def _occupancy(held: Mapping[str, Occupancy]) -> Iterable[Metric]:
     """Per member, what it held after the worker's last step (members that cannot tell are left out)."""
     free = GaugeMetricFamily("specfuse_member_free_slots", "Session slots of the member no request holds",
                              labels=["member"])
-    cells = GaugeMetricFamily("specfuse_member_cache_cells", "KV-cache positions the member holds, "
-                              "summed over its sequences (0 when no request is in flight)", labels=["member"])
+    cells = GaugeMetricFamily("specfuse_member_cache_cells", "KV-cache positions the member's open sessions "
+                              "hold, summed over their sequences (0 when no request is in flight)", labels=["member"])
+    stray = GaugeMetricFamily("specfuse_member_stray_cells", "KV-cache positions held by no session and no "
+                              "prefix-cache entry (a leak: always 0)", labels=["member"])
     for name, o in held.items():
         if o.free_slots is not None:
             free.add_metric([name], o.free_slots)
         if o.cache_cells is not None:
             cells.add_metric([name], o.cache_cells)
+        if o.stray_cells is not None:
+            stray.add_metric([name], o.stray_cells)
     yield free
     yield cells
+    yield stray
+    yield from _prefix_caches({name: o.prefix for name, o in held.items() if o.prefix is not None})
+
+
+# The prefix cache's fields: (metric suffix, help, counter?)
+PREFIX_METRICS = (
+    ("bound", "KV-cache cells the member's prefix cache may hold", False),
+    ("cells", "KV-cache cells the member's prefix cache holds (cached prompts and answers)", False),
+    ("entries", "Prefixes the member's cache holds", False),
+    ("hits", "Sessions that started from a cached prefix", True),
+    ("misses", "Sessions that found no cached prefix", True),
+    ("reused_tokens", "Prompt tokens not decoded thanks to the prefix cache", True),
+    ("evictions", "Prefix-cache entries dropped to make room", True),
+)
+
+
+def _prefix_caches(caches: Mapping[str, PrefixStats]) -> Iterable[Metric]:
+    """Per member, its prefix cache: what it holds now (gauges) and what it has done (counters)."""
+    for field, text, counter in PREFIX_METRICS:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+            f"specfuse_member_prefix_cache_{field}", text, labels=["member"])
+        for name, stats in caches.items():
+            family.add_metric([name], getattr(stats, field))
+        yield family
 
 
 class ServerMetrics:

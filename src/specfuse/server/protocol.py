@@ -280,12 +280,28 @@ class QueueState(BaseModel):
     max_concurrent: int = Field(1, description="generations run together")
 
 
+class PrefixCacheState(BaseModel):
+    """A member's prefix cache: what it holds now (within ``bound``) and what it has done."""
+
+    bound: int = Field(description="cells it may hold (0: off)")
+    entries: int = Field(description="cached prefixes")
+    cells: int = Field(description="tokens held, summed over entries (at most bound)")
+    hits: int = Field(description="sessions that started from a cached prefix")
+    misses: int = Field(description="sessions that found none")
+    reused_tokens: int = Field(description="prompt tokens not decoded thanks to a hit")
+    evictions: int = Field(description="entries dropped to make room")
+
+
 class MemberOccupancy(BaseModel):
     """What one member held after the worker's last step; null where the member cannot tell."""
 
     slots: int | None = Field(None, description="sessions it can hold at once")
     free_slots: int | None = Field(None, description="slots no open session takes")
-    cache_cells: int | None = Field(None, description="KV-cache positions held, summed over its sequences")
+    cache_cells: int | None = Field(None, description="KV-cache positions open sessions hold, summed over "
+                                    "their sequences (0 when idle)")
+    stray_cells: int | None = Field(None, description="positions held by no session and no prefix-cache "
+                                    "entry: a leak (always 0)")
+    prefix: PrefixCacheState | None = Field(None, description="the prefix cache kept between requests")
 
 
 class Health(BaseModel):

@@ -1,0 +1,167 @@
+"""Which token prefixes a member keeps cached between requests, and which to evict.
+
+A chat's next turn, or another user's request with the same system prompt,
+starts with tokens some earlier session already decoded. When a session ends,
+its tokens (templated prompt plus the answer as the member accepted it) stay
+cached as an *entry*; a new session starts from the entry with the longest
+common prefix and decodes only the rest. Entries are evicted least recently
+used first when their cells would pass the bound.
+
+This module is the bookkeeping alone, backend-agnostic: an entry names a
+*handle* (for llama.cpp a cache sequence id) and the backend copies cells in
+and out through the callables it passes. The bound counts each entry's tokens
+in full even where entries share cells, so the cells held never pass it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+H = TypeVar("H")  # what the backend names an entry's storage by (a sequence id, a cache object)
+
+
+@dataclass(eq=False)  # entries are told apart by identity (their tokens are arrays)
+class Entry(Generic[H]):
+    tokens: np.ndarray  # the cached token ids
+    handle: H
+    used: int  # logical clock of the last hit or store (least recently used goes first)
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """What the cache holds now and has done so far."""
+
+    bound: int  # cells it may hold (0: off)
+    entries: int
+    cells: int  # tokens held, summed over entries
+    hits: int  # sessions that started from a cached prefix
+    misses: int  # sessions that found none
+    reused_tokens: int  # prompt tokens not decoded thanks to a hit
+    evictions: int  # entries dropped to make room
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class PrefixCache(Generic[H]):
+    """Entries of cached token prefixes within `bound` cells, over a fixed set of handles.
+
+    `drop(handle)` frees an entry's storage. All methods are safe to call from
+    several threads; the backend's copies run under the same lock.
+    """
+
+    def __init__(self, bound: int, handles: Sequence[H], drop: Callable[[H], None]) -> None:
+        self.bound = max(0, bound)
+        self._free = list(handles)
+        self._drop = drop
+        self._entries: list[Entry[H]] = []
+        self._clock = 0
+        self._hits = self._misses = self._reused = self._evictions = 0
+        self.lock = threading.RLock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.bound > 0 and bool(self._free or self._entries)
+
+    @property
+    def handles(self) -> list[H]:
+        """Handles of live entries."""
+        with self.lock:
+            return [e.handle for e in self._entries]
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def lookup(self, prompt: Sequence[int], limit: int) -> tuple[H, int] | None:
+        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens): (handle, length).
+
+        Counts a hit (and the tokens it saves) or a miss. The caller copies the
+        prefix from the handle while it holds :attr:`lock`.
+        """
+        if not self.enabled:
+            return None
+        wanted = np.asarray(prompt, dtype=np.int64)
+        with self.lock:
+            best, length = None, 0
+            for entry in self._entries:
+                n = min(common_prefix(entry.tokens, wanted), limit)
+                if n > length:
+                    best, length = entry, n
+            if best is None:
+                self._misses += 1
+                return None
+            best.used = self._tick()
+            self._hits += 1
+            self._reused += length
+            return best.handle, length
+
+    def store(self, tokens: Sequence[int], copy: Callable[[H, int], None]) -> None:
+        """Keep `tokens` (cut to the bound) as an entry; `copy(handle, n)` puts their cells under `handle`.
+
+        An entry that already covers them is only marked used; entries they
+        cover are replaced; the least recently used go until the new one fits.
+        """
+        if not self.enabled:
+            return
+        kept = np.asarray(tokens[: self.bound], dtype=np.int64)
+        if not len(kept):
+            return
+        with self.lock:
+            for entry in self._entries:
+                if len(entry.tokens) >= len(kept) and common_prefix(entry.tokens, kept) == len(kept):
+                    entry.used = self._tick()
+                    return
+            for entry in [e for e in self._entries if common_prefix(e.tokens, kept) == len(e.tokens)]:
+                self._remove(entry)
+            while self._entries and (self.cells + len(kept) > self.bound or not self._free):
+                self.evict_one()
+            if not self._free:
+                return
+            handle = self._free.pop(0)
+            copy(handle, len(kept))
+            self._entries.append(Entry(kept, handle, self._tick()))
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (a request needs the room); False when there is none."""
+        with self.lock:
+            if not self._entries:
+                return False
+            self._remove(min(self._entries, key=lambda e: e.used))
+            self._evictions += 1
+            return True
+
+    def clear(self) -> None:
+        with self.lock:
+            while self._entries:
+                self._remove(self._entries[0])
+
+    def _remove(self, entry: Entry[H]) -> None:
+        self._entries.remove(entry)
+        self._drop(entry.handle)
+        self._free.append(entry.handle)
+
+    @property
+    def cells(self) -> int:
+        return sum(len(e.tokens) for e in self._entries)
+
+    def lengths(self) -> dict[H, int]:
+        """Tokens held per live handle (to check the backend's storage against)."""
+        with self.lock:
+            return {e.handle: len(e.tokens) for e in self._entries}
+
+    def stats(self) -> PrefixStats:
+        with self.lock:
+            return PrefixStats(self.bound, len(self._entries), self.cells, self._hits, self._misses,
+                               self._reused, self._evictions)

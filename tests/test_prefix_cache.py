@@ -1,0 +1,77 @@
+"""The prefix cache's bookkeeping (pure logic): longest prefix, covering entries, the bound, LRU.
+
+The real llama.cpp cache behind it is tested in test_prefix_cache_real_models.py.
+"""
+
+from __future__ import annotations
+
+from specfuse.backends.prefix_cache import PrefixCache, common_prefix
+
+import numpy as np
+
+
+def make(bound, handles=4):
+    stored: dict[int, int] = {}
+    dropped: list[int] = []
+
+    def copy(handle, n):
+        stored[handle] = n
+
+    cache = PrefixCache(bound, range(handles), dropped.append)
+    return cache, copy, stored, dropped
+
+
+def test_common_prefix():
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert common_prefix(np.array([], dtype=int), np.array([1])) == 0
+    assert common_prefix(np.array([5]), np.array([1])) == 0
+
+
+def test_lookup_finds_the_longest_shared_prefix_within_the_limit():
+    cache, copy, stored, _ = make(100)
+    cache.store([1, 2, 3, 4], copy)
+    cache.store([1, 2, 9, 9, 9], copy)
+    assert cache.lookup([1, 2, 3, 4, 5, 6], limit=5) == (0, 4)
+    assert cache.lookup([1, 2, 9, 9, 9], limit=4) == (1, 4)  # the last prompt token is always decoded
+    assert cache.lookup([7, 7], limit=1) is None
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.reused_tokens) == (2, 1, 8)
+
+
+def test_an_entry_that_extends_another_replaces_it_and_a_covered_one_is_not_stored():
+    cache, copy, stored, dropped = make(100)
+    cache.store([1, 2, 3], copy)  # a prompt, kept while its request runs
+    cache.store([1, 2, 3, 4, 5], copy)  # the same request at its end
+    assert cache.lengths() == {1: 5} and dropped == [0]
+    cache.store([1, 2], copy)  # already covered
+    assert cache.lengths() == {1: 5}
+    assert cache.stats().evictions == 0  # replacing is not evicting
+
+
+def test_least_recently_used_entries_go_first_and_the_bound_holds():
+    cache, copy, stored, dropped = make(10)
+    cache.store([1] * 4, copy)
+    cache.store([2] * 4, copy)
+    cache.lookup([1] * 5, limit=4)  # entry 0 is now the most recently used
+    cache.store([3] * 4, copy)
+    assert sorted(cache.lengths().values()) == [4, 4] and dropped == [1]
+    assert cache.stats().cells <= cache.bound
+    cache.store(list(range(50)), copy)  # longer than the bound: its first 10 tokens are kept
+    assert list(cache.lengths().values()) == [10]
+
+
+def test_running_out_of_handles_evicts_and_an_evicted_entry_is_missed():
+    cache, copy, stored, dropped = make(1000, handles=2)
+    for k in range(3):
+        cache.store([k, k, k], copy)
+    assert len(cache.lengths()) == 2 and cache.lookup([0, 0, 0, 1], limit=3) is None
+    assert cache.evict_one() and cache.evict_one() and not cache.evict_one()
+    assert cache.stats().evictions == 3
+
+
+def test_a_bound_of_zero_is_off():
+    cache, copy, stored, _ = make(0)
+    cache.store([1, 2, 3], copy)
+    assert stored == {} and cache.lookup([1, 2, 3, 4], limit=3) is None
+    assert cache.stats().misses == 0
