@@ -277,3 +277,49 @@ def test_margin_zero_is_the_leader_alone_and_none_is_todays_vote():
     vote, _ = consulting_round(accept_margin=None)
     plain, _ = consulting_round()
     assert vote.text == plain.text and [r.winner for r in vote.rounds] == [r.winner for r in plain.rounds]
+
+
+# --- members the options never consult ---------------------------------------------------------
+
+
+def test_the_leader_alone_starts_only_the_leader():
+    result, (leader, weak1, weak2) = consulting_round(accept_margin=0.0)
+    assert result.text == " Four."
+    assert leader.accepted == [" Four.", ""]
+    assert weak1.accepted == weak2.accepted == []  # on standby: they never read the prompt or the answer
+    assert set(result.counters) == {"lead"}
+
+
+def test_eager_followers_read_and_follow_everything():
+    result, (leader, weak1, weak2) = consulting_round(accept_margin=0.0, followers="eager")
+    assert result.text == " Four."
+    assert weak1.accepted == weak2.accepted == leader.accepted == [" Four.", ""]
+    assert weak1.drafted == weak2.drafted == 0
+
+
+def test_a_standby_member_catches_up_once_and_finishes_when_the_leader_fails():
+    words = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
+    leader = BrokenSession(list(words), {" one.": 0.9}, fail_at=2)
+    big = ScriptedSession(list(words[1:]), {" two.": 0.9, "": 0.9})
+    small = ScriptedSession(list(words), {})
+    members = [ScriptedMember("small", small, n_params=1), ScriptedMember("lead", leader, n_params=9),
+               ScriptedMember("big", big, n_params=5)]
+    events, result = run(members, gate=0.5, accept_margin=0.0)
+    assert result.text == " one. two."
+    assert big.accepted == [" one.", " two.", ""]  # the answer so far at once, then each segment
+    assert small.accepted == [] and members[0].started == 0  # never needed
+    assert [(d.model, d.round, d.kind) for d in result.departures] == [("lead", 2, "fault")]
+    assert [r.leader for r in result.rounds] == ["lead", "big", "big"]
+    assert leader.closed
+
+
+def test_a_leader_that_cannot_start_hands_over_before_round_one():
+    class Refusing(ScriptedMember):
+        def start(self, messages, *, seed, reserve):
+            raise ConnectionError("refused")
+
+    other = ScriptedSession([([b" Yes", b"."], False), ([b""], True)], {" Yes.": 0.9, "": 0.9})
+    members = [Refusing("lead", n_params=9), ScriptedMember("other", other, n_params=1)]
+    _, result = run(members, gate=0.5, accept_margin=0.0)
+    assert result.text == " Yes."
+    assert [(d.model, d.round) for d in result.departures] == [("lead", 0)]

@@ -11,6 +11,11 @@ its draft wins alone when it is confident; otherwise every member drafts, every
 member verifies every candidate, and the vote ranks them. The winner is
 broadcast to every member and streamed; Model Exit may then send laggards away.
 
+When the options never consult the others (the default: the leader alone,
+``accept_margin`` 0), only the leader starts; the others wait on *standby*
+(``followers="lazy"``) and one joins, reading the prompt and the answer so far
+at once, only if the leader fails mid-answer.
+
 Members take part while *active* (``seats.py``): a member leaves the query when
 Model Exit finds it lagging or when one of its calls raises (a fault: a dead
 server, a timeout, garbage); the answer completes with the others and the
@@ -111,6 +116,7 @@ class Generation:
         self.lead: str | None = None  # the gate's leader, fixed at its first round
         self.hopeless = 0  # votes in a row whose winner still looped (guard patience)
         self.text = ""
+        self.messages: list[Message] = []
         self.segments: list[Segment] = []
         self.rounds: list[RoundRecord] = []
         self.started = time.perf_counter()
@@ -119,12 +125,16 @@ class Generation:
         """Seat the members, run rounds until the answer stops, then report."""
         o = self.options
         self.started = time.perf_counter()
+        self.messages = list(messages)
         yield from self._start(messages)
         if o.prior == "prompt":
             prior = yield from phases.prompt_prior(self.seats, messages, o.prior_temperature)
             self.weights.update(prior or {})
             yield from self.seats.release()
-        while (reason := self._limit()) is None:
+        while True:
+            yield from self._catch_up()
+            if (reason := self._limit()) is not None:
+                break
             round_no = self.stats.rounds + 1
             round_start = time.perf_counter()
             record = yield from self._round(round_no)
@@ -147,20 +157,49 @@ class Generation:
         yield from self._finish(reason)
 
     def _start(self, messages: Sequence[Message]) -> Generator[Calls, list[Reply], None]:
-        """Every member opens a session; a member that cannot leaves before round 1."""
+        """Every member opens a session (with lazy followers, the leader alone); one that cannot leaves."""
+        seats = self.seats
+        if self.options.followers == "lazy" and self._answers_alone():
+            first = self._successor(seats.all)
+            seats.standby = [s for s in seats.all if s is not first]
+            yield from self._open([first], messages, 0)
+            yield from self._catch_up()
+        else:
+            yield from self._open(seats.all, messages, 0)
+
+    def _answers_alone(self) -> bool:
+        """Whether the options never consult the members besides the leader (the leader alone)."""
+        o = self.options
+        return o.gate is not None and o.accept_margin == 0 and o.prior != "prompt" and len(self.seats.all) > 1
+
+    def _open(self, chosen: Sequence[Seat], messages: Sequence[Message], round_no: int) -> Generator[Calls, list[Reply], None]:
+        """The chosen members open sessions; a member that cannot leaves the query."""
         o, seats = self.options, self.seats
         reserve = len(seats.all) * o.window + 1
-        opened = yield from seats.ask(seats.all, "start", "start", lambda s: (messages,), counted=False,
+        opened = yield from seats.ask(chosen, "start", "start", lambda s: (messages,), counted=False,
                                       kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve})
-        failed = seats.seated(seats.all, opened)
+        failed = seats.seated(chosen, opened)
         for _, exc in failed:
             if isinstance(exc, InvalidRequestError):
                 raise exc  # the request itself is wrong (e.g. too long): no member could answer it
         for seat, exc in failed:
-            seats.departures.append(Departure(seat.name, 0, "fault", f"start failed: {type(exc).__name__}: {exc}"))
-        if not seats.active:
+            reason = f"start failed: {type(exc).__name__}: {exc}"
+            seats.departures.append(Departure(seat.name, round_no, "fault", reason))
+        if not seats.active and not seats.standby:
             raise MemberFailedError("no member could start: " + "; ".join(d.reason for d in seats.departures),
                                     "check the members' servers or files and retry")
+
+    def _catch_up(self) -> Generator[Calls, list[Reply], None]:
+        """With no started member left, a standby member (the next leader) starts and reads the prompt
+        and the answer so far, in one prefill at its next call; until one is active."""
+        seats = self.seats
+        while not seats.active and seats.standby:
+            seat = self._successor(seats.standby)
+            seats.standby.remove(seat)
+            yield from self._open([seat], self.messages, self.stats.rounds)
+            if seat in seats.active and self.text:
+                outcome = yield from seats.ask([seat], "catch up", "accept", lambda s: (self.text,), counted=False)
+                seats.survivors([seat], outcome, self.stats.rounds, "catch up")
 
     def _limit(self) -> str | None:
         """Why no further round can run (the budget is spent, a context window is full), or None."""
@@ -179,12 +218,14 @@ class Generation:
         budget = o.max_tokens - self.stats.tokens
         n = min(o.window, budget)
         last = self.segments[-1].text if self.segments else ""
-        leader = self._leader() if o.gate is not None and len(seats.active) > 1 else None
+        leader = self._leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
             early = yield from phases.draft(seats, [leader], n, self.text, o, round_no)
+            if not seats.active:  # the leader failed and the others are on standby: one takes over
+                return (yield from self._take_over(round_no))
             if early:
                 check = phases.gate(early[0][1], o, answer=self.text, last=last,
                                     patient=self.hopeless < o.guard_patience)
@@ -195,6 +236,8 @@ class Generation:
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
                                               only=leader if solo else None)
+        if not seats.active:
+            return (yield from self._take_over(round_no))
         if not drafted:
             return Stop("length")
         if solo:
@@ -217,6 +260,11 @@ class Generation:
         self._learn(drafted, ranking)
         return self._record(round_no, drafted, ranking, calls_before, leader, confidence, consulted=consulted)
 
+    def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], RoundRecord | Stop]:
+        """The leader failed mid-round with the others on standby: one catches up and the round runs again."""
+        yield from self._catch_up()
+        return (yield from self._round(round_no))
+
     def _leader(self) -> Seat | None:
         """The member that drafts first under the gate.
 
@@ -228,14 +276,19 @@ class Generation:
         active = self.seats.active
         seat = next((s for s in active if s.name == self.lead), None)
         if seat is None and active:
-            if self.lead is None:
-                seat = next((s for s in active if s.name == self.options.leader), None)
-            if seat is None:
-                sizes = [s.member.n_params for s in active]
-                known = all(isinstance(n, int) and n > 0 for n in sizes)
-                seat = active[pick_leader(sizes if known else [self.weights[s.name] for s in active])]  # type: ignore[arg-type]
+            seat = self._successor(active)
             self.lead = seat.name
         return seat
+
+    def _successor(self, seats: Sequence[Seat]) -> Seat:
+        """Who of `seats` leads: the named leader before any was chosen, else the largest."""
+        if self.lead is None:
+            named = next((s for s in seats if s.name == self.options.leader), None)
+            if named is not None:
+                return named
+        sizes = [s.member.n_params for s in seats]
+        known = all(isinstance(n, int) and n > 0 for n in sizes)
+        return seats[pick_leader(sizes if known else [self.weights[s.name] for s in seats])]  # type: ignore[arg-type]
 
     def _voting_weights(self, names: Sequence[str]) -> list[float]:
         values = [self.weights[n] for n in names]

@@ -67,6 +67,10 @@ class FusionOptions(BaseModel):
         "worst", description="the leader's acceptance test of another member's segment: worst = every token within "
         "accept_margin nats of the leader's own top choice there; mean = mean log-probability within accept_margin "
         "of the leader's own draft's")
+    followers: Literal["lazy", "eager"] = Field(
+        "lazy", description="members the options never consult (the leader alone): lazy = they start only if "
+        "the leader fails mid-answer, reading the prompt and the answer so far in one go; eager = they read the "
+        "prompt and follow every segment, ready at once")
     accept_margin: float | None = Field(
         0.0, ge=0.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
         "none = every proposal goes to the vote")

@@ -4,7 +4,9 @@ Every member call of a generation goes through :meth:`Seats.ask`, which yields
 it as data (``calls.py``), times it per phase and hands back each seat's result
 or exception. Seats whose call raised leave the query (:meth:`Seats.survivors`),
 as do those Model Exit sends away; :meth:`Seats.release` then closes their
-sessions, again through calls.
+sessions, again through calls. Seats on *standby* have not started: when the
+options never consult the other members, only the leader reads the prompt,
+and a standby member joins only if the leader fails (engine.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Seats:
     def __init__(self, members: Sequence[Member]) -> None:
         self.all = [Seat(m.name, m, i) for i, m in enumerate(members)]
         self.active: list[Seat] = []
+        self.standby: list[Seat] = []  # not started: they join only if the answer needs them
         self.departures: list[Departure] = []
         self.round_departures: list[Departure] = []
         self.counters: dict[str, dict[str, int]] = {}  # backend work per member, read at leaving
@@ -97,7 +100,7 @@ class Seats:
         if seat in self.active:
             self.active.remove(seat)
             self._leaving.append(seat)
-        if not self.active:
+        if not self.active and not self.standby:
             raise MemberFailedError(
                 f"no member is left to answer (last: {seat.name}: {reason})",
                 "check the members' servers or files and retry",

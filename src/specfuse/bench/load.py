@@ -36,14 +36,17 @@ class Outcome:
     error: str | None = None
 
 
-def one_request(client: Any, prompt_index: int, max_tokens: int) -> Outcome:
-    """One streamed chat completion of prompt `prompt_index` (cycling through PROMPTS)."""
+def one_request(client: Any, prompt_index: int, max_tokens: int, model: str = "specfuse",
+                options: dict[str, Any] | None = None) -> Outcome:
+    """One streamed chat completion of prompt `prompt_index` (cycling through PROMPTS); `options`: the
+    request's ``specfuse`` extension (fusion options)."""
     t0 = time.perf_counter()
     ttfs = tokens = finish = None
+    extra = {"extra_body": {"specfuse": options}} if options else {}
     try:
         stream = client.chat.completions.create(
-            model="specfuse", messages=[{"role": "user", "content": PROMPTS[prompt_index % len(PROMPTS)]}],
-            max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+            model=model, messages=[{"role": "user", "content": PROMPTS[prompt_index % len(PROMPTS)]}],
+            max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}, **extra)
         for chunk in stream:
             if chunk.choices:
                 choice = chunk.choices[0]
@@ -90,7 +93,8 @@ def summarise(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     }
 
 
-def drive(server: SpecfuseServer, concurrency: int, requests: int, max_tokens: int, offset: int = 0) -> dict[str, Any]:
+def drive(server: SpecfuseServer, concurrency: int, requests: int, max_tokens: int, offset: int = 0,
+          model: str = "specfuse", options: dict[str, Any] | None = None) -> dict[str, Any]:
     """`requests` streamed completions, `concurrency` in flight at a time; the level's summary and raw data."""
     from openai import OpenAI
 
@@ -98,7 +102,8 @@ def drive(server: SpecfuseServer, concurrency: int, requests: int, max_tokens: i
     pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"bench-c{concurrency}")
     try:
         t0 = time.perf_counter()
-        futures = [pool.submit(one_request, client, offset + i, max_tokens) for i in range(requests)]
+        futures = [pool.submit(one_request, client, offset + i, max_tokens, model, options)
+                   for i in range(requests)]
         outcomes = [f.result() for f in futures]
         wall = time.perf_counter() - t0
     finally:
