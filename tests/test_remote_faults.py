@@ -81,3 +81,8 @@ def test_server_killed_mid_answer_the_answer_completes_and_the_fault_is_recorded
     assert result.stats.finish_reason in ("stop", "length")
     later = [r for r in result.rounds if r.index > faults[0].round]
     assert later and all(r.active == ["smollm2-135m"] for r in later)
+    # The leader answered alone: the local member was on standby, started only when the server died,
+    # and read the prompt and the answer so far in one prefill before finishing the answer.
+    assert all(r.active == ["doomed"] for r in result.rounds if r.index < faults[0].round)
+    local = result.counters["smollm2-135m"]
+    assert local["catch_up"] > 0 and local["decode_calls"] <= local["draft"] + len(later) + 2
