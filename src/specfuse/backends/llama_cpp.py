@@ -13,15 +13,15 @@ decode is the last token of a fully kept own draft, fed next round.
 
 Several sessions at once (``slots``): the context holds ``slots`` windows of
 ``n_ctx`` tokens, and session k owns sequences 8k..8k+7 of the unified cache.
+``draft_many`` advances every drafting session by one token per
+``llama_decode``; ``score_many`` verifies every session's candidates in one
+batch (chunked at ``n_batch``). One session alone decodes exactly as before.
 
 Between requests (``prefix_cache_cells``): the context holds that many cells
 more, and each prefix-cache entry (``prefix_cache.py``) is one sequence after
 the sessions'. A closing session's context is copied into an entry (cells are
 shared, not copied); a new session copies the longest matching prefix from an
 entry into its sequence 0 and decodes only the rest of its prompt.
-``draft_many`` advances every drafting session by one token per
-``llama_decode``; ``score_many`` verifies every session's candidates in one
-batch (chunked at ``n_batch``). One session alone decodes exactly as before.
 """
 
 from __future__ import annotations
