@@ -84,7 +84,7 @@ class LlamaCppMember(LocalMember):
         max_outputs: int = 64,
         prefix_cache_cells: int | None = None,
     ) -> None:
-        """`prefix_cache_cells`: cells kept between requests (None: half of ``n_ctx * slots``; 0: off).
+        """`prefix_cache_cells`: cells kept between requests (None: ``n_ctx * slots``; 0: off).
         `reencode`: every call re-encodes the whole context, as the paper's reference code (benchmarks only)."""
         if slots < 1:
             raise ValueError("slots must be at least 1")
@@ -96,7 +96,7 @@ class LlamaCppMember(LocalMember):
         init_backend()
         self.threads = threads or default_threads()
         self.reencode = reencode
-        cells = n_ctx * slots // 2 if prefix_cache_cells is None else prefix_cache_cells
+        cells = n_ctx * slots if prefix_cache_cells is None else prefix_cache_cells
         entries = min(max(4, 2 * slots), MAX_SEQUENCES - SEQS_PER_SESSION * slots) if cells and not reencode else 0
         cells = cells if entries > 0 else 0
         self._model = load_model(self.path)

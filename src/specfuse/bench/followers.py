@@ -95,3 +95,22 @@ def summarise(runs: Sequence[dict[str, Any]], levels: Sequence[int]) -> dict[str
     lone = table["lazy"][low]["latency_p50_s"] / (table["leader"][low]["latency_p50_s"] or float("nan"))
     gain = table["lazy"][high]["tokens_per_s"] / (table["eager"][high]["tokens_per_s"] or float("nan"))
     return {"systems": table, "lone_latency_lazy_over_leader": lone, f"throughput_x{high}_lazy_over_eager": gain}
+
+
+def print_report(report: dict[str, Any], console: Any) -> None:
+    """Per system and level: tokens/s and p50 latency; then the two ratios."""
+    from rich.table import Table
+
+    summary, settings = report["summary"], report["settings"]
+    levels = [str(level) for level in settings["levels"]]
+    table = Table("system", *(f"x{level} tok/s, p50 s" for level in levels),
+                  title=f"What the followers cost (leader {settings['leader']}, max_tokens {settings['max_tokens']}, "
+                        f"{settings['requests']} requests per level, {settings['reps']} reps, no prefix cache)")
+    for system, row in summary["systems"].items():
+        table.add_row(system, *(f"{row[level]['tokens_per_s']:.1f}, {row[level]['latency_p50_s']:.2f}"
+                                f"{' (errors ' + str(row[level]['errors']) + ')' if row[level]['errors'] else ''}"
+                                for level in levels))
+    console.print(table)
+    ratios = {k: v for k, v in summary.items() if k != "systems"}
+    console.print("; ".join(f"{k} {v:.3f}" for k, v in ratios.items()) + " (lone latency target <= 1.05)",
+                  soft_wrap=True)

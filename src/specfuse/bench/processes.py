@@ -182,8 +182,10 @@ class LlamaServer:
 
 @contextmanager
 def llama_cpp_server(gguf: Path, log: Path, *, threads: int | None = 1, n_ctx: int = 2048,
-                     startup_s: float = 180, port: int | None = None) -> Iterator[LlamaServer]:
-    """`python -m llama_cpp.server` for one GGUF on loopback (`port`, else a free one), until the block ends.
+                     startup_s: float = 180, port: int | None = None,
+                     extra_args: tuple[str, ...] = ()) -> Iterator[LlamaServer]:
+    """`python -m llama_cpp.server` for one GGUF on loopback (`port`, else a free one), until the block ends;
+    `extra_args`: more of its settings (e.g. ``--cache true``).
 
     Started through ``llama_server.py``, which loads the model as our own llama.cpp members do."""
     port = port or free_port()
@@ -194,6 +196,7 @@ def llama_cpp_server(gguf: Path, log: Path, *, threads: int | None = 1, n_ctx: i
             "--flash_attn", "true"]
     if threads is not None:
         args += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
+    args += list(extra_args)
     with running(args, log, signal.SIGTERM, 10) as process:
         url = f"http://127.0.0.1:{port}/v1"
         wait_until_serving(process, f"{url}/models", startup_s, log)

@@ -17,7 +17,8 @@ from .flags import CacheOpt, ModelOpt
 @app.command()
 def bench(
     lengths: Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")] = "128,256",
-    reps: Annotated[int, typer.Option(help="Repetitions per length (median and spread).")] = 3,
+    reps: Annotated[int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the "
+                                           "whole script.")] = 3,
     model: ModelOpt = None,
     window: Annotated[int, typer.Option(help="Max tokens each member drafts per round.")] = 10,
     out: Annotated[Optional[str], typer.Option(
@@ -49,6 +50,13 @@ def bench(
                                            "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
                                            "leaks (docs/reliability.md).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="--soak: the seed of the traffic mix (default 0).")] = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
+                       "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "
+                       "cache (docs/performance.md).")] = False,
+    followers: Annotated[bool, typer.Option(
+        "--followers", help="--serve: what the members the default never asks cost: the leader-alone default, "
+                            "eager followers and model=<leader>, side by side (docs/performance.md).")] = False,
 ) -> None:
     """Measure the ensemble against its members, the floor, the reference method and response level.
 
@@ -58,8 +66,13 @@ def bench(
     _check_flags(serve, concurrency=concurrency != "1,2,4,8", requests=requests is not None,
                  max_tokens=max_tokens is not None, max_concurrent=max_concurrent is not None,
                  threads=threads is not None, remote=remote, cache_dir=cache_dir is not None,
-                 soak=soak is not None, seed=seed is not None)
-    if soak is not None:
+                 soak=soak is not None, seed=seed is not None, chat=chat, followers=followers)
+    if chat:
+        _bench_chat(reps, max_tokens or 32, threads or 1, out)
+    elif followers:
+        _bench_followers(concurrency if concurrency != "1,2,4,8" else "1,4", requests or 8, max_tokens or 32,
+                         model, threads, out)
+    elif soak is not None:
         _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
                     cache_dir)
     elif serve:
@@ -76,6 +89,15 @@ def _check_flags(serve: bool, **given: bool) -> None:
         raise SpecFuseError(f"{', '.join(flags)}: options of the serving benchmark", "add --serve")
     if given["seed"] and not given["soak"]:
         raise SpecFuseError("--seed: an option of the soak", "add --soak DURATION")
+    modes = [f"--{name}" for name in ("soak", "chat", "followers") if given[name]]
+    if len(modes) > 1:
+        raise SpecFuseError(f"{' and '.join(modes)}: one benchmark at a time", "run them one after another")
+    if given["chat"] and (given["concurrency"] or given["remote"] or given["requests"] or given["max_concurrent"]):
+        raise SpecFuseError("--chat sends its own scripted requests, one at a time, to the default members",
+                            "leave out --concurrency, --requests, --max-concurrent and --remote")
+    if given["followers"] and (given["remote"] or given["max_concurrent"]):
+        raise SpecFuseError("--followers runs local members on one server as wide as its widest level",
+                            "leave out --remote and --max-concurrent")
     if given["soak"] and given["concurrency"]:
         raise SpecFuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
                             "leave out --concurrency with --soak")
@@ -104,16 +126,45 @@ def _bench_serve(concurrency: str, requests: int | None, max_tokens: int, model:
     _require_serving_clients("specfuse bench --serve", remote)
     from ..bench import serving as bench_serve
 
-    try:
-        levels = [int(x) for x in concurrency.split(",") if x.strip()]
-    except ValueError:
-        raise SpecFuseError(f"--concurrency {concurrency!r} is not a comma-separated list of numbers",
-                            "e.g. --concurrency 1,2,4,8") from None
-    report = bench_serve.run(levels, requests=requests, max_tokens=max_tokens, models=model or None,
+    report = bench_serve.run(_levels(concurrency), requests=requests, max_tokens=max_tokens, models=model or None,
                              threads=threads, max_concurrent=max_concurrent, remote=remote,
                              out=Path(out or "runs/bench-serve.json"), cache_dir=cache_dir, log=err.print)
     bench_serve.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
+
+
+def _bench_chat(reps: int, max_tokens: int, threads: int, out: str | None) -> None:
+    from pathlib import Path
+
+    _require_serving_clients("specfuse bench --serve --chat", remote=True)  # the anchor is llama_cpp.server
+    from ..bench import chat as bench_chat
+
+    report = bench_chat.run(reps=reps, max_tokens=max_tokens, threads=threads,
+                            out=Path(out or "runs/bench-chat.json"), log=err.print)
+    bench_chat.print_report(report, Console(width=200, highlight=False))
+    err.print(f"wrote {report['out']}")
+
+
+def _bench_followers(concurrency: str, requests: int, max_tokens: int, model: list[str] | None,
+                     threads: int | None, out: str | None) -> None:
+    from pathlib import Path
+
+    _require_serving_clients("specfuse bench --serve --followers", remote=False)
+    from ..bench import followers as bench_followers
+
+    report = bench_followers.run(_levels(concurrency), requests=requests, max_tokens=max_tokens,
+                                 models=model or None, threads=threads,
+                                 out=Path(out or "runs/bench-followers.json"), log=err.print)
+    bench_followers.print_report(report, Console(width=200, highlight=False))
+    err.print(f"wrote {report['out']}")
+
+
+def _levels(concurrency: str) -> list[int]:
+    try:
+        return [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise SpecFuseError(f"--concurrency {concurrency!r} is not a comma-separated list of numbers",
+                            "e.g. --concurrency 1,2,4,8") from None
 
 
 def _require_serving_clients(command: str, remote: bool) -> None:

@@ -30,8 +30,8 @@ def serve(
     n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
     prefix_cache_cells: Annotated[Optional[int], typer.Option(
         "--prefix-cache-cells", min=0, help="KV-cache cells each llama.cpp member keeps between requests, so "
-        "that a chat's next turn or a shared system prompt is not read again (default: half of n-ctx x "
-        "max-concurrent; 0: off).")] = None,
+        "that a chat's next turn or a shared system prompt is not read again (default: n-ctx x max-concurrent, "
+        "a window per slot; 0: off).")] = None,
     fusion: dict[str, Any] | None = None,
 ) -> None:
     """Serve the ensemble over an OpenAI-compatible API, with a web view at /.

@@ -13,7 +13,7 @@ Example ``specfuse.toml``::
     [members]
     models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     n_ctx = 4096
-    prefix_cache_cells = 8192    # kept between requests (default: half of n_ctx x max_concurrent; 0: off)
+    prefix_cache_cells = 8192    # kept between requests (default: n_ctx x max_concurrent; 0: off)
 
     [defaults]                   # fusion options for requests that do not set them
     max_tokens = 256
@@ -60,7 +60,7 @@ class MembersSection(BaseModel):
     n_ctx: int = Field(4096, ge=256)
     prefix_cache_cells: int | None = Field(
         None, ge=0, description="KV-cache cells a llama.cpp member keeps between requests (chats' earlier "
-        "turns, shared system prompts); default half of n_ctx x max_concurrent; 0 = off")
+        "turns, shared system prompts); default n_ctx x max_concurrent; 0 = off")
     threads: int | None = Field(None, ge=1)
     cache_dir: str | None = None
 
