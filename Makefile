@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo test bench bench-serve soak clean
+.PHONY: install models browser demo test bench bench-serve bench-chat bench-followers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,15 @@ bench: $(FULL) models
 # The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
 bench-serve: $(FULL) models
 	$(BIN)/specfuse bench --serve
+
+# Chats and shared system prompts with and without the prefix cache, and llama-cpp-python's server
+# with its cache as the anchor (docs/performance.md).
+bench-chat: $(FULL) models
+	$(BIN)/specfuse bench --serve --chat
+
+# What the members the leader-alone default never asks cost a server (docs/performance.md).
+bench-followers: $(FULL) models
+	$(BIN)/specfuse bench --serve --followers
 
 # The server under a seeded mix of traffic for SOAK (default 30m): nothing lost, nothing leaking
 # (docs/reliability.md). E.g. `make soak SOAK=2h`; SOAK_ARGS adds options (`SOAK_ARGS=--remote`).

@@ -46,3 +46,41 @@ def test_bench_serve_measures_both_modes_and_writes_json(tmp_path):
     assert saved["modes"]["concurrent"]["levels"]["2"]["ok"] == 2
     # The printed tables have a row per mode and level, and one per target.
     assert len(bench_serve.format_table(report)) == 4 and len(bench_serve.format_targets(report)) == 3
+
+
+def test_bench_chat_reuses_the_turns_and_the_shared_system_prompt(tmp_path):
+    """Two chat turns and two users of the shared system prompt on all three systems: the cached
+    server starts the second turn and the second user from what it read before, the others do not."""
+    pytest.importorskip("openai")
+    pytest.importorskip("llama_cpp.server", reason="the anchor is llama-cpp-python's server")
+    from specfuse.bench import chat as bench_chat
+
+    out = tmp_path / "bench-chat.json"
+    report = bench_chat.run(reps=1, max_tokens=4, threads=1, turns=2, users=2, out=out, log=lambda line: None)
+
+    replies = report["replies"]
+    assert not [r for r in replies if r["error"]], [r["error"] for r in replies if r["error"]]
+    assert {r["system"] for r in replies} == set(bench_chat.SYSTEMS)
+    assert all(r["ttfs_s"] and 0 < r["ttfs_s"] <= r["total_s"] for r in replies)
+    rows = report["summary"]["systems"]["cache"]
+    assert rows["chat1"]["prompt_tokens"] > 900 and rows["user1"]["prompt_tokens"] > 1100  # the script's size
+    assert rows["chat2"]["prompt_tokens"] > rows["chat1"]["prompt_tokens"]  # the first answer is sent back
+    leader = report["prefix_cache"]["cache"][bench_chat.LEADER]
+    # the second turn reuses the first turn's ~1,000 tokens, the second user the ~1,200 of the shared prompt
+    assert leader["hits"] >= 2 and leader["reused_tokens"] > 2000
+    assert report["prefix_cache"]["no-cache"][bench_chat.LEADER]["hits"] == 0
+    assert all(value is not None for value in report["summary"]["ratios"].values())
+    assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(report["summary"]))
+
+
+def test_bench_followers_compares_the_default_with_eager_followers_and_the_leader(tmp_path):
+    pytest.importorskip("openai")
+    from specfuse.bench import followers as bench_followers
+
+    report = bench_followers.run([1], requests=2, max_tokens=4, threads=1, reps=1, out=tmp_path / "f.json",
+                                 log=lambda line: None)
+    systems = report["summary"]["systems"]
+    assert set(systems) == {"lazy", "eager", "leader"}
+    for system in systems.values():
+        assert system["1"]["errors"] == 0 and system["1"]["tokens_per_s"] > 0
+    assert report["summary"]["lone_latency_lazy_over_leader"] > 0

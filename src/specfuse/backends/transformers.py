@@ -21,6 +21,12 @@ Per session (NOTES §2), mirroring the llama.cpp backend:
   out of the cache and kept, so the winning candidate is appended without
   recomputation;
 - ``score("")`` is the probability of any end-of-generation token.
+
+Between requests (``prefix_cache_cells``, default one context window; 0 off), a
+closed session's keys and values (prompt plus accepted answer) are copied into
+a small prefix cache (``prefix_cache.py``, at most ``PREFIX_ENTRIES`` entries);
+a new session starts from the longest cached prefix of its prompt and runs only
+the rest, as llama.cpp members do.
 """
 
 from __future__ import annotations
@@ -42,14 +48,17 @@ from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
 from ..prompting import choose_format, render_plain
 from ..types import Message
+from .base import Occupancy
 from .cached import LocalMember
 from .hf_tokens import piece_function
+from .prefix_cache import PrefixCache
 from .spec import split_target
 from .transformers_session import TransformersSession
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
 _CONVERT_LOCK = threading.Lock()
+PREFIX_ENTRIES = 8  # cached prefixes at most (each a copy of its keys and values, within the bound)
 
 
 def pick_device(device: str | None) -> str:
@@ -137,7 +146,10 @@ class TransformersMember(LocalMember):
         n_ctx: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         attn_implementation: str = "sdpa",
+        prefix_cache_cells: int | None = None,
     ) -> None:
+        """`prefix_cache_cells`: tokens whose keys and values are kept between requests (None: one
+        context window; 0: off)."""
         source = Path(path).expanduser()
         if not source.exists():
             raise ModelFileError(f"model not found: {source}", "give a model directory or a .gguf file")
@@ -151,6 +163,12 @@ class TransformersMember(LocalMember):
         self.n_params = int(self.model.num_parameters())  # the gate's default leader is the largest member
         self.input_device = self.model.get_input_embeddings().weight.device
         self._read_attention(n_ctx)
+        if prefix_cache_cells is not None and prefix_cache_cells < 0:
+            raise ValueError("prefix_cache_cells must be 0 (off) or more")
+        self._stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per entry: each layer's K, V
+        self.prefix_cache: PrefixCache[int] = PrefixCache(
+            self.n_ctx if prefix_cache_cells is None else prefix_cache_cells, range(PREFIX_ENTRIES),
+            lambda handle: self._stored.pop(handle, None))
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         self.prompt = choose_format(prompt, self.chat_template, self.name)
         self._piece = piece_function(self.tokenizer)
@@ -275,9 +293,32 @@ class TransformersMember(LocalMember):
 
     # --- sessions ----------------------------------------------------------------------------
     def open_session(self, prompt: list[int], seed: int | None) -> "TransformersSession":
-        return TransformersSession(self, prompt, seed)
+        """A session that starts from the longest cached prefix of `prompt` (at least its last
+        token is left to run: its logits row starts the answer)."""
+        session = TransformersSession(self, prompt, seed)
+        with self.prefix_cache.lock:
+            found = self.prefix_cache.lookup(prompt, len(prompt) - 1)
+            if found is not None:
+                handle, length = found
+                for layer, (keys, values) in enumerate(self._stored[handle]):
+                    # views, not copies: a cache only ever replaces its tensors (cat, crop), never writes them
+                    session.cache.update(keys[..., :length, :], values[..., :length, :], layer)
+                session.n_cached = session.stats.reused = length
+        return session
+
+    def keep_prefix(self, cache: DynamicCache, tokens: list[int]) -> None:
+        """Keep the keys and values of `tokens`, the first positions of `cache`, in the prefix cache."""
+        def copy(handle: int, n: int) -> None:
+            self._stored[handle] = [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone())
+                                    for layer in cache.layers]
+
+        self.prefix_cache.store(tokens, copy)
+
+    def occupancy(self) -> Occupancy:
+        return Occupancy(slots=self.slots, prefix=self.prefix_cache.stats())
 
     def close(self) -> None:
+        self.prefix_cache.clear()
         self.model = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
