@@ -323,3 +323,38 @@ def test_a_leader_that_cannot_start_hands_over_before_round_one():
     _, result = run(members, gate=0.5, accept_margin=0.0)
     assert result.text == " Yes."
     assert [(d.model, d.round) for d in result.departures] == [("lead", 0)]
+
+
+# --- structured output: the engine's side of a constraint ---------------------------------------
+
+
+class ConstrainedSession(ScriptedSession):
+    """A scripted session that says it drafts under a constraint (the drafts are what the test scripts)."""
+
+    def constrain(self, constraint):
+        self.constraint = constraint
+
+
+def test_under_a_constraint_a_candidate_that_breaks_it_cannot_win():
+    from specfuse.backends.base import Capabilities
+    from specfuse.constraints import Constraint
+
+    # b's prose is preferred by every verifier, but it is not JSON: a's object wins.
+    a = ConstrainedSession([([b'{"ok"', b": true}"], True)], {'{"ok": true}': 0.2, "Sure thing": 0.9})
+    b = ScriptedSession([([b"Sure", b" thing"], False)], {'{"ok": true}': 0.2, "Sure thing": 0.9})
+    members = [ScriptedMember("a", a, capabilities=Capabilities(constrained=True)), ScriptedMember("b", b)]
+    options = FusionOptions.build(exit=False, hedge=False, gate=None, guard=False, accept_margin=None)
+    events = list(fuse(members, [Message("user", "q")], options, constraint=Constraint.json_object()))
+    result = events[-1].result
+    assert result.text == '{"ok": true}' and result.valid is True and result.invalid_reason is None
+    assert result.rounds[0].candidates[result.rounds[0].winner_index].model == "a"
+    assert a.constraint is not None  # the member that can constrain was told to
+
+
+def test_a_constraint_needs_a_member_that_can_draft_under_it():
+    from specfuse.constraints import Constraint
+
+    members = [ScriptedMember("remote", ScriptedSession([], {}))]
+    with pytest.raises(InvalidRequestError) as caught:
+        list(fuse(members, [Message("user", "q")], FusionOptions.build(), constraint=Constraint.json_object()))
+    assert "remote" in caught.value.message

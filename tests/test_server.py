@@ -186,6 +186,13 @@ BAD_REQUESTS = {
     "bad fusion option": ({"messages": OK_MESSAGES, "specfuse": {"window": 0}}, 400, "invalid_value", None),
     "unknown fusion option": ({"messages": OK_MESSAGES, "specfuse": {"bogus": 1}}, 400, "invalid_value", None),
     "unknown model": ({"messages": OK_MESSAGES, "model": "gpt-9"}, 404, "model_not_found", "model"),
+    "invalid JSON schema": ({"messages": OK_MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+        400, "invalid_value", "response_format"),
+    "json_schema without a schema": ({"messages": OK_MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "invalid_value", "response_format"),
+    "unknown response_format type": ({"messages": OK_MESSAGES, "response_format": {"type": "yaml"}},
+                                     400, "invalid_value", "response_format"),
 }
 
 
@@ -389,3 +396,43 @@ def test_load_8_clients_5_requests_each(client, server):
     assert c["completed"] == before["completed"] + 40
     assert c["rejected"] == before["rejected"] and c["failed"] == before["failed"] == 0
     print(f"40 requests from 8 clients in {elapsed:.1f} s")
+
+
+# --------------------------------------------------------------------------- structured output
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+def test_response_format_json_schema(client):
+    import jsonschema
+
+    messages = user("Extract the person as JSON: Maria Lopez, 34, lives in Seville.")
+    answer = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=64, temperature=0,
+                                            response_format=PERSON_FORMAT)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+    streamed = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=64, temperature=0,
+                                              response_format=PERSON_FORMAT, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == answer.choices[0].message.content
+    anything = client.chat.completions.create(model="specfuse", messages=user("Describe a cat as JSON."),
+                                              max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_the_openai_clients_own_structured_parse(client):
+    """`client.chat.completions.parse(response_format=<pydantic model>)`: the SDK builds the strict schema
+    and parses the answer into the model."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    parsed = client.chat.completions.parse(
+        model="specfuse", messages=user("Extract the person: Tom Baker, aged 51, lives in Leeds."),
+        max_tokens=64, temperature=0, response_format=Person)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name and person.age > 0

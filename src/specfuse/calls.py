@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from .backends.base import Member, MemberSession
 
-Method = Literal["start", "draft", "score", "accept", "text_logprob", "counters", "close"]
+Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close"]
 # Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):
 # a scheduler runs them at once instead of spending a tick on them.
 CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from . import phases
 from .backends.base import Member
 from .calls import CallRunner, Calls, Reply
+from .constraints import Constraint, TextMatcher
 from .errors import InvalidRequestError, MemberFailedError
 from .options import FusionOptions
 from .phases import Drafted, Known, Ranking
 from .seats import Seat, Seats
 from .selection import pick_leader
-from .types import Departure, DoneEvent, Event, Message, Result, RoundEvent, RoundRecord, Segment, SegmentEvent, Stats
+from .types import Candidate, Departure, DoneEvent, Event, Message, Result, RoundEvent, RoundRecord, Segment, SegmentEvent, Stats
 
 # A generation as a coroutine: it yields events and member calls, is sent the replies to calls.
 Steps = Generator[Event | Calls, list[Reply] | None, None]
@@ -56,22 +57,28 @@ def member_seed(seed: int | None, index: int) -> int | None:
 
 
 def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
-                 weights: Mapping[str, float] | None = None) -> Steps:
+                 weights: Mapping[str, float] | None = None, constraint: Constraint | None = None) -> Steps:
     """One fused generation as a coroutine: it yields events and member calls.
 
     A ``Calls`` item asks for work on members; the driver runs it (one by one,
     concurrently, or batched with other generations' calls) and sends back one
     ``Reply`` per call. Any other item is an event; send None after it.
     `weights` are initial voting weights by member name (Hedge carried across
-    queries); missing members get the mean weight. Closing the coroutine
-    closes its member sessions.
+    queries); missing members get the mean weight. `constraint`: what the answer must be
+    (structured output); members that can draft under it do, and no candidate that breaks it
+    wins. Closing the coroutine closes its member sessions.
     """
     if not members:
         raise InvalidRequestError("no members to fuse", "give at least one model")
     if options.leader != "auto" and options.leader not in {m.name for m in members}:
         raise InvalidRequestError(f"leader {options.leader!r} is not a member",
                                   f"members: {', '.join(m.name for m in members)}; or auto")
-    generation = Generation(members, options, weights)
+    if constraint is not None and not any(m.capabilities.constrained for m in members):
+        raise InvalidRequestError(
+            "structured output needs a member that can draft under a constraint: "
+            + ", ".join(m.name for m in members) + " cannot (remote servers draft freely)",
+            "add a llama.cpp or transformers member, or drop response_format")
+    generation = Generation(members, options, weights, constraint)
     try:
         yield from generation.run(messages)
     finally:
@@ -97,17 +104,19 @@ def drive(steps: Steps) -> Iterator[Event]:
 
 
 def fuse(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
-         weights: Mapping[str, float] | None = None) -> Iterator[Event]:
+         weights: Mapping[str, float] | None = None, constraint: Constraint | None = None) -> Iterator[Event]:
     """Run one fused generation, yielding events; the last is a DoneEvent."""
-    return drive(fusion_steps(members, messages, options, weights=weights))
+    return drive(fusion_steps(members, messages, options, weights=weights, constraint=constraint))
 
 
 class Generation:
     """State of one fused generation: seats, voting weights, statistics, the answer so far."""
 
     def __init__(self, members: Sequence[Member], options: FusionOptions,
-                 weights: Mapping[str, float] | None) -> None:
+                 weights: Mapping[str, float] | None, constraint: Constraint | None = None) -> None:
         self.options = options
+        self.constraint = constraint
+        self.matcher = TextMatcher(constraint) if constraint is not None else None
         self.seats = Seats(members)
         start = dict(weights or {})
         mean = sum(start.values()) / len(start) if start else 1.0 / len(members)
@@ -185,6 +194,10 @@ class Generation:
         for seat, exc in failed:
             reason = f"start failed: {type(exc).__name__}: {exc}"
             seats.departures.append(Departure(seat.name, round_no, "fault", reason))
+        if self.constraint is not None:
+            able = [s for s in chosen if s in seats.active and s.member.capabilities.constrained]
+            outcome = yield from seats.ask(able, "start", "constrain", lambda s: (self.constraint,), counted=False)
+            seats.survivors(able, outcome, round_no, "constrain")
         if not seats.active and not seats.standby:
             raise MemberFailedError("no member could start: " + "; ".join(d.reason for d in seats.departures),
                                     "check the members' servers or files and retry")
@@ -223,7 +236,7 @@ class Generation:
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
-            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no)
+            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no, self._check)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
                 return (yield from self._take_over(round_no))
             if early:
@@ -235,7 +248,7 @@ class Generation:
                                         confidence, gated=True)
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
-                                              only=leader if solo else None)
+                                              only=leader if solo else None, check=self._check)
         if not seats.active:
             return (yield from self._take_over(round_no))
         if not drafted:
@@ -259,6 +272,16 @@ class Generation:
                               last=last)
         self._learn(drafted, ranking)
         return self._record(round_no, drafted, ranking, calls_before, leader, confidence, consulted=consulted)
+
+    def _check(self, answer: str, candidate: Candidate) -> str | None:
+        """Why `candidate` may not win under the request's constraint (None: it may, or there is none)."""
+        if self.matcher is None:
+            return None
+        if not self.matcher.allows(answer, candidate.text):
+            return "breaks the constraint"
+        if candidate.finished and not self.matcher.complete(answer + candidate.text):
+            return "ends an incomplete answer"
+        return None
 
     def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], RoundRecord | Stop]:
         """The leader failed mid-round with the others on standby: one catches up and the round runs again."""
@@ -342,7 +365,9 @@ class Generation:
         self.stats.model_calls = self.seats.calls
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
+        invalid = self.constraint.check(self.text) if self.constraint is not None and reason == "stop" else None
         yield DoneEvent(Result(
+            valid=None if self.constraint is None or reason != "stop" else invalid is None, invalid_reason=invalid,
             text=self.text, segments=self.segments, rounds=self.rounds, stats=self.stats,
             models=[s.name for s in seats], departures=self.seats.departures, weights=dict(self.weights),
             counters=dict(self.seats.counters), prompt_bpb={s.name: s.bpb for s in seats if s.bpb is not None},

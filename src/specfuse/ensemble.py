@@ -7,6 +7,7 @@ from typing import Any
 
 from .backends.base import Member
 from .backends.registry import load_member
+from .constraints import Constraint
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
 from .models import DEFAULT_MODELS
@@ -67,17 +68,18 @@ class Ensemble:
         return [m.name for m in self.members]
 
     def steps(self, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
-              weights: Mapping[str, float] | None = None) -> Steps:
+              weights: Mapping[str, float] | None = None, constraint: Constraint | None = None) -> Steps:
         """One generation as the engine's coroutine: the one way every interface starts one.
 
-        `members` picks some members by name (default: all). Hedge weights: the
+        `members` picks some members by name (default: all); `constraint`: what the answer must be
+        (structured output, :class:`specfuse.constraints.Constraint`). Hedge weights: the
         given `weights`, else, with ``hedge_persist``, those the previous query
         on the whole ensemble ended with (and this one's are kept for the next).
         """
         chosen = self._chosen(members)
         persist = options.hedge and options.hedge_persist and members is None and weights is None
         start = (self.hedge_weights or None) if persist else weights
-        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start)
+        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint)
         return self._carrying(steps) if persist else steps
 
     def _chosen(self, names: Sequence[str] | None) -> list[Member]:
@@ -103,10 +105,16 @@ class Ensemble:
             steps.close()
 
     def stream(self, prompt: Conversation, *, weights: Mapping[str, float] | None = None,
-               **options: Any) -> Iterator[Event]:
-        """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent."""
+               constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
+               json_object: bool = False, **options: Any) -> Iterator[Event]:
+        """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent.
+
+        Structured output: ``json_schema={...}`` (the answer validates against it), ``json_object=True``
+        (any JSON object), or a ``constraint`` built with :class:`specfuse.constraints.Constraint`.
+        """
         opts = options.pop("options", None) or FusionOptions.build(**options)
-        return drive(self.steps(prompt, opts, weights=weights))
+        constraint = structured(constraint, json_schema, json_object)
+        return drive(self.steps(prompt, opts, weights=weights, constraint=constraint))
 
     @property
     def slots(self) -> int:
@@ -149,6 +157,17 @@ class Ensemble:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def structured(constraint: Constraint | None, json_schema: Mapping[str, Any] | None,
+               json_object: bool) -> Constraint | None:
+    """One constraint from the Python API's three ways of asking for one."""
+    asked = [c for c in (constraint, json_schema, json_object or None) if c is not None]
+    if len(asked) > 1:
+        raise InvalidRequestError("give one of constraint, json_schema and json_object", "pick one")
+    if json_schema is not None:
+        return Constraint.json_schema(dict(json_schema), where="json_schema")
+    return Constraint.json_object() if json_object else constraint
 
 
 def _make_names_unique(members: Sequence[Member]) -> None:

@@ -15,7 +15,7 @@ and return their phase's result; the engine strings them together.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .options import FusionOptions
@@ -101,18 +101,26 @@ def gate(leader_draft: Draft, options: FusionOptions, *, answer: str, last: str,
 # --- draft --------------------------------------------------------------------------------
 
 
+Check = Callable[[str, Candidate], "str | None"]  # why a candidate may not win after `answer` (a constraint)
+
+
 def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: FusionOptions,
-          round_no: int) -> Asking:
-    """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded."""
+          round_no: int, check: Check | None = None) -> Asking:
+    """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded.
+
+    `check` marks the drafts that may not win (they break the answer's constraint)."""
     outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, options.sampling))
-    return [
+    drafted = [
         (seat, cut_segment(seat.name, tokens, answer, stops(seat, options)))
         for seat, tokens in seats.survivors(chosen, outcomes, round_no, "draft")
     ]
+    for _, d in drafted:
+        d.rejected = (check(answer, d.candidate) if check else None) or d.rejected
+    return drafted
 
 
 def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, options: FusionOptions,
-              round_no: int, only: Seat | None = None) -> Asking:
+              round_no: int, only: Seat | None = None, check: Check | None = None) -> Asking:
     """Every active member (or `only` one) drafts, in member order; those in `early` already did.
 
     If no draft is usable (e.g. all end mid-character), the members draft again,
@@ -121,7 +129,7 @@ def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, op
     while True:
         done = {id(seat) for seat, _ in early}
         chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)]
-        fresh = yield from draft(seats, chosen, n, answer, options, round_no)
+        fresh = yield from draft(seats, chosen, n, answer, options, round_no, check)
         order = {id(s): i for i, s in enumerate(seats.active)}
         drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
                          key=lambda pair: order[id(pair[0])])

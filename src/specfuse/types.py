@@ -168,9 +168,15 @@ class Result:
     weights: dict[str, float] = field(default_factory=dict)  # voting weights at the end
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # backend work per member
     prompt_bpb: dict[str, float] = field(default_factory=dict)  # members' bits per byte on the prompt
+    # Under a constraint (structured output): whether the finished answer satisfies it (None: no
+    # constraint, or the answer was cut short and is not claimed valid), and why not.
+    valid: bool | None = None
+    invalid_reason: str | None = None
 
     def to_dict(self) -> dict:
         return {
+            "valid": self.valid,
+            "invalid_reason": self.invalid_reason,
             "prompt_bpb": self.prompt_bpb,
             "text": self.text,
             "models": self.models,

@@ -14,7 +14,8 @@ What a member can do beyond that is *declared*, never probed:
 - ``Member.capabilities`` (:class:`Capabilities`): whether its calls may run in
   threads beside others' (remote servers), whether ``draft_many`` /
   ``score_many`` batch several sessions into one decode (llama.cpp), whether its
-  sessions offer ``text_logprob`` (prompt-fit voting weights);
+  sessions offer ``text_logprob`` (prompt-fit voting weights), whether they draft
+  under a constraint (``constrain``: structured output);
 - ``Member.slots``: how many sessions it holds at once (None: any number);
 - ``Member.n_params``: its parameter count, where known (the confidence gate's
   default leader is the largest member when every member states its size);
@@ -33,9 +34,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .prefix_cache import PrefixStats
+
+if TYPE_CHECKING:
+    from ..constraints import Constraint
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Capabilities:
     parallel_safe: bool = False  # its calls may run in threads beside other calls (remote servers)
     batched: bool = False  # draft_many / score_many serve several sessions in one decode
     prompt_fit: bool = False  # its sessions offer text_logprob
+    constrained: bool = False  # its sessions draft under a constraint (structured output): ``constrain``
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,11 @@ class MemberSession(ABC):
     @abstractmethod
     def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
         """Sample up to `max_tokens` tokens after the context."""
+
+    def constrain(self, constraint: "Constraint") -> None:
+        """Draft only tokens that keep the answer (as accepted so far, whoever wrote it) a valid prefix
+        under `constraint`; members that declare ``Capabilities.constrained`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft under a constraint")
 
     @abstractmethod
     def score(self, texts: Sequence[str]) -> list[TokenScores]:

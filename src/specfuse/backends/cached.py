@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
+from ..constraints import Constraint, TokenMatcher, tokenizer_for
 from ..errors import PromptTooLongError
 from ..models import PromptFormat
 from ..segments import tokens_spelling
@@ -84,6 +87,13 @@ class Verified:
     last_row: Any
 
 
+def _piece_or_empty(member: "LocalMember", token: int) -> bytes:
+    try:
+        return member.piece(token)
+    except (IndexError, KeyError, ValueError, TypeError):  # padding rows past the tokenizer's own tokens
+        return b""
+
+
 class LocalMember(Member):
     """A member whose tokenizer and weights are here; it opens :class:`CachedSession` s."""
 
@@ -101,6 +111,18 @@ class LocalMember(Member):
     @abstractmethod
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         """The templated prompt's tokens."""
+
+    vocab_size: int  # rows of its logits
+    eog_ids: Sequence[int]  # its end-of-generation tokens
+
+    def token_matcher(self, constraint: Constraint) -> TokenMatcher:
+        """A matcher of `constraint` over this member's tokens (its vocabulary is read once, ~1 s)."""
+        tokenizer = getattr(self, "_constraint_tokenizer", None)
+        if tokenizer is None:
+            pieces = [_piece_or_empty(self, t) for t in range(self.vocab_size)]
+            tokenizer = self._constraint_tokenizer = tokenizer_for(pieces, [int(t) for t in self.eog_ids],
+                                                                   self.tokenize_plain)
+        return TokenMatcher(tokenizer, constraint, self.vocab_size)
 
     @abstractmethod
     def open_session(self, prompt: list[int], seed: int | None) -> "CachedSession":
@@ -141,6 +163,7 @@ class CachedSession(MemberSession):
         self.stats = Counters()
         self._draft: DraftState | None = None
         self._verified: dict[str, Verified] = {}
+        self._matcher: TokenMatcher | None = None  # under a constraint: what may be drafted next
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -149,6 +172,20 @@ class CachedSession(MemberSession):
     @property
     def room(self) -> int:
         return self.m.n_ctx - len(self.tokens)
+
+    def constrain(self, constraint: Constraint) -> None:
+        self._matcher = self.m.token_matcher(constraint)
+
+    def allowed_next(self, drafted: Sequence[int]) -> np.ndarray | None:
+        """Under a constraint, the tokens that may follow the answer and the tokens `drafted` so far
+        this round (a boolean mask over the vocabulary); None without one."""
+        if self._matcher is None:
+            return None
+        self._matcher.follow([*self.answer_tokens(), *drafted])
+        mask = self._matcher.allowed()
+        if not mask.any():  # the answer is complete (or the grammar is stuck): only the end may come
+            mask[np.asarray(self.m.eog_ids, dtype=np.int64)] = True
+        return mask
 
     def counters(self) -> dict[str, int]:
         return self.stats.as_dict()

@@ -68,7 +68,7 @@ def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tu
 class LlamaCppMember(LocalMember):
     """A GGUF model loaded once; serves up to ``slots`` sessions at a time."""
 
-    capabilities = Capabilities(batched=True, prompt_fit=True)
+    capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True)
 
     def __init__(
         self,
@@ -101,7 +101,7 @@ class LlamaCppMember(LocalMember):
         cells = cells if entries > 0 else 0
         self._model = load_model(self.path)
         self._vocab = lc.llama_model_get_vocab(self._model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_vocab = self.vocab_size = lc.llama_vocab_n_tokens(self._vocab)
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
         self._ctx = self._create_context(n_ctx, n_batch, slots, cells, entries)
         self._mem = lc.llama_get_memory(self._ctx)

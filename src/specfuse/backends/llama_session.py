@@ -66,7 +66,9 @@ class Drafting:
         if self.done:
             return False
         self.rows.append(self.row)
-        token = self.session._sample(self.row, self.sampling)
+        allowed = self.session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
+        token = self.session._sample(self.row if allowed is None else np.where(allowed, self.row, -np.inf),
+                                     self.sampling)
         self.ids.append(token)
         self.logits.append(float(self.row[token]))
         self.logprobs.append(self.logits[-1] - self.lse)

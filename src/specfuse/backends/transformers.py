@@ -48,7 +48,7 @@ from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
 from ..prompting import choose_format, render_plain
 from ..types import Message
-from .base import Occupancy
+from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .hf_tokens import piece_function
 from .prefix_cache import PrefixCache
@@ -134,6 +134,8 @@ class TransformersMember(LocalMember):
     """A causal LM loaded once; each session owns its own KV cache (on one device, concurrent
     forwards only contend: not parallel_safe)."""
 
+    capabilities = Capabilities(constrained=True)
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -160,7 +162,8 @@ class TransformersMember(LocalMember):
             raise MemberLoadError(f"attention {attn_implementation!r} is not supported", "use sdpa or eager")
         self.name = name or (source.stem if source.is_file() else source.name)
         self._load(source, trust_remote_code, cache_dir, attn_implementation)
-        self.n_params = int(self.model.num_parameters())  # the gate's default leader is the largest member
+        self.n_params = int(self.model.num_parameters())
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])  # rows of its logits  # the gate's default leader is the largest member
         self.input_device = self.model.get_input_embeddings().weight.device
         self._read_attention(n_ctx)
         if prefix_cache_cells is not None and prefix_cache_cells < 0:

@@ -99,7 +99,10 @@ class TransformersSession(CachedSession):
         banned = self.m._eog if sampling.ignore_eos else None
         for step in range(max_tokens):
             rows.append(row)
-            token = sample(row, sampling, self.generator, banned)
+            allowed = self.allowed_next(ids)  # under a constraint; scores stay the model's own
+            token = sample(row if allowed is None else row.masked_fill(~torch.from_numpy(allowed).to(row.device),
+                                                                       float("-inf")),
+                           sampling, self.generator, banned)
             ids.append(token)
             logit = float(row[token])
             logits.append(logit)

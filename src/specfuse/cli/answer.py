@@ -114,6 +114,9 @@ def generate(
     model: ModelOpt = None,
     system: SystemOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
+    json_schema: Annotated[Optional[str], typer.Option(
+        "--json-schema", metavar="FILE", help="The answer is JSON that validates against the JSON schema in FILE.")] = None,
+    json_object: Annotated[bool, typer.Option("--json-object", help="The answer is a JSON object.")] = False,
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,
@@ -121,18 +124,42 @@ def generate(
 ) -> None:
     """Answer PROMPT with the ensemble, streaming segments coloured by author."""
     options = fusion_options(fusion or {})
+    constraint = read_constraint(json_schema, json_object)
     messages = ([Message("system", system)] if system else []) + [Message("user", read_prompt(prompt))]
     from ..ensemble import to_messages
 
     to_messages(messages)  # validate before loading models
     with load_ensemble(model, cache_dir, threads, n_ctx) as ensemble:
         if as_json:
-            result = ensemble.generate(messages, options=options)
+            result = ensemble.generate(messages, options=options, constraint=constraint)
             sys.stdout.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
             return
         err.print(legend(ensemble.names))
-        result = print_stream(ensemble.stream(messages, options=options), ensemble.names)
+        result = print_stream(ensemble.stream(messages, options=options, constraint=constraint), ensemble.names)
         err.print(f"[dim]{summary_line(result)}[/]", soft_wrap=True)
+        if result.invalid_reason:
+            err.print(f"[bold red]the answer does not satisfy the schema:[/] {result.invalid_reason}")
+
+
+def read_constraint(json_schema: str | None, json_object: bool) -> "Constraint | None":
+    """--json-schema FILE / --json-object -> the answer's constraint, checked before any model loads."""
+    from pathlib import Path
+
+    from ..constraints import Constraint
+
+    if json_schema and json_object:
+        raise SpecFuseError("--json-schema and --json-object both given", "give one of them")
+    if json_object:
+        return Constraint.json_object()
+    if not json_schema:
+        return None
+    try:
+        schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SpecFuseError(f"cannot read --json-schema {json_schema}: {exc.strerror}", "give a JSON schema file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecFuseError(f"--json-schema {json_schema} is not JSON: {exc}", "give a JSON schema file") from None
+    return Constraint.json_schema(schema, where=f"--json-schema {json_schema}")
 
 
 @app.command()

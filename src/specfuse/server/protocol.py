@@ -70,6 +70,9 @@ class ChatCompletionRequest(BaseModel):
     specfuse: dict[str, Any] | None = Field(
         None, description="SpecFuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
     )
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}, "strict": true}}')
 
     @field_validator("n")
     @classmethod
@@ -113,7 +116,6 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),

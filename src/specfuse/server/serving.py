@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..constraints import Constraint
 from ..ensemble import to_messages
 from ..errors import (
     InvalidRequestError,
@@ -178,6 +179,30 @@ def fusion_options(request: ChatCompletionRequest, defaults: FusionOptions) -> F
         return FusionOptions.build(**values)
     except InvalidRequestError as exc:
         raise APIError(400, exc.message, code="invalid_value") from None
+
+
+def constraint_of(request: ChatCompletionRequest) -> Constraint | None:
+    """``response_format`` -> what the answer must be (None: free text); 400 naming the field when it is wrong."""
+    spec = request.response_format
+    if spec is None:
+        return None
+    kind = spec.get("type")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "json_schema":
+            inner = spec.get("json_schema")
+            if not isinstance(inner, dict) or "schema" not in inner:
+                raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
+                                          '{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}')
+            return Constraint.json_schema(inner["schema"], inner.get("name"),
+                                          where="response_format.json_schema.schema")
+    except InvalidRequestError as exc:
+        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="response_format") from None
+    raise APIError(400, f"response_format.type {kind!r} is not supported: use text, json_object or json_schema",
+                   code="invalid_value", param="response_format")
 
 
 def to_engine_messages(request: ChatCompletionRequest) -> list[Message]:

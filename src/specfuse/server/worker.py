@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..backends.base import Member, Occupancy
+from ..constraints import Constraint
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
@@ -84,6 +85,7 @@ class Job:
     messages: list[Message]
     options: FusionOptions
     members: list[str] | None = None  # None: the whole ensemble
+    constraint: Constraint | None = None  # structured output (response_format)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
     cancel_flag: threading.Event = field(default_factory=threading.Event)
@@ -249,7 +251,7 @@ class Worker:
         ensemble = self._ensemble
         assert ensemble is not None
         try:
-            steps = ensemble.steps(job.messages, job.options, members=job.members)
+            steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint)
         except SpecFuseError as exc:
             self._end(job, exc, 0)
             return
