@@ -358,3 +358,19 @@ def test_a_constraint_needs_a_member_that_can_draft_under_it():
     with pytest.raises(InvalidRequestError) as caught:
         list(fuse(members, [Message("user", "q")], FusionOptions.build(), constraint=Constraint.json_object()))
     assert "remote" in caught.value.message
+
+
+def test_under_a_constraint_members_that_cannot_draft_under_it_only_verify():
+    from specfuse.backends.base import Capabilities
+    from specfuse.constraints import Constraint
+
+    a = ConstrainedSession([([b'{"a"', b": 1}"], True)], {'{"a": 1}': 0.5})
+    remote = ScriptedSession([([b"prose"], False)], {'{"a": 1}': 0.6})
+    members = [ScriptedMember("a", a, capabilities=Capabilities(constrained=True), n_params=1),
+               ScriptedMember("remote", remote, n_params=10**9)]  # the largest, yet it cannot lead here
+    for gate in (None, 0.5):
+        a.drafts, remote.drafted = [([b'{"a"', b": 1}"], True)], 0
+        options = FusionOptions.build(gate=gate, accept_margin=None, exit=False, hedge=False, guard=False)
+        result = list(fuse(members, [Message("user", "q")], options, constraint=Constraint.json_object()))[-1].result
+        assert result.text == '{"a": 1}' and result.valid is True
+        assert remote.drafted == 0  # it verified (voted) but never drafted

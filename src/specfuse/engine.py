@@ -248,7 +248,8 @@ class Generation:
                                         confidence, gated=True)
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
-                                              only=leader if solo else None, check=self._check)
+                                              only=leader if solo else None, check=self._check,
+                                              drafting=self._drafts)
         if not seats.active:
             return (yield from self._take_over(round_no))
         if not drafted:
@@ -272,6 +273,10 @@ class Generation:
                               last=last)
         self._learn(drafted, ranking)
         return self._record(round_no, drafted, ranking, calls_before, leader, confidence, consulted=consulted)
+
+    def _drafts(self, seat: Seat) -> bool:
+        """Whether `seat` drafts: under a constraint, only members that can draft under it (the others verify)."""
+        return self.constraint is None or seat.member.capabilities.constrained
 
     def _check(self, answer: str, candidate: Candidate) -> str | None:
         """Why `candidate` may not win under the request's constraint (None: it may, or there is none)."""
@@ -304,7 +309,9 @@ class Generation:
         return seat
 
     def _successor(self, seats: Sequence[Seat]) -> Seat:
-        """Who of `seats` leads: the named leader before any was chosen, else the largest."""
+        """Who of `seats` leads: the named leader before any was chosen, else the largest; under a
+        constraint, one of those that can draft under it."""
+        seats = [s for s in seats if self._drafts(s)] or seats
         if self.lead is None:
             named = next((s for s in seats if s.name == self.options.leader), None)
             if named is not None:

@@ -120,15 +120,18 @@ def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: Fu
 
 
 def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, options: FusionOptions,
-              round_no: int, only: Seat | None = None, check: Check | None = None) -> Asking:
-    """Every active member (or `only` one) drafts, in member order; those in `early` already did.
+              round_no: int, only: Seat | None = None, check: Check | None = None,
+              drafting: Callable[[Seat], bool] | None = None) -> Asking:
+    """Every active member (or `only` one; among those `drafting` allows) drafts, in member order;
+    those in `early` already did.
 
     If no draft is usable (e.g. all end mid-character), the members draft again,
     twice as long, up to the budget. Returns the drafts, or [] when none is usable.
     """
     while True:
         done = {id(seat) for seat, _ in early}
-        chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)]
+        chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)
+                  and (drafting is None or drafting(s))]
         fresh = yield from draft(seats, chosen, n, answer, options, round_no, check)
         order = {id(s): i for i, s in enumerate(seats.active)}
         drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
