@@ -436,3 +436,70 @@ def test_the_openai_clients_own_structured_parse(client):
         max_tokens=64, temperature=0, response_format=Person)
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person) and person.name and person.age > 0
+
+
+# --------------------------------------------------------------------------- tool calls
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now in a city.",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}}
+
+
+def test_a_tool_round_trip(client):
+    """Call (arguments that validate), the tool's result sent back, then a final answer in text."""
+    import jsonschema
+
+    messages = user("What is the weather in Paris right now?")
+    first = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=64, temperature=0,
+                                           tools=[WEATHER, CLOCK], tool_choice="required")
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+    history = [*messages, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    final = client.chat.completions.create(model="specfuse", messages=history, max_tokens=48, temperature=0,
+                                           tools=[WEATHER, CLOCK], tool_choice="none")
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+
+
+def test_a_named_tool_call_streams_as_openai_streams_it(client):
+    chunks = list(client.chat.completions.create(
+        model="specfuse", messages=user("Weather in Oslo, in fahrenheit?"), max_tokens=64, temperature=0,
+        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].index == 0 and calls[0][0].function.name == "get_weather"
+    assert "city" in json.loads(calls[0][0].function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)  # no JSON leaks out as text
+
+
+def test_auto_tool_choice_answers_text_or_a_call(client):
+    answer = client.chat.completions.create(model="specfuse", messages=user("Say hello to Ada."), max_tokens=24,
+                                            temperature=0, tools=[WEATHER])
+    choice = answer.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+    else:
+        assert choice.message.content and not choice.message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tools_get_a_400_naming_the_field(http, extra, param):
+    body = {"messages": user("hi"), "max_tokens": 4, **extra}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param

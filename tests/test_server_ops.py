@@ -28,8 +28,6 @@ from specfuse.types import Departure, Result, Stats
 
 MEMBERS = list(catalogue.DEFAULT_MODELS)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
-ONE_TOOL = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                              "parameters": {"type": "object", "properties": {}}}}]
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -96,7 +94,7 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "
            "logit_bias": {}, "tools": [], "tool_choice": "none", "functions": None, "function_call": None,
            "response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "n": 1,
            "metadata": {"team": "ops"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True}
-REFUSED = {"tools": ONE_TOOL, "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
+REFUSED = {"functions": [{"name": "f"}], "function_call": "auto",
            "logprobs": True, "top_logprobs": 2,
            "logit_bias": {"50256": -100}, "frequency_penalty": 0.5, "presence_penalty": -1,
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
@@ -200,7 +198,7 @@ def test_a_stream_with_neutral_parameters_is_observed(server):
         value(before, "specfuse_requests_total", outcome="completed") + 1
 
 
-RAW_REFUSED = ["tools", "logprobs", "top_logprobs", "logit_bias", "frequency_penalty",
+RAW_REFUSED = ["functions", "logprobs", "top_logprobs", "logit_bias", "frequency_penalty",
                "modalities", "bogus_field"]
 
 
@@ -221,7 +219,7 @@ def test_unsupported_parameter_gets_400_naming_it(server, name):
 @pytest.mark.models
 def test_openai_client_sees_bad_request(client):
     cases = {
-        "tools": {"tools": ONE_TOOL},
+        "functions": {"extra_body": {"functions": [{"name": "f"}]}},
         "logprobs": {"logprobs": True},
         "bogus_field": {"extra_body": {"bogus_field": 1}},
         "window": {"extra_body": {"window": 6}},

@@ -265,8 +265,9 @@ def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) ->
         _require_members(state)
         model = parsed.model or state.model_id
         members = _members_for(state, model)
-        job = Job(serving.to_engine_messages(parsed), serving.fusion_options(parsed, state.defaults), members,
-                  serving.constraint_of(parsed))
+        tools, mode = serving.offered_tools(parsed)
+        job = Job(serving.to_engine_messages(parsed, tools, mode), serving.fusion_options(parsed, state.defaults),
+                  members, serving.constraint_of(parsed, tools, mode), tools if mode != "none" else [])
         if parsed.user:
             log.info("%s for user %s", job.id, parsed.user)
         job.bind(asyncio.get_running_loop())

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..constraints import Constraint
+from ..tools import Tool, ToolCall, call_text, chosen_tools, parse_tools, read_call, render, result_text, tool_constraint
 from ..ensemble import to_messages
 from ..errors import (
     InvalidRequestError,
@@ -181,9 +182,28 @@ def fusion_options(request: ChatCompletionRequest, defaults: FusionOptions) -> F
         raise APIError(400, exc.message, code="invalid_value") from None
 
 
-def constraint_of(request: ChatCompletionRequest) -> Constraint | None:
-    """``response_format`` -> what the answer must be (None: free text); 400 naming the field when it is wrong."""
+def offered_tools(request: ChatCompletionRequest) -> tuple[list[Tool], str]:
+    """``tools`` and ``tool_choice`` -> (the tools offered, "none" | "auto" | "required"); 400 naming the field."""
+    try:
+        tools = parse_tools(request.tools or [])
+    except InvalidRequestError as exc:
+        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="tools") from None
+    try:
+        return chosen_tools(tools, request.tool_choice)
+    except InvalidRequestError as exc:
+        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="tool_choice") from None
+
+
+def constraint_of(request: ChatCompletionRequest, tools: list[Tool] | None = None,
+                  mode: str = "none") -> Constraint | None:
+    """``response_format`` (or the tools offered) -> what the answer must be (None: free text); 400 naming
+    the field when it is wrong."""
     spec = request.response_format
+    if tools and mode != "none":
+        if spec is not None and spec.get("type") != "text":
+            raise APIError(400, "response_format and tools together: the answer is either a tool call or the "
+                                "format", code="invalid_value", param="response_format")
+        return tool_constraint(tools, mode)
     if spec is None:
         return None
     kind = spec.get("type")
@@ -205,8 +225,26 @@ def constraint_of(request: ChatCompletionRequest) -> Constraint | None:
                    code="invalid_value", param="response_format")
 
 
-def to_engine_messages(request: ChatCompletionRequest) -> list[Message]:
-    messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in request.messages]
+def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None = None,
+                       mode: str = "none") -> list[Message]:
+    """The conversation as the members read it: earlier tool calls and results in plain text, the tools
+    offered noted in the system message (tools.py)."""
+    messages: list[Message] = []
+    names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn is
+    for m in request.messages:
+        if m.role == "assistant" and m.tool_calls:
+            calls = [c.get("function") or {} for c in m.tool_calls]
+            names.update({c.get("id", ""): f.get("name", "") for c, f in zip(m.tool_calls, calls)})
+            text = "\n".join(call_text(f.get("name", ""), f.get("arguments", "{}")) for f in calls)
+            messages.append(Message("assistant", (m.text() + "\n" + text).strip()))
+        elif m.role == "tool":
+            turn = result_text(names.get(m.tool_call_id or "") or m.name, m.tool_call_id, m.text())
+            if messages and messages[-1].role == "user" and messages[-1].content.startswith("Result of "):
+                turn = f"{messages.pop().content}\n\n{turn}"  # several results of one turn's calls, together
+            messages.append(Message("user", turn))
+        else:
+            messages.append(Message("system" if m.role == "developer" else m.role, m.text()))
+    messages = render(messages, tools or [], mode)
     try:
         return to_messages(messages)
     except InvalidRequestError as exc:
@@ -216,8 +254,20 @@ def to_engine_messages(request: ChatCompletionRequest) -> list[Message]:
 # --------------------------------------------------------------------------- responses
 
 
-def _finish_reason(result: Result) -> str:
+def _finish_reason(result: Result, call: ToolCall | None = None) -> str:
+    if call is not None:
+        return "tool_calls"
     return "stop" if result.stats.finish_reason == "stop" else "length"  # "context" is a length limit
+
+
+def _call_of(job: Job, result: Result) -> ToolCall | None:
+    """The tool call a finished answer makes, when tools were offered."""
+    return read_call(result.text, job.tools) if job.tools and result.stats.finish_reason == "stop" else None
+
+
+def _calls(call: ToolCall, index: int | None = None) -> list[dict[str, Any]]:
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return [entry if index is None else {"index": index, **entry}]
 
 
 def _usage(result: Result, started: Started | None) -> Usage:
@@ -250,7 +300,7 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
         id=job.id,
         created=int(job.created),
         model=model,
-        choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=_finish_reason(result))],
+        choices=[_choice(job, result)],
         usage=_usage(result, started),
         specfuse=_result_info(result, started).model_copy(update={
             "segments": [_segment(s) for s in result.segments],
@@ -258,6 +308,13 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
             "prompt_tokens": started.prompt_tokens if started else None,
         }),
     )
+
+
+def _choice(job: Job, result: Result) -> Choice:
+    call = _call_of(job, result)
+    message = (AssistantMessage(content=None, tool_calls=_calls(call)) if call
+               else AssistantMessage(content=result.text))
+    return Choice(message=message, finish_reason=_finish_reason(result, call))
 
 
 async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
@@ -312,6 +369,7 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
     yield _chunk(job, model, Delta(role="assistant", content=""), info=FusionInfo())
     started: Started | None = None
     pending: Segment | None = None
+    held: list[str] = []  # with tools offered: the answer's text until it is known to be a call or not
     try:
         async for item in job.items(keepalive_s=KEEPALIVE_S):
             if item is None:
@@ -321,6 +379,9 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                 yield _chunk(job, model, Delta(), info=FusionInfo(prompt_tokens=item.prompt_tokens))
             elif isinstance(item, SegmentEvent):
                 pending = item.segment  # sent with its round record, which follows at once
+                if job.tools:  # the answer may be a call: its text is sent at the end, as a call or as text
+                    held.append(pending.text)
+                    pending = None
             elif isinstance(item, RoundEvent):
                 round_info = RoundInfo.model_validate(item.record.to_dict())
                 if pending is not None:
@@ -331,7 +392,12 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                     yield _chunk(job, model, Delta(), info=FusionInfo(round=round_info))
             elif isinstance(item, DoneEvent):
                 result = item.result
-                yield _chunk(job, model, Delta(), _finish_reason(result), _result_info(result, started))
+                call = _call_of(job, result)
+                if call is not None:
+                    yield _chunk(job, model, Delta(tool_calls=_calls(call, 0)))
+                elif held:
+                    yield _chunk(job, model, Delta(content="".join(held)))
+                yield _chunk(job, model, Delta(), _finish_reason(result, call), _result_info(result, started))
                 if include_usage:
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
                                                 usage=_usage(result, started))

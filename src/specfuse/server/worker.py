@@ -26,6 +26,7 @@ from typing import Protocol
 
 from ..backends.base import Member, Occupancy
 from ..constraints import Constraint
+from ..tools import Tool
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
@@ -85,7 +86,8 @@ class Job:
     messages: list[Message]
     options: FusionOptions
     members: list[str] | None = None  # None: the whole ensemble
-    constraint: Constraint | None = None  # structured output (response_format)
+    constraint: Constraint | None = None  # structured output (response_format, or the tools offered)
+    tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
     cancel_flag: threading.Event = field(default_factory=threading.Event)
