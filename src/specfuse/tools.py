@@ -108,7 +108,8 @@ def tools_note(tools: Sequence[Tool], mode: str) -> str:
     if mode == "required":
         how += " You must call a tool now."
     else:
-        how += " If no tool is needed, answer the user in plain text."
+        how += (" Call a tool only for information you do not have yet: once a tool's result is in the "
+                "conversation, use it and answer the user in plain text.")
     return "\n".join([*lines, how])
 
 
@@ -134,7 +135,7 @@ def call_text(name: str, arguments: str) -> str:
 def result_text(name: str | None, call_id: str | None, content: str) -> str:
     """A tool's result, as the user turn that follows the call."""
     who = f"{name} ({call_id})" if name and call_id else name or call_id or "the tool"
-    return f"Result of {who}:\n{content}"
+    return f"Result of {who}:\n{content}\n\nUse this result to answer my question."
 
 
 def read_call(text: str, tools: Sequence[Tool]) -> ToolCall | None:
