@@ -112,3 +112,30 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     print(f"screenshots: {answer_shot} {shot} {conversation}")
     problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not problems, problems
+
+
+def test_a_json_answer_is_shown_formatted(server, browser, tmp_path):
+    import json
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/")
+    browser.execute_script("localStorage.setItem('specfuse-api-key', arguments[0])", server.api_key)
+    browser.refresh()
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#legend .member"))
+    tokens = browser.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys("64")
+    browser.find_element(By.ID, "json").click()  # response_format json_object
+    browser.find_element(By.ID, "prompt").send_keys("Describe a cat as JSON with its name and age.")
+    browser.find_element(By.ID, "send").click()
+    block = WebDriverWait(browser, 400).until(
+        lambda d: (found := d.find_elements(By.CSS_SELECTOR, ".turn.assistant .summary pre.json")) and found[0])
+    value = json.loads(block.text)
+    assert isinstance(value, dict) and value
+    assert "\n  " in block.text  # indented, one key per line
+    text = browser.execute_script("return Array.from(document.querySelectorAll('.turn.assistant .answer .seg'))"
+                                  ".map((s) => s.textContent).join('')")
+    assert json.loads(text) == value  # the coloured segments still show who wrote what
+    assert browser.save_screenshot(str(tmp_path / "specfuse-json.png"))

@@ -115,7 +115,7 @@ def test_malformed_bodies():
     big = next(m for m in MALFORMED if m.oversized)
     assert len(malformed_body(big, 1000)) > 1000 and json.loads(malformed_body(big, 1000))
     assert malformed_body(next(m for m in MALFORMED if m.method == "GET"), 1000) is None
-    tools = next(m for m in MALFORMED if m.name == "tools")
+    tools = next(m for m in MALFORMED if m.name == "a tool without a name")
     assert json.loads(malformed_body(tools, 1000))["tools"]
     assert all(400 <= m.status < 500 for m in MALFORMED)
 

@@ -194,8 +194,8 @@ class Malformed:
 MALFORMED: tuple[Malformed, ...] = (
     Malformed("truncated JSON", 400, "invalid_json", raw=b'{"messages": [{"role": "user", "content": "Hi'),
     Malformed("not an object", 400, "invalid_json", raw=b"[1, 2, 3]"),
-    Malformed("tools", 400, "unsupported_parameter", json={"messages": SAY_HI, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]}),
+    Malformed("a tool without a name", 400, "invalid_value", json={"messages": SAY_HI, "tools": [
+        {"type": "function", "function": {"parameters": {"type": "object", "properties": {}}}}]}),
     Malformed("logprobs", 400, "unsupported_parameter", json={"messages": SAY_HI, "logprobs": True}),
     Malformed("fusion option at the top", 400, "unsupported_parameter", json={"messages": SAY_HI, "window": 6}),
     Malformed("n = 2", 422, "invalid_value", json={"messages": SAY_HI, "n": 2}),

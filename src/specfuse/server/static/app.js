@@ -136,6 +136,18 @@ class Answer {
     this.node.scrollIntoView({ block: "end" });
   }
 
+  // A structured answer, indented, below the segments (which keep showing who wrote what).
+  formatted() {
+    const text = this.text.trim();
+    if (!text.startsWith("{") && !text.startsWith("[")) return;
+    try {
+      const value = JSON.parse(text);
+      this.summary.append(el("pre", { className: "json", textContent: JSON.stringify(value, null, 2) }));
+    } catch (err) {
+      // not (yet) JSON: the segments say it all
+    }
+  }
+
   bars(title, values, format) {
     const top = Math.max(...values.map(([, v]) => v), 1e-9);
     this.summary.append(el("div", { className: "title", textContent: title }));
@@ -153,6 +165,7 @@ class Answer {
     const members = (info && info.members) || state.members;
     this.summary.replaceChildren();
     this.bars("segments won", members.map((m) => [m, this.wins.get(m) || 0]), (v) => String(v));
+    this.formatted();
     if (hedge && info && info.weights) this.bars("Hedge weights at the end", members.map((m) => [m, info.weights[m] || 0]), (v) => v.toFixed(2));
     if (info && info.stats) {
       const s = info.stats;
@@ -206,6 +219,7 @@ async function ask(question) {
     temperature: Number($("temperature").value),
   };
   if (hedge) body.specfuse = { hedge: true };
+  if ($("json").checked) body.response_format = { type: "json_object" };
   state.controller = new AbortController();
   busy(true);
   setStatus("generating…");
