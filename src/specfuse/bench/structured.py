@@ -6,7 +6,10 @@ and what it asks, as JSON with keys numbers and asks". Systems, greedy, taking t
 
 - ``leader``: the leader alone (the default options), no constraint: the prompt alone asks for JSON;
 - ``leader+schema``: the same under the JSON schema;
-- ``fused+schema``: plain fusion (every member drafts under its mask and votes) under the schema.
+- ``fused``: plain fusion (every member drafts and votes), no constraint;
+- ``fused+schema``: the same, every member drafting under its mask.
+
+(The default options are the leader alone, so "the default, constrained" is ``leader+schema``.)
 
 Per system: the share of answers that parse and validate, the share whose ``numbers`` are exactly the
 numbers written in digits in the question (the reference, read with a regular expression; numbers
@@ -37,6 +40,7 @@ INSTRUCTION = ("Read the problem below. Do not solve it. Return only a JSON obje
 SYSTEMS = {
     "leader": ({}, False),
     "leader+schema": ({}, True),
+    "fused": ({"gate": None, "accept_margin": None}, False),
     "fused+schema": ({"gate": None, "accept_margin": None}, True),
 }
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
@@ -64,12 +68,12 @@ def _counts(values: list[float]) -> dict[float, int]:
     return {v: values.count(v) for v in set(values)}
 
 
-def run(items: int, offset: int, max_tokens: int) -> dict[str, Any]:
+def run(items: int, offset: int, max_tokens: int, threads: int | None = None) -> dict[str, Any]:
     # the bare question: the task's own prompt asks for a worked solution
     questions = [item.prompt.split("Question: ", 1)[-1] for item in get_task("gsm8k").load(offset=offset, limit=items)]
     constraint = Constraint.json_schema(SCHEMA)
     rows: list[dict[str, Any]] = []
-    with Ensemble() as ensemble:
+    with Ensemble(**({"threads": threads} if threads else {})) as ensemble:
         ensemble.generate("Say hi.", max_tokens=4, temperature=0)  # warm-up
         for index, question in enumerate(questions, offset):
             for system, (options, constrained) in SYSTEMS.items():
@@ -95,6 +99,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "valid": sum(r["valid"] for r in mine) / len(mine),
             "numbers_found": sum(r["numbers_found"] for r in mine) / len(mine),
             "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
+            "ms_per_token": 1000 * sum(r["seconds"] for r in mine) / max(1, sum(r["tokens"] for r in mine)),
             "tokens_mean": statistics.fmean(r["tokens"] for r in mine),
             "cut_by_length": sum(r["finish"] == "length" for r in mine),
         }
@@ -106,14 +111,15 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=50)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None, help="threads per member (1 for two runs side by side)")
     parser.add_argument("--out", default="runs/structured.json")
     args = parser.parse_args()
-    report = run(args.items, args.offset, args.max_tokens)
+    report = run(args.items, args.offset, args.max_tokens, args.threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for system, row in report["summary"].items():
         print(f"{system:14} valid {row['valid']:.0%}  numbers found {row['numbers_found']:.0%}  "
-              f"{row['seconds_mean']:.2f} s  {row['tokens_mean']:.0f} tokens  cut {row['cut_by_length']}")
+              f"{row['seconds_mean']:.2f} s  {row['tokens_mean']:.0f} tokens  {row['ms_per_token']:.0f} ms/token  cut {row['cut_by_length']}")
 
 
 if __name__ == "__main__":
