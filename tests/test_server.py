@@ -503,3 +503,86 @@ def test_bad_tools_get_a_400_naming_the_field(http, extra, param):
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert error_of(response)["param"] == param
+
+
+# --------------------------------------------------------------------------- text completions, logprobs
+
+
+def test_a_text_completion_continues_the_raw_prompt(client):
+    answer = client.completions.create(model="specfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0)
+    choice = answer.choices[0]
+    assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
+    # no chat template: the members continue the sequence instead of answering a question about it
+    assert choice.text.startswith(" 6,"), choice.text
+    assert choice.finish_reason in ("stop", "length") and answer.usage.completion_tokens > 0
+    assert 0 < answer.usage.prompt_tokens < 16  # the text alone, no template around it
+    echoed = client.completions.create(model="specfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "1, 2, 3, 4, 5," + choice.text
+
+
+def test_text_completion_logprobs_are_the_answer_tokens(client):
+    answer = client.completions.create(model="specfuse", prompt="The capital of France is", max_tokens=10,
+                                       temperature=0, logprobs=3)
+    choice = answer.choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 1 <= len(top) <= 3
+        assert abs(max(top.values()) - logprob) < 1e-4, (token, top)  # greedy: each token was the likeliest
+
+
+def test_a_streamed_text_completion_matches_the_whole_one(client):
+    whole = client.completions.create(model="specfuse", prompt="Once upon a time", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model="specfuse", prompt="Once upon a time", max_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_list_of_prompts_gets_a_choice_each(client):
+    prompts = ["Roses are red,", "def add(a, b):"]
+    answer = client.completions.create(model="specfuse", prompt=prompts, max_tokens=6, temperature=0, echo=True)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for prompt, choice in zip(prompts, answer.choices):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+
+
+def test_chat_logprobs_cover_the_answer_exactly(client):
+    members = set(MEMBERS)
+    answer = client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+                                            temperature=0, logprobs=True, top_logprobs=2,
+                                            extra_body={"specfuse": {"gate": None, "accept_margin": None}})
+    content = answer.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == answer.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in content)
+    authors = {(t.model_extra or {}).get("model") for t in content}
+    assert authors <= members and authors == {s["model"] for s in ext(answer)["segments"]}
+    streamed = list(client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+                                                   temperature=0, logprobs=True, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert "".join(tokens) == text and tokens
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 422, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 5000}, 400, None),
+    ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+])
+def test_bad_completions_and_logprobs_get_a_clear_error(http, path, body, status, param):
+    response = http.post(path, json={"max_tokens": 4, **body})
+    assert response.status_code == status, response.text
+    error = error_of(response)
+    assert error["param"] == param
+    if param is None:  # the prompt is over every window: the message names a member and its window
+        assert "context holds" in error["message"] and any(m in error["message"] for m in MEMBERS)
+    assert http.get("/health").json()["status"] == "ok"

@@ -22,6 +22,7 @@ from specfuse import models as catalogue
 from specfuse.backends.base import Occupancy
 from specfuse.server import serving
 from specfuse.server.app import create_app
+from specfuse.server.completions import COMPLETIONS
 from specfuse.server.config import build_config
 from specfuse.server.metrics import OUTCOMES, ServerMetrics
 from specfuse.types import Departure, Result, Stats
@@ -95,7 +96,6 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "
            "response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "n": 1,
            "metadata": {"team": "ops"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True}
 REFUSED = {"functions": [{"name": "f"}], "function_call": "auto",
-           "logprobs": True, "top_logprobs": 2,
            "logit_bias": {"50256": -100}, "frequency_penalty": 0.5, "presence_penalty": -1,
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
            "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
@@ -107,7 +107,13 @@ def test_parameter_tables():
     for name, bad in REFUSED.items():
         assert serving.unsupported({"messages": SAY_HI, name: bad}) == [name], name
     # strict: a boolean is not a number and a number is not a boolean
-    assert serving.unsupported({"logprobs": 0, "frequency_penalty": False}) == ["logprobs", "frequency_penalty"]
+    assert serving.unsupported({"presence_penalty": False, "frequency_penalty": False}) == \
+        ["presence_penalty", "frequency_penalty"]
+    # /v1/completions has its own table: suffix and best_of pass only at their neutral values
+    text = {"prompt": "Once", "echo": False, "logprobs": 2, "suffix": "", "best_of": 1, "frequency_penalty": 0}
+    assert serving.unsupported(text, COMPLETIONS) == []
+    assert serving.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI},
+                               COMPLETIONS) == ["suffix", "best_of", "messages"]
     error = serving.unsupported_error(["window"])
     assert error.status == 400 and error.detail.param == "window" and "'specfuse' object" in error.detail.message
 
@@ -198,7 +204,7 @@ def test_a_stream_with_neutral_parameters_is_observed(server):
         value(before, "specfuse_requests_total", outcome="completed") + 1
 
 
-RAW_REFUSED = ["functions", "logprobs", "top_logprobs", "logit_bias", "frequency_penalty",
+RAW_REFUSED = ["functions", "function_call", "logit_bias", "frequency_penalty",
                "modalities", "bogus_field"]
 
 
@@ -220,7 +226,7 @@ def test_unsupported_parameter_gets_400_naming_it(server, name):
 def test_openai_client_sees_bad_request(client):
     cases = {
         "functions": {"extra_body": {"functions": [{"name": "f"}]}},
-        "logprobs": {"logprobs": True},
+        "presence_penalty": {"presence_penalty": 0.5},
         "bogus_field": {"extra_body": {"bogus_field": 1}},
         "window": {"extra_body": {"window": 6}},
     }

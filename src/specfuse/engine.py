@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import phases
 from .backends.base import Member
@@ -57,7 +57,8 @@ def member_seed(seed: int | None, index: int) -> int | None:
 
 
 def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
-                 weights: Mapping[str, float] | None = None, constraint: Constraint | None = None) -> Steps:
+                 weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
+                 top_logprobs: int = 0) -> Steps:
     """One fused generation as a coroutine: it yields events and member calls.
 
     A ``Calls`` item asks for work on members; the driver runs it (one by one,
@@ -66,7 +67,8 @@ def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options
     `weights` are initial voting weights by member name (Hedge carried across
     queries); missing members get the mean weight. `constraint`: what the answer must be
     (structured output); members that can draft under it do, and no candidate that breaks it
-    wins. Closing the coroutine closes its member sessions.
+    wins. `top_logprobs`: how many of its most likely tokens each drafter reports per position
+    (``Segment.trail``). Closing the coroutine closes its member sessions.
     """
     if not members:
         raise InvalidRequestError("no members to fuse", "give at least one model")
@@ -78,7 +80,7 @@ def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options
             "structured output needs a member that can draft under a constraint: "
             + ", ".join(m.name for m in members) + " cannot (remote servers draft freely)",
             "add a llama.cpp or transformers member, or drop response_format")
-    generation = Generation(members, options, weights, constraint)
+    generation = Generation(members, options, weights, constraint, top_logprobs)
     try:
         yield from generation.run(messages)
     finally:
@@ -104,17 +106,21 @@ def drive(steps: Steps) -> Iterator[Event]:
 
 
 def fuse(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
-         weights: Mapping[str, float] | None = None, constraint: Constraint | None = None) -> Iterator[Event]:
+         weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
+         top_logprobs: int = 0) -> Iterator[Event]:
     """Run one fused generation, yielding events; the last is a DoneEvent."""
-    return drive(fusion_steps(members, messages, options, weights=weights, constraint=constraint))
+    return drive(fusion_steps(members, messages, options, weights=weights, constraint=constraint,
+                              top_logprobs=top_logprobs))
 
 
 class Generation:
     """State of one fused generation: seats, voting weights, statistics, the answer so far."""
 
     def __init__(self, members: Sequence[Member], options: FusionOptions,
-                 weights: Mapping[str, float] | None, constraint: Constraint | None = None) -> None:
+                 weights: Mapping[str, float] | None, constraint: Constraint | None = None,
+                 top_logprobs: int = 0) -> None:
         self.options = options
+        self.sampling = replace(options.sampling, top_logprobs=top_logprobs)
         self.constraint = constraint
         self.matcher = TextMatcher(constraint) if constraint is not None else None
         self.seats = Seats(members)
@@ -236,7 +242,7 @@ class Generation:
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
-            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no, self._check)
+            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no, self._check, self.sampling)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
                 return (yield from self._take_over(round_no))
             if early:
@@ -249,7 +255,7 @@ class Generation:
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
                                               only=leader if solo else None, check=self._check,
-                                              drafting=self._drafts)
+                                              drafting=self._drafts, sampling=self.sampling)
         if not seats.active:
             return (yield from self._take_over(round_no))
         if not drafted:
@@ -360,7 +366,7 @@ class Generation:
         stats.gated_rounds += record.gated
         stats.model_calls = self.seats.calls
         if chosen.text:
-            segment = Segment(text=chosen.text, model=chosen.model, round=record.index)
+            segment = Segment(text=chosen.text, model=chosen.model, round=record.index, trail=chosen.trail)
             self.segments.append(segment)
             if stats.time_to_first_segment_s is None:
                 stats.time_to_first_segment_s = time.perf_counter() - self.started

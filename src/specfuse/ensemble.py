@@ -32,10 +32,10 @@ def to_messages(prompt: Conversation) -> list[Message]:
                 messages.append(item)
                 continue
             role, content = item.get("role"), item.get("content")
-            if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            if role not in ("system", "user", "assistant", "raw") or not isinstance(content, str):
                 raise InvalidRequestError(
                     f"bad message {dict(item)!r}",
-                    "each message needs role system/user/assistant and string content",
+                    "each message needs role system/user/assistant (or raw: a text to continue) and string content",
                 )
             messages.append(Message(role, content))
     validate_messages(messages)
@@ -68,7 +68,8 @@ class Ensemble:
         return [m.name for m in self.members]
 
     def steps(self, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
-              weights: Mapping[str, float] | None = None, constraint: Constraint | None = None) -> Steps:
+              weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
+              top_logprobs: int = 0) -> Steps:
         """One generation as the engine's coroutine: the one way every interface starts one.
 
         `members` picks some members by name (default: all); `constraint`: what the answer must be
@@ -79,7 +80,8 @@ class Ensemble:
         chosen = self._chosen(members)
         persist = options.hedge and options.hedge_persist and members is None and weights is None
         start = (self.hedge_weights or None) if persist else weights
-        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint)
+        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint,
+                             top_logprobs=top_logprobs)
         return self._carrying(steps) if persist else steps
 
     def _chosen(self, names: Sequence[str] | None) -> list[Member]:
@@ -106,15 +108,18 @@ class Ensemble:
 
     def stream(self, prompt: Conversation, *, weights: Mapping[str, float] | None = None,
                constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
-               json_object: bool = False, **options: Any) -> Iterator[Event]:
+               json_object: bool = False, top_logprobs: int = 0, **options: Any) -> Iterator[Event]:
         """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent.
 
         Structured output: ``json_schema={...}`` (the answer validates against it), ``json_object=True``
         (any JSON object), or a ``constraint`` built with :class:`specfuse.constraints.Constraint`.
+        ``Result.logprobs()`` gives each answer token's log-probability under its author, with
+        `top_logprobs` alternatives. A prompt ``{"role": "raw", "content": text}`` is continued as it
+        is, with no chat template (a text completion).
         """
         opts = options.pop("options", None) or FusionOptions.build(**options)
         constraint = structured(constraint, json_schema, json_object)
-        return drive(self.steps(prompt, opts, weights=weights, constraint=constraint))
+        return drive(self.steps(prompt, opts, weights=weights, constraint=constraint, top_logprobs=top_logprobs))
 
     @property
     def slots(self) -> int:

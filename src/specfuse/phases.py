@@ -34,7 +34,7 @@ from .selection import (
     mean_probability,
     prompt_weights,
 )
-from .types import Candidate, DraftTokens, Message, TokenScores
+from .types import Candidate, DraftTokens, Message, Sampling, TokenScores, TokenTrail
 
 
 @dataclass
@@ -66,7 +66,8 @@ def cut_segment(author: str, tokens: DraftTokens, answer: str, stops: Sequence[s
         own = TokenScores(tokens.logprobs[span], tokens.logits[span])
     if text != cut.text:  # truncated at a stop string: count the tokens that wrote it
         n_text = tokens_covering(tokens.pieces, len(text.encode("utf-8")))
-    return Draft(Candidate(author, text, tokens.finished or hit_stop, n_text), own)
+    trail = TokenTrail(tokens.pieces[:n_text], tokens.logprobs[:n_text], tokens.tops[:n_text])
+    return Draft(Candidate(author, text, tokens.finished or hit_stop, n_text, trail), own)
 
 
 def degenerates(options: FusionOptions, answer: str, text: str, last: str) -> str | None:
@@ -105,11 +106,13 @@ Check = Callable[[str, Candidate], "str | None"]  # why a candidate may not win 
 
 
 def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: FusionOptions,
-          round_no: int, check: Check | None = None) -> Asking:
+          round_no: int, check: Check | None = None, sampling: Sampling | None = None) -> Asking:
     """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded.
 
-    `check` marks the drafts that may not win (they break the answer's constraint)."""
-    outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, options.sampling))
+    `check` marks the drafts that may not win (they break the answer's constraint); `sampling`
+    replaces the options' own (to ask for top log-probabilities)."""
+    how = sampling or options.sampling
+    outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     drafted = [
         (seat, cut_segment(seat.name, tokens, answer, stops(seat, options)))
         for seat, tokens in seats.survivors(chosen, outcomes, round_no, "draft")
@@ -121,7 +124,7 @@ def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: Fu
 
 def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, options: FusionOptions,
               round_no: int, only: Seat | None = None, check: Check | None = None,
-              drafting: Callable[[Seat], bool] | None = None) -> Asking:
+              drafting: Callable[[Seat], bool] | None = None, sampling: Sampling | None = None) -> Asking:
     """Every active member (or `only` one; among those `drafting` allows) drafts, in member order;
     those in `early` already did.
 
@@ -132,7 +135,7 @@ def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, op
         done = {id(seat) for seat, _ in early}
         chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)
                   and (drafting is None or drafting(s))]
-        fresh = yield from draft(seats, chosen, n, answer, options, round_no, check)
+        fresh = yield from draft(seats, chosen, n, answer, options, round_no, check, sampling)
         order = {id(s): i for i, s in enumerate(seats.active)}
         drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
                          key=lambda pair: order[id(pair[0])])

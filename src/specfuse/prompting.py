@@ -66,10 +66,21 @@ def render_plain(messages: Sequence[Message]) -> str:
     return "".join(parts)
 
 
+def raw_prompt(messages: Sequence[Message]) -> str | None:
+    """The text of a text completion's prompt (one "raw" message), else None: a conversation."""
+    return messages[0].content if len(messages) == 1 and messages[0].role == "raw" else None
+
+
 def validate_messages(messages: Sequence[Message]) -> None:
-    """The conversation must end with a non-empty user turn."""
+    """The conversation must end with a non-empty user turn (or be one non-empty raw prompt)."""
     if not messages:
         raise InvalidRequestError("no messages given", "pass a prompt or at least one user message")
+    if any(m.role == "raw" for m in messages):
+        if len(messages) != 1:
+            raise InvalidRequestError("a raw prompt cannot be part of a conversation", "send it alone")
+        if not messages[0].content:
+            raise InvalidRequestError("the prompt is empty", "write the text to continue")
+        return
     last = messages[-1]
     if last.role != "user":
         raise InvalidRequestError("the last message must be from the user", "end the conversation with a question")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Role = Literal["system", "user", "assistant"]
+# "raw": a text completion's prompt, read by every member as it is (no chat template, no format)
+Role = Literal["system", "user", "assistant", "raw"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Sampling:
     top_p: float = 0.9
     seed: int | None = None
     ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks)
+    top_logprobs: int = 0  # report this many of the drafter's most likely tokens at each position
 
     @property
     def greedy(self) -> bool:
@@ -35,13 +37,29 @@ class DraftTokens:
     `pieces` are the detokenized bytes of each token (b"" for end-of-generation
     tokens), `logprobs`/`logits` the member's own log-probability and raw logit
     of each sampled token (temperature 1, unfiltered), `finished` whether the
-    last token ended the answer.
+    last token ended the answer. ``tops``: with ``Sampling.top_logprobs``, the
+    member's most likely tokens (bytes, log-probability) at each position, where
+    the backend can tell.
     """
 
     pieces: tuple[bytes, ...]
     logprobs: tuple[float, ...]
     logits: tuple[float, ...]
     finished: bool
+    tops: tuple[Alternatives, ...] = ()
+
+
+Alternatives = tuple[tuple[bytes, float], ...]  # a position's most likely tokens: (bytes, log-probability)
+
+
+@dataclass(frozen=True)
+class TokenTrail:
+    """The tokens that wrote a text, as its author drafted them (for ``logprobs``): their bytes,
+    the author's log-probability of each, and its most likely alternatives where asked for."""
+
+    pieces: tuple[bytes, ...]
+    logprobs: tuple[float, ...]
+    tops: tuple[Alternatives, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +84,7 @@ class Candidate:
     text: str
     finished: bool
     n_tokens: int
+    trail: TokenTrail | None = field(default=None, repr=False, compare=False)  # the tokens that wrote `text`
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ class Segment:
     text: str
     model: str
     round: int
+    trail: TokenTrail | None = field(default=None, repr=False, compare=False)  # the tokens that wrote `text`
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,8 @@ class RoundRecord:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["winner"] = self.winner
+        for candidate in data["candidates"]:
+            del candidate["trail"]  # per-token detail: the answer's logprobs carry it
         return data
 
 
@@ -173,6 +195,12 @@ class Result:
     valid: bool | None = None
     invalid_reason: str | None = None
 
+    def logprobs(self) -> list:
+        """Each answer token's log-probability under the member that wrote it (``specfuse.logprobs``)."""
+        from .logprobs import answer_logprobs
+
+        return answer_logprobs(self.segments)
+
     def to_dict(self) -> dict:
         return {
             "valid": self.valid,
@@ -180,7 +208,7 @@ class Result:
             "prompt_bpb": self.prompt_bpb,
             "text": self.text,
             "models": self.models,
-            "segments": [asdict(s) for s in self.segments],
+            "segments": [{"text": s.text, "model": s.model, "round": s.round} for s in self.segments],
             "rounds": [r.to_dict() for r in self.rounds],
             "departures": [asdict(d) for d in self.departures],
             "weights": self.weights,

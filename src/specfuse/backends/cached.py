@@ -21,7 +21,8 @@ candidate's cells) and ``_drop_candidates``.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,8 +31,9 @@ import numpy as np
 from ..constraints import Constraint, TokenMatcher, tokenizer_for
 from ..errors import PromptTooLongError
 from ..models import PromptFormat
+from ..prompting import raw_prompt
 from ..segments import tokens_spelling
-from ..types import Message, TokenScores
+from ..types import Alternatives, Message, TokenScores
 from .base import Member, MemberSession
 
 
@@ -131,7 +133,9 @@ class LocalMember(Member):
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "CachedSession":
         prompt = self.prompt_tokens(messages)
         check_prompt_fits(self.name, len(prompt), reserve, self.n_ctx)
-        return self.open_session(prompt, seed)
+        session = self.open_session(prompt, seed)
+        session.raw = raw_prompt(messages) is not None
+        return session
 
     def spells(self, ids: Sequence[int], text: str) -> bool:
         return b"".join(self.piece(t) for t in ids) == text.encode("utf-8")
@@ -165,9 +169,11 @@ class CachedSession(MemberSession):
         self._verified: dict[str, Verified] = {}
         self._matcher: TokenMatcher | None = None  # under a constraint: what may be drafted next
 
+    raw = False  # a text completion: the prompt format's stop strings do not apply
+
     @property
     def stops(self) -> tuple[str, ...]:
-        return self.m.prompt.stops
+        return () if self.raw else self.m.prompt.stops
 
     @property
     def room(self) -> int:
@@ -269,3 +275,16 @@ class CachedSession(MemberSession):
 
     def _drop_candidates(self) -> None:
         """Free what verifying this round's candidates held (nothing, unless the backend keeps cells)."""
+
+
+def top_alternatives(rows: Sequence[np.ndarray], k: int, piece: Callable[[int], bytes]) -> tuple[Alternatives, ...]:
+    """The `k` most likely tokens (bytes, log-probability) of each logits row, most likely first."""
+    out = []
+    for row in rows:
+        k_here = min(k, row.shape[-1])
+        best = np.argpartition(row, -k_here)[-k_here:]
+        best = best[np.argsort(row[best])[::-1]]
+        peak = float(row.max())
+        lse = peak + math.log(float(np.exp(row - peak, dtype=np.float64).sum()))
+        out.append(tuple((piece(int(t)), float(row[t]) - lse) for t in best))
+    return tuple(out)

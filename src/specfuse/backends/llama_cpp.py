@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import MemberLoadError, PromptTooLongError
 from ..models import PromptFormat, check_gguf
-from ..prompting import choose_format, render_chat, render_plain
+from ..prompting import choose_format, raw_prompt, render_chat, render_plain
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
@@ -203,6 +203,9 @@ class LlamaCppMember(LocalMember):
         return self.tokenize(text, add_special=False, parse_special=False)
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
+        if (raw := raw_prompt(messages)) is not None:  # a text completion: as llama.cpp's server reads it
+            has_bos = bool(self.bos_text) and raw.startswith(self.bos_text)
+            return self.tokenize(raw, add_special=not has_bos, parse_special=True)
         if self.prompt.style == "plain":
             return self.tokenize(render_plain(messages), add_special=True, parse_special=False)
         assert self.chat_template is not None

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import PromptTooLongError
 from ..types import DraftTokens, Sampling, TokenScores
-from .cached import CachedSession, DraftState, Verified
+from .cached import CachedSession, DraftState, Verified, top_alternatives
 
 if TYPE_CHECKING:
     from .llama_cpp import LlamaCppMember
@@ -85,7 +85,9 @@ class Drafting:
     def finish(self, m: "LlamaCppMember") -> DraftTokens:
         pieces = [m.piece(t) for t in self.ids]
         self.session._draft = DraftState(self.ids, pieces, self.rows)
-        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished)
+        k = self.sampling.top_logprobs
+        tops = top_alternatives(self.rows, k, m.piece) if k else ()
+        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
 
 
 class LlamaCppSession(CachedSession):

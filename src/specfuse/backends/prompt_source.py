@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import MemberLoadError, ModelFileError
 from ..models import CATALOGUE, QUESTION_ANSWER, PromptFormat, is_gguf
-from ..prompting import render_chat, render_plain
+from ..prompting import raw_prompt, render_chat, render_plain
 from ..sources import is_sourced
 from ..types import Message
 
@@ -42,7 +42,9 @@ class PromptSource:
     origin: str = ""
 
     def render(self, messages: Sequence[Message]) -> str:
-        """The templated prompt, ready for the assistant's answer."""
+        """The templated prompt, ready for the assistant's answer (a raw prompt as it is)."""
+        if (raw := raw_prompt(messages)) is not None:
+            return raw
         if self.prompt.style == "plain":
             return render_plain(messages)  # the server adds BOS where the model wants one
         if not self.template:

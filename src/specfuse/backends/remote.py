@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import InvalidRequestError, MemberLoadError
+from ..prompting import raw_prompt
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .base import Capabilities, Member, MemberSession
 from .cached import check_prompt_fits
@@ -228,7 +229,9 @@ class RemoteMember(Member):
         prompt = self.source.render(messages)
         estimate = len(prompt.encode("utf-8")) // 4  # refined by the first draft's usage
         check_prompt_fits(self.name, estimate, reserve, self.n_ctx, approximate=True)
-        return RemoteSession(self, prompt, seed)
+        session = RemoteSession(self, prompt, seed)
+        session.raw = raw_prompt(messages) is not None
+        return session
 
     def close(self) -> None:
         self.client.close()
@@ -251,10 +254,11 @@ class RemoteSession(MemberSession):
         self._round = 0
         self._draft_tokens: dict[str, int] = {}
         self.stats = {"requests": 0, "draft": 0, "verify": 0}
+        self.raw = False  # a text completion: the prompt format's stop strings do not apply
 
     @property
     def stops(self) -> tuple[str, ...]:
-        return self.m.source.prompt.stops
+        return () if self.raw else self.m.source.prompt.stops
 
     @property
     def room(self) -> int:

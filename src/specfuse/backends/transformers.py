@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from ..errors import MemberLoadError, ModelFileError
 from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
-from ..prompting import choose_format, render_plain
+from ..prompting import choose_format, raw_prompt, render_plain
 from ..types import Message
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
@@ -238,6 +238,8 @@ class TransformersMember(LocalMember):
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         tok = self.tokenizer
+        if (raw := raw_prompt(messages)) is not None:  # a text completion: no template
+            return list(tok(raw, add_special_tokens=not (tok.bos_token and raw.startswith(tok.bos_token)))["input_ids"])
         if self.prompt.style == "plain":
             return list(tok(render_plain(messages), add_special_tokens=True)["input_ids"])
         text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],

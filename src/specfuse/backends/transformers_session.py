@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from ..errors import PromptTooLongError
 from ..types import DraftTokens, Sampling, TokenScores
-from .cached import CachedSession, DraftState, Verified
+from .cached import CachedSession, DraftState, Verified, top_alternatives
 
 if TYPE_CHECKING:
     from .transformers import TransformersMember
@@ -118,7 +118,10 @@ class TransformersSession(CachedSession):
             pos += 1
         pieces = [self.m.piece(t) if not self.m.is_eog(t) else b"" for t in ids]
         self._draft = DraftState(ids, pieces, rows)
-        return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished)
+        k = sampling.top_logprobs
+        tops = top_alternatives([r.float().cpu().numpy() for r in rows], k,
+                                lambda t: b"" if self.m.is_eog(t) else self.m.piece(t)) if k else ()
+        return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished, tops)
 
     def _end_score(self) -> TokenScores:
         row = self._next_row

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..ensemble import Ensemble
 from ..errors import SpecFuseError
 from ..options import FusionOptions
-from . import serving
+from . import completions, serving
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
@@ -176,6 +176,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     _add_status_routes(app, state)
     _add_model_routes(app, state, require_key)
     _add_completion_route(app, state, require_key)
+    _add_text_completion_route(app, state, require_key)
 
 
 def _key_check(state: ServerState) -> Callable[[Request], Awaitable[None]]:
@@ -266,8 +267,10 @@ def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) ->
         model = parsed.model or state.model_id
         members = _members_for(state, model)
         tools, mode = serving.offered_tools(parsed)
+        top = serving.top_logprobs(parsed)
         job = Job(serving.to_engine_messages(parsed, tools, mode), serving.fusion_options(parsed, state.defaults),
-                  members, serving.constraint_of(parsed, tools, mode), tools if mode != "none" else [])
+                  members, serving.constraint_of(parsed, tools, mode), tools if mode != "none" else [],
+                  logprobs=top is not None, top_logprobs=top or 0)
         if parsed.user:
             log.info("%s for user %s", job.id, parsed.user)
         job.bind(asyncio.get_running_loop())
@@ -292,6 +295,44 @@ def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) ->
                 pass
 
         result = await serving.complete(job, model, disconnected, cancel)
+        return JSONResponse(result.model_dump(mode="json"))
+
+
+def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    worker = state.worker
+
+    @app.post("/v1/completions", dependencies=[require_key])
+    async def text_completions(request: Request) -> Response:
+        body = await _read_body(request, state.config.server.max_body_bytes)
+        parsed = serving.parse_request(body, completions.COMPLETIONS)
+        _require_members(state)
+        model = parsed.model or state.model_id
+        jobs = completions.jobs_of(parsed, state.defaults, _members_for(state, model))
+        loop = asyncio.get_running_loop()
+        try:
+            for job in jobs:
+                job.bind(loop)
+                worker.submit(job)
+        except SpecFuseError as exc:
+            for job in jobs:
+                worker.cancel(job)
+            raise serving.api_error(exc) from None
+
+        def cancel() -> None:
+            for job in jobs:
+                worker.cancel(job)
+
+        if parsed.stream:
+            return StreamingResponse(completions.stream(jobs[0], parsed, model, cancel),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(cancel))
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        result = await completions.complete(jobs, parsed, model, disconnected, worker.cancel)
         return JSONResponse(result.model_dump(mode="json"))
 
 

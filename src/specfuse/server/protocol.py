@@ -1,4 +1,4 @@
-"""OpenAI chat-completions wire types (pydantic only, no behaviour).
+"""OpenAI chat- and text-completions wire types (pydantic only, no behaviour).
 
 Requests are parsed strictly ("16" is not an int) so a client bug shows up as a
 422 instead of a silently coerced value. A request field SpecFuse does not
@@ -81,6 +81,9 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name": ..., "schema": {...}, "strict": true}}')
+    logprobs: bool | None = Field(None, description="each answer token's log-probability under its author")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the author's most likely "
+                                     "tokens at each position (up to 20)")
 
     @field_validator("n")
     @classmethod
@@ -117,8 +120,6 @@ TOLERATED_PARAMETERS: frozenset[str] = frozenset({
 NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "functions": ([],),
     "function_call": ("none",),
@@ -128,6 +129,63 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "reasoning_effort": (),
     "verbosity": (),
+}
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions``: a text every member continues as it is (no chat template)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    prompt: str | list[str] = Field(description="the text to continue; a list answers each (not streamed)")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int | None = None
+    echo: bool = Field(False, description="the prompt before the answer, in text (not in logprobs)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="each answer token's log-probability under its "
+                                 "author, with this many of its most likely tokens (up to 5)")
+    specfuse: dict[str, Any] | None = Field(
+        None, description="SpecFuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
+    )
+
+    _one_choice = field_validator("n")(ChatCompletionRequest._one_choice.__func__)  # type: ignore[attr-defined]
+    _few_stops = field_validator("stop")(ChatCompletionRequest._few_stops.__func__)  # type: ignore[attr-defined]
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not 1 <= len(value) <= 16:
+            raise ValueError("give 1 to 16 prompts")
+        return value
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def answer_budget(self) -> int | None:
+        return self.max_tokens
+
+
+COMPLETION_PARAMETERS: tuple[str, ...] = tuple(CompletionRequest.model_fields)
+# /v1/completions: OpenAI parameters accepted only at a value that asks for nothing.
+COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "suffix": ("",),
+    "best_of": (1,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
 }
 
 
@@ -217,11 +275,29 @@ class AssistantMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobInfo(TopLogprob):
+    """One answer token, as its author (``model``, our extension) drafted it."""
+
+    top_logprobs: list[TopLogprob]
+    model: str | None = None
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobInfo] | None
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -249,7 +325,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -259,6 +335,33 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    specfuse: FusionInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per answer token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
     specfuse: FusionInfo | None = None
 
 

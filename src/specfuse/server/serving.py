@@ -11,10 +11,10 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..constraints import Constraint
 from ..tools import Tool, ToolCall, call_text, chosen_tools, parse_tools, read_call, render, result_text, tool_constraint
@@ -26,6 +26,7 @@ from ..errors import (
     SpecFuseError,
     UnknownModelError,
 )
+from ..logprobs import TokenLogprob, answer_logprobs
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, RoundEvent, Segment, SegmentEvent
 from .protocol import (
@@ -37,6 +38,7 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
     ErrorDetail,
@@ -45,6 +47,8 @@ from .protocol import (
     FusionStats,
     RoundInfo,
     SegmentInfo,
+    TokenLogprobInfo,
+    TopLogprob,
     Usage,
 )
 from .worker import Cancelled, Failed, Job, QueueFullError, ShuttingDownError, Started
@@ -104,7 +108,19 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def unsupported(data: dict[str, Any]) -> list[str]:
+@dataclass(frozen=True)
+class Endpoint:
+    """What one endpoint's body may hold: its request type, and which other OpenAI fields pass."""
+
+    request: type[BaseModel]
+    supported: tuple[str, ...]
+    neutral: dict[str, tuple[Any, ...]]
+
+
+CHAT = Endpoint(ChatCompletionRequest, SUPPORTED_PARAMETERS, NEUTRAL_PARAMETERS)
+
+
+def unsupported(data: dict[str, Any], endpoint: Endpoint = CHAT) -> list[str]:
     """The request fields SpecFuse would have to ignore to answer, in body order.
 
     Supported fields, tolerated ones and OpenAI parameters at a neutral value
@@ -112,19 +128,20 @@ def unsupported(data: dict[str, Any]) -> list[str]:
     """
     refused = []
     for name, value in data.items():
-        if name in SUPPORTED_PARAMETERS or name in TOLERATED_PARAMETERS:
+        if name in endpoint.supported or name in TOLERATED_PARAMETERS:
             continue
-        if name in NEUTRAL_PARAMETERS and (value is None or any(_same(value, n) for n in NEUTRAL_PARAMETERS[name])):
+        neutral = endpoint.neutral.get(name)
+        if neutral is not None and (value is None or any(_same(value, n) for n in neutral)):
             continue
         refused.append(name)
     return refused
 
 
-def unsupported_error(names: list[str]) -> APIError:
+def unsupported_error(names: list[str], endpoint: Endpoint = CHAT) -> APIError:
     """400 unsupported_parameter naming the first refused field (and the others in the message)."""
     first = names[0]
-    if first in NEUTRAL_PARAMETERS:
-        neutral = " or ".join([json.dumps(v) for v in NEUTRAL_PARAMETERS[first]] + ["null"])
+    if first in endpoint.neutral:
+        neutral = " or ".join([json.dumps(v) for v in endpoint.neutral[first]] + ["null"])
         why = f"unsupported parameter {first!r}: SpecFuse does not implement it (accepted only as {neutral})"
     elif first in FusionOptions.model_fields:
         why = (f"unsupported parameter {first!r}: fusion options go in the 'specfuse' object, "
@@ -132,13 +149,13 @@ def unsupported_error(names: list[str]) -> APIError:
     else:
         why = f"unsupported parameter {first!r}: SpecFuse does not know it"
     also = f" (also unsupported: {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
-    supported = ", ".join(SUPPORTED_PARAMETERS)
+    supported = ", ".join(endpoint.supported)
     return APIError(400, f"{why}{also}. Supported parameters: {supported} (see docs/server.md)",
                     code="unsupported_parameter", param=first)
 
 
-def parse_request(body: bytes) -> ChatCompletionRequest:
-    """JSON bytes -> a validated request.
+def parse_request(body: bytes, endpoint: Endpoint = CHAT) -> Any:
+    """JSON bytes -> a validated request (a ChatCompletionRequest by default).
 
     400 for bad JSON or a parameter SpecFuse does not implement (``unsupported``),
     422 for a bad shape.
@@ -149,11 +166,11 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    refused = unsupported(data)
+    refused = unsupported(data, endpoint)
     if refused:
-        raise unsupported_error(refused)
+        raise unsupported_error(refused, endpoint)
     try:
-        request = ChatCompletionRequest.model_validate(data)
+        request = endpoint.request.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -164,7 +181,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
     return request
 
 
-def fusion_options(request: ChatCompletionRequest, defaults: FusionOptions) -> FusionOptions:
+def fusion_options(request: Any, defaults: FusionOptions) -> FusionOptions:
     """The server's defaults with whatever the request sets on top."""
     values: dict[str, Any] = defaults.model_dump()
     asked = {
@@ -180,6 +197,13 @@ def fusion_options(request: ChatCompletionRequest, defaults: FusionOptions) -> F
         return FusionOptions.build(**values)
     except InvalidRequestError as exc:
         raise APIError(400, exc.message, code="invalid_value") from None
+
+
+def top_logprobs(request: ChatCompletionRequest) -> int | None:
+    """How many alternatives per answer token the chat request asks for (None: no logprobs)."""
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None
 
 
 def offered_tools(request: ChatCompletionRequest) -> tuple[list[Tool], str]:
@@ -254,7 +278,7 @@ def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None 
 # --------------------------------------------------------------------------- responses
 
 
-def _finish_reason(result: Result, call: ToolCall | None = None) -> str:
+def finish_reason_of(result: Result, call: ToolCall | None = None) -> str:
     if call is not None:
         return "tool_calls"
     return "stop" if result.stats.finish_reason == "stop" else "length"  # "context" is a length limit
@@ -270,7 +294,7 @@ def _calls(call: ToolCall, index: int | None = None) -> list[dict[str, Any]]:
     return [entry if index is None else {"index": index, **entry}]
 
 
-def _usage(result: Result, started: Started | None) -> Usage:
+def usage_of(result: Result, started: Started | None) -> Usage:
     # Members tokenize differently: count the longest prompt, and the winners' answer tokens.
     prompt = max(started.prompt_tokens.values(), default=0) if started else 0
     return Usage(prompt_tokens=prompt, completion_tokens=result.stats.tokens,
@@ -281,7 +305,7 @@ def _stats(result: Result, started: Started | None) -> FusionStats:
     return FusionStats(**result.stats.to_dict(), queue_s=round(started.queue_s, 3) if started else 0.0)
 
 
-def _result_info(result: Result, started: Started | None) -> FusionInfo:
+def result_info(result: Result, started: Started | None) -> FusionInfo:
     """The parts of a finished result every response carries (members, stats, weights, departures)."""
     return FusionInfo(
         members=result.models,
@@ -291,7 +315,7 @@ def _result_info(result: Result, started: Started | None) -> FusionInfo:
     )
 
 
-def _segment(segment: Segment) -> SegmentInfo:
+def segment_info(segment: Segment) -> SegmentInfo:
     return SegmentInfo(text=segment.text, model=segment.model, round=segment.round)
 
 
@@ -301,9 +325,9 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
         created=int(job.created),
         model=model,
         choices=[_choice(job, result)],
-        usage=_usage(result, started),
-        specfuse=_result_info(result, started).model_copy(update={
-            "segments": [_segment(s) for s in result.segments],
+        usage=usage_of(result, started),
+        specfuse=result_info(result, started).model_copy(update={
+            "segments": [segment_info(s) for s in result.segments],
             "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
             "prompt_tokens": started.prompt_tokens if started else None,
         }),
@@ -314,11 +338,22 @@ def _choice(job: Job, result: Result) -> Choice:
     call = _call_of(job, result)
     message = (AssistantMessage(content=None, tool_calls=_calls(call)) if call
                else AssistantMessage(content=result.text))
-    return Choice(message=message, finish_reason=_finish_reason(result, call))
+    logprobs = None
+    if job.logprobs:
+        logprobs = ChoiceLogprobs(content=None if call else chat_logprobs(result.logprobs(), job.top_logprobs))
+    return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)
 
 
-async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None]) -> ChatCompletion:
+def chat_logprobs(tokens: list[TokenLogprob], k: int) -> list[TokenLogprobInfo]:
+    """Answer tokens in the chat shape: text, log-probability, bytes, the author's top `k`, who wrote it."""
+    return [TokenLogprobInfo(token=t.text, logprob=t.logprob, bytes=list(t.bytes), model=t.model,
+                             top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=list(data))
+                                           for text, data, lp in t.top[:k]])
+            for t in tokens]
+
+
+async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
+                   cancel: Callable[[], None]) -> tuple[Result, Started | None]:
     """Wait for the whole answer; ``cancel()`` the job if the client goes away first.
 
     ``disconnected`` returns when the client hangs up; the worker then stops
@@ -336,7 +371,7 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[No
             if isinstance(item, Started):
                 started = item
             elif isinstance(item, DoneEvent):
-                return completion_body(job, model, item.result, started)
+                return item.result, started
             elif isinstance(item, Failed):
                 raise api_error(item.error)
             elif isinstance(item, Cancelled):
@@ -347,16 +382,24 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[No
         cancel()  # a no-op when the job already ended
 
 
-def _sse(payload: dict[str, Any] | str) -> str:
+async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
+                   cancel: Callable[[], None]) -> ChatCompletion:
+    """The chat completion of the whole answer (see ``finished``)."""
+    result, started = await finished(job, disconnected, cancel)
+    return completion_body(job, model, result, started)
+
+
+def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
 
 
 def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
-           info: FusionInfo | None = None) -> str:
+           info: FusionInfo | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
     chunk = ChatCompletionChunk(id=job.id, created=int(job.created), model=model,
-                                choices=[ChunkChoice(delta=delta, finish_reason=finish)], specfuse=info)
-    return _sse(chunk.model_dump(mode="json", exclude={"usage"}))
+                                choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+                                specfuse=info)
+    return sse(chunk.model_dump(mode="json", exclude={"usage"}))
 
 
 async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None]) -> AsyncIterator[str]:
@@ -385,8 +428,10 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
             elif isinstance(item, RoundEvent):
                 round_info = RoundInfo.model_validate(item.record.to_dict())
                 if pending is not None:
+                    logprobs = (ChoiceLogprobs(content=chat_logprobs(answer_logprobs([pending]), job.top_logprobs))
+                                if job.logprobs else None)
                     yield _chunk(job, model, Delta(content=pending.text),
-                                 info=FusionInfo(segment=_segment(pending), round=round_info))
+                                 info=FusionInfo(segment=segment_info(pending), round=round_info), logprobs=logprobs)
                     pending = None
                 else:  # a round whose winner was "stop here": no text, still worth showing
                     yield _chunk(job, model, Delta(), info=FusionInfo(round=round_info))
@@ -396,23 +441,26 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                 if call is not None:
                     yield _chunk(job, model, Delta(tool_calls=_calls(call, 0)))
                 elif held:
-                    yield _chunk(job, model, Delta(content="".join(held)))
-                yield _chunk(job, model, Delta(), _finish_reason(result, call), _result_info(result, started))
+                    yield _chunk(job, model, Delta(content="".join(held)), logprobs=ChoiceLogprobs(
+                        content=chat_logprobs(result.logprobs(), job.top_logprobs)) if job.logprobs else None)
+                yield _chunk(job, model, Delta(), finish_reason_of(result, call), result_info(result, started))
                 if include_usage:
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
-                                                usage=_usage(result, started))
-                    yield _sse(usage.model_dump(mode="json", exclude={"specfuse"}))
+                                                usage=usage_of(result, started))
+                    yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
             elif isinstance(item, Failed):
-                yield _sse(api_error(item.error).body())
+                yield sse(api_error(item.error).body())
             elif isinstance(item, Cancelled):
-                yield _sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
-        yield _sse("[DONE]")
+                yield sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
+        yield sse("[DONE]")
     finally:
         cancel()  # a no-op when the job already ended
 
 
 __all__ = [
     "APIError",
+    "Endpoint",
+    "finished",
     "api_error",
     "complete",
     "completion_body",

@@ -88,6 +88,8 @@ class Job:
     members: list[str] | None = None  # None: the whole ensemble
     constraint: Constraint | None = None  # structured output (response_format, or the tools offered)
     tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
+    logprobs: bool = False  # the response reports each answer token's log-probability
+    top_logprobs: int = 0  # and this many alternatives per token, as the drafters report them
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
     cancel_flag: threading.Event = field(default_factory=threading.Event)
@@ -253,7 +255,8 @@ class Worker:
         ensemble = self._ensemble
         assert ensemble is not None
         try:
-            steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint)
+            steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint,
+                                   top_logprobs=job.top_logprobs)
         except SpecFuseError as exc:
             self._end(job, exc, 0)
             return

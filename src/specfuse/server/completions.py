@@ -1,0 +1,153 @@
+"""``POST /v1/completions``: text completions, the legacy OpenAI endpoint.
+
+Every member continues the prompt as it is, with no chat template (a base
+model's natural task); the fusion is the same as for chat. A list of prompts
+is answered one choice each (run side by side, as slots allow); streaming takes
+one prompt. ``logprobs`` (up to 5) reports each answer token as its author
+drafted it; ``echo`` puts the prompt before the answer's text, but its tokens
+carry no log-probabilities (a 400 asks for both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from ..logprobs import TokenLogprob, answer_logprobs
+from ..options import FusionOptions
+from ..types import DoneEvent, Message, Result, SegmentEvent
+from .protocol import (
+    COMPLETION_NEUTRAL,
+    COMPLETION_PARAMETERS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    FusionInfo,
+    TextCompletion,
+    Usage,
+)
+from .serving import (
+    KEEPALIVE_S,
+    APIError,
+    Endpoint,
+    api_error,
+    finish_reason_of,
+    finished,
+    fusion_options,
+    result_info,
+    sse,
+)
+from .worker import Cancelled, Failed, Job, Started
+
+COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL)
+
+
+def jobs_of(request: CompletionRequest, defaults: FusionOptions, members: list[str] | None) -> list[Job]:
+    """One job per prompt; 400 for what the endpoint cannot do."""
+    if request.echo and request.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported: SpecFuse reports log-probabilities of the "
+                            "answer only (its members tokenize the prompt differently); drop echo, or score the "
+                            "text by asking for its continuation", code="unsupported_parameter", param="echo")
+    if request.stream and len(request.prompts) > 1:
+        raise APIError(400, "a stream answers one prompt: send the prompts one by one, or stream: false",
+                       code="invalid_value", param="prompt")
+    if not all(request.prompts):
+        raise APIError(400, "a prompt is empty: give the text to continue", code="invalid_value", param="prompt")
+    options = fusion_options(request, defaults)
+    name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
+    return [Job([Message("raw", prompt)], options, members, id=name if i == 0 else f"{name}-{i}",
+                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0)
+            for i, prompt in enumerate(request.prompts)]
+
+
+def legacy_logprobs(tokens: Sequence[TokenLogprob], k: int, offset: int) -> CompletionLogprobs:
+    """Answer tokens in the completions shape; `offset`: characters before the answer (an echoed prompt)."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    return CompletionLogprobs(
+        tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[_alternatives(t, k) for t in tokens], text_offset=offsets)
+
+
+def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
+    """The author's top `k` as text -> log-probability (two tokens with one text: the likelier)."""
+    table: dict[str, float] = {}
+    for text, _, lp in token.top[:k]:
+        table.setdefault(text, lp)
+    return table
+
+
+def _choice(index: int, prompt: str, result: Result, request: CompletionRequest) -> CompletionChoice:
+    before = prompt if request.echo else ""
+    logprobs = (legacy_logprobs(result.logprobs(), request.logprobs, len(before))
+                if request.logprobs is not None else None)
+    return CompletionChoice(index=index, text=before + result.text, logprobs=logprobs,
+                            finish_reason=finish_reason_of(result))  # type: ignore[arg-type]
+
+
+def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
+    prompt = sum(max(s.prompt_tokens.values(), default=0) for _, s in outcomes if s)
+    answer = sum(r.stats.tokens for r, _ in outcomes)
+    return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
+
+
+async def complete(jobs: list[Job], request: CompletionRequest, model: str,
+                   disconnected: Callable[[], Awaitable[None]], cancel: Callable[[Job], None]) -> TextCompletion:
+    """Every prompt's answer, in order, as one text completion; `cancel` stops one job (client gone, or
+    another prompt's answer failed)."""
+    try:
+        outcomes = await asyncio.gather(*(finished(job, disconnected, lambda j=job: cancel(j)) for job in jobs))
+    finally:
+        for job in jobs:
+            cancel(job)  # a no-op for those that ended
+    first = outcomes[0][0]
+    choices = [_choice(i, p, r, request) for i, (p, (r, _)) in enumerate(zip(request.prompts, outcomes))]
+    info = result_info(first, outcomes[0][1]) if len(jobs) == 1 else FusionInfo(members=first.models)
+    return TextCompletion(id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices,
+                          usage=_usage(outcomes), specfuse=info)
+
+
+def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | None = None) -> str:
+    body = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[choice], specfuse=info)
+    return sse(body.model_dump(mode="json", exclude={"usage"}))
+
+
+async def stream(job: Job, request: CompletionRequest, model: str,
+                 cancel: Callable[[], None]) -> AsyncIterator[str]:
+    """SSE frames: the echoed prompt (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
+    k, offset = request.logprobs, len(request.prompt) if request.echo else 0
+    started: Started | None = None
+    try:
+        if request.echo:
+            yield _chunk(job, model, CompletionChoice(text=request.prompts[0]))
+        async for item in job.items(keepalive_s=KEEPALIVE_S):
+            if item is None:
+                yield ": keep-alive\n\n"
+            elif isinstance(item, Started):
+                started = item
+            elif isinstance(item, SegmentEvent):
+                tokens = answer_logprobs([item.segment])
+                logprobs = legacy_logprobs(tokens, k, offset) if k is not None else None
+                offset += len(item.segment.text)
+                yield _chunk(job, model, CompletionChoice(text=item.segment.text, logprobs=logprobs))
+            elif isinstance(item, DoneEvent):
+                result = item.result
+                yield _chunk(job, model, CompletionChoice(text="", finish_reason=finish_reason_of(result)),  # type: ignore[arg-type]
+                             result_info(result, started))
+                if request.include_usage:
+                    usage = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[],
+                                           usage=_usage([(result, started)]))
+                    yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
+            elif isinstance(item, Failed):
+                yield sse(api_error(item.error).body())
+            elif isinstance(item, Cancelled):
+                yield sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
+        yield sse("[DONE]")
+    finally:
+        cancel()
+
+
+__all__ = ["COMPLETIONS", "complete", "jobs_of", "legacy_logprobs", "stream"]
