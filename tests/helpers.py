@@ -94,9 +94,9 @@ API_KEY = "test-key"
 
 @contextmanager
 def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, max_concurrent: int = 2,
-                startup_s: float = 180.0) -> Iterator[SpecfuseServer]:
+                startup_s: float = 180.0, prefix_cache_cells: int | None = None) -> Iterator[SpecfuseServer]:
     """A real `specfuse serve` with the default members, an API key, a small queue and body limit,
-    running `max_concurrent` generations together."""
+    running `max_concurrent` generations together (`prefix_cache_cells`: its bound; None, the default)."""
     config = {
         "server": {"api_key": API_KEY, "queue_size": queue_size, "max_concurrent": max_concurrent,
                    "max_body_bytes": max_body_bytes},
@@ -106,6 +106,8 @@ def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, 
         "members": {"threads": 1},
         "defaults": {"max_tokens": 16},
     }
+    if prefix_cache_cells is not None:
+        config["members"]["prefix_cache_cells"] = prefix_cache_cells
     with specfuse_server(tmp, "server", config, startup_s=startup_s) as server:
         yield server
 

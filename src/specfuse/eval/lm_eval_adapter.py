@@ -15,7 +15,8 @@ model only where this module was imported first, e.g. from Python with
 model_args: ``models`` (members joined by ``|``; default the embedded three),
 ``system`` (any eval system: ``specfuse``, ``rerank``, ``member:NAME``),
 ``max_tokens`` (cap on each request's ``max_gen_toks``), ``temperature``
-(default 0: greedy), ``seed``, ``window``, ``threads``, ``n_ctx``.
+(default 0: greedy), ``seed``, ``window``, ``threads``, ``n_ctx``, ``prefix_cache_cells`` (0: no prefix
+cache, as a server started with ``--prefix-cache-cells 0``: the way to get the same greedy answers).
 
 Prompts: a request's context becomes one user message that each member renders
 with its own chat template; with ``--apply_chat_template`` the harness's
@@ -65,6 +66,7 @@ class SpecFuseLM(LM):
         window: int = 10,
         threads: int | None = None,
         n_ctx: int = 4096,
+        prefix_cache_cells: int | None = None,
         **_: Any,  # batch_size, device, ... from the harness: not used
     ) -> None:
         super().__init__()
@@ -73,6 +75,8 @@ class SpecFuseLM(LM):
         get_system(system)  # fail on a bad name before loading models
         names = [m for m in str(models).split("|") if m] if models else None
         options = {k: v for k, v in {"threads": threads, "n_ctx": n_ctx}.items() if v}
+        if prefix_cache_cells is not None:
+            options["prefix_cache_cells"] = int(prefix_cache_cells)
         self.ensemble = Ensemble(names, **options)
         self.system = system
         self.settings = RunSettings(

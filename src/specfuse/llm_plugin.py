@@ -1,0 +1,87 @@
+"""A plugin for simonw's ``llm``: ``llm -m specfuse "..."`` fuses the members in process.
+
+Installed with the ``llm`` extra (``pip install 'specfuse[llm]'``), which
+registers this module under llm's ``llm`` entry point. Members and fusion
+defaults come from ``specfuse.toml`` in llm's user directory (``llm logs path``'s
+folder; the same format as ``specfuse serve --config``: ``[members] models``,
+``threads``, ``n_ctx``; ``[defaults]`` fusion options), then from ``-o``
+options (``-o members qwen2.5-coder-0.5b,gemma3-270m -o gate 0.5 -o
+accept_margin 2``). The answer streams segment by segment; ``--schema`` asks for
+structured output. For a running ``specfuse serve``, use llm's own OpenAI
+client instead (``extra-openai-models.yaml``, see docs/server.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import llm
+from pydantic import Field
+
+from .ensemble import Ensemble
+from .server.config import build_config
+from .types import DoneEvent, Message, SegmentEvent
+
+CONFIG_NAME = "specfuse.toml"
+_loaded: dict[tuple[Any, ...], Ensemble] = {}  # one ensemble per member list, for the life of the process
+
+
+class SpecFuse(llm.Model):
+    model_id = "specfuse"
+    can_stream = True
+    supports_schema = True
+
+    class Options(llm.Options):
+        members: str | None = Field(None, description="members, comma-separated (default: specfuse.toml, "
+                                    "else the embedded three)")
+        max_tokens: int | None = Field(None, ge=1, description="answer budget in tokens")
+        temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
+        seed: int | None = Field(None, description="sampling seed")
+        gate: float | None = Field(None, ge=0, le=1, description="leader confidence gate")
+        accept_margin: float | None = Field(None, ge=0, description="nats the leader's acceptance allows "
+                                            "(0 = the leader alone)")
+        window: int | None = Field(None, ge=1, description="tokens per drafted segment")
+        threads: int | None = Field(None, ge=1, description="llama.cpp threads per member")
+
+    def execute(self, prompt: llm.Prompt, stream: bool, response: llm.Response,
+                conversation: llm.Conversation | None) -> Iterator[str]:
+        config = build_config(llm.user_dir() / CONFIG_NAME if (llm.user_dir() / CONFIG_NAME).exists() else None)
+        options = prompt.options
+        members = [m.strip() for m in options.members.split(",") if m.strip()] if options.members else None
+        ensemble = _ensemble(members or config.members.models or None, options.threads or config.members.threads,
+                             config.members.n_ctx)
+        asked = {"max_tokens": options.max_tokens, "temperature": options.temperature, "seed": options.seed,
+                 "gate": options.gate, "accept_margin": options.accept_margin, "window": options.window}
+        fusion = {**config.fusion_defaults().model_dump(), **{k: v for k, v in asked.items() if v is not None}}
+        schema = prompt.schema if isinstance(prompt.schema, dict) else None
+        for event in ensemble.stream(_messages(prompt), json_schema=schema, **fusion):
+            if isinstance(event, SegmentEvent):
+                yield event.segment.text
+            elif isinstance(event, DoneEvent):
+                result = event.result
+                response.response_json = {"members": result.models, "stats": result.stats.to_dict(),
+                                           "segments": [{"text": s.text, "model": s.model} for s in result.segments]}
+                response.set_usage(output=result.stats.tokens)
+
+
+def _messages(prompt: llm.Prompt) -> list[Message]:
+    """The conversation so far (llm passes the whole chain), as SpecFuse messages."""
+    out = []
+    for message in prompt.messages:
+        if message.role in ("system", "user", "assistant"):
+            text = "".join(getattr(part, "text", "") or "" for part in message.parts)
+            out.append(Message(message.role, text))
+    return out
+
+
+def _ensemble(members: list[str] | None, threads: int | None, n_ctx: int) -> Ensemble:
+    key = (tuple(members or ()), threads, n_ctx)
+    if key not in _loaded:
+        _loaded[key] = Ensemble(members, threads=threads, n_ctx=n_ctx)
+    return _loaded[key]
+
+
+@llm.hookimpl
+def register_models(register: Any) -> None:
+    register(SpecFuse())
