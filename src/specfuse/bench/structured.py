@@ -72,6 +72,7 @@ def run(items: int, offset: int, max_tokens: int, threads: int | None = None) ->
     # the bare question: the task's own prompt asks for a worked solution
     questions = [item.prompt.split("Question: ", 1)[-1] for item in get_task("gsm8k").load(offset=offset, limit=items)]
     constraint = Constraint.json_schema(SCHEMA)
+    code = git()  # the code that runs: read before, not after (commits may land meanwhile)
     rows: list[dict[str, Any]] = []
     with Ensemble(**({"threads": threads} if threads else {})) as ensemble:
         ensemble.generate("Say hi.", max_tokens=4, temperature=0)  # warm-up
@@ -86,7 +87,7 @@ def run(items: int, offset: int, max_tokens: int, threads: int | None = None) ->
                              **judge(result.text, question, constraint)})
             print(f"gsm8k {index}: " + ", ".join(f"{r['system']} {'ok' if r['valid'] else 'INVALID'} "
                                                  f"{r['seconds']:.1f}s" for r in rows[-len(SYSTEMS):]))
-    return {"machine": machine(), "git": git(), "items": f"gsm8k test {offset}-{offset + items - 1}",
+    return {"machine": machine(), "git": code, "items": f"gsm8k test {offset}-{offset + items - 1}",
             "max_tokens": max_tokens, "summary": summarise(rows), "rows": rows}
 
 
