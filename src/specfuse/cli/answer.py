@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -13,6 +13,9 @@ from .. import models as catalogue
 from ..errors import SpecFuseError
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, SegmentEvent
+
+if TYPE_CHECKING:
+    from ..constraints import Constraint
 from .app import app, err, out
 from .flags import CacheOpt, CtxOpt, ModelOpt, ThreadsOpt, fusion_flags
 
@@ -141,7 +144,7 @@ def generate(
             err.print(f"[bold red]the answer does not satisfy the schema:[/] {result.invalid_reason}")
 
 
-def read_constraint(json_schema: str | None, json_object: bool) -> "Constraint | None":
+def read_constraint(json_schema: str | None, json_object: bool) -> Constraint | None:
     """--json-schema FILE / --json-object -> the answer's constraint, checked before any model loads."""
     from pathlib import Path
 

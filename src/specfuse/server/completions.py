@@ -31,14 +31,14 @@ from .serving import (
     KEEPALIVE_S,
     APIError,
     Endpoint,
-    api_error,
+    failure_frame,
     finish_reason_of,
     finished,
     fusion_options,
     result_info,
     sse,
 )
-from .worker import Cancelled, Failed, Job, Started
+from .worker import Job, Started
 
 COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL)
 
@@ -141,10 +141,8 @@ async def stream(job: Job, request: CompletionRequest, model: str,
                     usage = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[],
                                            usage=_usage([(result, started)]))
                     yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
-            elif isinstance(item, Failed):
-                yield sse(api_error(item.error).body())
-            elif isinstance(item, Cancelled):
-                yield sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
+            elif (frame := failure_frame(item)) is not None:
+                yield frame
         yield sse("[DONE]")
     finally:
         cancel()

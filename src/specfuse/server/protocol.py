@@ -50,19 +50,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions``.
-
-    Other fields are kept in ``model_extra``; ``serving.parse_request`` refuses
-    them unless they are tolerated or neutral (the tables below).
-    """
+class GenerationRequest(BaseModel):
+    """What chat and text completions share: the model, the answer's budget and sampling, streaming."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
@@ -74,16 +68,6 @@ class ChatCompletionRequest(BaseModel):
     specfuse: dict[str, Any] | None = Field(
         None, description="SpecFuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
     )
-    tools: list[dict[str, Any]] | None = Field(None, description="function tools the answer may call")
-    tool_choice: str | dict[str, Any] | None = Field(
-        None, description='"none", "auto" (default with tools), "required", or {"type": "function", "function": '
-                          '{"name": ...}}')
-    response_format: dict[str, Any] | None = Field(
-        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                          '{"name": ..., "schema": {...}, "strict": true}}')
-    logprobs: bool | None = Field(None, description="each answer token's log-probability under its author")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the author's most likely "
-                                     "tokens at each position (up to 20)")
 
     @field_validator("n")
     @classmethod
@@ -102,6 +86,31 @@ class ChatCompletionRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def answer_budget(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """The body of ``POST /v1/chat/completions``.
+
+    Other fields are kept in ``model_extra``; ``serving.parse_request`` refuses
+    them unless they are tolerated or neutral (the tables below).
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools the answer may call")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (default with tools), "required", or {"type": "function", "function": '
+                          '{"name": ...}}')
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}, "strict": true}}')
+    logprobs: bool | None = Field(None, description="each answer token's log-probability under its author")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the author's most likely "
+                                     "tokens at each position (up to 20)")
 
     @property
     def answer_budget(self) -> int | None:
@@ -132,31 +141,13 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
 }
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(GenerationRequest):
     """The body of ``POST /v1/completions``: a text every member continues as it is (no chat template)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-
     prompt: str | list[str] = Field(description="the text to continue; a list answers each (not streamed)")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    n: int | None = None
     echo: bool = Field(False, description="the prompt before the answer, in text (not in logprobs)")
     logprobs: int | None = Field(None, ge=0, le=5, description="each answer token's log-probability under its "
                                  "author, with this many of its most likely tokens (up to 5)")
-    specfuse: dict[str, Any] | None = Field(
-        None, description="SpecFuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
-    )
-
-    _one_choice = field_validator("n")(ChatCompletionRequest._one_choice.__func__)  # type: ignore[attr-defined]
-    _few_stops = field_validator("stop")(ChatCompletionRequest._few_stops.__func__)  # type: ignore[attr-defined]
 
     @field_validator("prompt")
     @classmethod
@@ -168,14 +159,6 @@ class CompletionRequest(BaseModel):
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def answer_budget(self) -> int | None:
-        return self.max_tokens
 
 
 COMPLETION_PARAMETERS: tuple[str, ...] = tuple(CompletionRequest.model_fields)

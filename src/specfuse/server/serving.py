@@ -389,6 +389,15 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[No
     return completion_body(job, model, result, started)
 
 
+def failure_frame(item: Any) -> str | None:
+    """The SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
+    if isinstance(item, Failed):
+        return sse(api_error(item.error).body())
+    if isinstance(item, Cancelled):
+        return sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
+    return None
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
@@ -448,10 +457,8 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
                                                 usage=usage_of(result, started))
                     yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
-            elif isinstance(item, Failed):
-                yield sse(api_error(item.error).body())
-            elif isinstance(item, Cancelled):
-                yield sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
+            elif (frame := failure_frame(item)) is not None:
+                yield frame
         yield sse("[DONE]")
     finally:
         cancel()  # a no-op when the job already ended
