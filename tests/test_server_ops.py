@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import live_server
 from specfuse import models as catalogue
 from specfuse.backends.base import Occupancy
-from specfuse.server import serving
+from specfuse.server import parsing
 from specfuse.server.app import create_app
 from specfuse.server.completions import COMPLETIONS
 from specfuse.server.config import build_config
@@ -103,18 +103,18 @@ REFUSED = {"functions": [{"name": "f"}], "function_call": "auto",
 
 
 def test_parameter_tables():
-    assert serving.unsupported({"messages": SAY_HI, "max_tokens": 4, "specfuse": {"window": 4}, **NEUTRAL}) == []
+    assert parsing.unsupported({"messages": SAY_HI, "max_tokens": 4, "specfuse": {"window": 4}, **NEUTRAL}) == []
     for name, bad in REFUSED.items():
-        assert serving.unsupported({"messages": SAY_HI, name: bad}) == [name], name
+        assert parsing.unsupported({"messages": SAY_HI, name: bad}) == [name], name
     # strict: a boolean is not a number and a number is not a boolean
-    assert serving.unsupported({"presence_penalty": False, "frequency_penalty": False}) == \
+    assert parsing.unsupported({"presence_penalty": False, "frequency_penalty": False}) == \
         ["presence_penalty", "frequency_penalty"]
     # /v1/completions has its own table: suffix and best_of pass only at their neutral values
     text = {"prompt": "Once", "echo": False, "logprobs": 2, "suffix": "", "best_of": 1, "frequency_penalty": 0}
-    assert serving.unsupported(text, COMPLETIONS) == []
-    assert serving.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI},
+    assert parsing.unsupported(text, COMPLETIONS) == []
+    assert parsing.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI},
                                COMPLETIONS) == ["suffix", "best_of", "messages"]
-    error = serving.unsupported_error(["window"])
+    error = parsing.unsupported_error(["window"])
     assert error.status == 400 and error.detail.param == "window" and "'specfuse' object" in error.detail.message
 
 
@@ -122,9 +122,9 @@ def test_request_options_go_over_the_defaults_and_an_explicit_null_is_kept():
     from specfuse.options import FusionOptions
 
     defaults = FusionOptions.build(max_tokens=64, accept_margin=2.0)
-    request = serving.parse_request(json.dumps({"messages": SAY_HI, "max_tokens": 8, "temperature": None,
+    request = parsing.parse_request(json.dumps({"messages": SAY_HI, "max_tokens": 8, "temperature": None,
                                                 "specfuse": {"accept_margin": None, "gate": 0.7}}).encode())
-    options = serving.fusion_options(request, defaults)
+    options = parsing.fusion_options(request, defaults)
     assert (options.max_tokens, options.temperature, options.gate) == (8, defaults.temperature, 0.7)
     assert options.accept_margin is None  # null: every proposal goes to the vote, not the server's default
 

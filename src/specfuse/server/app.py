@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..ensemble import Ensemble
 from ..errors import SpecFuseError
 from ..options import FusionOptions
-from . import completions, serving
+from . import completions, parsing, serving
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
@@ -262,14 +262,14 @@ def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) ->
     @app.post("/v1/chat/completions", dependencies=[require_key])
     async def chat_completions(request: Request) -> Response:
         body = await _read_body(request, state.config.server.max_body_bytes)
-        parsed = serving.parse_request(body)
+        parsed = parsing.parse_request(body)
         _require_members(state)
         model = parsed.model or state.model_id
         members = _members_for(state, model)
-        tools, mode = serving.offered_tools(parsed)
-        top = serving.top_logprobs(parsed)
-        job = Job(serving.to_engine_messages(parsed, tools, mode), serving.fusion_options(parsed, state.defaults),
-                  members, serving.constraint_of(parsed, tools, mode), tools if mode != "none" else [],
+        tools, mode = parsing.offered_tools(parsed)
+        top = parsing.top_logprobs(parsed)
+        job = Job(parsing.to_engine_messages(parsed, tools, mode), parsing.fusion_options(parsed, state.defaults),
+                  members, parsing.constraint_of(parsed, tools, mode), tools if mode != "none" else [],
                   logprobs=top is not None, top_logprobs=top or 0)
         if parsed.user:
             log.info("%s for user %s", job.id, parsed.user)
@@ -304,7 +304,7 @@ def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: An
     @app.post("/v1/completions", dependencies=[require_key])
     async def text_completions(request: Request) -> Response:
         body = await _read_body(request, state.config.server.max_body_bytes)
-        parsed = serving.parse_request(body, completions.COMPLETIONS)
+        parsed = parsing.parse_request(body, completions.COMPLETIONS)
         _require_members(state)
         model = parsed.model or state.model_id
         jobs = completions.jobs_of(parsed, state.defaults, _members_for(state, model))

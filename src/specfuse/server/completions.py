@@ -17,27 +17,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from ..logprobs import TokenLogprob, answer_logprobs
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, SegmentEvent
-from .protocol import (
+from .protocol import FusionInfo, Usage
+from .text_protocol import (
     COMPLETION_NEUTRAL,
     COMPLETION_PARAMETERS,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
-    FusionInfo,
     TextCompletion,
-    Usage,
 )
-from .serving import (
-    KEEPALIVE_S,
-    APIError,
-    Endpoint,
-    failure_frame,
-    finish_reason_of,
-    finished,
-    fusion_options,
-    result_info,
-    sse,
-)
+from .parsing import Endpoint, fusion_options
+from .serving import KEEPALIVE_S, APIError, failure_frame, finish_reason_of, finished, result_info, sse, usage_of
 from .worker import Job, Started
 
 COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL)
@@ -89,8 +79,9 @@ def _choice(index: int, prompt: str, result: Result, request: CompletionRequest)
 
 
 def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
-    prompt = sum(max(s.prompt_tokens.values(), default=0) for _, s in outcomes if s)
-    answer = sum(r.stats.tokens for r, _ in outcomes)
+    """Every prompt's usage (``serving.usage_of``), summed."""
+    each = [usage_of(result, started) for result, started in outcomes]
+    prompt, answer = sum(u.prompt_tokens for u in each), sum(u.completion_tokens for u in each)
     return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
 
 

@@ -1,4 +1,4 @@
-"""OpenAI chat- and text-completions wire types (pydantic only, no behaviour).
+"""OpenAI chat-completions wire types (pydantic only, no behaviour; text completions: ``text_protocol``).
 
 Requests are parsed strictly ("16" is not an int) so a client bug shows up as a
 422 instead of a silently coerced value. A request field SpecFuse does not
@@ -95,7 +95,7 @@ class GenerationRequest(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     """The body of ``POST /v1/chat/completions``.
 
-    Other fields are kept in ``model_extra``; ``serving.parse_request`` refuses
+    Other fields are kept in ``model_extra``; ``parsing.parse_request`` refuses
     them unless they are tolerated or neutral (the tables below).
     """
 
@@ -117,7 +117,7 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-# Which request fields mean what. Everything else gets 400 unsupported_parameter (serving.unsupported).
+# Which request fields mean what. Everything else gets 400 unsupported_parameter (parsing.unsupported).
 # Implemented: the fields of ChatCompletionRequest above.
 SUPPORTED_PARAMETERS: tuple[str, ...] = tuple(ChatCompletionRequest.model_fields)
 # Accepted with any value and ignored: bookkeeping that cannot change the answer.
@@ -138,37 +138,6 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "reasoning_effort": (),
     "verbosity": (),
-}
-
-
-class CompletionRequest(GenerationRequest):
-    """The body of ``POST /v1/completions``: a text every member continues as it is (no chat template)."""
-
-    prompt: str | list[str] = Field(description="the text to continue; a list answers each (not streamed)")
-    echo: bool = Field(False, description="the prompt before the answer, in text (not in logprobs)")
-    logprobs: int | None = Field(None, ge=0, le=5, description="each answer token's log-probability under its "
-                                 "author, with this many of its most likely tokens (up to 5)")
-
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not 1 <= len(value) <= 16:
-            raise ValueError("give 1 to 16 prompts")
-        return value
-
-    @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-
-
-COMPLETION_PARAMETERS: tuple[str, ...] = tuple(CompletionRequest.model_fields)
-# /v1/completions: OpenAI parameters accepted only at a value that asks for nothing.
-COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",),
-    "best_of": (1,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
 }
 
 
@@ -318,33 +287,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
-    specfuse: FusionInfo | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per answer token."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class TextCompletion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
     specfuse: FusionInfo | None = None
 
 

@@ -1,4 +1,4 @@
-"""Requests -> jobs, and a job's events -> an OpenAI response body or SSE chunks.
+"""A job's events -> an OpenAI response body or SSE chunks (requests are read in ``parsing``).
 
 Streaming and non-streaming read the same item iterator (``Job.items``), so the
 two can only differ in framing. Everything here raises ``APIError``, which the
@@ -11,14 +11,10 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from ..constraints import Constraint
-from ..tools import Tool, ToolCall, call_text, chosen_tools, parse_tools, read_call, render, result_text, tool_constraint
-from ..ensemble import to_messages
+from ..tools import ToolCall, read_call
 from ..errors import (
     InvalidRequestError,
     MemberFailedError,
@@ -27,16 +23,11 @@ from ..errors import (
     UnknownModelError,
 )
 from ..logprobs import TokenLogprob, answer_logprobs
-from ..options import FusionOptions
-from ..types import DoneEvent, Message, Result, RoundEvent, Segment, SegmentEvent
+from ..types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
 from .protocol import (
-    NEUTRAL_PARAMETERS,
-    SUPPORTED_PARAMETERS,
-    TOLERATED_PARAMETERS,
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
@@ -89,190 +80,6 @@ def api_error(exc: BaseException) -> APIError:
             return APIError(500, text, "server_error", "member_failed")
         return APIError(500, text, "server_error")
     return APIError(500, "internal error while generating; see the server log", "server_error")
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    """JSON equality that keeps booleans apart from numbers (``false`` is not ``0``)."""
-    if isinstance(value, bool) or isinstance(neutral, bool):
-        return isinstance(value, bool) and isinstance(neutral, bool) and value == neutral
-    if isinstance(neutral, int | float):
-        return isinstance(value, int | float) and value == neutral
-    if isinstance(neutral, dict):
-        return (isinstance(value, dict) and value.keys() == neutral.keys()
-                and all(_same(value[k], neutral[k]) for k in neutral))
-    if isinstance(neutral, list):
-        return isinstance(value, list) and len(value) == len(neutral) and all(map(_same, value, neutral))
-    return type(value) is type(neutral) and value == neutral
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """What one endpoint's body may hold: its request type, and which other OpenAI fields pass."""
-
-    request: type[BaseModel]
-    supported: tuple[str, ...]
-    neutral: dict[str, tuple[Any, ...]]
-
-
-CHAT = Endpoint(ChatCompletionRequest, SUPPORTED_PARAMETERS, NEUTRAL_PARAMETERS)
-
-
-def unsupported(data: dict[str, Any], endpoint: Endpoint = CHAT) -> list[str]:
-    """The request fields SpecFuse would have to ignore to answer, in body order.
-
-    Supported fields, tolerated ones and OpenAI parameters at a neutral value
-    (null included) pass; anything else would change what the client asked for.
-    """
-    refused = []
-    for name, value in data.items():
-        if name in endpoint.supported or name in TOLERATED_PARAMETERS:
-            continue
-        neutral = endpoint.neutral.get(name)
-        if neutral is not None and (value is None or any(_same(value, n) for n in neutral)):
-            continue
-        refused.append(name)
-    return refused
-
-
-def unsupported_error(names: list[str], endpoint: Endpoint = CHAT) -> APIError:
-    """400 unsupported_parameter naming the first refused field (and the others in the message)."""
-    first = names[0]
-    if first in endpoint.neutral:
-        neutral = " or ".join([json.dumps(v) for v in endpoint.neutral[first]] + ["null"])
-        why = f"unsupported parameter {first!r}: SpecFuse does not implement it (accepted only as {neutral})"
-    elif first in FusionOptions.model_fields:
-        why = (f"unsupported parameter {first!r}: fusion options go in the 'specfuse' object, "
-               f'as {{"specfuse": {{"{first}": ...}}}}')
-    else:
-        why = f"unsupported parameter {first!r}: SpecFuse does not know it"
-    also = f" (also unsupported: {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
-    supported = ", ".join(endpoint.supported)
-    return APIError(400, f"{why}{also}. Supported parameters: {supported} (see docs/server.md)",
-                    code="unsupported_parameter", param=first)
-
-
-def parse_request(body: bytes, endpoint: Endpoint = CHAT) -> Any:
-    """JSON bytes -> a validated request (a ChatCompletionRequest by default).
-
-    400 for bad JSON or a parameter SpecFuse does not implement (``unsupported``),
-    422 for a bad shape.
-    """
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    refused = unsupported(data, endpoint)
-    if refused:
-        raise unsupported_error(refused, endpoint)
-    try:
-        request = endpoint.request.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise APIError(422, f"{where}: {first['msg']}{more}", code="invalid_value", param=where or None) from None
-    if request.model_extra:
-        log.debug("ignoring fields that do not change the answer: %s", ", ".join(sorted(request.model_extra)))
-    return request
-
-
-def fusion_options(request: Any, defaults: FusionOptions) -> FusionOptions:
-    """The server's defaults with whatever the request sets on top."""
-    values: dict[str, Any] = defaults.model_dump()
-    asked = {
-        "max_tokens": request.answer_budget,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "seed": request.seed,
-        "stop": request.stop,
-    }
-    values.update({k: v for k, v in asked.items() if v is not None})
-    values.update(request.specfuse or {})  # an explicit null is a value here (gate or accept_margin: none)
-    try:
-        return FusionOptions.build(**values)
-    except InvalidRequestError as exc:
-        raise APIError(400, exc.message, code="invalid_value") from None
-
-
-def top_logprobs(request: ChatCompletionRequest) -> int | None:
-    """How many alternatives per answer token the chat request asks for (None: no logprobs)."""
-    if request.top_logprobs and not request.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
-    return (request.top_logprobs or 0) if request.logprobs else None
-
-
-def offered_tools(request: ChatCompletionRequest) -> tuple[list[Tool], str]:
-    """``tools`` and ``tool_choice`` -> (the tools offered, "none" | "auto" | "required"); 400 naming the field."""
-    try:
-        tools = parse_tools(request.tools or [])
-    except InvalidRequestError as exc:
-        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="tools") from None
-    try:
-        return chosen_tools(tools, request.tool_choice)
-    except InvalidRequestError as exc:
-        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="tool_choice") from None
-
-
-def constraint_of(request: ChatCompletionRequest, tools: list[Tool] | None = None,
-                  mode: str = "none") -> Constraint | None:
-    """``response_format`` (or the tools offered) -> what the answer must be (None: free text); 400 naming
-    the field when it is wrong."""
-    spec = request.response_format
-    if tools and mode != "none":
-        if spec is not None and spec.get("type") != "text":
-            raise APIError(400, "response_format and tools together: the answer is either a tool call or the "
-                                "format", code="invalid_value", param="response_format")
-        return tool_constraint(tools, mode)
-    if spec is None:
-        return None
-    kind = spec.get("type")
-    try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return Constraint.json_object()
-        if kind == "json_schema":
-            inner = spec.get("json_schema")
-            if not isinstance(inner, dict) or "schema" not in inner:
-                raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
-                                          '{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}')
-            return Constraint.json_schema(inner["schema"], inner.get("name"),
-                                          where="response_format.json_schema.schema")
-    except InvalidRequestError as exc:
-        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="response_format") from None
-    raise APIError(400, f"response_format.type {kind!r} is not supported: use text, json_object or json_schema",
-                   code="invalid_value", param="response_format")
-
-
-def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None = None,
-                       mode: str = "none") -> list[Message]:
-    """The conversation as the members read it: earlier tool calls and results in plain text, the tools
-    offered noted in the system message (tools.py)."""
-    messages: list[Message] = []
-    names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn is
-    for m in request.messages:
-        if m.role == "assistant" and m.tool_calls:
-            calls = [c.get("function") or {} for c in m.tool_calls]
-            names.update({c.get("id", ""): f.get("name", "") for c, f in zip(m.tool_calls, calls)})
-            text = "\n".join(call_text(f.get("name", ""), f.get("arguments", "{}")) for f in calls)
-            messages.append(Message("assistant", (m.text() + "\n" + text).strip()))
-        elif m.role == "tool":
-            turn = result_text(names.get(m.tool_call_id or "") or m.name, m.tool_call_id, m.text())
-            if messages and messages[-1].role == "user" and messages[-1].content.startswith("Result of "):
-                turn = f"{messages.pop().content}\n\n{turn}"  # several results of one turn's calls, together
-            messages.append(Message("user", turn))
-        else:
-            messages.append(Message("system" if m.role == "developer" else m.role, m.text()))
-    messages = render(messages, tools or [], mode)
-    try:
-        return to_messages(messages)
-    except InvalidRequestError as exc:
-        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
 
 
 # --------------------------------------------------------------------------- responses
@@ -466,15 +273,13 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
 
 __all__ = [
     "APIError",
-    "Endpoint",
-    "finished",
     "api_error",
     "complete",
     "completion_body",
-    "fusion_options",
-    "parse_request",
+    "failure_frame",
+    "finished",
+    "result_info",
+    "sse",
     "stream",
-    "to_engine_messages",
-    "unsupported",
-    "unsupported_error",
+    "usage_of",
 ]
