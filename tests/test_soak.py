@@ -22,15 +22,19 @@ from specfuse.bench.accounting import Memory, Record
 from specfuse.bench.duration import format_duration, parse_duration
 from specfuse.bench.soak import held
 from specfuse.bench.traffic import (
+    HOSTILE,
     KINDS,
     LEVELS,
     MALFORMED,
     MIXED,
+    TEXT_PATH,
     TOKENS_PER_WORD,
     Mix,
+    backtracking_schema,
     filler,
     malformed_body,
     messages,
+    nested_schema,
     plan,
     probe,
 )
@@ -97,6 +101,8 @@ def test_each_action_carries_only_what_its_kind_needs():
             assert 1.2 <= a.fill <= 2.0
         if a.kind == "malformed":
             assert 0 <= a.prompt < len(MALFORMED)
+        if a.kind == "hostile":
+            assert 0 <= a.prompt < len(HOSTILE)
     assert set(KINDS["drop_first"].expected) == {"abandoned"} and "rejected" in KINDS["burst"].expected
 
 
@@ -118,6 +124,61 @@ def test_malformed_bodies():
     tools = next(m for m in MALFORMED if m.name == "a tool without a name")
     assert json.loads(malformed_body(tools, 1000))["tools"]
     assert all(400 <= m.status < 500 for m in MALFORMED)
+    assert len({m.name for m in MALFORMED}) == len(MALFORMED)
+
+
+def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None] | None:
+    """What the server's own request parsing says of a body, before any member: (status, code, param) of
+    its refusal, or None where it would go on to the members."""
+    from specfuse.options import FusionOptions
+    from specfuse.server import parsing
+    from specfuse.server.completions import COMPLETIONS, jobs_of
+    from specfuse.server.serving import APIError
+
+    try:
+        if path == TEXT_PATH:
+            jobs_of(parsing.parse_request(body, COMPLETIONS), FusionOptions(), None)
+            return None
+        request = parsing.parse_request(body)
+        tools, mode = parsing.offered_tools(request)
+        parsing.top_logprobs(request)
+        parsing.constraint_of(request, tools, mode)
+        parsing.to_engine_messages(request, tools, mode)
+        parsing.fusion_options(request, FusionOptions())
+    except APIError as exc:
+        return exc.status, exc.detail.code, exc.detail.param
+    return None
+
+
+def test_the_malformed_traffic_follows_the_servers_contract():
+    """Each malformed request the server's parsing decides on is refused there, as the soak expects: a
+    parameter counts as malformed only if the server refuses it (logprobs, once refused, is served now)."""
+    decided_by_parsing = [m for m in MALFORMED if m.key and m.method == "POST" and not m.oversized
+                          and m.code not in ("model_not_found", "not_found")]
+    assert len(decided_by_parsing) >= 10
+    for m in decided_by_parsing:
+        status, code, param = server_refusal(malformed_body(m, 65536), m.path) or (200, None, None)
+        assert (status, code) == (m.status, m.code), m.name
+        assert m.param is None or param == m.param, m.name
+    refused = {m.param for m in MALFORMED if m.code == "unsupported_parameter"}
+    assert len(refused) >= 3 and "logprobs" not in refused
+    say_hi = [{"role": "user", "content": "Say hi."}]
+    assert server_refusal(json.dumps({"messages": say_hi, "logprobs": True}).encode(), "/v1/chat/completions") is None
+
+
+def test_hostile_requests():
+    assert len({h.name for h in HOSTILE}) == len(HOSTILE)
+    for h in HOSTILE:
+        assert h.outcomes and h.outcomes <= {"answered", "refused", "invalid"}, h.name
+        assert len(h.body()) < 65536 and all(400 <= s < 500 for s in h.statuses), h.name
+    assert json.dumps(nested_schema(100)).count('"properties"') == 100
+    assert backtracking_schema(3)["required"] == ["aaa!"]
+    # The ones the server's parsing must refuse by itself (the rest need the live server: tests/test_hostile.py).
+    by_name = {h.name: h for h in HOSTILE}
+    for name in ("a malformed earlier tool call (1)", "a schema nested 100 levels"):
+        h = by_name[name]
+        status, _, _ = server_refusal(h.body(), h.path) or (200, None, None)
+        assert status in h.statuses, name
 
 
 # --------------------------------------------------------------------------- accounting
@@ -244,6 +305,7 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
     outcomes = report["outcomes"]
     assert outcomes["lost"] == outcomes["empty"] == outcomes["unexpected"] == 0
     assert outcomes["answered"] and outcomes["abandoned"] and outcomes["refused"] and outcomes["invalid"]
+    assert report["by_kind"]["hostile"]["refused"] and report["by_kind"]["malformed"]["refused"]
     assert report["counters_delta"]["accepted"] == sum(outcomes[o] for o in acc.REACHED)
     for checkpoint in report["checkpoints"]:  # idle: queue empty, every slot free, no KV cell held
         assert (checkpoint["waiting"], checkpoint["running"], checkpoint["held"]) == (0, 0, []), checkpoint

@@ -138,7 +138,9 @@ class SpecfuseServer:
     def health(self) -> dict[str, Any]:
         import httpx
 
-        return httpx.get(f"{self.url}/health", timeout=10).json()
+        # With the key when there is one: /health may show the members' occupancy to key holders only.
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        return httpx.get(f"{self.url}/health", timeout=10, headers=headers).json()
 
     def log_tail(self, n: int = 40) -> str:
         return tail(self.log, n)

@@ -240,7 +240,11 @@ class Soak:
     def _metrics(self) -> dict[str, float]:
         import httpx
 
-        return parse_metrics(httpx.get(f"{self.server.url}/metrics", timeout=30).text)
+        # With the key: a server with one may keep /metrics (the prefix-cache figures) to its holders.
+        response = httpx.get(f"{self.server.url}/metrics", timeout=30,
+                             headers={"Authorization": f"Bearer {self.server.api_key}"})
+        response.raise_for_status()
+        return parse_metrics(response.text)
 
     def _result(self, before: tuple[dict, dict], after: tuple[dict, dict], start_rss: float | None,
                 end: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The soak's client: sends one planned request and says how it ended (a ``Record``).
 
 Chat completions go through the real ``openai`` client, without retries (a
-retry would be a duplicated request); malformed ones through raw ``httpx``, since
-the ``openai`` client cannot send them. Clients that hang up close their
+retry would be a duplicated request); malformed and hostile ones through raw
+``httpx``, since the ``openai`` client cannot send them. Clients that hang up close their
 response, which closes the connection, as a vanished client would.
 """
 
@@ -15,7 +15,7 @@ import httpx
 import openai
 
 from .accounting import Record
-from .traffic import KINDS, MALFORMED, STREAMED, Action, malformed_body, messages
+from .traffic import HOSTILE, KINDS, MALFORMED, STREAMED, Action, malformed_body, messages
 
 
 class SoakClient:
@@ -40,6 +40,8 @@ class SoakClient:
         try:
             if action.kind == "malformed":
                 self._malformed(action, record)
+            elif action.kind == "hostile":
+                self._hostile(action, record)
             elif action.kind in STREAMED:
                 self._stream(action, record, start)
             else:
@@ -107,14 +109,43 @@ class SoakClient:
         if m.key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         response = self.http.request(m.method, m.path, content=malformed_body(m, self.max_body_bytes), headers=headers)
-        record.status = response.status_code
-        try:
-            record.code = response.json().get("error", {}).get("code")
-        except ValueError:
-            record.code = None
-        right = (record.status, record.code) == (m.status, m.code)
+        record.status, error = response.status_code, _error(response)
+        record.code, param = error.get("code"), error.get("param")
+        right = (record.status, record.code) == (m.status, m.code) and (m.param is None or param == m.param)
         record.outcome = "refused" if right else "unexpected"
-        record.detail = m.name if right else f"{m.name}: expected {m.status} {m.code}"
+        record.detail = m.name if right else (f"{m.name}: expected {m.status} {m.code}"
+                                              f"{f' naming {m.param}' if m.param else ''}, got param {param}")
+
+    def _hostile(self, action: Action, record: Record) -> None:
+        h = HOSTILE[action.prompt]
+        record.expected = tuple(sorted(h.outcomes))
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}", **h.headers}
+        response = self.http.post(h.path, content=h.body(), headers=headers)
+        record.status, record.code = response.status_code, _error(response).get("code")
+        if response.status_code == 200:
+            body = response.json()
+            message = (body.get("choices") or [{}])[0]
+            text = (message.get("message") or {}).get("content") or message.get("text") or ""
+            record.response_id, record.finishes = body.get("id"), 1
+            record.tokens = (body.get("usage") or {}).get("completion_tokens")
+            # An answer may be empty here (a forced EOS, a schema's first token): it still ended once.
+            record.text_chars, record.outcome = len(text), "answered"
+        elif record.status in h.statuses and record.code != "invalid_request":  # the members' 400 is "invalid"
+            record.outcome = "refused"
+        else:
+            record.outcome = _error_outcome(record.status, record.code)
+        record.detail = h.name if record.outcome in h.outcomes else (
+            f"{h.name}: {record.status} {record.code} {response.text[:160]}")
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    """The error object of an error body ({} for anything else)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
 
 
 def _code(exc: openai.APIError) -> str | None:
