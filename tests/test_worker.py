@@ -133,10 +133,10 @@ def test_hedge_weights_carry_from_one_query_to_the_next_through_the_ensemble():
     def member(name, text):
         return ScriptedMember(name, factory=lambda m: ScriptedSession([([text, b"."], False), ([b""], True)], prefs))
 
-    with Ensemble([member("a", b" x"), member("b", b" y"), member("c", b" z")]) as ensemble:
+    with Ensemble([member("a", b" x"), member("b", b" y"), member("c", b" z")], hedge_persist=True) as ensemble:
         worker = Worker(queue_size=4, max_concurrent=1)
         worker.start(ensemble)
-        options = FusionOptions.build(gate=None, hedge=True, hedge_persist=True, temperature=0.0)
+        options = FusionOptions.build(gate=None, hedge=True, temperature=0.0)
         first, _ = run_jobs(worker, [job("one", options)])
         learned = dict(ensemble.hedge_weights)
         second, _ = run_jobs(worker, [job("two", options)])

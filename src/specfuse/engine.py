@@ -51,14 +51,19 @@ class Stop:
     reason: str
 
 
+SEED_SPACE = 2**63  # member seeds lie in [0, 2**63): NumPy, torch and remote servers all take them
+
+
 def member_seed(seed: int | None, index: int) -> int | None:
-    """A distinct, reproducible seed per member (two copies of a model differ)."""
-    return None if seed is None else seed * 7919 + index
+    """A distinct, reproducible seed per member (two copies of a model differ); None: random.
+
+    Any integer the options accept maps into ``SEED_SPACE`` (small seeds unchanged)."""
+    return None if seed is None else (seed * 7919 + index) % SEED_SPACE
 
 
 def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
                  weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
-                 top_logprobs: int = 0) -> Steps:
+                 top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> Steps:
     """One fused generation as a coroutine: it yields events and member calls.
 
     A ``Calls`` item asks for work on members; the driver runs it (one by one,
@@ -68,7 +73,10 @@ def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options
     queries); missing members get the mean weight. `constraint`: what the answer must be
     (structured output); members that can draft under it do, and no candidate that breaks it
     wins. `top_logprobs`: how many of its most likely tokens each drafter reports per position
-    (``Segment.trail``). Closing the coroutine closes its member sessions.
+    (``Segment.trail``). `deadline`: a ``time.monotonic()`` time after which no round starts; the
+    answer so far ends with finish reason "deadline" (a length limit). `cache_salt`: members start
+    only from prompt prefixes cached under the same salt (and keep theirs under it). Closing the
+    coroutine closes its member sessions.
     """
     if not members:
         raise InvalidRequestError("no members to fuse", "give at least one model")
@@ -80,7 +88,7 @@ def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options
             "structured output needs a member that can draft under a constraint: "
             + ", ".join(m.name for m in members) + " cannot (remote servers draft freely)",
             "add a llama.cpp or transformers member, or drop response_format")
-    generation = Generation(members, options, weights, constraint, top_logprobs)
+    generation = Generation(members, options, weights, constraint, top_logprobs, deadline, cache_salt)
     try:
         yield from generation.run(messages)
     finally:
@@ -118,8 +126,11 @@ class Generation:
 
     def __init__(self, members: Sequence[Member], options: FusionOptions,
                  weights: Mapping[str, float] | None, constraint: Constraint | None = None,
-                 top_logprobs: int = 0) -> None:
+                 top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> None:
         self.options = options
+        self.deadline = deadline
+        # Given to members only when set: a member's start() need not know about salts otherwise.
+        self.start_options = {} if cache_salt is None else {"cache_salt": cache_salt}
         self.sampling = replace(options.sampling, top_logprobs=top_logprobs)
         self.constraint = constraint
         self.matcher = TextMatcher(constraint) if constraint is not None else None
@@ -192,7 +203,8 @@ class Generation:
         o, seats = self.options, self.seats
         reserve = len(seats.all) * o.window + 1
         opened = yield from seats.ask(chosen, "start", "start", lambda s: (messages,), counted=False,
-                                      kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve})
+                                      kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve,
+                                                        **self.start_options})
         failed = seats.seated(chosen, opened)
         for _, exc in failed:
             if isinstance(exc, InvalidRequestError):
@@ -221,10 +233,13 @@ class Generation:
                 seats.survivors([seat], outcome, self.stats.rounds, "catch up")
 
     def _limit(self) -> str | None:
-        """Why no further round can run (the budget is spent, a context window is full), or None."""
+        """Why no further round can run (the budget is spent, the deadline passed, a context window is
+        full), or None."""
         o, active = self.options, self.seats.active
         if o.max_tokens - self.stats.tokens <= 0:
             return "length"
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "deadline"
         if min(s.session.room for s in active if s.session) < len(active) * o.window + 1:
             return "context"
         return None

@@ -49,7 +49,12 @@ class Ensemble:
     ...     print(ens.generate("Name three primary colors.", max_tokens=48).text)
     """
 
-    def __init__(self, members: Sequence[str | Member] | None = None, **member_options: Any) -> None:
+    def __init__(self, members: Sequence[str | Member] | None = None, *, hedge_persist: bool = False,
+                 **member_options: Any) -> None:
+        """`hedge_persist`: every query with Hedge on, over all members and without given weights, starts
+        from the weights the previous such query ended with (state of this object, shared by all its
+        callers: a setting of whoever owns the Ensemble, never of one request). `member_options` go
+        to each member's loader."""
         specs = list(members) if members else list(DEFAULT_MODELS)
         if len(specs) > MAX_MEMBERS:
             raise InvalidRequestError(f"{len(specs)} members given", f"use at most {MAX_MEMBERS}")
@@ -61,6 +66,7 @@ class Ensemble:
             self.close()
             raise
         _make_names_unique(self.members)
+        self.hedge_persist = hedge_persist
         self.hedge_weights: dict[str, float] = {}  # carried across queries with hedge_persist
 
     @property
@@ -69,19 +75,21 @@ class Ensemble:
 
     def steps(self, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
               weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
-              top_logprobs: int = 0) -> Steps:
+              top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> Steps:
         """One generation as the engine's coroutine: the one way every interface starts one.
 
         `members` picks some members by name (default: all); `constraint`: what the answer must be
-        (structured output, :class:`specfuse.constraints.Constraint`). Hedge weights: the
-        given `weights`, else, with ``hedge_persist``, those the previous query
-        on the whole ensemble ended with (and this one's are kept for the next).
+        (structured output, :class:`specfuse.constraints.Constraint`); `deadline`: a ``time.monotonic()``
+        time after which the answer so far ends (finish reason "deadline"); `cache_salt`: members reuse
+        only prompt prefixes cached under the same salt (one client's, kept apart from others').
+        Hedge weights: the given `weights`, else, with the ensemble's ``hedge_persist``, those the
+        previous query on the whole ensemble ended with (and this one's are kept for the next).
         """
         chosen = self._chosen(members)
-        persist = options.hedge and options.hedge_persist and members is None and weights is None
+        persist = options.hedge and self.hedge_persist and members is None and weights is None
         start = (self.hedge_weights or None) if persist else weights
         steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint,
-                             top_logprobs=top_logprobs)
+                             top_logprobs=top_logprobs, deadline=deadline, cache_salt=cache_salt)
         return self._carrying(steps) if persist else steps
 
     def _chosen(self, names: Sequence[str] | None) -> list[Member]:

@@ -40,3 +40,7 @@ class PromptTooLongError(InvalidRequestError):
 
 class MemberFailedError(SpecFuseError):
     """A member failed while answering and no member is left to finish the answer."""
+
+
+class NoFreeSlotError(MemberFailedError):
+    """A member held no free session slot within its deadline (every slot stayed taken)."""

@@ -120,7 +120,20 @@ def hedge_update(
     eta = eta0 * math.sqrt(1.0 / k) / round_index
     updated = [w * math.exp(eta * r) for w, r in zip(weights, hedge_rewards(normalised))]
     total = sum(updated)
-    return [w / total for w in updated]
+    return floor_weights([w / total for w in updated])
+
+
+HEDGE_FLOOR = 1e-6  # the least share a member keeps: one the votes once disfavoured can still recover
+
+
+def floor_weights(weights: Sequence[float], floor: float = HEDGE_FLOOR) -> list[float]:
+    """Weights renormalised with every share at least `floor` (a weight that underflowed to 0, or was
+    not a number, would never grow again under multiplicative updates)."""
+    if all(math.isfinite(w) and w >= floor for w in weights):
+        return list(weights)  # nothing to lift: the weights stay exactly as they are
+    kept = [w if math.isfinite(w) and w > floor else floor for w in weights]
+    total = sum(kept)
+    return [w / total for w in kept]
 
 
 # --- Model Exit ----------------------------------------------------------------------

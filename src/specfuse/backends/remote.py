@@ -225,7 +225,8 @@ class RemoteMember(Member):
                 out.append(_Echo(entries_of(choice.get("logprobs")), n_gen))
         return out
 
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "RemoteSession":
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
+              cache_salt: str | None = None) -> "RemoteSession":  # the server's own cache: no salt to give
         prompt = self.source.render(messages)
         estimate = len(prompt.encode("utf-8")) // 4  # refined by the first draft's usage
         check_prompt_fits(self.name, estimate, reserve, self.n_ctx, approximate=True)
@@ -269,7 +270,8 @@ class RemoteSession(MemberSession):
 
     def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
         self._round += 1
-        seed = None if self.seed is None else self.seed * 1009 + self._round
+        # Within a signed 32-bit range, which every OpenAI-style server takes (llama.cpp's reads uint32).
+        seed = None if self.seed is None else (self.seed * 1009 + self._round) % 2**31
         choice = self.m._complete(
             self.context,
             max_tokens=max_tokens,

@@ -173,6 +173,8 @@ def chat(
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,
+    hedge_persist: Annotated[bool, typer.Option(
+        "--hedge-persist", help="With --hedge: each turn starts from the weights the last one ended with.")] = False,
     fusion: dict[str, Any] | None = None,
 ) -> None:
     """Multi-turn chat with the ensemble in the terminal (empty line or Ctrl-D ends).
@@ -183,6 +185,7 @@ def chat(
     history: list[Message] = [Message("system", system)] if system else []
     text: str | None = piped()
     with load_ensemble(model, cache_dir, threads, n_ctx) as ensemble:
+        ensemble.hedge_persist = hedge_persist
         err.print(legend(ensemble.names))
         while True:
             if text:

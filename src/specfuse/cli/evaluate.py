@@ -12,7 +12,7 @@ from .flags import CacheOpt, CtxOpt, ModelOpt, ThreadsOpt, fusion_flags
 
 # Fusion options that are settings of the whole run (every system shares them, a resumed run must match);
 # the others the user gives apply to every fusion system of the run, over the presets' own switches.
-RUN_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "window", "stop", "hedge_persist")
+RUN_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "window", "stop")
 
 
 @app.command("eval")
@@ -31,6 +31,8 @@ def eval_command(
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     n_ctx: CtxOpt = 4096,
+    hedge_persist: Annotated[bool, typer.Option(
+        "--hedge-persist", help="Hedge presets start each item from the weights they ended the last with.")] = False,
     fusion: dict[str, Any] | None = None,
 ) -> None:
     """Evaluate the ensemble against its members and a response-level rerank (see docs/results.md).
@@ -42,6 +44,7 @@ def eval_command(
 
     options = dict(fusion or {})
     settings = {k: options.pop(k) for k in RUN_SETTINGS if k in options}
+    settings["hedge_persist"] = hedge_persist  # a setting of the run, not a fusion option
     run_command(task=task, report=report, systems=systems, limit=limit, offset=offset, model=model, out=out,
                 data=data, progress=progress, cache_dir=cache_dir, threads=threads, n_ctx=n_ctx,
                 settings=settings, options=options)
