@@ -8,7 +8,9 @@ template use the plain ``Question: ... Answer:`` format.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import secrets
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -51,6 +53,37 @@ def render_chat(template: str, messages: Sequence[Message], bos_token: str, eos_
         ) from None
     except Exception as exc:  # a template that cannot even compile is the model's fault
         raise MemberLoadError(f"the model's chat template failed: {exc}", "use another model file") from None
+
+
+def content_spans(render: Callable[[Sequence[Message]], str], messages: Sequence[Message],
+                  text: str) -> list[tuple[int, int]] | None:
+    """Where the messages' contents lie in `text` = ``render(messages)`` (a chat template): character ranges.
+
+    The template is rendered once more with a unique placeholder in place of each content; the
+    contents then fill the placeholders, as they are or trimmed (templates often ``| trim`` them),
+    and must give `text` back. None when they do not (the template rewrites contents).
+    """
+    nonce = f"{secrets.randbelow(10**12):012d}"  # digits: no template filter changes them
+    marks = {f"\ue000{nonce}{i:04d}\ue001": m.content for i, m in enumerate(messages)}
+    skeleton = render([Message(m.role, mark) for m, mark in zip(messages, marks)])
+    parts = re.split("(" + "|".join(map(re.escape, marks)) + ")", skeleton)  # markup, mark, markup, ...
+    spans, at = [], 0
+    for i, part in enumerate(parts):
+        if i % 2 == 0:  # template markup: must be there as rendered
+            if not text.startswith(part, at):
+                return None
+            at += len(part)
+            continue
+        after = parts[i + 1]
+        content = marks[part]
+        for filled in (content, content.strip()):
+            if text.startswith(filled, at) and text.startswith(after, at + len(filled)):
+                spans.append((at, at + len(filled)))
+                at += len(filled)
+                break
+        else:
+            return None
+    return spans if at == len(text) else None
 
 
 def render_plain(messages: Sequence[Message]) -> str:

@@ -120,11 +120,14 @@ class Member(ABC):
     n_params: int | None = None  # parameter count, where known
 
     @abstractmethod
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> MemberSession:
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
+              cache_salt: str | None = None) -> MemberSession:
         """Open a session on the templated `messages`.
 
         Raises PromptTooLongError if the prompt plus `reserve` tokens does not
-        fit the member's context window.
+        fit the member's context window. `cache_salt`: the session starts only
+        from prefixes cached under the same salt, and keeps its own under it
+        (members without a prefix cache ignore it).
         """
 
     def close(self) -> None:

@@ -127,13 +127,14 @@ class LocalMember(Member):
         return TokenMatcher(tokenizer, constraint, self.vocab_size)
 
     @abstractmethod
-    def open_session(self, prompt: list[int], seed: int | None) -> "CachedSession":
-        """A session on a prompt known to fit."""
+    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None) -> "CachedSession":
+        """A session on a prompt known to fit; it reuses and keeps cached prefixes under `cache_salt` only."""
 
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int) -> "CachedSession":
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
+              cache_salt: str | None = None) -> "CachedSession":
         prompt = self.prompt_tokens(messages)
         check_prompt_fits(self.name, len(prompt), reserve, self.n_ctx)
-        session = self.open_session(prompt, seed)
+        session = self.open_session(prompt, seed, cache_salt)
         session.raw = raw_prompt(messages) is not None
         return session
 
@@ -160,6 +161,7 @@ class CachedSession(MemberSession):
 
     def __init__(self, member: LocalMember, prompt: list[int]) -> None:
         self.m = member
+        self.cache_salt: str | None = None  # prefixes it reuses and keeps are under this salt only
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
         self.n_cached = 0  # tokens[:n_cached] are in the cache

@@ -36,17 +36,21 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError, PromptTooLongError
+from ..errors import InvalidRequestError, MemberLoadError, NoFreeSlotError, PromptTooLongError
 from ..models import PromptFormat, check_gguf
-from ..prompting import choose_format, raw_prompt, render_chat, render_plain
+from ..prompting import choose_format, content_spans, raw_prompt, render_chat, render_plain
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .llama_runtime import LogSoftmax, default_threads, init_backend, load_model, log_excerpt
 from .llama_session import SEQS_PER_SESSION, Drafting, LlamaCppSession, VerifyPlan
 from .prefix_cache import PrefixCache
+from .special_text import Special, SpecialTexts, partition
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+# How long opening a session waits for a slot another thread's session holds. Sessions are closed by
+# whoever opened them, so in one thread (the server's worker) a wait cannot end: fail clearly instead.
+SLOT_WAIT_S = 30.0
 
 __all__ = ["LlamaCppMember", "LlamaCppSession", "default_threads", "load"]
 
@@ -113,6 +117,7 @@ class LlamaCppMember(LocalMember):
                                                           lambda seq: self.seq_rm(seq, -1, -1))
         self._free_slots = list(range(slots))
         self._slot_free = threading.Condition()
+        self.slot_wait_s = SLOT_WAIT_S
         self._init_batch(n_batch)
         self.max_outputs = max(1, max_outputs)  # logits rows one decode asks for (see decode)
         template = lc.llama_model_chat_template(self._model, None)
@@ -163,10 +168,18 @@ class LlamaCppMember(LocalMember):
         bos, eos = lc.llama_vocab_bos(self._vocab), lc.llama_vocab_eos(self._vocab)
         self.bos_text = self._piece(bos, special=True).decode("utf-8", "replace") if bos >= 0 else ""
         self.eos_text = self._piece(eos, special=True).decode("utf-8", "replace") if eos >= 0 else ""
+        self.add_eos = bool(lc.llama_vocab_get_add_eos(self._vocab))
         is_eog, vocab = lc.llama_vocab_is_eog, self._vocab
         self.eog_ids = np.array([t for t in range(self.n_vocab) if is_eog(vocab, t)], dtype=np.int64)
         if not len(self.eog_ids):
             raise MemberLoadError(f"{self.path.name} declares no end-of-generation token", "use another model file")
+        # The tokens that special parsing makes of their text (user-defined ones are matched either way).
+        get_attr, special = lc.llama_vocab_get_attr, lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        attrs = [(t, get_attr(vocab, t)) for t in range(self.n_vocab)]
+        self.specials = SpecialTexts(
+            Special(self._piece(t, special=True).decode("utf-8", "replace"), t,
+                    bool(a & lc.LLAMA_TOKEN_ATTR_LSTRIP), bool(a & lc.LLAMA_TOKEN_ATTR_RSTRIP))
+            for t, a in attrs if a & special)
 
     # --- tokens --------------------------------------------------------------
     def _piece(self, token: int, special: bool = False) -> bytes:
@@ -208,10 +221,31 @@ class LlamaCppMember(LocalMember):
             return self.tokenize(raw, add_special=not has_bos, parse_special=True)
         if self.prompt.style == "plain":
             return self.tokenize(render_plain(messages), add_special=True, parse_special=False)
-        assert self.chat_template is not None
-        text = render_chat(self.chat_template, messages, self.bos_text, self.eos_text)
+        text = self._render(messages)
         has_bos = bool(self.bos_text) and text.startswith(self.bos_text)
-        return self.tokenize(text, add_special=not has_bos, parse_special=True)
+        if not self.specials.spelled_in(m.content for m in messages):
+            return self.tokenize(text, add_special=not has_bos, parse_special=True)
+        return self.protected_tokens(messages, text, add_special=not has_bos)
+
+    def _render(self, messages: Sequence[Message]) -> str:
+        assert self.chat_template is not None
+        return render_chat(self.chat_template, messages, self.bos_text, self.eos_text)
+
+    def protected_tokens(self, messages: Sequence[Message], text: str, *, add_special: bool) -> list[int]:
+        """`text` (the templated `messages`) tokenized with the template's special tokens, and the
+        messages' contents as plain text (a content that spells ``<|im_start|>`` stays those characters).
+        For ordinary contents the same ids as tokenizing `text` whole (``special_text.py``)."""
+        spans = content_spans(self._render, messages, text)
+        if spans is None:
+            raise InvalidRequestError(
+                f"a message spells a special token of {self.name}, and its chat template rewrites message "
+                "contents, so the text could not be kept apart from the template's own tokens",
+                "remove the special token's text from the message")
+        ids = [lc.llama_vocab_bos(self._vocab)] if add_special and self.add_bos else []
+        for piece in partition(text, spans, self.specials):
+            ids += [piece] if isinstance(piece, int) else self.tokenize(piece, add_special=False,
+                                                                         parse_special=False)
+        return ids + ([lc.llama_vocab_eos(self._vocab)] if add_special and self.add_eos else [])
 
     # --- raw decoding --------------------------------------------------------
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
@@ -280,10 +314,25 @@ class LlamaCppMember(LocalMember):
         lc.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     # --- sessions ------------------------------------------------------------
-    def open_session(self, prompt: list[int], seed: int | None) -> "LlamaCppSession":
-        with self._slot_free:  # with every slot taken, wait for a session to close (as a lock would)
-            while not self._free_slots:
-                self._slot_free.wait()
+    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None) -> "LlamaCppSession":
+        slot = self._take_slot()
+        try:
+            session = LlamaCppSession(self, prompt, seed, slot=slot, reencode=self.reencode)
+            session.cache_salt = cache_salt
+            session.n_cached = session.stats.reused = self._reuse_prefix(prompt, session.base, cache_salt)
+        except BaseException:
+            self.release(slot)  # the session never opened: its slot is free again, with nothing to keep
+            raise
+        return session
+
+    def _take_slot(self) -> int:
+        """A free slot, cleared; with every slot taken, wait up to ``slot_wait_s`` for a session to close."""
+        with self._slot_free:
+            if not self._slot_free.wait_for(lambda: bool(self._free_slots), self.slot_wait_s):
+                raise NoFreeSlotError(
+                    f"no free slot on member {self.name} within {self.slot_wait_s:g} s "
+                    f"(all {self.slots} are held by open sessions)",
+                    "retry later, or load the member with more slots (max_concurrent)")
             if len(self._free_slots) == self.slots and not self.prefix_cache.handles:
                 # No other session and nothing cached: start from an empty cache, so the cells are used
                 # from the first one on and attention spans only them (a lone request runs as with a
@@ -291,31 +340,31 @@ class LlamaCppMember(LocalMember):
                 lc.llama_memory_clear(self._mem, False)
             slot = self._free_slots.pop(0)
             self._clear_slot(slot)
-        session = LlamaCppSession(self, prompt, seed, slot=slot, reencode=self.reencode)
-        session.n_cached = session.stats.reused = self._reuse_prefix(prompt, session.base)
-        return session
+            return slot
 
-    def _reuse_prefix(self, prompt: list[int], seq: int) -> int:
-        """Copy the longest cached prefix of `prompt` into sequence `seq`; how many tokens it covers.
+    def _reuse_prefix(self, prompt: list[int], seq: int, salt: str | None = None) -> int:
+        """Copy the longest prefix of `prompt` cached under `salt` into sequence `seq`; how many tokens
+        it covers.
 
         At least the prompt's last token is left to decode: its logits row starts the answer.
         """
         cache = self.prefix_cache
         with cache.lock:
-            found = cache.lookup(prompt, len(prompt) - 1)
+            found = cache.lookup(prompt, len(prompt) - 1, salt)
             if found is None:
                 return 0
             entry, length = found
             self.seq_cp(entry, seq, 0, length)
             return length
 
-    def keep_prefix(self, seq: int, tokens: list[int]) -> None:
-        """Keep the cells of `tokens`, held by sequence `seq` from position 0, in the prefix cache."""
+    def keep_prefix(self, seq: int, tokens: list[int], salt: str | None = None) -> None:
+        """Keep the cells of `tokens`, held by sequence `seq` from position 0, in the prefix cache
+        (under `salt`)."""
         def copy(entry: int, n: int) -> None:
             self.seq_rm(entry, -1, -1)
             self.seq_cp(seq, entry, 0, n)
 
-        self.prefix_cache.store(tokens, copy)
+        self.prefix_cache.store(tokens, copy, salt)
 
     @property
     def free_slots(self) -> int:
@@ -351,17 +400,23 @@ class LlamaCppMember(LocalMember):
         for seq in range(slot * SEQS_PER_SESSION, (slot + 1) * SEQS_PER_SESSION):
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
-    def release(self, slot: int = 0, keep: list[int] | None = None) -> None:
-        """Free `slot`; `keep`: the tokens its sequence 0 holds from position 0, for the prefix cache."""
+    def release(self, slot: int = 0, keep: list[int] | None = None, salt: str | None = None) -> None:
+        """Free `slot`; `keep`: the tokens its sequence 0 holds from position 0, for the prefix cache
+        (under `salt`).
+
+        The slot is free again whatever fails on the way (keeping the prefix is a favour to later requests)."""
         try:
             if keep:
-                self.keep_prefix(slot * SEQS_PER_SESSION, keep)
+                self.keep_prefix(slot * SEQS_PER_SESSION, keep, salt)
         finally:
-            self._clear_slot(slot)
-        with self._slot_free:
-            self._free_slots.append(slot)
-            self._free_slots.sort()
-            self._slot_free.notify()
+            try:
+                self._clear_slot(slot)
+            finally:
+                with self._slot_free:
+                    if slot not in self._free_slots:
+                        self._free_slots.append(slot)
+                        self._free_slots.sort()
+                    self._slot_free.notify()
 
     # --- many sessions at once --------------------------------------------------
     def draft_many(self, sessions: Sequence["LlamaCppSession"],

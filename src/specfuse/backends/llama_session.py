@@ -146,7 +146,7 @@ class LlamaCppSession(CachedSession):
         if not self._prompt_kept:
             # Requests that arrive while this one runs may start from its prompt (a shared system prompt).
             self._prompt_kept = True
-            m.keep_prefix(self.base, self.tokens[: self.prompt_len])
+            m.keep_prefix(self.base, self.tokens[: self.prompt_len], self.cache_salt)
 
     def _sample(self, row: np.ndarray, sampling: Sampling) -> int:
         if sampling.greedy:
@@ -288,4 +288,4 @@ class LlamaCppSession(CachedSession):
         """Free the slot; the context's cached cells stay in the member's prefix cache."""
         if not self._closed:
             self._closed = True
-            self.m.release(self.slot, None if self.reencode else self.tokens[: self.n_cached])
+            self.m.release(self.slot, None if self.reencode else self.tokens[: self.n_cached], self.cache_salt)

@@ -7,6 +7,11 @@ cached as an *entry*; a new session starts from the entry with the longest
 common prefix and decodes only the rest. Entries are evicted least recently
 used first when their cells would pass the bound.
 
+A *salt* (a request's ``cache_salt``, as in vLLM) keeps clients apart: an
+entry stored under one salt is found only by sessions with the same salt (no
+salt is a salt of its own), so a client cannot learn from reuse counts or
+timing whether another client's prompt starts like its own.
+
 This module is the bookkeeping alone, backend-agnostic: an entry names a
 *handle* (for llama.cpp a cache sequence id) and the backend copies cells in
 and out through the callables it passes. The bound counts each entry's tokens
@@ -15,6 +20,7 @@ in full even where entries share cells, so the cells held never pass it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +36,7 @@ class Entry(Generic[H]):
     tokens: np.ndarray  # the cached token ids
     handle: H
     used: int  # logical clock of the last hit or store (least recently used goes first)
+    salt: str | None = None  # only sessions with the same salt may start from it
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,9 @@ class PrefixCache(Generic[H]):
         self._clock += 1
         return self._clock
 
-    def lookup(self, prompt: Sequence[int], limit: int) -> tuple[H, int] | None:
-        """The entry sharing the longest prefix with `prompt` (at most `limit` tokens): (handle, length).
+    def lookup(self, prompt: Sequence[int], limit: int, salt: str | None = None) -> tuple[H, int] | None:
+        """The entry under `salt` sharing the longest prefix with `prompt` (at most `limit` tokens):
+        (handle, length).
 
         Counts a hit (and the tokens it saves) or a miss. The caller copies the
         prefix from the handle while it holds :attr:`lock`.
@@ -96,6 +104,8 @@ class PrefixCache(Generic[H]):
         with self.lock:
             best, length = None, 0
             for entry in self._entries:
+                if entry.salt != salt:
+                    continue
                 n = min(common_prefix(entry.tokens, wanted), limit)
                 if n > length:
                     best, length = entry, n
@@ -107,11 +117,13 @@ class PrefixCache(Generic[H]):
             self._reused += length
             return best.handle, length
 
-    def store(self, tokens: Sequence[int], copy: Callable[[H, int], None]) -> None:
-        """Keep `tokens` (cut to the bound) as an entry; `copy(handle, n)` puts their cells under `handle`.
+    def store(self, tokens: Sequence[int], copy: Callable[[H, int], None], salt: str | None = None) -> None:
+        """Keep `tokens` (cut to the bound) as an entry under `salt`; `copy(handle, n)` puts their cells
+        under `handle`.
 
-        An entry that already covers them is only marked used; entries they
-        cover are replaced; the least recently used go until the new one fits.
+        An entry (under the same salt) that already covers them is only marked
+        used; entries they cover are replaced; the least recently used go until
+        the new one fits.
         """
         if not self.enabled:
             return
@@ -119,19 +131,26 @@ class PrefixCache(Generic[H]):
         if not len(kept):
             return
         with self.lock:
-            for entry in self._entries:
+            mine = [e for e in self._entries if e.salt == salt]
+            for entry in mine:
                 if len(entry.tokens) >= len(kept) and common_prefix(entry.tokens, kept) == len(kept):
                     entry.used = self._tick()
                     return
-            for entry in [e for e in self._entries if common_prefix(e.tokens, kept) == len(e.tokens)]:
+            for entry in [e for e in mine if common_prefix(e.tokens, kept) == len(e.tokens)]:
                 self._remove(entry)
             while self._entries and (self.cells + len(kept) > self.bound or not self._free):
                 self.evict_one()
             if not self._free:
                 return
             handle = self._free.pop(0)
-            copy(handle, len(kept))
-            self._entries.append(Entry(kept, handle, self._tick()))
+            try:
+                copy(handle, len(kept))
+            except BaseException:
+                self._free.append(handle)  # nothing was kept: the handle is free again, emptied
+                with contextlib.suppress(Exception):
+                    self._drop(handle)
+                raise
+            self._entries.append(Entry(kept, handle, self._tick(), salt))
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry (a request needs the room); False when there is none."""

@@ -43,15 +43,16 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..errors import MemberLoadError, ModelFileError
+from ..errors import InvalidRequestError, MemberLoadError, ModelFileError
 from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
-from ..prompting import choose_format, raw_prompt, render_plain
+from ..prompting import choose_format, content_spans, raw_prompt, render_plain
 from ..types import Message
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .hf_tokens import piece_function
 from .prefix_cache import PrefixCache
+from .special_text import Special, SpecialTexts, partition
 from .spec import split_target
 from .transformers_session import TransformersSession
 
@@ -176,6 +177,10 @@ class TransformersMember(LocalMember):
         self.prompt = choose_format(prompt, self.chat_template, self.name)
         self._piece = piece_function(self.tokenizer)
         self._read_end_tokens()
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        self.specials = SpecialTexts(Special(str(t.content), int(i), bool(getattr(t, "lstrip", False)),
+                                             bool(getattr(t, "rstrip", False)))
+                                     for i, t in added.items() if getattr(t, "special", False))
 
     def _load(self, source: Path, trust_remote_code: bool, cache_dir: str | os.PathLike[str] | None,
               attn_implementation: str) -> None:
@@ -238,14 +243,41 @@ class TransformersMember(LocalMember):
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         tok = self.tokenizer
-        if (raw := raw_prompt(messages)) is not None:  # a text completion: no template
+        if (raw := raw_prompt(messages)) is not None:  # a text completion: no template, specials parsed (as llama.cpp)
             return list(tok(raw, add_special_tokens=not (tok.bos_token and raw.startswith(tok.bos_token)))["input_ids"])
-        if self.prompt.style == "plain":
-            return list(tok(render_plain(messages), add_special_tokens=True)["input_ids"])
-        text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                       tokenize=False, add_generation_prompt=True)
+        if self.prompt.style == "plain":  # contents only: special token texts in them stay text
+            return list(tok(render_plain(messages), add_special_tokens=True, split_special_tokens=True)["input_ids"])
+        text = self._render(messages)
         has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token)
-        return list(tok(text, add_special_tokens=not has_bos)["input_ids"])
+        if not self.specials.spelled_in(m.content for m in messages):
+            return list(tok(text, add_special_tokens=not has_bos)["input_ids"])
+        return self.protected_tokens(messages, text, add_special=not has_bos)
+
+    def _render(self, messages: Sequence[Message]) -> str:
+        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                  tokenize=False, add_generation_prompt=True)
+
+    def protected_tokens(self, messages: Sequence[Message], text: str, *, add_special: bool) -> list[int]:
+        """`text` (the templated `messages`) tokenized with the template's special tokens, and the
+        messages' contents as plain text (``split_special_tokens``; see ``special_text.py``)."""
+        tok = self.tokenizer
+        spans = content_spans(self._render, messages, text)
+        if spans is None:
+            raise InvalidRequestError(
+                f"a message spells a special token of {self.name}, and its chat template rewrites message "
+                "contents, so the text could not be kept apart from the template's own tokens",
+                "remove the special token's text from the message")
+        ids: list[int] = []
+        for piece in partition(text, spans, self.specials):
+            ids += [piece] if isinstance(piece, int) else tok(piece, add_special_tokens=False,
+                                                              split_special_tokens=True)["input_ids"]
+        if not add_special:
+            return ids
+        # BOS/EOS as the tokenizer adds them around a text: read off a one-word text, once.
+        bare = tok("a", add_special_tokens=False)["input_ids"]
+        framed = tok("a", add_special_tokens=True)["input_ids"]
+        at = next((i for i in range(len(framed)) if framed[i : i + len(bare)] == bare), 0)
+        return list(framed[:at]) + ids + list(framed[at + len(bare) :])
 
     # --- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -297,12 +329,14 @@ class TransformersMember(LocalMember):
         return masks
 
     # --- sessions ----------------------------------------------------------------------------
-    def open_session(self, prompt: list[int], seed: int | None) -> "TransformersSession":
-        """A session that starts from the longest cached prefix of `prompt` (at least its last
-        token is left to run: its logits row starts the answer)."""
+    def open_session(self, prompt: list[int], seed: int | None,
+                     cache_salt: str | None = None) -> "TransformersSession":
+        """A session that starts from the longest prefix of `prompt` cached under `cache_salt` (at least
+        its last token is left to run: its logits row starts the answer)."""
         session = TransformersSession(self, prompt, seed)
+        session.cache_salt = cache_salt
         with self.prefix_cache.lock:
-            found = self.prefix_cache.lookup(prompt, len(prompt) - 1)
+            found = self.prefix_cache.lookup(prompt, len(prompt) - 1, cache_salt)
             if found is not None:
                 handle, length = found
                 for layer, (keys, values) in enumerate(self._stored[handle]):
@@ -311,13 +345,14 @@ class TransformersMember(LocalMember):
                 session.n_cached = session.stats.reused = length
         return session
 
-    def keep_prefix(self, cache: DynamicCache, tokens: list[int]) -> None:
-        """Keep the keys and values of `tokens`, the first positions of `cache`, in the prefix cache."""
+    def keep_prefix(self, cache: DynamicCache, tokens: list[int], salt: str | None = None) -> None:
+        """Keep the keys and values of `tokens`, the first positions of `cache`, in the prefix cache
+        (under `salt`)."""
         def copy(handle: int, n: int) -> None:
             self._stored[handle] = [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone())
                                     for layer in cache.layers]
 
-        self.prefix_cache.store(tokens, copy)
+        self.prefix_cache.store(tokens, copy, salt)
 
     def occupancy(self) -> Occupancy:
         return Occupancy(slots=self.slots, prefix=self.prefix_cache.stats())

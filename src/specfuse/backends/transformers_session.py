@@ -170,7 +170,7 @@ class TransformersSession(CachedSession):
     def close(self) -> None:
         """Drop the context; its first ``n_cached`` positions stay in the member's prefix cache."""
         if self.n_cached and self.cache.get_seq_length() >= self.n_cached:
-            self.m.keep_prefix(self.cache, self.tokens[: self.n_cached])
+            self.m.keep_prefix(self.cache, self.tokens[: self.n_cached], self.cache_salt)
         self.cache = DynamicCache()
         self.n_cached = 0
         self._verified = {}
