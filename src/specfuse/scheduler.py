@@ -14,12 +14,15 @@ generation are the engine's business: the member leaves that request only.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .calls import CallRunner, Calls, Reply
 from .engine import Steps
 from .types import DoneEvent, Event, Result
+
+log = logging.getLogger("specfuse.scheduler")
 
 @dataclass(eq=False)
 class Flight:
@@ -92,13 +95,24 @@ class Scheduler:
         if flight.ended:
             return
         flight.ended = True
-        flight.steps.close()  # closes its member sessions now
-        self.flights.remove(flight)
+        if flight in self.flights:
+            self.flights.remove(flight)
+        try:
+            flight.steps.close()  # closes its member sessions now
+        except Exception:  # a session that cannot close must not keep the flight (or the others) alive
+            log.exception("closing a generation failed")
         flight.on_end(why)
 
     def cancel_all(self) -> None:
+        self.fail_all(Cancelled())
+
+    def fail_all(self, why: BaseException) -> None:
+        """End every flight with `why` (a step of the loop itself failed: none of them can be trusted)."""
         for flight in list(self.flights):
-            self._end(flight, Cancelled())
+            try:
+                self._end(flight, why)
+            except Exception:  # its on_end failed: the others still end
+                log.exception("ending a generation failed")
 
     def close(self) -> None:
         self.cancel_all()

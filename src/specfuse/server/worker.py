@@ -10,14 +10,26 @@ at its next tick (within a round), and closing its coroutine closes its member
 sessions. ``max_concurrent = 1`` is the serial worker: one job at a time.
 After every tick the thread also notes what each member holds (free slots, KV
 cells): only it may read a llama.cpp cache, which must not be read mid-decode.
+
+The worker is never silent about its own faults: an exception that escapes a
+tick fails every request in flight (each gets a ``Failed`` item), is logged
+with its traceback and counted (``worker_errors``); after ``fatal_after``
+failed ticks with no generation completed between them, or if the thread dies, ``Worker.fatal`` says why and
+``on_fatal`` is called (the server answers 503 on /health and exits). A
+watchdog thread notices a tick that runs longer than ``stall_after_s``
+(``Worker.stalled``), logs where the worker thread is, and counts it
+(``stalls``). A job's ``deadline_s`` ends its answer where it is (finish
+reason "deadline", a length limit), or fails it if it is still queued then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,7 +50,11 @@ log = logging.getLogger("specfuse.server")
 
 # accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
 # completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
-COUNTERS = ("accepted", "rejected", "started", "completed", "cancelled", "invalid", "failed", "rounds")
+# worker_errors: ticks that raised (every request in flight failed); stalls: ticks the watchdog saw run too long.
+COUNTERS = ("accepted", "rejected", "started", "completed", "cancelled", "invalid", "failed", "rounds",
+            "worker_errors", "stalls")
+STALL_AFTER_S = 120.0  # a tick that runs longer than this is stalled (/health says so)
+FATAL_AFTER = 3  # ticks that raise, with no generation completed between them, before the worker gives up
 
 
 class Observer(Protocol):
@@ -56,6 +72,14 @@ class QueueFullError(SpecFuseError):
 
 class ShuttingDownError(SpecFuseError):
     """The server is stopping and takes no new work."""
+
+
+class WorkerFailedError(SpecFuseError):
+    """The worker could not go on (a tick failed, or its thread died); the request was not answered."""
+
+
+class DeadlineError(SpecFuseError):
+    """The request's deadline passed before its generation could start."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +114,20 @@ class Job:
     tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
     logprobs: bool = False  # the response reports each answer token's log-probability
     top_logprobs: int = 0  # and this many alternatives per token, as the drafters report them
+    deadline_s: float | None = None  # from acceptance: then the answer so far ends (None: no deadline)
+    cache_salt: str | None = None  # prefix-cache isolation: reuse only prefixes cached under the same salt
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
+    accepted_at: float = field(default_factory=time.monotonic)  # the deadline counts from here
     cancel_flag: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: SpecFuseError | None = None  # why the server (not the client) cancelled it, if it did
     _loop: asyncio.AbstractEventLoop | None = None
     _items: asyncio.Queue[Item] | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        """The ``time.monotonic()`` time its deadline passes, if it has one."""
+        return None if self.deadline_s is None else self.accepted_at + self.deadline_s
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -129,9 +162,12 @@ class Job:
 class Worker:
     """The bounded queue and the thread that serves it."""
 
-    def __init__(self, queue_size: int, max_concurrent: int = 1) -> None:
+    def __init__(self, queue_size: int, max_concurrent: int = 1, *, stall_after_s: float = STALL_AFTER_S,
+                 fatal_after: int = FATAL_AFTER) -> None:
         self.queue_size = queue_size
         self.max_concurrent = max_concurrent
+        self.stall_after_s = stall_after_s
+        self.fatal_after = fatal_after
         self.counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._ensemble: Ensemble | None = None
         self._waiting: deque[Job] = deque()
@@ -143,7 +179,14 @@ class Worker:
         # Told of each generation's first segment and result here, where it happens: a client that
         # left must not make a completed request go unobserved.
         self.observer: Observer | None = None
+        self.fatal: str | None = None  # why the worker cannot go on; None while it can
+        self.on_fatal: Callable[[str], None] | None = None  # told once, from the worker or watchdog thread
+        self._tick_since: float | None = None  # time.monotonic() at the start of the tick in progress
+        self._stall_seen: float | None = None  # the tick the watchdog last reported
+        self._failed_ticks = 0  # since the last generation that completed
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="specfuse-watchdog", daemon=True)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
@@ -151,6 +194,7 @@ class Worker:
         self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
         self._observe()  # the thread has not started: nothing decodes yet
         self._thread.start()
+        self._watchdog.start()
 
     def _count(self, name: str) -> None:
         with self._cond:  # the worker thread and the event loop both count
@@ -165,6 +209,17 @@ class Worker:
         with self._cond:
             return len(self._waiting), len(self._running)
 
+    @property
+    def stalled(self) -> str | None:
+        """Why the worker looks stuck: a tick running longer than ``stall_after_s``; None when it is not."""
+        since = self._tick_since
+        if since is None:
+            return None
+        age = time.monotonic() - since
+        if age <= self.stall_after_s:
+            return None
+        return f"one worker step has run for {age:.0f} s (more than {self.stall_after_s:g} s)"
+
     def occupancy(self) -> dict[str, Occupancy]:
         """What each member held after the worker's last step (all slots free and no cells when idle)."""
         with self._cond:
@@ -173,6 +228,9 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue a bound job, or raise QueueFullError when every slot is taken."""
         with self._cond:
+            if self.fatal is not None:
+                raise ShuttingDownError(f"the server cannot generate any more ({self.fatal})",
+                                        "retry once it has restarted")
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down", "retry in a moment")
             free = self.max_concurrent - len(self._running)
@@ -185,33 +243,43 @@ class Worker:
             self.counters["accepted"] += 1
             self._cond.notify()
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, reason: SpecFuseError | None = None) -> None:
         """Stop a job: drop it from the queue, or make the worker stop it at its next step.
 
-        Safe to call more than once and after the job ended.
+        `reason`: why the server stops it (its handler gets ``Failed(reason)``); None: the client
+        went away (``Cancelled``). Safe to call more than once and after the job ended.
         """
         with self._cond:
             if job.cancel_flag.is_set():
                 return
+            job.cancel_reason = reason
             job.cancel_flag.set()
             if job in self._waiting:
                 self._waiting.remove(job)
                 self.counters["cancelled"] += 1
                 log.info("%s cancelled while queued", job.id)
-                job.emit(Cancelled())
+                job.emit(Cancelled() if reason is None else Failed(reason))
             self._cond.notify()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel everything and wait for the worker to finish its step."""
+    def begin_shutdown(self) -> None:
+        """Take no new work and stop every job (waiting ones at once, running ones at their next step),
+        each with a ShuttingDownError, so that open streams end now rather than hold the shutdown up.
+        Returns at once; safe from any thread."""
         with self._cond:
             self._stopping = True
             jobs = list(self._waiting) + list(self._running)
+        reason = ShuttingDownError("the server is shutting down", "retry in a moment")
         for job in jobs:
-            self.cancel(job)
+            self.cancel(job, reason)
         with self._cond:
             self._cond.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything and wait for the worker to finish its step."""
+        self.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._stopped.set()
 
     # ------------------------------------------------------------------ worker thread
 
@@ -228,15 +296,96 @@ class Worker:
                         job = self._waiting.popleft()
                         self._running.add(job)
                         admitted.append(job)
-                for job in admitted:
-                    try:
-                        self._admit(job)
-                    except Exception as exc:  # a bug in one admission must not stop the worker for all
-                        self._end(job, exc, 0)
-                self._scheduler.tick()
-                self._observe()
+                if not self._step(admitted):
+                    return
+        except BaseException as exc:  # the loop itself broke: nothing will serve the queue any more
+            self._die(f"the worker thread stopped on {type(exc).__name__}", exc)
         finally:
-            self._scheduler.close()
+            try:
+                self._scheduler.close()
+            except Exception:
+                log.exception("closing the scheduler failed")
+
+    def _step(self, admitted: Sequence[Job]) -> bool:
+        """One tick: admit `admitted`, advance every generation, note what members hold.
+        False when the worker gives up (too many failed ticks in a row)."""
+        self._tick_since = time.monotonic()
+        try:
+            for job in admitted:
+                try:
+                    self._admit(job)
+                except Exception as exc:  # a bug in one admission must not stop the worker for all
+                    self._end(job, exc, 0)
+            self._scheduler.tick()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a bug, or a native library's panic (pyo3 raises a BaseException)
+            self._tick_failed(exc)
+            if self._failed_ticks >= self.fatal_after:
+                self._die(f"{self._failed_ticks} worker steps failed and no generation completed, the last "
+                          f"on {type(exc).__name__}", exc)
+                return False
+        finally:
+            self._tick_since = None
+        self._observe()
+        return True
+
+    def _tick_failed(self, exc: BaseException) -> None:
+        """A tick raised: no generation in flight can be trusted to be consistent; fail them all."""
+        self._failed_ticks += 1
+        self._count("worker_errors")
+        log.error("a worker step failed (%d since a generation last completed); failing the %d requests in flight",
+                  self._failed_ticks, len(self._scheduler), exc_info=exc)
+        error = WorkerFailedError(f"the server failed while generating ({type(exc).__name__})",
+                                  "retry the request")
+        self._fail_in_flight(error)
+
+    def _fail_in_flight(self, error: SpecFuseError) -> None:
+        self._scheduler.fail_all(error)  # each flight's on_end fails its job
+        with self._cond:
+            orphans = list(self._running)  # admitted but without a flight (none, unless a bug)
+        for job in orphans:
+            self._end(job, error, 0)
+
+    def _die(self, reason: str, exc: BaseException | None) -> None:
+        """The worker cannot go on: fail every job, refuse new ones, tell ``on_fatal`` (once)."""
+        log.critical("the worker cannot go on: %s", reason, exc_info=exc)
+        error = WorkerFailedError(f"the server cannot generate any more ({reason})", "retry once it has restarted")
+        with self._cond:
+            if self.fatal is not None:
+                return
+            self.fatal = reason
+            self._stopping = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        try:
+            self._fail_in_flight(error)
+            for job in waiting:
+                self._finished(job, error, 0)
+        finally:
+            if self.on_fatal is not None:
+                try:
+                    self.on_fatal(reason)
+                except Exception:
+                    log.exception("on_fatal failed")
+
+    def _watch(self) -> None:
+        """Every few seconds: has a tick run too long (said once per tick), has the worker thread died?"""
+        period = min(5.0, max(0.05, self.stall_after_s / 4))
+        while not self._stopped.wait(period):
+            since = self._tick_since
+            if since is not None and since != self._stall_seen and time.monotonic() - since > self.stall_after_s:
+                self._stall_seen = since
+                self._count("stalls")
+                log.error("the worker is stalled: %s; it is at:\n%s", self.stalled, self._where())
+            if not self._thread.is_alive() and self.fatal is None and not self._stopping:
+                self._die("the worker thread died", None)
+                return
+
+    def _where(self) -> str:
+        """The worker thread's current stack (innermost last), for the stall report."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        return "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(not running)"
 
     def _observe(self) -> None:
         assert self._ensemble is not None
@@ -254,9 +403,15 @@ class Worker:
         self._count("started")
         ensemble = self._ensemble
         assert ensemble is not None
+        deadline = job.deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            self._end(job, DeadlineError(
+                f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
+                f"of {job.deadline_s:g} s", "retry when the server is less busy"), 0)
+            return
         try:
             steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint,
-                                   top_logprobs=job.top_logprobs)
+                                   top_logprobs=job.top_logprobs, deadline=deadline, cache_salt=job.cache_salt)
         except SpecFuseError as exc:
             self._end(job, exc, 0)
             return
@@ -295,10 +450,11 @@ class Worker:
     def _finished(self, job: Job, why: BaseException | None, rounds: int) -> None:
         if why is None:
             self._count("completed")
+            self._failed_ticks = 0  # the worker works: earlier failures were passing ones
         elif isinstance(why, FlightCancelled):
             self._count("cancelled")
             log.info("%s cancelled after %d rounds", job.id, rounds)
-            job.emit(Cancelled())
+            job.emit(Cancelled() if job.cancel_reason is None else Failed(job.cancel_reason))
         elif isinstance(why, InvalidRequestError):
             self._count("invalid")
             log.info("%s rejected: %s", job.id, why)
