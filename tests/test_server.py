@@ -143,10 +143,11 @@ def test_streaming_reads_the_same_answer(client, greedy):
 
 
 def test_raw_sse_framing(http):
-    """Role chunk first, `data: [DONE]` last; curl-style body without a content type."""
+    """Role chunk first, `data: [DONE]` last; a raw body declared JSON (curl -H 'Content-Type: application/json')."""
     body = json.dumps({"messages": user("Say hi."), "max_tokens": 4, "stream": True,
                        "logprobs": False, "frequency_penalty": 0})  # OpenAI parameters at their neutral values
-    with http.stream("POST", "/v1/chat/completions", content=body) as response:
+    with http.stream("POST", "/v1/chat/completions", content=body,
+                     headers={"Content-Type": "application/json"}) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         frames = [line for line in response.iter_lines() if line.startswith("data: ")]

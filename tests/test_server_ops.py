@@ -213,7 +213,7 @@ RAW_REFUSED = ["functions", "function_call", "logit_bias", "frequency_penalty",
 def test_unsupported_parameter_gets_400_naming_it(server, name):
     accepted = server.health()["counters"]["accepted"]
     response = httpx.post(f"{server.api}/chat/completions", timeout=30,
-                          headers={"Authorization": f"Bearer {server.api_key}"},
+                          headers={"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"},
                           content=json.dumps({"messages": SAY_HI, "max_tokens": 4, name: REFUSED[name]}))
     assert response.status_code == 400, response.text
     error = response.json()["error"]

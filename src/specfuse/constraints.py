@@ -88,11 +88,30 @@ class Constraint:
             return f"it is not JSON ({exc.msg} at character {exc.pos})"
         if self.schema is None:
             return None
+        if _has_patterns(self.schema):
+            # jsonschema would run Python's backtracking `re` on the client's patterns: "^(a+)+$" against 40
+            # "a"s and a "!" takes hours, holding the GIL. llguidance enforced the same schema while the answer
+            # was written, with regex automata that never backtrack: its verdict stands.
+            return None if TextMatcher(self).complete(text) else "it does not match the schema"
         import jsonschema
 
         error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(self.schema)(self.schema)
                                                  .iter_errors(value))
         return None if error is None else f"it does not validate: {error.message}"
+
+
+def _has_patterns(schema: Any) -> bool:
+    """Whether a schema holds a regular expression (``pattern``, ``patternProperties``) anywhere."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "patternProperties" in item or isinstance(item.get("pattern"), str):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _check_schema(schema: dict[str, Any], where: str) -> None:

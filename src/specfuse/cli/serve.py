@@ -32,16 +32,30 @@ def serve(
         "--prefix-cache-cells", min=0, help="KV-cache cells each llama.cpp member keeps between requests, so "
         "that a chat's next turn or a shared system prompt is not read again (default: n-ctx x max-concurrent, "
         "a window per slot; 0: off).")] = None,
+    allowed_hosts: Annotated[Optional[str], typer.Option(
+        "--allowed-hosts", help="Host header names served, comma-separated ('*': any); others get 400 "
+        "(default: the bound host, localhost, 127.0.0.1, ::1). Name the proxy's public name here.")] = None,
+    max_tokens_limit: Annotated[Optional[int], typer.Option(
+        "--max-tokens-limit", min=1, help="The largest max_tokens a request may ask for; more gets 400 "
+        "(default 4096; [limits] max_tokens).")] = None,
+    request_timeout: Annotated[Optional[float], typer.Option(
+        "--request-timeout", min=0, help="Seconds one request may take, queueing included; then its answer "
+        "ends where it is (default 600; 0: no deadline).")] = None,
+    limit_concurrency: Annotated[Optional[int], typer.Option(
+        "--limit-concurrency", min=1, help="Connections and requests served at once; more get 503 "
+        "(default 64).")] = None,
     fusion: dict[str, Any] | None = None,
 ) -> None:
     """Serve the ensemble over an OpenAI-compatible API, with a web view at /.
 
     Fusion options given here are the defaults of requests that do not set them
-    (over the config file's [defaults]).
+    (over the config file's \\[defaults] table).
     """
     require("server", "specfuse serve")
     from ..server import build_config, run  # FastAPI and uvicorn load only for this command
 
+    hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts is not None else None
     run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
                      max_concurrent=max_concurrent, cache_dir=cache_dir, threads=threads, n_ctx=n_ctx,
-                     prefix_cache_cells=prefix_cache_cells, defaults=fusion or None))
+                     prefix_cache_cells=prefix_cache_cells, allowed_hosts=hosts, max_tokens=max_tokens_limit,
+                     request_timeout_s=request_timeout, limit_concurrency=limit_concurrency, defaults=fusion or None))

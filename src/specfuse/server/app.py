@@ -3,7 +3,13 @@
 ``create_app`` is what tests and embedders use; ``run`` is `specfuse serve`.
 Members are loaded before the app starts (``run``) or, when the app is created
 without an ensemble, in a background thread while /health says "loading" and
-completions answer 503. /health and /metrics (Prometheus) need no API key.
+completions answer 503. /health and /metrics (Prometheus) need no API key, but
+when the server has one, a request without it sees only /health's status and
+no figure that tells of other clients' prompts (docs/server.md, Privacy).
+
+Client input is read within ``[limits]`` (``limits.py``), and parsed, checked
+and compiled off the event loop (``ServerState.offload``), so that no request
+can hold up the others' streams.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from ..ensemble import Ensemble
 from ..errors import SpecFuseError
 from ..options import FusionOptions
 from . import completions, parsing, serving
-from .config import ServerConfig
+from .config import WILDCARD_HOSTS, ServerConfig
+from .guards import Gate, h11_protocol, media_type_error, quoted, redact
 from .metrics import ServerMetrics
 from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .serving import APIError
@@ -39,6 +46,7 @@ from .worker import Job, Worker
 log = logging.getLogger("specfuse.server")
 STATIC = Path(__file__).with_name("static")
 DRAIN_FACTOR = 16  # read (and drop) up to this many times the body limit, so the 413 reaches the client
+PARSERS = 2  # requests parsed and compiled at once, off the event loop (the rest wait their turn)
 
 
 @dataclass
@@ -53,10 +61,29 @@ class ServerState:
     error: str | None = None
     members: list[str] = field(default_factory=list)
     started: int = field(default_factory=lambda: int(time.time()))
+    parsers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PARSERS))
 
     @property
     def model_id(self) -> str:
         return self.config.server.model_id
+
+    async def offload(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)`` in a thread, at most ``PARSERS`` at once: CPU work on client input never runs on
+        the event loop, which must keep every stream and /health moving."""
+        async with self.parsers:
+            return await asyncio.to_thread(work, *args)
+
+    def holds_key(self, request: Request) -> bool:
+        """Whether the request carries this server's API key (never, on a server without one)."""
+        key = self.config.server.api_key
+        if key is None:
+            return False
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+
+    def sees_all(self, request: Request) -> bool:
+        """Whether the request may see figures about other clients' requests: it holds the key, or there is none."""
+        return self.config.server.api_key is None or self.holds_key(request)
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:
@@ -64,12 +91,13 @@ def load_ensemble(config: ServerConfig) -> Ensemble:
     m = config.members
     cache = {} if m.prefix_cache_cells is None else {"prefix_cache_cells": m.prefix_cache_cells}
     return Ensemble(m.models or None, cache_dir=m.cache_dir, threads=m.threads, n_ctx=m.n_ctx,
-                    slots=config.server.max_concurrent, **cache)
+                    slots=config.server.max_concurrent, hedge_persist=config.server.hedge_persist, **cache)
 
 
 def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAPI:
     """The ASGI app. With ``ensemble`` given the caller keeps ownership of it."""
-    worker = Worker(config.server.queue_size, config.server.max_concurrent)
+    worker = Worker(config.server.queue_size, config.server.max_concurrent,
+                    stall_after_s=config.server.stall_after_s)
     state = ServerState(config, config.fusion_defaults(), worker, ServerMetrics(worker))
     worker.observer = state.metrics
     owned: list[Ensemble] = []
@@ -109,10 +137,12 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAP
             ens.close()
 
     # No /docs or /redoc: their pages load scripts from a CDN, and the server must work offline.
+    # /openapi.json is a route of ours, behind the key (_add_model_routes).
     app = FastAPI(title="SpecFuse", summary="OpenAI-compatible API of a SpecFuse ensemble",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specfuse = state
-    _add_error_handlers(app)
+    app.add_middleware(Gate, allowed=config.server.hosts(), max_header_bytes=config.limits.max_header_bytes)
+    _add_error_handlers(app, state)
     _add_routes(app, state)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
@@ -126,7 +156,7 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
@@ -144,31 +174,45 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return _error_response(serving.api_error(exc))
+        log.exception("unhandled error on %s", quoted(request.url.path))
+        return _error_response(serving.api_error(exc, state.holds_key(request)))
 
 
 # --------------------------------------------------------------------------- routes
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or 413 once it passes ``limit`` bytes (drained a while so the client sees the 413)."""
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, or 413 once it passes ``limit`` bytes (drained a while so the client sees the 413), or 408
+    when the client takes longer than ``timeout_s`` to send it (a slow client must not hold a connection)."""
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > limit
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = True
-        if too_big:
-            if size > DRAIN_FACTOR * limit:
-                break
-            continue
-        parts.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    too_big = True
+                if too_big:
+                    if size > DRAIN_FACTOR * limit:
+                        break
+                    continue
+                parts.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body took longer than {timeout_s:g} s to arrive ([limits] "
+                       "body_timeout_s)", code="request_timeout") from None
     if too_big:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     return b"".join(parts)
+
+
+async def _json_body(request: Request, state: ServerState) -> bytes:
+    """A JSON endpoint's body: 415 unless it is declared JSON (browsers), then read within the limits."""
+    why = media_type_error(request.headers.get("content-type"))
+    if why is not None:
+        raise APIError(415, why, code="unsupported_media_type")
+    return await _read_body(request, state.config.server.max_body_bytes, state.config.limits.body_timeout_s)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -183,11 +227,7 @@ def _key_check(state: ServerState) -> Callable[[Request], Awaitable[None]]:
     """The dependency that enforces the API key (none configured: every request passes)."""
 
     async def require_key(request: Request) -> None:
-        key = state.config.server.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        if state.config.server.api_key is not None and not state.holds_key(request):
             raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -195,7 +235,8 @@ def _key_check(state: ServerState) -> Callable[[Request], Awaitable[None]]:
 
 
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
-    """The web view, /health and /metrics: open, no request content."""
+    """The web view, /health and /metrics: open, no request content; with a key set, what tells of other
+    clients' requests only to requests that hold it."""
     worker = state.worker
 
     @app.get("/", include_in_schema=False)
@@ -203,19 +244,30 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health", response_model=Health)
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        status, error = state.status, state.error
+        if status == "ok" and worker.fatal is not None:  # the process exits: a supervisor restarts it
+            status, error = "failed", f"the worker stopped: {worker.fatal}"
+        elif status == "ok" and (stall := worker.stalled) is not None:
+            status, error = "stalled", stall
+        code = 200 if status == "ok" else 503
+        if not state.sees_all(request):  # a probe: readiness only
+            return JSONResponse({"status": status}, status_code=code)
+        error = error if error is None or state.holds_key(request) else redact(error)
         waiting, running = worker.state()
-        body = Health(status=state.status, model=state.model_id, members=state.members, error=state.error,
+        body = Health(status=status, model=state.model_id, members=state.members, error=error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
                       counters=worker.snapshot(),
                       occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
-        return JSONResponse(body.model_dump(), status_code=200 if state.status == "ok" else 503)
+        return JSONResponse(body.model_dump(), status_code=code)
 
-    # Open like /health, for scrapers: counts and timings only, no request content.
+    # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
+    # other clients' prompts (the prefix caches, the cells sessions hold) only with the key, when there is one.
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(private=state.sees_all(request)),
+                        media_type=state.metrics.content_type)
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:
@@ -226,6 +278,10 @@ def _model_cards(state: ServerState) -> list[ModelCard]:
 
 
 def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[require_key])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
     @app.get("/v1/models", response_model=ModelList, dependencies=[require_key])
     async def list_models() -> ModelList:
         return ModelList(data=_model_cards(state))
@@ -238,11 +294,13 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
         raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")
 
 
-def _require_members(state: ServerState) -> None:
+def _require_members(state: ServerState, detailed: bool) -> None:
     if state.status == "loading":
         raise APIError(503, "the members are still loading; retry shortly", "server_error", "loading")
     if state.status == "failed":
-        raise APIError(503, f"no members available: {state.error}", "server_error", "no_members")
+        why = state.error or "unknown"
+        raise APIError(503, f"no members available: {why if detailed else redact(why)}", "server_error",
+                       "no_members")
 
 
 def _members_for(state: ServerState, model: str) -> list[str] | None:
@@ -255,36 +313,46 @@ def _members_for(state: ServerState, model: str) -> list[str] | None:
                    f"and its members {', '.join(state.members)}", code="model_not_found", param="model")
 
 
+def _job_fields(state: ServerState, request: Any) -> dict[str, Any]:
+    """What every job of a request carries besides its content: the deadline and the cache salt."""
+    return {"deadline_s": state.config.limits.deadline_s, "cache_salt": request.cache_salt}
+
+
+def _room(worker: Worker) -> int:
+    """Places left for new jobs: the queue plus free slots, less those waiting (as ``Worker.submit`` counts)."""
+    waiting, running = worker.state()
+    return worker.queue_size + max(0, worker.max_concurrent - running) - waiting
+
+
 def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) -> None:
     worker = state.worker
 
-    # The body is parsed by hand (serving.parse_request) to tell bad JSON (400) from a bad shape (422).
+    # The body is parsed by hand (parsing.plan_chat) to tell bad JSON (400) from a bad shape (422).
     @app.post("/v1/chat/completions", dependencies=[require_key])
     async def chat_completions(request: Request) -> Response:
-        body = await _read_body(request, state.config.server.max_body_bytes)
-        parsed = parsing.parse_request(body)
-        _require_members(state)
+        body = await _json_body(request, state)
+        plan = await state.offload(parsing.plan_chat, body, state.defaults, state.config.limits)
+        detailed = state.holds_key(request)
+        _require_members(state, detailed)
+        parsed = plan.request
         model = parsed.model or state.model_id
-        members = _members_for(state, model)
-        tools, mode = parsing.offered_tools(parsed)
-        top = parsing.top_logprobs(parsed)
-        job = Job(parsing.to_engine_messages(parsed, tools, mode), parsing.fusion_options(parsed, state.defaults),
-                  members, parsing.constraint_of(parsed, tools, mode), tools if mode != "none" else [],
-                  logprobs=top is not None, top_logprobs=top or 0)
+        job = Job(plan.messages, plan.options, _members_for(state, model), plan.constraint, plan.tools,
+                  logprobs=plan.top_logprobs is not None, top_logprobs=plan.top_logprobs or 0,
+                  **_job_fields(state, parsed))
         if parsed.user:
-            log.info("%s for user %s", job.id, parsed.user)
+            log.info("%s for user %s", job.id, quoted(parsed.user))
         job.bind(asyncio.get_running_loop())
         try:
             worker.submit(job)
         except SpecFuseError as exc:
-            raise serving.api_error(exc) from None
+            raise serving.api_error(exc, detailed) from None
 
         def cancel() -> None:
             worker.cancel(job)
 
         if parsed.stream:
             return StreamingResponse(
-                serving.stream(job, model, parsed.include_usage, cancel),
+                serving.stream(job, model, parsed.include_usage, cancel, detailed),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 background=BackgroundTask(cancel),  # also runs when the client hung up
@@ -294,7 +362,7 @@ def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) ->
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        result = await serving.complete(job, model, disconnected, cancel)
+        result = await serving.complete(job, model, disconnected, cancel, detailed)
         return JSONResponse(result.model_dump(mode="json"))
 
 
@@ -303,11 +371,20 @@ def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: An
 
     @app.post("/v1/completions", dependencies=[require_key])
     async def text_completions(request: Request) -> Response:
-        body = await _read_body(request, state.config.server.max_body_bytes)
-        parsed = parsing.parse_request(body, completions.COMPLETIONS)
-        _require_members(state)
+        body = await _json_body(request, state)
+        parsed = await state.offload(parsing.parse_request, body, completions.COMPLETIONS, state.config.limits)
+        detailed = state.holds_key(request)
+        _require_members(state, detailed)
         model = parsed.model or state.model_id
-        jobs = completions.jobs_of(parsed, state.defaults, _members_for(state, model))
+        jobs = completions.jobs_of(parsed, state.defaults, _members_for(state, model), **_job_fields(state, parsed))
+        if parsed.user:
+            log.info("%s for user %s", jobs[0].id, quoted(parsed.user))
+        # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
+        room = _room(worker)
+        if len(jobs) > room:
+            raise APIError(429, f"prompt: {len(jobs)} prompts need {len(jobs)} places in the queue and "
+                           f"{max(0, room)} are free; retry in a little while, or send fewer at once",
+                           "rate_limit_error", "queue_full", param="prompt")
         loop = asyncio.get_running_loop()
         try:
             for job in jobs:
@@ -316,14 +393,14 @@ def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: An
         except SpecFuseError as exc:
             for job in jobs:
                 worker.cancel(job)
-            raise serving.api_error(exc) from None
+            raise serving.api_error(exc, detailed) from None
 
         def cancel() -> None:
             for job in jobs:
                 worker.cancel(job)
 
         if parsed.stream:
-            return StreamingResponse(completions.stream(jobs[0], parsed, model, cancel),
+            return StreamingResponse(completions.stream(jobs[0], parsed, model, cancel, detailed),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(cancel))
@@ -332,7 +409,7 @@ def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: An
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        result = await completions.complete(jobs, parsed, model, disconnected, worker.cancel)
+        result = await completions.complete(jobs, parsed, model, disconnected, worker.cancel, detailed)
         return JSONResponse(result.model_dump(mode="json"))
 
 
@@ -340,23 +417,62 @@ def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: An
 
 
 def run(config: ServerConfig) -> None:
-    """Load the members (failing fast with a clear error), then serve until interrupted."""
-    import uvicorn
-
+    """Load the members (failing fast with a clear error), then serve until interrupted (or until the
+    worker cannot go on: then exit with status 1, for a supervisor to restart the server)."""
     level = config.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(level)
     if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it",
                     config.server.host)
+    hosts = config.server.hosts()
+    if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
+        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
+                    ", ".join(sorted(hosts - {config.server.host})))
     log.info("loading members…")
     with load_ensemble(config) as ensemble:
         app = create_app(config, ensemble)
         s = config.server
         log.info("open http://%s:%d/ for the web view; API at /v1%s", s.host, s.port,
                  " (API key required)" if s.api_key else "")
-        uvicorn.run(app, host=s.host, port=s.port, log_level=config.server.log_level,
-                    timeout_graceful_shutdown=30)
+        server = _server(app, config)
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down (as uvicorn.run)
+            pass
+        if not server.started:
+            raise SystemExit(3)  # as uvicorn.run: the port could not be bound
+        fatal = app.state.specfuse.worker.fatal
+        if fatal is not None:
+            log.critical("exiting: the worker stopped (%s)", fatal)
+            raise SystemExit(1)
 
 
-__all__ = ["ServerState", "create_app", "load_ensemble", "run"]
+def _server(app: FastAPI, config: ServerConfig) -> Any:
+    """uvicorn's Server for `app`: on SIGINT/SIGTERM the jobs in flight stop first, so that their streams
+    end at once (with an error frame) instead of holding the graceful shutdown up; a worker that cannot
+    go on stops it."""
+    import uvicorn
+
+    worker: Worker = app.state.specfuse.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Called as a signal handler: the worker's locks are taken in a thread of its own.
+            threading.Thread(target=worker.begin_shutdown, name="specfuse-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, **uvicorn_settings(config)))
+    worker.on_fatal = lambda reason: setattr(server, "should_exit", True)
+    return server
+
+
+def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
+    """How uvicorn serves the app: the address, and the connection limits of ``[limits]``."""
+    s, limits = config.server, config.limits
+    return {"host": s.host, "port": s.port, "log_level": s.log_level, "timeout_graceful_shutdown": 30,
+            "limit_concurrency": limits.limit_concurrency, "timeout_keep_alive": limits.timeout_keep_alive_s,
+            "http": h11_protocol(limits.header_timeout_s), "h11_max_incomplete_event_size": limits.max_header_bytes}
+
+
+__all__ = ["ServerState", "create_app", "load_ensemble", "run", "uvicorn_settings"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 from ..logprobs import TokenLogprob, answer_logprobs
 from ..options import FusionOptions
@@ -26,15 +27,17 @@ from .text_protocol import (
     CompletionRequest,
     TextCompletion,
 )
+from .limits import check_text
 from .parsing import Endpoint, fusion_options
 from .serving import KEEPALIVE_S, APIError, failure_frame, finish_reason_of, finished, result_info, sse, usage_of
 from .worker import Job, Started
 
-COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL)
+COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL, check_text)
 
 
-def jobs_of(request: CompletionRequest, defaults: FusionOptions, members: list[str] | None) -> list[Job]:
-    """One job per prompt; 400 for what the endpoint cannot do."""
+def jobs_of(request: CompletionRequest, defaults: FusionOptions, members: list[str] | None,
+            **job: Any) -> list[Job]:
+    """One job per prompt (`job`: more Job fields, the same for each); 400 for what the endpoint cannot do."""
     if request.echo and request.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported: SpecFuse reports log-probabilities of the "
                             "answer only (its members tokenize the prompt differently); drop echo, or score the "
@@ -47,7 +50,7 @@ def jobs_of(request: CompletionRequest, defaults: FusionOptions, members: list[s
     options = fusion_options(request, defaults)
     name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
     return [Job([Message("raw", prompt)], options, members, id=name if i == 0 else f"{name}-{i}",
-                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0)
+                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, **job)
             for i, prompt in enumerate(request.prompts)]
 
 
@@ -86,17 +89,19 @@ def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
 
 
 async def complete(jobs: list[Job], request: CompletionRequest, model: str,
-                   disconnected: Callable[[], Awaitable[None]], cancel: Callable[[Job], None]) -> TextCompletion:
+                   disconnected: Callable[[], Awaitable[None]], cancel: Callable[[Job], None],
+                   detailed: bool = False) -> TextCompletion:
     """Every prompt's answer, in order, as one text completion; `cancel` stops one job (client gone, or
-    another prompt's answer failed)."""
+    another prompt's answer failed); `detailed`: internal error texts unredacted."""
     try:
-        outcomes = await asyncio.gather(*(finished(job, disconnected, lambda j=job: cancel(j)) for job in jobs))
+        outcomes = await asyncio.gather(*(finished(job, disconnected, lambda j=job: cancel(j), detailed)
+                                          for job in jobs))
     finally:
         for job in jobs:
             cancel(job)  # a no-op for those that ended
     first = outcomes[0][0]
     choices = [_choice(i, p, r, request) for i, (p, (r, _)) in enumerate(zip(request.prompts, outcomes))]
-    info = result_info(first, outcomes[0][1]) if len(jobs) == 1 else FusionInfo(members=first.models)
+    info = result_info(first, outcomes[0][1], detailed) if len(jobs) == 1 else FusionInfo(members=first.models)
     return TextCompletion(id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices,
                           usage=_usage(outcomes), specfuse=info)
 
@@ -107,7 +112,7 @@ def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | No
 
 
 async def stream(job: Job, request: CompletionRequest, model: str,
-                 cancel: Callable[[], None]) -> AsyncIterator[str]:
+                 cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:
     """SSE frames: the echoed prompt (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
     k, offset = request.logprobs, len(request.prompt) if request.echo else 0
     started: Started | None = None
@@ -127,12 +132,12 @@ async def stream(job: Job, request: CompletionRequest, model: str,
             elif isinstance(item, DoneEvent):
                 result = item.result
                 yield _chunk(job, model, CompletionChoice(text="", finish_reason=finish_reason_of(result)),  # type: ignore[arg-type]
-                             result_info(result, started))
+                             result_info(result, started, detailed))
                 if request.include_usage:
                     usage = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[],
                                            usage=_usage([(result, started)]))
                     yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
-            elif (frame := failure_frame(item)) is not None:
+            elif (frame := failure_frame(item, detailed)) is not None:
                 yield frame
         yield sse("[DONE]")
     finally:

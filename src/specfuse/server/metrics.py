@@ -7,6 +7,11 @@ when scraped, so they always agree with ``/health``;
 the rest (tokens, latencies, member departures) is observed by the worker as
 each generation's events happen, whether or not a client still reads them, so
 that a completed request is always observed once.
+
+Some figures say something about other clients' prompts: the prefix cache's per member (how many
+tokens a request found cached betrays, token by token, what someone else sent) and the KV cells
+open sessions hold (their lengths). ``render(private=False)`` leaves them out (``PRIVATE``): what
+a scrape without the API key gets when the server has one.
 """
 
 from __future__ import annotations
@@ -114,6 +119,20 @@ def _prefix_caches(caches: Mapping[str, PrefixStats]) -> Iterable[Metric]:
         yield family
 
 
+# Metric families only a scrape holding the API key sees (a server without a key shows them to all).
+PRIVATE = ("specfuse_member_prefix_cache_", "specfuse_member_cache_cells")
+
+
+class _Public:
+    """A registry's families without the private ones (what ``generate_latest`` reads)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return (family for family in self.registry.collect() if not family.name.startswith(PRIVATE))
+
+
 class ServerMetrics:
     """One app's registry and the metrics ``serving`` observes."""
 
@@ -154,10 +173,11 @@ class ServerMetrics:
             counter = self.member_faults if departure.kind == "fault" else self.member_exits
             counter.labels(member=departure.model).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, private: bool = True) -> bytes:
+        """The Prometheus text; without `private`, the families that tell of other clients' prompts left out."""
+        return generate_latest(self.registry if private else _Public(self.registry))  # type: ignore[arg-type]
 
     content_type = CONTENT_TYPE_LATEST
 
 
-__all__ = ["OUTCOMES", "ServerMetrics"]
+__all__ = ["OUTCOMES", "PRIVATE", "ServerMetrics"]

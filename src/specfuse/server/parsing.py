@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ from ..errors import InvalidRequestError
 from ..options import FusionOptions
 from ..tools import Tool, call_text, chosen_tools, parse_tools, render, result_text, tool_constraint
 from ..types import Message
+from . import limits as checks
+from .config import LimitsSection
 from .protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS, TOLERATED_PARAMETERS, ChatCompletionRequest
 from .serving import APIError
 
@@ -41,14 +44,17 @@ def _same(value: Any, neutral: Any) -> bool:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What one endpoint's body may hold: its request type, and which other OpenAI fields pass."""
+    """What one endpoint's body may hold: its request type, which other OpenAI fields pass, and the
+    ``[limits]`` check of a validated request."""
 
     request: type[BaseModel]
     supported: tuple[str, ...]
     neutral: dict[str, tuple[Any, ...]]
+    check: Callable[[Any, LimitsSection], None] | None = None
 
 
-CHAT = Endpoint(ChatCompletionRequest, SUPPORTED_PARAMETERS, NEUTRAL_PARAMETERS)
+CHAT = Endpoint(ChatCompletionRequest, SUPPORTED_PARAMETERS, NEUTRAL_PARAMETERS, checks.check_chat)
+DEFAULT_LIMITS = LimitsSection()
 
 
 def unsupported(data: dict[str, Any], endpoint: Endpoint = CHAT) -> list[str]:
@@ -85,18 +91,22 @@ def unsupported_error(names: list[str], endpoint: Endpoint = CHAT) -> APIError:
                     code="unsupported_parameter", param=first)
 
 
-def parse_request(body: bytes, endpoint: Endpoint = CHAT) -> Any:
-    """JSON bytes -> a validated request (a ChatCompletionRequest by default).
+def parse_request(body: bytes, endpoint: Endpoint = CHAT, limits: LimitsSection = DEFAULT_LIMITS) -> Any:
+    """JSON bytes -> a validated request (a ChatCompletionRequest by default) within ``limits``.
 
-    400 for bad JSON or a parameter SpecFuse does not implement (``unsupported``),
-    422 for a bad shape.
+    400 for bad JSON, a parameter SpecFuse does not implement (``unsupported``) or a limit passed
+    (``limit_exceeded``), 422 for a bad shape.
     """
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # thousands of nested brackets: refused like any body nested too deeply
+        raise checks.exceeded("body", "objects and arrays nest too deeply", limits.max_json_depth,
+                              "max_json_depth") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    checks.check_body_depth(data, limits)
     refused = unsupported(data, endpoint)
     if refused:
         raise unsupported_error(refused, endpoint)
@@ -107,6 +117,8 @@ def parse_request(body: bytes, endpoint: Endpoint = CHAT) -> Any:
         where = ".".join(str(p) for p in first["loc"])
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise APIError(422, f"{where}: {first['msg']}{more}", code="invalid_value", param=where or None) from None
+    if endpoint.check is not None:
+        endpoint.check(request, limits)
     if request.model_extra:
         log.debug("ignoring fields that do not change the answer: %s", ", ".join(sorted(request.model_extra)))
     return request
@@ -186,19 +198,25 @@ def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None 
     offered noted in the system message (tools.py)."""
     messages: list[Message] = []
     names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn is
+    results: list[str] = []  # consecutive tool turns: the results of one turn's calls, sent as one user turn
+
+    def flush() -> None:
+        if results:
+            messages.append(Message("user", "\n\n".join(results)))  # joined once: linear in the results
+            results.clear()
+
     for m in request.messages:
+        if m.role == "tool":
+            results.append(result_text(names.get(m.tool_call_id or "") or m.name, m.tool_call_id, m.text()))
+            continue
+        flush()
         if m.role == "assistant" and m.tool_calls:
-            calls = [c.get("function") or {} for c in m.tool_calls]
-            names.update({c.get("id", ""): f.get("name", "") for c, f in zip(m.tool_calls, calls)})
-            text = "\n".join(call_text(f.get("name", ""), f.get("arguments", "{}")) for f in calls)
+            names.update({c.id or "": c.function.name for c in m.tool_calls})
+            text = "\n".join(call_text(c.function.name, c.function.arguments) for c in m.tool_calls)
             messages.append(Message("assistant", (m.text() + "\n" + text).strip()))
-        elif m.role == "tool":
-            turn = result_text(names.get(m.tool_call_id or "") or m.name, m.tool_call_id, m.text())
-            if messages and messages[-1].role == "user" and messages[-1].content.startswith("Result of "):
-                turn = f"{messages.pop().content}\n\n{turn}"  # several results of one turn's calls, together
-            messages.append(Message("user", turn))
         else:
             messages.append(Message("system" if m.role == "developer" else m.role, m.text()))
+    flush()
     messages = render(messages, tools or [], mode)
     try:
         return to_messages(messages)
@@ -206,13 +224,47 @@ def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None 
         raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request made ready for the worker (``plan_chat``)."""
+
+    request: ChatCompletionRequest
+    messages: list[Message]
+    options: FusionOptions
+    constraint: Constraint | None
+    tools: list[Tool]  # offered to the answer ([] with tool_choice "none")
+    top_logprobs: int | None  # None: no logprobs
+
+
+def plan_chat(body: bytes, defaults: FusionOptions, limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
+    """Body bytes -> everything the worker needs: parsing, limits, tools, messages, options, the compiled
+    constraint. CPU work on client input, bounded by ``limits``: the app runs it off the event loop."""
+    request = parse_request(body, CHAT, limits)
+    try:
+        tools, mode = offered_tools(request)
+    except RecursionError:  # the schema checker recurses: limits raised too far for it
+        raise checks.exceeded("tools", "a schema nests too deeply to check", limits.max_schema_depth,
+                              "max_schema_depth") from None
+    top = top_logprobs(request)
+    messages = to_engine_messages(request, tools, mode)
+    options = fusion_options(request, defaults)
+    try:
+        constraint = constraint_of(request, tools, mode)
+    except RecursionError:
+        raise checks.exceeded("response_format", "the schema nests too deeply to check", limits.max_schema_depth,
+                              "max_schema_depth") from None
+    return ChatPlan(request, messages, options, constraint, tools if mode != "none" else [], top)
+
+
 __all__ = [
     "CHAT",
+    "ChatPlan",
     "Endpoint",
     "constraint_of",
     "fusion_options",
     "offered_tools",
     "parse_request",
+    "plan_chat",
     "to_engine_messages",
     "top_logprobs",
     "unsupported",

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 # --------------------------------------------------------------------------- requests
 
+MAX_CACHE_SALT_CHARS = 256
+
 
 class TextPart(BaseModel):
     """One part of an array-valued message content; only text is supported."""
@@ -26,6 +28,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """The function an earlier tool call named, and its arguments as JSON text (as OpenAI sends them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """One call of an earlier assistant turn (``messages[i].tool_calls[j]``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -33,7 +54,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # null only for an assistant turn that called tools
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
@@ -65,6 +86,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int | None = None
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
+        description="requests share prefix-cache entries only with requests of the same salt (docs/server.md)")
     specfuse: dict[str, Any] | None = Field(
         None, description="SpecFuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
     )
@@ -74,13 +98,6 @@ class GenerationRequest(BaseModel):
     def _one_choice(cls, value: int | None) -> int | None:
         if value is not None and value != 1:
             raise ValueError("SpecFuse returns exactly one choice; n must be 1")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 16:
-            raise ValueError("at most 16 stop strings")
         return value
 
     @property
@@ -349,7 +366,7 @@ class MemberOccupancy(BaseModel):
 class Health(BaseModel):
     """``GET /health``: readiness plus the work counters tests and operators read."""
 
-    status: Literal["ok", "loading", "failed"]
+    status: Literal["ok", "loading", "failed", "stalled"]
     model: str
     members: list[str]
     error: str | None = None

@@ -42,7 +42,17 @@ from .protocol import (
     TopLogprob,
     Usage,
 )
-from .worker import Cancelled, Failed, Job, QueueFullError, ShuttingDownError, Started
+from .guards import redact
+from .worker import (
+    Cancelled,
+    DeadlineError,
+    Failed,
+    Job,
+    QueueFullError,
+    ShuttingDownError,
+    Started,
+    WorkerFailedError,
+)
 
 log = logging.getLogger("specfuse.server")
 
@@ -62,16 +72,22 @@ class APIError(Exception):
         return ErrorResponse(error=self.detail).model_dump()
 
 
-def api_error(exc: BaseException) -> APIError:
-    """Map any exception to the APIError a client should see (no internals for bugs)."""
+def api_error(exc: BaseException, detailed: bool = False) -> APIError:
+    """Map any exception to the APIError a client should see (no internals for bugs). Texts from inside
+    (a member's fault, a load error) lose their paths and URLs unless `detailed` (the request holds the key)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, SpecFuseError):
         text = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+        text = text if detailed else redact(text)
         if isinstance(exc, QueueFullError):
             return APIError(429, text, "rate_limit_error", "queue_full")
         if isinstance(exc, ShuttingDownError):
             return APIError(503, text, "server_error", "shutting_down")
+        if isinstance(exc, DeadlineError):
+            return APIError(504, text, "server_error", "deadline_exceeded")
+        if isinstance(exc, WorkerFailedError):
+            return APIError(503, text, "server_error", "worker_failed")
         if isinstance(exc, UnknownModelError):
             return APIError(404, text, "invalid_request_error", "model_not_found", "model")
         if isinstance(exc, InvalidRequestError):
@@ -112,13 +128,17 @@ def _stats(result: Result, started: Started | None) -> FusionStats:
     return FusionStats(**result.stats.to_dict(), queue_s=round(started.queue_s, 3) if started else 0.0)
 
 
-def result_info(result: Result, started: Started | None) -> FusionInfo:
-    """The parts of a finished result every response carries (members, stats, weights, departures)."""
+def result_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
+    """The parts of a finished result every response carries (members, stats, weights, departures; a
+    departure's reason without paths and URLs unless `detailed`)."""
+    departures = [asdict(d) for d in result.departures]
+    if not detailed:
+        departures = [{**d, "reason": redact(str(d.get("reason") or ""))} for d in departures]
     return FusionInfo(
         members=result.models,
         stats=_stats(result, started),
         weights=result.weights or None,
-        departures=[asdict(d) for d in result.departures] or None,
+        departures=departures or None,
     )
 
 
@@ -126,14 +146,15 @@ def segment_info(segment: Segment) -> SegmentInfo:
     return SegmentInfo(text=segment.text, model=segment.model, round=segment.round)
 
 
-def completion_body(job: Job, model: str, result: Result, started: Started | None) -> ChatCompletion:
+def completion_body(job: Job, model: str, result: Result, started: Started | None,
+                    detailed: bool = False) -> ChatCompletion:
     return ChatCompletion(
         id=job.id,
         created=int(job.created),
         model=model,
         choices=[_choice(job, result)],
         usage=usage_of(result, started),
-        specfuse=result_info(result, started).model_copy(update={
+        specfuse=result_info(result, started, detailed).model_copy(update={
             "segments": [segment_info(s) for s in result.segments],
             "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
             "prompt_tokens": started.prompt_tokens if started else None,
@@ -160,7 +181,7 @@ def chat_logprobs(tokens: list[TokenLogprob], k: int) -> list[TokenLogprobInfo]:
 
 
 async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None]) -> tuple[Result, Started | None]:
+                   cancel: Callable[[], None], detailed: bool = False) -> tuple[Result, Started | None]:
     """Wait for the whole answer; ``cancel()`` the job if the client goes away first.
 
     ``disconnected`` returns when the client hangs up; the worker then stops
@@ -180,7 +201,7 @@ async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
             elif isinstance(item, DoneEvent):
                 return item.result, started
             elif isinstance(item, Failed):
-                raise api_error(item.error)
+                raise api_error(item.error, detailed)
             elif isinstance(item, Cancelled):
                 raise APIError(503, "the generation was cancelled", "server_error", "cancelled")
         raise APIError(500, "the generation ended without a result", "server_error")
@@ -190,16 +211,16 @@ async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
 
 
 async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None]) -> ChatCompletion:
+                   cancel: Callable[[], None], detailed: bool = False) -> ChatCompletion:
     """The chat completion of the whole answer (see ``finished``)."""
-    result, started = await finished(job, disconnected, cancel)
-    return completion_body(job, model, result, started)
+    result, started = await finished(job, disconnected, cancel, detailed)
+    return completion_body(job, model, result, started, detailed)
 
 
-def failure_frame(item: Any) -> str | None:
+def failure_frame(item: Any, detailed: bool = False) -> str | None:
     """The SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
     if isinstance(item, Failed):
-        return sse(api_error(item.error).body())
+        return sse(api_error(item.error, detailed).body())
     if isinstance(item, Cancelled):
         return sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
     return None
@@ -218,7 +239,8 @@ def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
     return sse(chunk.model_dump(mode="json", exclude={"usage"}))
 
 
-async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None]) -> AsyncIterator[str]:
+async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None],
+                 detailed: bool = False) -> AsyncIterator[str]:
     """SSE frames: role chunk, one delta per accepted segment, finish, [usage], [DONE].
 
     A failure after the stream began is sent as an ``error`` event; ``[DONE]``
@@ -259,12 +281,12 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                 elif held:
                     yield _chunk(job, model, Delta(content="".join(held)), logprobs=ChoiceLogprobs(
                         content=chat_logprobs(result.logprobs(), job.top_logprobs)) if job.logprobs else None)
-                yield _chunk(job, model, Delta(), finish_reason_of(result, call), result_info(result, started))
+                yield _chunk(job, model, Delta(), finish_reason_of(result, call), result_info(result, started, detailed))
                 if include_usage:
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
                                                 usage=usage_of(result, started))
                     yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
-            elif (frame := failure_frame(item)) is not None:
+            elif (frame := failure_frame(item, detailed)) is not None:
                 yield frame
         yield sse("[DONE]")
     finally:

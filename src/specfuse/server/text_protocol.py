@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from .protocol import FusionInfo, GenerationRequest, Usage
 
@@ -17,11 +18,21 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=5, description="each answer token's log-probability under its "
                                  "author, with this many of its most likely tokens (up to 5)")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_not_tokens(cls, value: object) -> object:
+        # OpenAI also takes token ids (a list of ints, or of lists): the members share no vocabulary.
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(item, (int, list)) and not isinstance(item, bool) for item in items):
+            raise PydanticCustomError("token_array", "token-array prompts are not supported (the members share no "
+                                      "vocabulary): send the prompt as text")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not 1 <= len(value) <= 16:
-            raise ValueError("give 1 to 16 prompts")
+        if isinstance(value, list) and not value:  # how many at most: [limits] max_prompts
+            raise ValueError("give at least one prompt")
         return value
 
     @property
