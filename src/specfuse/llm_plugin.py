@@ -6,7 +6,7 @@ defaults come from ``specfuse.toml`` in llm's user directory (``llm logs path``'
 folder; the same format as ``specfuse serve --config``: ``[members] models``,
 ``threads``, ``n_ctx``; ``[defaults]`` fusion options), then from ``-o``
 options (``-o members qwen2.5-coder-0.5b,gemma3-270m -o gate 0.5 -o
-accept_margin 2``). The answer streams segment by segment; ``--schema`` asks for
+accept_margin 2``; ``-o gate none`` / ``-o accept_margin none`` for None). The answer streams segment by segment; ``--schema`` asks for
 structured output. For a running ``specfuse serve``, use llm's own OpenAI
 client instead (``extra-openai-models.yaml``, see docs/server.md).
 """
@@ -14,10 +14,10 @@ client instead (``extra-openai-models.yaml``, see docs/server.md).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import llm
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .ensemble import Ensemble
 from .server.config import build_config
@@ -38,11 +38,19 @@ class SpecFuse(llm.Model):
         max_tokens: int | None = Field(None, ge=1, description="answer budget in tokens")
         temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
         seed: int | None = Field(None, description="sampling seed")
-        gate: float | None = Field(None, ge=0, le=1, description="leader confidence gate")
-        accept_margin: float | None = Field(None, ge=0, description="nats the leader's acceptance allows "
-                                            "(0 = the leader alone)")
+        # llm's -o values are text, and None here means "not given": the word none stands for None.
+        gate: Annotated[float, Field(ge=0, le=1)] | Literal["none"] | None = Field(
+            None, description="leader confidence gate (none = every round is a full vote)")
+        accept_margin: Annotated[float, Field(ge=0)] | Literal["none"] | None = Field(
+            None, description="nats the leader's acceptance allows (0 = the leader alone; none = every proposal "
+            "goes to the vote)")
         window: int | None = Field(None, ge=1, description="tokens per drafted segment")
         threads: int | None = Field(None, ge=1, description="llama.cpp threads per member")
+
+        @field_validator("gate", "accept_margin", mode="before")
+        @classmethod
+        def _none_word(cls, value: object) -> object:
+            return "none" if isinstance(value, str) and value.strip().lower() == "none" else value
 
     def execute(self, prompt: llm.Prompt, stream: bool, response: llm.Response,
                 conversation: llm.Conversation | None) -> Iterator[str]:

@@ -81,6 +81,12 @@ class FusionOptions(BaseModel):
         0.0, ge=0.0, le=1000.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
         "none = every proposal goes to the vote")
 
+    @field_validator(*NULLABLE, mode="before")
+    @classmethod
+    def _none_as_text(cls, value: object) -> object:
+        # TOML, llm's -o options and the command line have no null: the word "none" is that value there.
+        return None if isinstance(value, str) and value.strip().lower() == "none" else value
+
     @field_validator("seed")
     @classmethod
     def _random_seed(cls, value: int | None) -> int | None:

@@ -3,8 +3,9 @@
 Fusion options come from ``FusionOptions``' own fields, so the command line can
 never drift from the options the engine accepts: each field becomes ``--name``
 (underscores as dashes) with its type, description and default; a boolean
-becomes ``--name/--no-name``, a choice lists its values, a tuple repeats, and a
-field that may be None but is not by default also gets ``--no-name`` (``--no-gate``).
+becomes ``--name/--no-name``, a choice lists its values, a tuple repeats, a number
+that may be None also takes the word ``none`` (``--gate none``), and a field that may
+be None but is not by default also gets ``--no-name`` (``--no-gate``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ PANEL = "Fusion options"
 PREFIX = "fusion__"  # parameter names of generated options; never clash with a command's own
 NONE_PREFIX = "fusion_none__"
 PROFILE = "fusion_profile"
+NONE_WORD = "none"  # `--gate none`, `--accept-margin none`: the None of a nullable number
+GIVEN_NONE = object()  # what such a flag parses to, told apart from a flag not given (None)
 
 ModelOpt = Annotated[
     Optional[list[str]],
@@ -53,13 +56,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _parameter(name: str, field: FieldInfo, default: Any) -> inspect.Parameter:
-    """One typer option for one FusionOptions field; None when the user does not give it."""
-    kind, _ = _optional_of(field.annotation)
-    shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else default
+def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = None) -> inspect.Parameter:
+    """One typer option for one FusionOptions field; None when the user does not give it.
+
+    `shown` is the default the help prints, where the command decides it later (eval's top_p)."""
+    kind, nullable = _optional_of(field.annotation)
     common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": PANEL}
-    if default != () and default is not None:
-        common["show_default"] = str(shown)
+    if shown is not None:
+        common["show_default"] = shown
+    elif default != () and default is not None:
+        common["show_default"] = str(default).lower() if isinstance(default, bool) else str(default)
     if kind is bool:
         annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
     elif typing.get_origin(kind) is Literal:  # typer lists an Enum's values as the choices
@@ -68,9 +74,29 @@ def _parameter(name: str, field: FieldInfo, default: Any) -> inspect.Parameter:
     elif typing.get_origin(kind) is tuple:
         annotation, option = Optional[list[str]], typer.Option(None, _flag(name), **{**common, "help": common["help"]
                                                                                     + " (repeatable)"})
+    elif nullable and kind in (int, float):  # `--gate none`: a number, or the word none for None
+        option = typer.Option(None, _flag(name), metavar=f"{kind.__name__.upper()}|none",
+                              callback=_number_or_none(kind), **common)
+        annotation = Optional[str]
     else:
         annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
     return inspect.Parameter(PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _number_or_none(kind: type) -> Callable[[Optional[str]], Any]:
+    """Parse a nullable number's flag: `kind`, or GIVEN_NONE for the word none."""
+
+    def parse(value: Optional[str]) -> Any:
+        if value is None:
+            return None
+        if value.strip().lower() == NONE_WORD:
+            return GIVEN_NONE
+        try:
+            return kind(value)
+        except ValueError:
+            raise typer.BadParameter(f"{value!r} is not a {'whole ' if kind is int else ''}number or none") from None
+
+    return parse
 
 
 def _none_parameter(name: str) -> inspect.Parameter:
@@ -79,25 +105,31 @@ def _none_parameter(name: str) -> inspect.Parameter:
 
 
 def _plain(value: Any) -> Any:
-    """A parsed option as FusionOptions takes it: choices as their text, repeated options as a tuple."""
+    """A parsed option as FusionOptions takes it: choices as their text, repeated options as a tuple,
+    the word none as None."""
+    if value is GIVEN_NONE:
+        return None
     if isinstance(value, enum.Enum):
         return value.value
     return tuple(value) if isinstance(value, list) else value
 
 
-def fusion_flags(defaults: Mapping[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def fusion_flags(defaults: Mapping[str, Any] | None = None,
+                 shown: Mapping[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command one option per FusionOptions field.
 
     The command receives ``fusion``: the fields the user set, over a
     ``--profile`` (written by `specfuse calibrate`), over the command's own
-    `defaults` (shown in the help); ``FusionOptions.build`` validates them.
+    `defaults` (shown in the help, or as `shown` says where the command
+    decides a default later); ``FusionOptions.build`` validates them.
     """
     defaults = dict(defaults or {})
+    shown = dict(shown or {})
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         own = [p for p in inspect.signature(command).parameters.values() if p.name != "fusion"]
         fields = FusionOptions.model_fields
-        added = [_parameter(name, f, defaults.get(name, f.default)) for name, f in fields.items()]
+        added = [_parameter(name, f, defaults.get(name, f.default), shown.get(name)) for name, f in fields.items()]
         nullable = [name for name, f in fields.items() if _optional_of(f.annotation)[1] and f.default is not None]
         added += [_none_parameter(name) for name in nullable]
         added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
