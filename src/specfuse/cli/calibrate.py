@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 
 from ..extras import require
 from .app import app, err, out
 from .flags import CacheOpt, CtxOpt, ModelOpt, ThreadsOpt
+
+if TYPE_CHECKING:
+    from ..eval.calibrate import Setting
 
 
 @app.command()
@@ -48,12 +51,19 @@ def calibrate(
     profile, settings, chosen = run_calibration(
         chosen_task, out_dir, members=model, grid=setting or DEFAULT_GRID, data=data, offset=offset, limit=limit,
         max_tokens=max_tokens, member_options=member_options, progress=progress, leader=leader)
-    table = Table("setting", "right", "only it right", "only the leader right", "time ÷ leader's",
-                  title=f"calibration on {chosen_task.name}: the leader was right on "
-                        f"{settings[0].leader_correct if settings else 0}")
+    out.print(calibration_table(chosen_task.name, settings, chosen))
+    err.print(f"profile: {profile} ({chosen.spec}); use it with --profile {profile}")
+
+
+def calibration_table(task: str, settings: "list[Setting]", chosen: "Setting") -> Table:
+    """The settings side by side. A setting is folded onto more lines rather than cut: at 80 columns
+    every grid entry would otherwise end in the same `gate=0.5/accep…`."""
+    table = Table(Column("setting", overflow="fold", ratio=1, min_width=16),
+                  Column("right", no_wrap=True), Column("only it right"), Column("only the leader right"),
+                  Column("time ÷ leader's"),
+                  title=f"calibration on {task}: the leader was right on {settings[0].leader_correct if settings else 0}")
     for s in settings:
         mark = " ← chosen" if s.spec == chosen.spec else ""
         table.add_row(s.spec + mark, f"{s.correct}/{s.items}", str(s.only_this), str(s.only_leader),
                       f"{s.time_ratio:.2f}×")
-    out.print(table)
-    err.print(f"profile: {profile} ({chosen.spec}); use it with --profile {profile}")
+    return table

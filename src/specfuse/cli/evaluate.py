@@ -16,7 +16,9 @@ RUN_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "window", "stop")
 
 
 @app.command("eval")
-@fusion_flags(defaults={"temperature": 0.0, "seed": 0, "max_tokens": None})
+# top_p is decided with the temperature (runner.run_eval): 1.0 when greedy, the paper's 0.9 when sampling.
+@fusion_flags(defaults={"temperature": 0.0, "seed": 0, "max_tokens": None, "top_p": None},
+              shown={"max_tokens": "the task's", "top_p": "1.0 at temperature 0, else 0.9"})
 def eval_command(
     task: Annotated[Optional[str], typer.Argument(help="gsm8k or ifeval.")] = None,
     report: Annotated[Optional[str], typer.Option("--report", help="Only rebuild the report of this folder.")] = None,
@@ -37,7 +39,8 @@ def eval_command(
 ) -> None:
     """Evaluate the ensemble against its members and a response-level rerank (see docs/results.md).
 
-    --max-tokens defaults to the task's budget; --temperature to 0 (greedy), --seed to 0.
+    --max-tokens defaults to the task's budget; --temperature to 0 (greedy), --seed to 0, --top-p to 1.0
+    when greedy (0.9 when sampling).
     """
     require("eval", "specfuse eval")
     from ..eval.command import run_command  # the eval extra's imports stay out of other commands

@@ -17,6 +17,7 @@ model_args: ``models`` (members joined by ``|``; default the embedded three),
 ``max_tokens`` (cap on each request's ``max_gen_toks``), ``temperature``
 (default 0: greedy), ``seed``, ``window``, ``threads``, ``n_ctx``, ``prefix_cache_cells`` (0: no prefix
 cache, as a server started with ``--prefix-cache-cells 0``: the way to get the same greedy answers).
+Any other key is refused with the list of these (a misspelt key would otherwise change nothing, silently).
 
 Prompts: a request's context becomes one user message that each member renders
 with its own chat template; with ``--apply_chat_template`` the harness's
@@ -43,6 +44,13 @@ from .systems import ItemContext, RunSettings, get_system
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 _CHAT_KEY = "specfuse_messages"
+MODEL_ARGS = ("models", "system", "max_tokens", "temperature", "seed", "window", "threads", "n_ctx",
+              "prefix_cache_cells")
+HARNESS_ARGS = ("batch_size", "max_batch_size", "device")  # lm-eval passes these to every model: not used
+
+
+class ModelArgsError(ValueError):
+    """A model_args key the specfuse model does not take."""
 
 
 def task_manager():
@@ -67,10 +75,15 @@ class SpecFuseLM(LM):
         threads: int | None = None,
         n_ctx: int = 4096,
         prefix_cache_cells: int | None = None,
-        **_: Any,  # batch_size, device, ... from the harness: not used
+        **others: Any,
     ) -> None:
         super().__init__()
         from ..ensemble import Ensemble
+
+        unknown = sorted(set(others) - set(HARNESS_ARGS))
+        if unknown:
+            raise ModelArgsError(f"unknown model_args for the specfuse model: {', '.join(unknown)}; "
+                                 f"it takes {', '.join(MODEL_ARGS)}")
 
         get_system(system)  # fail on a bad name before loading models
         names = [m for m in str(models).split("|") if m] if models else None
@@ -147,7 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     if not any(a.startswith("--include_path") for a in args):
         args += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *args]  # lm-eval inserts its `run` subcommand when none is given
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ModelArgsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
