@@ -1,10 +1,16 @@
 """Side-by-side speed benchmark: what the ensemble costs over its members.
 
 One run, one process family, the same prompts, greedy decoding and answers
-forced to the target length (``ignore_eos``). For each answer length it
-measures, repeated and summarised as median / min / max:
+forced to the target length (``ignore_eos``). It times two systems, named with
+their options in the report (``SYSTEMS``): *plain fusion* (no gate, every
+proposal to the vote: every member drafts and verifies every round, the
+method's full cost) and the *default* (the leader alone: the others never
+start). For each answer length it measures, repeated and summarised as
+median / min / max:
 
-- ``specfuse``: the engine (wall time, tokens/s, time to first segment);
+- ``specfuse``: plain fusion (wall time, tokens/s, time to first segment);
+- ``default``: the default options, against ``leader_alone`` (the leader
+  member by itself, from the members-alone runs);
 - ``members_sum``: each member alone generating the same number of tokens
   from the same prompt (prefill + decode), summed;
 - ``floor``: the work the method cannot avoid, priced at each member's
@@ -33,6 +39,7 @@ from typing import Any
 from ..backends.llama_cpp import LlamaCppMember
 from ..baselines import rerank
 from ..ensemble import Ensemble, to_messages
+from ..options import FusionOptions
 from ..types import Message, Result, Sampling
 from .machine import git, machine, peak_rss_self_mb
 
@@ -42,6 +49,16 @@ PROMPTS = (
     "Describe the water cycle in detail, covering evaporation, condensation, precipitation and runoff.",
 )
 GREEDY = Sampling(temperature=0.0, top_p=1.0, seed=0, ignore_eos=True)
+# The systems timed, by the name the report prints, and the options that make each (over FusionOptions'
+# defaults). Plain fusion is the engine's worst case, what the floor, the reference method and response
+# level are compared with; Model Exit's savings are measured in docs/results-256.md.
+PLAIN = "plain fusion"
+DEFAULT = "default (leader alone)"
+SYSTEMS: dict[str, dict[str, Any]] = {
+    PLAIN: {"gate": None, "accept_margin": None, "exit": False, "hedge": False},
+    DEFAULT: {},
+}
+SHOWN_OPTIONS = ("gate", "accept_margin", "exit", "hedge", "leader", "followers")
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -100,6 +117,8 @@ def floor_seconds(counters: dict[str, dict[str, int]], speeds: dict[str, dict[st
     """Price the specfuse run's necessary work at the members' raw speeds."""
     total = 0.0
     for name, c in counters.items():
+        if name not in speeds:  # a member that never started (standby) did no work
+            continue
         s = speeds[name]
         total += c["prompt"] * s["prompt_s_per_token"]
         total += (c["draft"] + c["catch_up"]) * s["decode_s_per_token"]
@@ -110,11 +129,22 @@ def floor_seconds(counters: dict[str, dict[str, int]], speeds: dict[str, dict[st
 # --- systems --------------------------------------------------------------------
 
 
-def run_specfuse(ensemble: Ensemble, prompt: str, length: int, window: int) -> Result:
-    # Plain fusion (every member drafts and verifies every round): the engine's worst case,
-    # and what docs/performance.md measured. Model Exit's savings are measured in docs/results-256.md.
+def run_specfuse(ensemble: Ensemble, prompt: str, length: int, window: int, system: str = PLAIN) -> Result:
+    """One greedy answer of exactly `length` tokens from `system` (a key of SYSTEMS)."""
     return ensemble.generate(prompt, max_tokens=length, temperature=0.0, top_p=1.0, seed=0,
-                             ignore_eos=True, window=window, exit=False, hedge=False)
+                             ignore_eos=True, window=window, **SYSTEMS[system])
+
+
+def system_options(system: str, window: int) -> dict[str, Any]:
+    """The options that tell the systems apart, as the engine resolves them (defaults included)."""
+    options = FusionOptions.build(**SYSTEMS[system], window=window).model_dump()
+    return {k: options[k] for k in ("window", *SHOWN_OPTIONS)}
+
+
+def describe_systems(window: int) -> list[str]:
+    """One line per system: its name and options, as printed before the table."""
+    return [f"{name}: " + ", ".join(f"{k}={'none' if v is None else v}" for k, v in system_options(name, window).items())
+            for name in SYSTEMS]
 
 
 def member_alone_seconds(member: LlamaCppMember, messages: Sequence[Message], length: int) -> float:
@@ -151,7 +181,7 @@ def _child(argv: Sequence[str]) -> None:
 
 
 ROWS = ("specfuse", "specfuse_ttfs", "specfuse_tokens", "members_sum", "floor", "reference_method",
-        "response_level", "response_ttft")
+        "response_level", "response_ttft", "default", "default_ttfs", "default_tokens", "leader_alone")
 
 
 def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str] | None = None,
@@ -163,8 +193,11 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
         "machine": machine(), "git": git(),
         "window": window,
         "reps": reps,
+        "systems": {name: system_options(name, window) for name in SYSTEMS},
         "lengths": {},
     }
+    for line in describe_systems(window):
+        log(line)
     # No prefix cache between requests: every repetition pays for its prompt, as the members alone do.
     with Ensemble(models, prefix_cache_cells=0) as ens, Ensemble(models, reencode=True) as reference:
         names = ens.names
@@ -176,10 +209,11 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
             rows: dict[str, list[float]] = {k: [] for k in ROWS}
             for rep in range(reps):
                 last_result = _repetition(ens, reference, PROMPTS[rep % len(PROMPTS)], length, window, rows)
-                log(f"  rep {rep + 1}: specfuse {rows['specfuse'][-1]:.1f}s ({last_result.stats.tokens} tok), "
+                log(f"  rep {rep + 1}: {PLAIN} {rows['specfuse'][-1]:.1f}s ({last_result.stats.tokens} tok), "
                     f"floor {rows['floor'][-1]:.1f}s, members {rows['members_sum'][-1]:.1f}s, "
                     f"reference {rows['reference_method'][-1]:.1f}s, "
-                    f"response-level {rows['response_level'][-1]:.1f}s")
+                    f"response-level {rows['response_level'][-1]:.1f}s; {DEFAULT} {rows['default'][-1]:.1f}s, "
+                    f"leader alone {rows['leader_alone'][-1]:.1f}s")
             entry = _summary(rows)
             if rss:
                 ens_rss = peak_rss_mb(["ensemble", str(length), *names])
@@ -195,20 +229,29 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
 
 def _repetition(ens: Ensemble, reference: Ensemble, prompt: str, length: int, window: int,
                 rows: dict[str, list[float]]) -> Result:
-    """One prompt, every system side by side: appends a time (or count) to each row; returns SpecFuse's result."""
+    """One prompt, every system side by side: appends a time (or count) to each row; returns plain fusion's
+    result."""
     messages = to_messages(prompt)
-    result = run_specfuse(ens, prompt, length, window)
+    result = run_specfuse(ens, prompt, length, window, PLAIN)
     rows["specfuse"].append(result.stats.total_s)
     rows["specfuse_ttfs"].append(result.stats.time_to_first_segment_s or 0.0)
     rows["specfuse_tokens"].append(result.stats.tokens)
     context = len(ens.members[0].prompt_tokens(messages)) + length // 2
     speeds = {}
     for member in ens.members:
-        c = result.counters[member.name]
+        c = result.counters.get(member.name)
+        if c is None:  # never started (only under options that leave members on standby)
+            continue
         batch = max(1, round(c["verify"] / max(c["verify_calls"], 1)))
         speeds[member.name] = member_speeds(member, messages, context, batch)
     rows["floor"].append(floor_seconds(result.counters, speeds))
-    rows["members_sum"].append(sum(member_alone_seconds(m, messages, length) for m in ens.members))
+    alone = {m.name: member_alone_seconds(m, messages, length) for m in ens.members}
+    rows["members_sum"].append(sum(alone.values()))
+    default = run_specfuse(ens, prompt, length, window, DEFAULT)
+    rows["default"].append(default.stats.total_s)
+    rows["default_ttfs"].append(default.stats.time_to_first_segment_s or 0.0)
+    rows["default_tokens"].append(default.stats.tokens)
+    rows["leader_alone"].append(alone[default_leader(default)])
     rows["reference_method"].append(run_specfuse(reference, prompt, length, window).stats.total_s)
     response = rerank(ens.members, messages, max_tokens=length, sampling=GREEDY)
     rows["response_level"].append(response.total_s)
@@ -225,7 +268,14 @@ def _summary(rows: dict[str, list[float]]) -> dict[str, Any]:
     entry["ratio_vs_members_sum"] = med["specfuse"] / med["members_sum"]
     entry["ratio_reference_over_specfuse"] = med["reference_method"] / med["specfuse"]
     entry["ttfs_over_response_ttft"] = med["specfuse_ttfs"] / med["response_ttft"]
+    entry["default_tokens_per_s"] = med["default_tokens"] / med["default"]
+    entry["default_over_leader_alone"] = med["default"] / med["leader_alone"]
     return entry
+
+
+def default_leader(result: Result) -> str:
+    """The member that answered under the default: the one that drafted (the others stay on standby)."""
+    return max(result.counters, key=lambda name: result.counters[name]["draft"])
 
 
 def plot_rounds(result: Result, path: Path) -> Path:
@@ -276,12 +326,18 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
             f"{e['ratio_reference_over_specfuse']:.2f}",
             f"{e['ttfs_over_response_ttft']:.3f}",
             f"{e['rss_ratio']:.2f}" if "rss_ratio" in e else "–",
+            f"{e['default']['median']:.1f} s ({e['default_tokens_per_s']:.1f} tok/s)",
+            f"{e['leader_alone']['median']:.1f} s",
+            f"{e['default_over_leader_alone']:.2f}",
         ])
     return rows
 
 
-TABLE_HEADER = ["tokens", "specfuse", "first segment", "floor", "members Σ", "reference", "response TTFT",
-                "vs floor", "vs members Σ", "reference / specfuse", "TTFS / response TTFT", "RSS ratio"]
+# "plain fusion" columns first (the floor, members, reference and response level are its comparisons),
+# then the default against its leader alone.
+TABLE_HEADER = ["tokens", PLAIN, "first segment", "floor", "members Σ", "reference", "response TTFT",
+                "vs floor", "vs members Σ", "reference / plain", "TTFS / response TTFT", "RSS ratio",
+                DEFAULT, "leader alone", "default / leader alone"]
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":

@@ -58,7 +58,9 @@ def bench(
         "--followers", help="--serve: what the members the default never asks cost: the leader-alone default, "
                             "eager followers and model=<leader>, side by side (docs/performance.md).")] = False,
 ) -> None:
-    """Measure the ensemble against its members, the floor, the reference method and response level.
+    """Time plain fusion (gate none, accept-margin none: every member drafts and votes every round)
+    against its members, the floor, the reference method and response level, and the default (the
+    leader alone) against the leader by itself; the systems and their options are printed first.
 
     With --serve: measure the server under concurrent users instead (docs/performance.md); with
     --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md).
@@ -111,7 +113,8 @@ def _bench_local(lengths: str, reps: int, model: list[str] | None, window: int, 
 
     sizes = [int(x) for x in lengths.split(",") if x.strip()]
     report = benchmark.run(sizes, reps, model or None, window, Path(out), log=err.print, rss=rss)
-    table = Table(*benchmark.TABLE_HEADER, title=f"SpecFuse benchmark ({', '.join(report['models'])})")
+    table = Table(*benchmark.TABLE_HEADER, title=f"SpecFuse benchmark ({', '.join(report['models'])})",
+                  caption="; ".join(benchmark.describe_systems(window)))
     for row in benchmark.format_table(report):
         table.add_row(*row)
     Console(width=200).print(table)
