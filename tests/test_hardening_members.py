@@ -275,23 +275,25 @@ class NativePanic(BaseException):
 
 
 class Faulty(Wrapped):
-    """A real member whose drafts first run `before_draft` (raise, block, sleep)."""
+    """A real member whose sessions first run a hook on each draft (`on_draft`: raise, block, sleep) and
+    each time the engine reads how much room is left (`on_room`: a fault inside the generation itself)."""
 
-    def __init__(self, member, before_draft):
+    def __init__(self, member, on_draft=None, on_room=None):
         super().__init__(member)
-        self.before_draft = before_draft
-        self.drafts = 0
+        self.hooks = {"draft": on_draft, "room": on_room}
+        self.seen = {"draft": 0, "room": 0}
 
     def start(self, messages, *, seed, reserve):
         return FaultySession(super().start(messages, seed=seed, reserve=reserve), self)
 
     def draft_many(self, sessions, requests):
-        self.hook()
+        self.hook("draft")
         return super().draft_many(sessions, requests)
 
-    def hook(self):
-        self.drafts += 1
-        self.before_draft(self.drafts)
+    def hook(self, kind):
+        self.seen[kind] += 1
+        if self.hooks[kind] is not None:
+            self.hooks[kind](self.seen[kind])
 
 
 class FaultySession(SessionWrapper):
@@ -300,8 +302,13 @@ class FaultySession(SessionWrapper):
         self.member = member
 
     def draft(self, max_tokens, sampling):
-        self.member.hook()
+        self.member.hook("draft")
         return super().draft(max_tokens, sampling)
+
+    @property
+    def room(self):
+        self.member.hook("room")
+        return self.inner.room
 
 
 def panic_on(*calls):
@@ -317,9 +324,21 @@ def worker_on(member, **settings) -> Worker:
     return worker
 
 
+def test_a_native_panic_in_a_member_call_is_that_members_fault(smol):
+    worker = worker_on(Faulty(smol, on_draft=panic_on(1)))
+    try:
+        (failed,) = run_jobs(worker, [chat()])
+        assert isinstance(failed[-1], Failed) and "MemberPanic: NativePanic: native code panicked" in str(
+            failed[-1].error)
+        (after,) = run_jobs(worker, [chat()])
+        assert isinstance(after[-1], DoneEvent) and after[-1].result.text
+        assert worker.snapshot()["worker_errors"] == 0 and smol.free_slots == 2
+    finally:
+        worker.stop()
+
+
 def test_a_tick_that_raises_fails_the_requests_in_flight_and_the_worker_goes_on(smol):
-    member = Faulty(smol, panic_on(1))
-    worker = worker_on(member)
+    worker = worker_on(Faulty(smol, on_room=panic_on(3)))  # inside the engine: it escapes the tick
     try:
         first = run_jobs(worker, [chat(), chat("Name a fruit.")])
         assert all(isinstance(items[-1], Failed) and isinstance(items[-1].error, WorkerFailedError)
@@ -327,7 +346,7 @@ def test_a_tick_that_raises_fails_the_requests_in_flight_and_the_worker_goes_on(
         assert "NativePanic" in str(first[0][-1].error)
         (after,) = run_jobs(worker, [chat()])
         assert isinstance(after[-1], DoneEvent) and after[-1].result.text
-        counters = worker.snapshot()
+        counters = wait_for(lambda: (c := worker.snapshot())["completed"] == 1 and c, 10, what="the count")
         assert counters["worker_errors"] == 1 and counters["failed"] == 2 and counters["completed"] == 1
         assert worker.fatal is None and smol.free_slots == 2
     finally:
@@ -336,7 +355,7 @@ def test_a_tick_that_raises_fails_the_requests_in_flight_and_the_worker_goes_on(
 
 def test_a_worker_that_keeps_failing_is_fatal_and_says_why(smol):
     told = []
-    worker = worker_on(Faulty(smol, panic_on(*range(1, 100))), fatal_after=2)
+    worker = worker_on(Faulty(smol, on_room=panic_on(*range(1, 100))), fatal_after=2)
     worker.on_fatal = told.append
     try:
         for _ in range(2):
@@ -353,7 +372,7 @@ def test_a_worker_that_keeps_failing_is_fatal_and_says_why(smol):
 
 def test_health_answers_503_with_the_reason_when_the_worker_cannot_go_on(smol):
     config = build_config(max_concurrent=2)
-    with Ensemble([Faulty(smol, panic_on(*range(1, 100)))]) as ensemble:
+    with Ensemble([Faulty(smol, on_room=panic_on(*range(1, 100)))]) as ensemble:
         app = server_app.create_app(config, ensemble)
         with TestClient(app, base_url="http://localhost") as client:
             assert client.get("/health").status_code == 200
@@ -372,7 +391,7 @@ def test_health_answers_503_with_the_reason_when_the_worker_cannot_go_on(smol):
 
 def test_a_stalled_step_shows_and_is_counted(smol):
     release = threading.Event()
-    worker = worker_on(Faulty(smol, lambda n: release.wait(60)), stall_after_s=0.2)
+    worker = worker_on(Faulty(smol, on_draft=lambda n: release.wait(60)), stall_after_s=0.2)
     try:
         async def main():
             job = chat()
@@ -396,7 +415,7 @@ def test_a_deadline_ends_the_answer_where_it_is(smol):
         if n == 2:
             time.sleep(2.1)  # the deadline (2 s from acceptance) has passed when the round ends
 
-    worker = worker_on(Faulty(smol, slow_second_round))
+    worker = worker_on(Faulty(smol, on_draft=slow_second_round))
     try:
         long = FusionOptions.build(max_tokens=200, temperature=0.0, ignore_eos=True)
         (items,) = run_jobs(worker, [chat("Count to one hundred.", long, deadline_s=2.0)])
@@ -412,7 +431,7 @@ def test_a_deadline_ends_the_answer_where_it_is(smol):
 def test_shutting_down_ends_running_and_waiting_requests_at_once(smol):
     release = threading.Event()
     worker = Worker(queue_size=8, max_concurrent=1)
-    worker.start(Ensemble([Faulty(smol, lambda n: release.wait(60))]))
+    worker.start(Ensemble([Faulty(smol, on_draft=lambda n: release.wait(60))]))
     try:
         async def main():
             jobs = [chat(), chat()]

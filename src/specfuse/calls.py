@@ -75,12 +75,22 @@ class Reply:
         return isinstance(self.value, Exception)
 
 
+class MemberPanic(Exception):
+    """A member call raised what is not an ``Exception``: a native library's panic (pyo3 raises a
+    ``BaseException``). It is that member's fault like any other, not the end of the process."""
+
+
 def _timed(call: Call) -> Reply:
     t0 = time.perf_counter()
     try:
         value = call.invoke()
     except Exception as exc:  # a member's failure is data: the engine drops that member
         value = exc
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:
+        value = MemberPanic(f"{type(exc).__name__}: {exc}")
+        value.__cause__ = exc
     return Reply(value, time.perf_counter() - t0)
 
 
