@@ -1,0 +1,92 @@
+"""The aftermath of hostile requests: a live server answers or refuses each as it must, then still answers
+a normal request the same as before, and holds nothing (no queue entry, slot or KV-cache cell).
+
+The hostile requests are the soak's (``bench/traffic.py``'s ``HOSTILE``: a random seed of -1, seeds past
+64 bits, spelled role tokens, malformed earlier tool calls, deep and backtracking schemas, Hedge options
+that would outlive the request, many stop strings, a deeply nested body, a browser's text/plain request, a
+foreign Host header) and go through the soak's own client, so that both judge them alike. Each is sent
+more times than the server has slots: a request that leaks one slot would leave none, and the normal
+request after it would wait for ever (here: a client time-out, a failure).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from helpers import live_server, wait_for
+from specfuse import models as catalogue
+from specfuse.bench.soak_client import SoakClient
+from specfuse.bench.traffic import HOSTILE, Action
+
+pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
+
+SLOTS = 4  # `specfuse serve`'s default max_concurrent: one slot per generation in flight, per member
+TIMEOUT_S = 120.0
+NORMAL = {"model": "specfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
+          "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    missing = [n for n in catalogue.DEFAULT_MODELS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
+    if missing:
+        pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
+    with live_server(tmp_path_factory.mktemp("hostile"), max_concurrent=SLOTS) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
+                      timeout=httpx.Timeout(TIMEOUT_S, connect=10)) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
+def soak_client(server):
+    client = SoakClient(server.url, server.api_key, n_ctx=4096, max_body_bytes=65536, t0=time.monotonic(),
+                        request_timeout_s=TIMEOUT_S)
+    yield client
+    client.close()
+
+
+def normal(http: httpx.Client) -> str:
+    response = http.post("/v1/chat/completions", json=NORMAL)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def baseline(http):
+    text = normal(http)
+    assert text.strip()
+    return text
+
+
+def held(health: dict) -> list[str]:
+    """What the server holds that an idle one must not."""
+    found = [f"queue {health['queue']}"] if health["queue"]["waiting"] or health["queue"]["running"] else []
+    for name, o in health["occupancy"].items():
+        if o["free_slots"] != o["slots"]:
+            found.append(f"{name}: {o['slots'] - o['free_slots']} of {o['slots']} slots")
+        if o["cache_cells"] or o["stray_cells"]:
+            found.append(f"{name}: {o['cache_cells']} session cells, {o['stray_cells']} stray cells")
+    return found
+
+
+@pytest.mark.parametrize("index", range(len(HOSTILE)), ids=[h.name for h in HOSTILE])
+def test_after_hostile_requests_the_server_answers_normally_and_holds_nothing(server, http, soak_client, baseline,
+                                                                               index):
+    hostile = HOSTILE[index]
+    for i in range(SLOTS + 1):
+        record = soak_client.send(Action(i, -1, -1, "hostile", index, 2, 0.0, 0))
+        assert record.as_expected, (f"{hostile.name}: {record.outcome} (status {record.status}, {record.code}), "
+                                    f"expected {sorted(hostile.outcomes)}: {record.detail}\n{server.log_tail()}")
+    assert normal(http) == baseline  # answered, and the same greedy answer as before any hostile request
+    wait_for(lambda: not held(server.health()), 30, what="an idle server holding nothing")
+    health = server.health()
+    assert health["status"] == "ok" and len(health["occupancy"]) == len(catalogue.DEFAULT_MODELS)
+    assert all(o["slots"] == SLOTS for o in health["occupancy"].values()), health["occupancy"]
