@@ -331,7 +331,7 @@ def test_disconnect_cancels_a_non_streaming_request(server):
     body = json.dumps({"messages": user(LONG), "max_tokens": 400,
                        "specfuse": {"ignore_eos": True, "gate": None}}).encode()
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Authorization: Bearer " + server.api_key.encode() + b"\r\n"
                      b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
                      b"\r\n\r\n" + body)
