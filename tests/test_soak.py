@@ -106,6 +106,13 @@ def test_each_action_carries_only_what_its_kind_needs():
     assert set(KINDS["drop_first"].expected) == {"abandoned"} and "rejected" in KINDS["burst"].expected
 
 
+def test_malformed_and_hostile_requests_are_sent_in_turn_so_a_short_run_sends_them_all():
+    actions = [a for p in phases(5, 60) for a in p.actions]
+    for kind, cases in (("malformed", MALFORMED), ("hostile", HOSTILE)):
+        sent = [a.prompt for a in actions if a.kind == kind][: len(cases)]
+        assert len(sent) == len(cases) and sorted(sent) == list(range(len(cases))), kind
+
+
 def test_prompts_near_and_over_the_window_are_about_the_asked_size():
     for tokens in (100, 400, 1000):
         assert abs(len(filler(tokens).split()) * TOKENS_PER_WORD - tokens) <= 2 * TOKENS_PER_WORD

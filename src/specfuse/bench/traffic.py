@@ -10,6 +10,7 @@ phases fit in its time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterator, Mapping
@@ -93,10 +94,12 @@ def plan(mix: Mix) -> Iterator[Phase]:
     """The phases of a run, endlessly: a mixed phase per level (seeded order), then a burst; again.
 
     Every cycle holds each mixed kind at least once, the rest drawn by weight, so even a short run
-    sees them all.
+    sees them all. Malformed and hostile requests take their lists in turn (from a seeded start), so
+    that a run sends every one of them as soon as it has sent as many as the list holds.
     """
     rng = random.Random(mix.seed)
     counter = iter(range(1 << 62))
+    turns = {kind: itertools.count(rng.randrange(len(cases))) for kind, cases in CASES.items()}
     phase = cycle = 0
     while True:
         levels = rng.sample(mix.levels, len(mix.levels))
@@ -105,7 +108,7 @@ def plan(mix: Mix) -> Iterator[Phase]:
         rng.shuffle(kinds)
         for level, size in zip(levels, sizes):
             drawn, kinds = kinds[:size], kinds[size:]
-            actions = tuple(_action(rng, next(counter), phase, cycle, k, mix) for k in drawn)
+            actions = tuple(_action(rng, next(counter), phase, cycle, k, mix, turns) for k in drawn)
             yield Phase(phase, cycle, "mixed", level, actions)
             phase += 1
         burst = tuple(_action(rng, next(counter), phase, cycle, "burst", mix) for _ in range(mix.burst))
@@ -114,10 +117,13 @@ def plan(mix: Mix) -> Iterator[Phase]:
         cycle += 1
 
 
-def _action(rng: random.Random, index: int, phase: int, cycle: int, kind: str, mix: Mix) -> Action:
+def _action(rng: random.Random, index: int, phase: int, cycle: int, kind: str, mix: Mix,
+            turns: Mapping[str, Iterator[int]] | None = None) -> Action:
+    prompt = rng.randrange(len(PROMPTS))
+    if turns and kind in turns:
+        prompt = next(turns[kind]) % len(CASES[kind])
     return Action(
-        index=index, phase=phase, cycle=cycle, kind=kind,
-        prompt=rng.randrange(len({"malformed": MALFORMED, "hostile": HOSTILE}.get(kind, PROMPTS))),
+        index=index, phase=phase, cycle=cycle, kind=kind, prompt=prompt,
         max_tokens=rng.randint(max(1, mix.max_tokens // 2), mix.max_tokens),
         temperature=rng.choice((0.0, 0.6)),
         seed=rng.randrange(1 << 16),
@@ -359,7 +365,9 @@ HOSTILE: tuple[Hostile, ...] = (
     _hostile("a prompt as token ids", "answered refused", {"prompt": [1, 2, 3], "max_tokens": 2}, path=TEXT_PATH),
 )
 
+CASES: dict[str, tuple[Any, ...]] = {"malformed": MALFORMED, "hostile": HOSTILE}  # what an action's `prompt` indexes
 
-__all__ = ["HOSTILE", "KINDS", "MALFORMED", "NORMAL", "STREAMED", "Action", "Hostile", "Kind", "Malformed",
+
+__all__ = ["CASES", "HOSTILE", "KINDS", "MALFORMED", "NORMAL", "STREAMED", "Action", "Hostile", "Kind", "Malformed",
            "Mix", "Phase", "backtracking_schema", "filler", "malformed_body", "messages", "nested_schema", "plan",
            "probe", "refused_parameters", "warmup"]
