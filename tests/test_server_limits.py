@@ -265,7 +265,7 @@ MALFORMED = {
     "function a string": ({"id": "c1", "type": "function", "function": "x"}, "messages.0.tool_calls.0.function"),
     "id a list": ({"id": ["c1"], "type": "function", "function": {"name": "f", "arguments": "{}"}},
                   "messages.0.tool_calls.0.id"),
-    "arguments a dict": ({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}},
+    "arguments a dict": ({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}},
                          "messages.0.tool_calls.0.function.arguments"),
 }
 

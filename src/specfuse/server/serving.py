@@ -281,7 +281,8 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                 elif held:
                     yield _chunk(job, model, Delta(content="".join(held)), logprobs=ChoiceLogprobs(
                         content=chat_logprobs(result.logprobs(), job.top_logprobs)) if job.logprobs else None)
-                yield _chunk(job, model, Delta(), finish_reason_of(result, call), result_info(result, started, detailed))
+                yield _chunk(job, model, Delta(), finish_reason_of(result, call),
+                             result_info(result, started, detailed))
                 if include_usage:
                     usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
                                                 usage=usage_of(result, started))
