@@ -283,6 +283,25 @@ def test_a_body_nested_thousands_deep_is_a_400(server):
              "limit_exceeded", "specfuse")
 
 
+def test_a_lone_surrogate_is_a_400_naming_its_field(server):
+    # JSON may spell half of a UTF-16 pair; no tokenizer can encode it (it was a 500 from the worker).
+    error_of(server.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+             400, "invalid_value", "messages.0.content")
+    error_of(server.post("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 1}'), 400, "invalid_value",
+             "prompt")
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"seed": 2**64}, "seed"),
+    ({"specfuse": {"hedge_eta": 1e308}}, "specfuse.hedge_eta"),
+    ({"specfuse": {"hedge": True, "hedge_persist": True}}, "specfuse.hedge_persist"),
+])
+def test_refused_fusion_options_name_their_field(server, options, param):
+    response = server.post("/v1/chat/completions", chat(model=LEADER, **options))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_cache_salt_is_a_bounded_request_field(server):
     error_of(server.post("/v1/chat/completions", chat(cache_salt="s" * 257)), 422, "invalid_value", "cache_salt")
     response = server.post("/v1/chat/completions", chat(model=LEADER, cache_salt="tenant-a"))

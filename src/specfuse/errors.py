@@ -31,7 +31,11 @@ class MemberLoadError(SpecFuseError):
 
 
 class InvalidRequestError(SpecFuseError):
-    """Bad generation options or an empty prompt."""
+    """Bad generation options or an empty prompt; ``field`` names the option at fault, where one is."""
+
+    def __init__(self, message: str, hint: str = "", field: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.field = field
 
 
 class PromptTooLongError(InvalidRequestError):

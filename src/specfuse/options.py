@@ -119,4 +119,5 @@ class FusionOptions(BaseModel):
             raise InvalidRequestError(
                 f"invalid option {field}: {first['msg']}",
                 "see `specfuse generate --help` for allowed values",
+                field=field,
             ) from None

@@ -107,6 +107,7 @@ def parse_request(body: bytes, endpoint: Endpoint = CHAT, limits: LimitsSection 
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     checks.check_body_depth(data, limits)
+    _refuse_lone_surrogates(data)
     refused = unsupported(data, endpoint)
     if refused:
         raise unsupported_error(refused, endpoint)
@@ -124,6 +125,24 @@ def parse_request(body: bytes, endpoint: Endpoint = CHAT, limits: LimitsSection 
     return request
 
 
+def _refuse_lone_surrogates(data: Any, where: str = "") -> None:
+    """400 naming the field of a string that holds half of a UTF-16 pair (JSON's "\\ud800"): no
+    tokenizer can encode it. The body's depth is bounded before this walk."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{where or 'body'}: the text holds a lone UTF-16 surrogate, which is not a "
+                           "character; send valid Unicode", code="invalid_value", param=where or None) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            _refuse_lone_surrogates(key, where)
+            _refuse_lone_surrogates(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _refuse_lone_surrogates(value, f"{where}.{i}" if where else str(i))
+
+
 def fusion_options(request: Any, defaults: FusionOptions) -> FusionOptions:
     """The server's defaults with whatever the request sets on top."""
     values: dict[str, Any] = defaults.model_dump()
@@ -135,11 +154,24 @@ def fusion_options(request: Any, defaults: FusionOptions) -> FusionOptions:
         "stop": request.stop,
     }
     values.update({k: v for k, v in asked.items() if v is not None})
+    if "hedge_persist" in (request.specfuse or {}):  # it would change every later request, not this one
+        raise APIError(400, "hedge_persist is the server's setting ([server] hedge_persist), not a request's",
+                       code="unsupported_parameter", param="specfuse.hedge_persist")
     values.update(request.specfuse or {})  # an explicit null is a value here (gate or accept_margin: none)
     try:
         return FusionOptions.build(**values)
     except InvalidRequestError as exc:
-        raise APIError(400, exc.message, code="invalid_value") from None
+        raise APIError(400, exc.message, code="invalid_value", param=_option_param(request, exc.field)) from None
+
+
+def _option_param(request: Any, field: str | None) -> str | None:
+    """Where the client wrote a refused fusion option: top level (seed, stop, ...) or in ``specfuse``."""
+    if field is None:
+        return None
+    name = field.split(".")[0]
+    if name in (request.specfuse or {}):
+        return f"specfuse.{field}"
+    return name
 
 
 def top_logprobs(request: ChatCompletionRequest) -> int | None:

@@ -19,6 +19,7 @@ from ..errors import (
     InvalidRequestError,
     MemberFailedError,
     MemberLoadError,
+    NoFreeSlotError,
     SpecFuseError,
     UnknownModelError,
 )
@@ -92,6 +93,8 @@ def api_error(exc: BaseException, detailed: bool = False) -> APIError:
             return APIError(404, text, "invalid_request_error", "model_not_found", "model")
         if isinstance(exc, InvalidRequestError):
             return APIError(400, text, "invalid_request_error", "invalid_request")
+        if isinstance(exc, NoFreeSlotError):  # every slot held past the wait: busy, not broken
+            return APIError(503, text, "server_error", "no_free_slot")
         if isinstance(exc, MemberFailedError | MemberLoadError):
             return APIError(500, text, "server_error", "member_failed")
         return APIError(500, text, "server_error")
