@@ -557,7 +557,9 @@ def test_calibrate_table_keeps_settings_apart_at_80_columns():
     settings += [Setting(spec, 21, 40, 2, 1, 1.2 + i / 10, 20) for i, spec in enumerate(DEFAULT_GRID)]
     console = Console(width=80, record=True, file=open(os.devnull, "w"))
     console.print(calibration_table("gsm8k", settings, settings[2]))
-    first_column = "".join(line.split("│")[1] for line in console.export_text().splitlines() if line.count("│") > 2)
+    rows = [line for line in console.export_text().splitlines() if line.count("│") > 2]
+    assert all(line.endswith("│") and len(line) <= 80 for line in rows)  # nothing cut at the right edge
+    first_column = "".join(line.split("│")[1] for line in rows)
     assert "".join(first_column.split()) == "".join(
         (s.spec + (" ← chosen" if s is settings[2] else "")).replace(" ", "") for s in settings)
 

@@ -58,9 +58,9 @@ def calibrate(
 def calibration_table(task: str, settings: "list[Setting]", chosen: "Setting") -> Table:
     """The settings side by side. A setting is folded onto more lines rather than cut: at 80 columns
     every grid entry would otherwise end in the same `gate=0.5/accep…`."""
-    table = Table(Column("setting", overflow="fold", ratio=1, min_width=16),
-                  Column("right", no_wrap=True), Column("only it right"), Column("only the leader right"),
-                  Column("time ÷ leader's"),
+    table = Table(Column("setting", overflow="fold", min_width=16),
+                  Column("right", no_wrap=True), Column("only it right", justify="right"),
+                  Column("only the leader right", justify="right"), Column("time ÷ leader", justify="right"),
                   title=f"calibration on {task}: the leader was right on {settings[0].leader_correct if settings else 0}")
     for s in settings:
         mark = " ← chosen" if s.spec == chosen.spec else ""
