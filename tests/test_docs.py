@@ -593,7 +593,8 @@ def test_bench_runs_to_its_table_naming_its_systems(tmp_path):
     printed = run([executable("specfuse"), "bench", "--lengths", "12", "--reps", "1", "--no-rss",
                    "--out", str(tmp_path)], env={"COLUMNS": "240"})
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["systems"]["plain fusion"]["gate"] is None and report["systems"]["plain fusion"]["accept_margin"] is None
+    plain = report["systems"]["plain fusion"]
+    assert plain["gate"] is None and plain["accept_margin"] is None
     assert report["systems"]["default (leader alone)"]["accept_margin"] == 0
     entry = report["lengths"]["12"]
     assert entry["specfuse_tokens"]["median"] == entry["default_tokens"]["median"] == 12

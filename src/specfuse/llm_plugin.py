@@ -6,7 +6,8 @@ defaults come from ``specfuse.toml`` in llm's user directory (``llm logs path``'
 folder; the same format as ``specfuse serve --config``: ``[members] models``,
 ``threads``, ``n_ctx``; ``[defaults]`` fusion options), then from ``-o``
 options (``-o members qwen2.5-coder-0.5b,gemma3-270m -o gate 0.5 -o
-accept_margin 2``; ``-o gate none`` / ``-o accept_margin none`` for None). The answer streams segment by segment; ``--schema`` asks for
+accept_margin 2``; ``-o gate none`` / ``-o accept_margin none`` for None). The
+answer streams segment by segment; ``--schema`` asks for
 structured output. For a running ``specfuse serve``, use llm's own OpenAI
 client instead (``extra-openai-models.yaml``, see docs/server.md).
 """

@@ -143,7 +143,10 @@ def system_options(system: str, window: int) -> dict[str, Any]:
 
 def describe_systems(window: int) -> list[str]:
     """One line per system: its name and options, as printed before the table."""
-    return [f"{name}: " + ", ".join(f"{k}={'none' if v is None else v}" for k, v in system_options(name, window).items())
+    def shown(value: Any) -> Any:
+        return "none" if value is None else value
+
+    return [f"{name}: " + ", ".join(f"{k}={shown(v)}" for k, v in system_options(name, window).items())
             for name in SYSTEMS]
 
 

@@ -61,7 +61,8 @@ def calibration_table(task: str, settings: "list[Setting]", chosen: "Setting") -
     table = Table(Column("setting", overflow="fold", min_width=16),
                   Column("right", no_wrap=True), Column("only it right", justify="right"),
                   Column("only the leader right", justify="right"), Column("time ÷ leader", justify="right"),
-                  title=f"calibration on {task}: the leader was right on {settings[0].leader_correct if settings else 0}")
+                  title=f"calibration on {task}: the leader was right on "
+                        f"{settings[0].leader_correct if settings else 0}")
     for s in settings:
         mark = " ← chosen" if s.spec == chosen.spec else ""
         table.add_row(s.spec + mark, f"{s.correct}/{s.items}", str(s.only_this), str(s.only_leader),
