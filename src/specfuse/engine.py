@@ -19,8 +19,8 @@ at once, only if the leader fails mid-answer.
 Members take part while *active* (``seats.py``): a member leaves the query when
 Model Exit finds it lagging or when one of its calls raises (a fault: a dead
 server, a timeout, garbage); the answer completes with the others and the
-departure is recorded. See NOTES §1 for the method, docs/results.md for the
-defaults.
+departure is recorded. See docs/design.md#the-method for the method, docs/results.md
+for the defaults.
 """
 
 from __future__ import annotations

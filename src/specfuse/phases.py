@@ -1,4 +1,5 @@
-"""The steps of one round, one function each, named as the method names them (NOTES §1).
+"""The steps of one round, one function each, named as the method names them
+(docs/design.md#a-round).
 
 - :func:`gate`: does the leader's draft win alone? (pure)
 - :func:`draft`: members continue the answer by one segment, cut to whole words;

@@ -88,7 +88,7 @@ def hedge_rewards(normalised: Sequence[Sequence[float]]) -> list[float]:
     ``normalised[j][i]`` is verifier j's normalised score of member i's draft
     (K x K, same member order on both axes). Reward of i = number of pairs
     (j, k) with j != i, k != i and S[j][i] >= S[j][k], over (K-1)^2, floored at
-    1/(K-1)^2 (NOTES §1).
+    1/(K-1)^2 (docs/design.md#hedge-online-feedback).
     """
     k = len(normalised)
     if k < 2:

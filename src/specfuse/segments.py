@@ -4,7 +4,7 @@ A draft is a list of token pieces (bytes). Cuts happen at token boundaries so
 that the kept tokens are exactly a prefix of what the member drafted; that lets
 the member reuse its own log-probabilities and KV cache for the kept text.
 
-Rule (NOTES §1, applied at token granularity):
+Rule (docs/design.md#draft, applied at token granularity):
 - a finished draft (end-of-generation) is kept whole;
 - if the text ends in a letter or digit, the last word may be incomplete: cut
   before the last token that starts with whitespace (unless that leaves nothing);

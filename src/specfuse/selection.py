@@ -1,4 +1,5 @@
-"""Pure functions that keep weak members from hijacking the answer (NOTES §6).
+"""Pure functions that keep weak members from hijacking the answer
+(docs/design.md#selection-that-weak-members-cannot-hijack).
 
 - Degeneration guard: a candidate that repeats the answer's own recent text
   (the likelihood trap: fluent loops score high under mean probability) may
@@ -10,7 +11,8 @@
   voting weights by a softmax over negative bits per byte.
 - Confidence gate (GaC-style thresholding): the leader's draft is accepted
   without a round when its own mean token probability reaches a threshold.
-- The leader verifies (speculative decoding's reading of a round, NOTES §7):
+- The leader verifies (speculative decoding's reading of a round,
+  docs/design.md#the-leader-gate-and-acceptance-margin):
   when it is unsure, another member's segment may win only if the leader
   accepts it (:func:`leader_accepts`).
 """

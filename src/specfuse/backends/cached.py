@@ -1,5 +1,6 @@
 """What the local backends (llama.cpp, transformers) share: members with a tokenizer and a
-context window, and sessions that keep their KV cache across rounds (NOTES §2).
+context window, and sessions that keep their KV cache across rounds
+(docs/design.md#prefix-caching).
 
 A :class:`CachedSession` holds the context's tokens, how many of them are in the
 cache, the pending draft and the candidates verified this round. Its template:

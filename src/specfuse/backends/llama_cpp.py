@@ -1,6 +1,6 @@
 """llama.cpp members through llama-cpp-python's low-level API.
 
-KV-cache layout per session (NOTES §2):
+KV-cache layout per session (docs/design.md#prefix-caching):
 - sequence 0 holds the context (prompt + accepted answer) and, while a round
   runs, the member's own draft tail;
 - verifying copies the context into sequences 1..n (cells are shared in the

@@ -2,7 +2,7 @@
 
 A remote member's server only sees text, so SpecFuse renders the chat
 template itself. The template, the BOS/EOS texts and the end-of-generation
-tokens come from the model's own metadata (NOTES §3), read from:
+tokens come from the model's own metadata (docs/design.md#templates), read from:
 
 - a GGUF file, an embedded model name or a model of yours (``ollama:NAME``,
   ``hf:ORG/REPO``, ...): llama.cpp reads the vocabulary only (no weights, well

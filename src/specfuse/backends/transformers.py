@@ -10,7 +10,7 @@ A GGUF file is dequantized by transformers (through the ``gguf`` package) on
 first use and saved as a regular checkpoint under the cache directory, so
 later loads skip the conversion.
 
-Per session (NOTES §2), mirroring the llama.cpp backend:
+Per session (docs/design.md#prefix-caching), mirroring the llama.cpp backend:
 - one ``DynamicCache`` holds the context; drafted tokens are appended to it
   and stay pending until ``accept``, which crops back what was not kept;
 - ``score`` decodes all candidates in one forward pass on the cached prefix:
