@@ -12,7 +12,8 @@ machine's noise falls on all alike): three short prompts (the reference: a promp
 reuse), a 6-turn chat (an owner's manual as the system prompt, each answer sent back as the
 assistant turn, as chat UIs do) and 4 users, one after another, who share a long system prompt and
 each ask their own question. Each repetition marks its system prompts with its number, so that no
-repetition reuses another's. Per request it records the time to the first content (the first
+repetition reuses another's (``sections`` keeps only the documents' first sections: a shorter
+script, for tests). Per request it records the time to the first content (the first
 segment; the anchor streams token by token, so its first content is one token), to the first 40
 characters (about ten tokens: like for like) and to the end.
 
@@ -35,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .chat_script import CHAT_TURNS, MANUAL, POLICY, SHORT_PROMPT, USER_QUESTIONS
+from .chat_script import CHAT_TURNS, MANUAL, POLICY, SHORT_PROMPT, USER_QUESTIONS, excerpt
 from .machine import git, loadavg, machine
 from .processes import llama_cpp_server, sigterm_as_interrupt, specfuse_server
 
@@ -118,17 +119,18 @@ def marked(rep: int, system_prompt: str) -> str:
     return f"(Session {rep + 1}.) {system_prompt}"
 
 
-def one_repetition(target: Target, rep: int, max_tokens: int, turns: int, users: int) -> list[Reply]:
+def one_repetition(target: Target, rep: int, max_tokens: int, turns: int, users: int,
+                   sections: int | None = None) -> list[Reply]:
     """The short prompts, then the chat turn by turn, then the users one after another."""
     replies = [ask(target, rep, "short", i, [{"role": "user", "content": p}], max_tokens)
                for i, p in enumerate(SHORT_PROMPTS, 1)]
-    messages = [{"role": "system", "content": marked(rep, MANUAL)}]
+    messages = [{"role": "system", "content": marked(rep, excerpt(MANUAL, sections))}]
     for turn, question in enumerate(CHAT_TURNS[:turns], 1):
         messages.append({"role": "user", "content": question})
         reply = ask(target, rep, "chat", turn, messages, max_tokens)
         replies.append(reply)
         messages.append({"role": "assistant", "content": reply.text})
-    policy = marked(rep, POLICY)
+    policy = marked(rep, excerpt(POLICY, sections))
     for user, question in enumerate(USER_QUESTIONS[:users], 1):
         replies.append(ask(target, rep, "user", user, [{"role": "system", "content": policy},
                                                        {"role": "user", "content": question}], max_tokens))
@@ -158,12 +160,13 @@ def targets(workdir: Path, threads: int, log: Callable[[str], None]) -> Iterator
 
 def run(reps: int = 3, max_tokens: int = 32, threads: int = 1, turns: int = len(CHAT_TURNS),
         users: int = len(USER_QUESTIONS), out: Path | None = Path("runs/bench-chat.json"),
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every system, `reps` times in turn; the report (also written to `out`)."""
+        log: Callable[[str], None] = print, sections: int | None = None) -> dict[str, Any]:
+    """Every system, `reps` times in turn; the report (also written to `out`). `sections`: only the
+    documents' first sections in the system prompts (None: all of them)."""
     report: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {"reps": reps, "max_tokens": max_tokens, "threads": threads, "turns": turns, "users": users,
-                     "leader": LEADER},
+                     "sections": sections, "leader": LEADER},
         "loadavg": {"start": loadavg()}, "replies": [],
     }
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="specfuse-bench-chat-") as tmp:
@@ -172,7 +175,7 @@ def run(reps: int = 3, max_tokens: int = 32, threads: int = 1, turns: int = len(
                 ask(server, -1, "warm-up", 0, [{"role": "user", "content": "Hello."}], 4)
             for rep in range(reps):
                 for server in (servers if rep % 2 == 0 else servers[::-1]):
-                    replies = one_repetition(server, rep, max_tokens, turns, users)
+                    replies = one_repetition(server, rep, max_tokens, turns, users, sections)
                     report["replies"] += [asdict(r) for r in replies]
                     log(f"   rep {rep + 1} {server.name:12} " + " ".join(_brief(r) for r in replies))
             report["prefix_cache"] = {s.name: _prefix_stats(s) for s in servers if s.health}

@@ -149,3 +149,12 @@ USER_QUESTIONS = (
     "The audiobook code I got says it is already used, but I never activated it. Can you help?",
     "I want to return a signed copy that I bought as a present. How do I do that?",
 )
+
+
+def excerpt(document: str, sections: int | None) -> str:
+    """`document` (``MANUAL`` or ``POLICY``: two opening paragraphs, then numbered or lettered sections)
+    with only its first `sections` sections (0: the opening alone; None: all). A shorter script reads faster
+    (tests)."""
+    if sections is None:
+        return document
+    return "\n\n".join(document.split("\n\n")[: 2 + sections]).rstrip("\n") + "\n"
