@@ -10,6 +10,7 @@ from .backends.registry import load_member
 from .constraints import Constraint
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
+from .member_options import MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
 from .prompting import validate_messages
@@ -54,14 +55,15 @@ class Ensemble:
         """`hedge_persist`: every query with Hedge on, over all members and without given weights, starts
         from the weights the previous such query ended with (state of this object, shared by all its
         callers: a setting of whoever owns the Ensemble, never of one request). `member_options` go
-        to each member's loader."""
+        to each member's loader, validated once (:class:`specfuse.member_options.MemberOptions`)."""
+        shared = MemberOptions.build(member_options)
         specs = list(members) if members else list(DEFAULT_MODELS)
         if len(specs) > MAX_MEMBERS:
             raise InvalidRequestError(f"{len(specs)} members given", f"use at most {MAX_MEMBERS}")
         self.members: list[Member] = []
         try:
             for spec in specs:
-                self.members.append(spec if not isinstance(spec, str) else load_member(spec, **member_options))
+                self.members.append(spec if not isinstance(spec, str) else load_member(spec, shared))
         except BaseException:
             self.close()
             raise

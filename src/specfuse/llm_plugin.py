@@ -3,10 +3,11 @@
 Installed with the ``llm`` extra (``pip install 'specfuse[llm]'``), which
 registers this module under llm's ``llm`` entry point. Members and fusion
 defaults come from ``specfuse.toml`` in llm's user directory (``llm logs path``'s
-folder; the same format as ``specfuse serve --config``: ``[members] models``,
-``threads``, ``n_ctx``; ``[defaults]`` fusion options), then from ``-o``
-options (``-o members qwen2.5-coder-0.5b,gemma3-270m -o gate 0.5 -o
-accept_margin 2``; ``-o gate none`` / ``-o accept_margin none`` for None). The
+folder; the same format as ``specfuse serve --config``: ``[members] models``
+and member options such as ``threads``, ``n_ctx``, ``gpu_layers``; ``[defaults]``
+fusion options), then from ``-o`` options (``-o members qwen2.5-coder-0.5b,gemma3-270m
+-o gate 0.5 -o accept_margin 2 -o gpu_layers 0``; every member option is one;
+``-o gate none`` / ``-o accept_margin none`` for None). The
 answer streams segment by segment; ``--schema`` asks for
 structured output. For a running ``specfuse serve``, use llm's own OpenAI
 client instead (``extra-openai-models.yaml``, see docs/server.md).
@@ -18,14 +19,42 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import llm
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 
 from .ensemble import Ensemble
+from .member_options import MemberOptions, flag_fields
 from .server.config import build_config
 from .types import DoneEvent, Message, SegmentEvent
 
 CONFIG_NAME = "specfuse.toml"
-_loaded: dict[tuple[Any, ...], Ensemble] = {}  # one ensemble per member list, for the life of the process
+_loaded: dict[tuple[Any, ...], Ensemble] = {}  # one ensemble per members and options, for the life of the process
+
+
+class _FusionOptions(llm.Options):
+    members: str | None = Field(None, description="members, comma-separated (default: specfuse.toml, "
+                                "else the embedded three)")
+    max_tokens: int | None = Field(None, ge=1, description="answer budget in tokens")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
+    seed: int | None = Field(None, description="sampling seed")
+    # llm's -o values are text, and None here means "not given": the word none stands for None.
+    gate: Annotated[float, Field(ge=0, le=1)] | Literal["none"] | None = Field(
+        None, description="leader confidence gate (none = every round is a full vote)")
+    accept_margin: Annotated[float, Field(ge=0)] | Literal["none"] | None = Field(
+        None, description="nats the leader's acceptance allows (0 = the leader alone; none = every proposal "
+        "goes to the vote)")
+    window: int | None = Field(None, ge=1, description="tokens per drafted segment")
+
+    @field_validator("gate", "accept_margin", mode="before")
+    @classmethod
+    def _none_word(cls, value: object) -> object:
+        return "none" if isinstance(value, str) and value.strip().lower() == "none" else value
+
+
+MEMBER_KEYS = tuple(flag_fields())
+# The member options are MemberOptions' own fields (checked again, whole, by MemberOptions.build).
+_Options = create_model("Options", __base__=_FusionOptions,
+                        **{name: (f.annotation, Field(None, description=f.description))
+                           for name, f in flag_fields().items()})  # type: ignore[call-overload]
 
 
 class SpecFuse(llm.Model):
@@ -33,33 +62,16 @@ class SpecFuse(llm.Model):
     can_stream = True
     supports_schema = True
 
-    class Options(llm.Options):
-        members: str | None = Field(None, description="members, comma-separated (default: specfuse.toml, "
-                                    "else the embedded three)")
-        max_tokens: int | None = Field(None, ge=1, description="answer budget in tokens")
-        temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
-        seed: int | None = Field(None, description="sampling seed")
-        # llm's -o values are text, and None here means "not given": the word none stands for None.
-        gate: Annotated[float, Field(ge=0, le=1)] | Literal["none"] | None = Field(
-            None, description="leader confidence gate (none = every round is a full vote)")
-        accept_margin: Annotated[float, Field(ge=0)] | Literal["none"] | None = Field(
-            None, description="nats the leader's acceptance allows (0 = the leader alone; none = every proposal "
-            "goes to the vote)")
-        window: int | None = Field(None, ge=1, description="tokens per drafted segment")
-        threads: int | None = Field(None, ge=1, description="llama.cpp threads per member")
-
-        @field_validator("gate", "accept_margin", mode="before")
-        @classmethod
-        def _none_word(cls, value: object) -> object:
-            return "none" if isinstance(value, str) and value.strip().lower() == "none" else value
+    Options = _Options
 
     def execute(self, prompt: llm.Prompt, stream: bool, response: llm.Response,
                 conversation: llm.Conversation | None) -> Iterator[str]:
         config = build_config(llm.user_dir() / CONFIG_NAME if (llm.user_dir() / CONFIG_NAME).exists() else None)
         options = prompt.options
         members = [m.strip() for m in options.members.split(",") if m.strip()] if options.members else None
-        ensemble = _ensemble(members or config.members.models or None, options.threads or config.members.threads,
-                             config.members.n_ctx)
+        asked_members = {k: getattr(options, k) for k in MEMBER_KEYS if getattr(options, k) is not None}
+        load = MemberOptions.build({**config.members.load_options().given(), **asked_members}, where="-o")
+        ensemble = _ensemble(members or config.members.models or None, load)
         asked = {"max_tokens": options.max_tokens, "temperature": options.temperature, "seed": options.seed,
                  "gate": options.gate, "accept_margin": options.accept_margin, "window": options.window}
         fusion = {**config.fusion_defaults().model_dump(), **{k: v for k, v in asked.items() if v is not None}}
@@ -84,10 +96,10 @@ def _messages(prompt: llm.Prompt) -> list[Message]:
     return out
 
 
-def _ensemble(members: list[str] | None, threads: int | None, n_ctx: int) -> Ensemble:
-    key = (tuple(members or ()), threads, n_ctx)
+def _ensemble(members: list[str] | None, options: MemberOptions) -> Ensemble:
+    key = (tuple(members or ()), tuple(sorted(options.given().items())))
     if key not in _loaded:
-        _loaded[key] = Ensemble(members, threads=threads, n_ctx=n_ctx)
+        _loaded[key] = Ensemble(members, **options.given())
     return _loaded[key]
 
 

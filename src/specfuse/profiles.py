@@ -2,8 +2,9 @@
 
 A profile's ``[fusion]`` table holds FusionOptions fields (a field set to None is
 written ``"none"``, as TOML has no null); its ``[calibration]`` table records
-what the choice was made on (members, task, items, figures). Flags given on
-the command line go over the profile.
+what the choice was made on (members, task, items, figures). An optional
+``[members]`` table holds member options (MemberOptions fields: n_ctx, threads,
+gpu_layers, ...). Flags given on the command line go over the profile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import tomli_w
 
 from .errors import InvalidRequestError
+from .member_options import MemberOptions
 from .options import NULLABLE, FusionOptions
 
 NONE = "none"
@@ -32,15 +34,28 @@ def write_profile(path: str | Path, options: Mapping[str, Any], calibration: Map
     return target
 
 
-def load_profile(path: str | Path) -> dict[str, Any]:
-    """The [fusion] table of a profile, validated as FusionOptions fields."""
-    file = Path(path)
+def _read(file: Path) -> dict[str, Any]:
     try:
-        document = tomllib.loads(file.read_text(encoding="utf-8"))
+        return tomllib.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InvalidRequestError(f"profile not found: {file}", "write one with `specfuse calibrate`") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise InvalidRequestError(f"cannot read the profile {file}: {exc}", "it must be a TOML file") from None
+
+
+def load_profile_members(path: str | Path) -> dict[str, Any]:
+    """The [members] table of a profile (none: {}), validated as MemberOptions fields."""
+    file = Path(path)
+    table = _read(file).get("members", {})
+    if not isinstance(table, dict):
+        raise InvalidRequestError(f"{file}: [members] is not a table", "write member options as key = value")
+    return MemberOptions.build(table, where=f"{file} [members]").given()
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    """The [fusion] table of a profile, validated as FusionOptions fields."""
+    file = Path(path)
+    document = _read(file)
     fusion = document.get("fusion")
     if not isinstance(fusion, dict):
         raise InvalidRequestError(f"{file} has no [fusion] table", "write one with `specfuse calibrate`")

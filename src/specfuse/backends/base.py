@@ -118,6 +118,7 @@ class Member(ABC):
     capabilities: Capabilities = Capabilities()
     slots: int | None = None  # sessions held at once; None: any number
     n_params: int | None = None  # parameter count, where known
+    placement: str | None = None  # where it runs, in words ("CPU", "GPU: 31/31 layers", ...), where known
 
     @abstractmethod
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,

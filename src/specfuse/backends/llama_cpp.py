@@ -35,6 +35,7 @@ from typing import Any
 
 import llama_cpp as lc
 import numpy as np
+from pydantic import Field
 
 from ..errors import InvalidRequestError, MemberLoadError, NoFreeSlotError, PromptTooLongError
 from ..models import PromptFormat, check_gguf
@@ -42,9 +43,12 @@ from ..prompting import choose_format, content_spans, raw_prompt, render_chat, r
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
-from .llama_runtime import LogSoftmax, default_threads, init_backend, load_model, log_excerpt
+from ..member_options import MemberOptions
+from .llama_runtime import (LogSoftmax, default_threads, gpu_layers_for, init_backend, load_model, log_excerpt,
+                            offloaded_layers, placement, threads_for)
 from .llama_session import SEQS_PER_SESSION, Drafting, LlamaCppSession, VerifyPlan
 from .prefix_cache import PrefixCache
+from .spec import split_target
 from .special_text import Special, SpecialTexts, partition
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
@@ -87,9 +91,16 @@ class LlamaCppMember(LocalMember):
         slots: int = 1,
         max_outputs: int = 64,
         prefix_cache_cells: int | None = None,
+        gpu_layers: int | None = None,
+        main_gpu: int = 0,
+        split: str = "layer",
+        tensor_split: tuple[float, ...] | None = None,
     ) -> None:
         """`prefix_cache_cells`: cells kept between requests (None: ``n_ctx * slots``; 0: off).
-        `reencode`: every call re-encodes the whole context, as the paper's reference code (benchmarks only)."""
+        `reencode`: every call re-encodes the whole context, as the paper's reference code (benchmarks only).
+        `gpu_layers`: layers offloaded (None: all where llama.cpp can offload, else none; -1: all), on
+        `main_gpu`, or spread over the GPUs by `split` ("layer", "row"; "none": main_gpu only) in
+        `tensor_split` shares."""
         if slots < 1:
             raise ValueError("slots must be at least 1")
         if prefix_cache_cells is not None and prefix_cache_cells < 0:
@@ -98,12 +109,16 @@ class LlamaCppMember(LocalMember):
         self.name = name or self.path.stem
         check_gguf(self.path)
         init_backend()
-        self.threads = threads or default_threads()
         self.reencode = reencode
         cells = n_ctx * slots if prefix_cache_cells is None else prefix_cache_cells
         entries = min(max(4, 2 * slots), MAX_SEQUENCES - SEQS_PER_SESSION * slots) if cells and not reencode else 0
         cells = cells if entries > 0 else 0
-        self._model = load_model(self.path)
+        self._model, self.model_params = load_model(self.path, gpu_layers=gpu_layers_for(gpu_layers),
+                                                    main_gpu=main_gpu, split=split, tensor_split=tensor_split)
+        total = lc.llama_model_n_layer(self._model) + 1  # llama.cpp counts the output layer as one more
+        self.gpu_layers = offloaded_layers(self.model_params["n_gpu_layers"], total - 1)
+        self.placement = placement(self.gpu_layers, total, main_gpu, split)
+        self.threads = threads_for(threads, total - self.gpu_layers)
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = self.vocab_size = lc.llama_vocab_n_tokens(self._vocab)
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
@@ -495,9 +510,25 @@ class LlamaCppMember(LocalMember):
             pass
 
 
-def load(target: str, *, cache_dir: str | None = None, **options: object) -> LlamaCppMember:
-    """Registry entry: a known model name or a GGUF path."""
+class LlamaCppOptions(MemberOptions):
+    """A llama.cpp member's options: every member's, and those only a spec's ``#key=value`` gives."""
+
+    name: str | None = None
+    n_batch: int | None = Field(None, ge=1)
+    max_outputs: int | None = Field(None, ge=1)
+
+
+def load(target: str, shared: MemberOptions | None = None) -> LlamaCppMember:
+    """Registry entry: a known model name or a GGUF path, optionally followed by
+    ``#NAME,KEY=VALUE,...`` (LlamaCppOptions' fields, over the ensemble's `shared` options)."""
     from ..models import resolve
 
-    name, path, prompt = resolve(target, cache_dir)
-    return LlamaCppMember(path, name=name, prompt=prompt, **options)  # type: ignore[arg-type]
+    head, spec = split_target(target, LlamaCppOptions.model_fields, "llama_cpp")
+    options = (shared or MemberOptions()).merged(LlamaCppOptions, spec, where=f"member {target!r}")
+    given = options.given()
+    cache_dir = given.pop("cache_dir", None)
+    name, path, prompt = resolve(head, cache_dir)
+    given.setdefault("name", name)
+    member = LlamaCppMember(path, prompt=prompt, **given)
+    member.options = options
+    return member

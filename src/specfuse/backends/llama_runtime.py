@@ -66,13 +66,44 @@ def use_extra_buffer_types() -> bool:
     return env == "1" if env in ("0", "1") else not amx_advertised()
 
 
-def load_model(path: Path) -> Any:
-    """The model's weights on the CPU, or a clear error quoting llama.cpp's log."""
+ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "every layer"
+SPLIT_MODES = {"none": lc.LLAMA_SPLIT_MODE_NONE, "layer": lc.LLAMA_SPLIT_MODE_LAYER, "row": lc.LLAMA_SPLIT_MODE_ROW}
+
+
+def can_offload() -> bool:
+    """Whether the installed llama.cpp was built with a GPU backend (CUDA, Metal, Vulkan, ...)."""
+    return bool(lc.llama_supports_gpu_offload())
+
+
+def gpu_layers_for(requested: int | None) -> int:
+    """n_gpu_layers for a member: as asked, else every layer where llama.cpp can offload and none where it cannot."""
+    if requested is not None:
+        return requested
+    return ALL_LAYERS if can_offload() else 0
+
+
+def load_model(path: Path, *, gpu_layers: int = 0, main_gpu: int = 0, split: str = "layer",
+               tensor_split: tuple[float, ...] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The model's weights (on the CPU, or `gpu_layers` layers on the GPU) and the model parameters llama.cpp
+    was given, read back from its struct; or a clear error quoting llama.cpp's log."""
     params = lc.llama_model_default_params()
-    params.n_gpu_layers = 0
+    params.n_gpu_layers = gpu_layers
+    params.main_gpu = main_gpu
+    params.split_mode = SPLIT_MODES[split]
+    shares = None
+    if tensor_split:
+        devices = lc.llama_max_devices()
+        if len(tensor_split) > devices:
+            raise MemberLoadError(f"tensor_split has {len(tensor_split)} shares",
+                                  f"this llama.cpp takes at most {devices}")
+        shares = (ctypes.c_float * devices)(*tensor_split)  # kept alive until the load returns
+        params.tensor_split = ctypes.cast(shares, ctypes.POINTER(ctypes.c_float))
     params.use_extra_bufts = use_extra_buffer_types()
+    given = {"n_gpu_layers": params.n_gpu_layers, "main_gpu": params.main_gpu, "split_mode": params.split_mode,
+             "tensor_split": list(tensor_split or ())}
     _LOG_TAIL.clear()
     model = lc.llama_model_load_from_file(str(path).encode(), params)
+    del shares
     if not model:
         detail = log_excerpt()
         raise MemberLoadError(
@@ -80,7 +111,24 @@ def load_model(path: Path) -> Any:
             "the file is corrupt, truncated or of an unsupported architecture; replace it "
             "(for embedded models: `specfuse models prepare`)",
         )
-    return model
+    return model, given
+
+
+def offloaded_layers(n_gpu_layers: int, n_layer: int) -> int:
+    """Layers llama.cpp puts on the GPU: none without a GPU backend; else up to every repeating layer and the
+    output layer (n_layer + 1), -1 meaning all."""
+    if not can_offload() or n_gpu_layers == 0:
+        return 0
+    total = n_layer + 1
+    return total if n_gpu_layers < 0 else min(n_gpu_layers, total)
+
+
+def placement(layers: int, total: int, main_gpu: int, split: str) -> str:
+    """Where a member runs, in words: ``CPU``, or ``GPU 0: 25/25 layers``."""
+    if layers == 0:
+        return "CPU"
+    where = f"GPU {main_gpu}" if split == "none" else "GPU"  # split by layer or row: over every GPU it sees
+    return f"{where}: {layers}/{total} layers" + (" (rest on CPU)" if layers < total else "")
 
 
 def init_backend() -> None:
@@ -101,6 +149,14 @@ def default_threads() -> int:
     if env:
         return max(1, int(env))
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def threads_for(requested: int | None, on_cpu_layers: int) -> int:
+    """Threads for a member: as asked; else, wholly on a GPU, 2 (the CPU only samples and feeds it);
+    else every core up to 8 (the layers left on the CPU set the pace)."""
+    if requested:
+        return requested
+    return min(2, default_threads()) if on_cpu_layers == 0 else default_threads()
 
 
 class LogSoftmax:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import UnknownModelError
 from ..extras import require
+from ..member_options import MemberOptions
 from .base import Member
 
 BACKENDS: dict[str, str] = {
@@ -64,7 +65,11 @@ def _loader(backend: str) -> Callable[..., Member]:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def load_member(spec: MemberSpec | str, **options: Any) -> Member:
+def load_member(spec: MemberSpec | str, shared: MemberOptions | None = None, **options: Any) -> Member:
+    """Load one member under the ensemble's `shared` options (or `options`, validated here); each backend
+    takes the shared fields that apply to it and reads its spec's own ``#key=value`` options."""
     if isinstance(spec, str):
         spec = MemberSpec.parse(spec, **options)
-    return _loader(spec.backend)(spec.target, **spec.options)
+    if shared is None:
+        shared = MemberOptions.build(spec.options, where=f"member {spec.target!r}")
+    return _loader(spec.backend)(spec.target, shared)

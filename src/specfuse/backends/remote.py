@@ -2,7 +2,7 @@
 
 Spec: ``remote:URL[#NAME][,KEY=VALUE...]``, URL being the server's ``/v1``
 base, e.g. ``remote:http://10.0.0.7:8000/v1#qwen72b,template=/models/qwen72b``.
-The same keys are accepted as keyword arguments of ``load``; see RemoteOptions.
+The keys are RemoteOptions' fields.
 
 How the protocol maps onto the API:
 - the context is text: the member's chat template rendered here (the server
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import InvalidRequestError, MemberLoadError
 from ..prompting import raw_prompt
@@ -39,6 +39,9 @@ from .completion_logprobs import Entry, choices_of, entries_of, logsumexp, piece
 from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
 from .prompt_source import PromptSource, load_prompt_source
 from .spec import split_target
+
+if TYPE_CHECKING:
+    from ..member_options import MemberOptions
 
 ServerName = Literal["auto", "vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai"]
 
@@ -95,6 +98,7 @@ class RemoteMember(Member):
     def __init__(self, url: str, options: RemoteOptions, *, fallback_n_ctx: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.options = options
+        self.placement = f"remote {self.url}"
         self.client = CompletionClient(
             self.url,
             api_key=options.api_key or os.environ.get("SPECFUSE_REMOTE_API_KEY"),
@@ -370,16 +374,12 @@ def parse_target(target: str) -> tuple[str, dict[str, Any]]:
     return url, options
 
 
-def load(target: str, *, cache_dir: str | None = None, threads: int | None = None,
-         n_ctx: int | None = None, slots: int | None = None, prefix_cache_cells: int | None = None,
-         **options: Any) -> RemoteMember:
-    """Registry entry. `cache_dir`, `threads`, `slots` and `prefix_cache_cells` are for local members
-    and ignored here (each session is its own requests to the server, which caches prefixes
-    itself); `n_ctx` is a fallback when
-    neither the spec nor the server says the context size."""
+def load(target: str, shared: "MemberOptions | None" = None) -> RemoteMember:
+    """Registry entry. Of the ensemble's `shared` options only n_ctx applies: a fallback when neither
+    the spec nor the server says the context size (the server keeps its own threads, cache and GPUs)."""
     url, from_spec = parse_target(target)
     try:
-        opts = RemoteOptions(**{**options, **from_spec})
+        opts = RemoteOptions(**from_spec)
     except TypeError as exc:
         raise InvalidRequestError(f"bad remote member option: {exc}", "see RemoteOptions") from None
-    return RemoteMember(url, opts, fallback_n_ctx=n_ctx)
+    return RemoteMember(url, opts, fallback_n_ctx=shared.n_ctx if shared else None)

@@ -23,8 +23,9 @@ def parse_flag(key: str, value: str) -> bool:
     return lowered in TRUE
 
 
-def split_target(target: str, keys: Mapping[str, type], backend: str) -> tuple[str, dict[str, Any]]:
-    """``TARGET#NAME,KEY=VALUE,...`` -> (TARGET, options typed by `keys`)."""
+def split_target(target: str, keys: Mapping[str, Any], backend: str) -> tuple[str, dict[str, Any]]:
+    """``TARGET#NAME,KEY=VALUE,...`` -> (TARGET, options typed by `keys`; a key mapped to anything but a type,
+    such as a pydantic field, keeps its text for the backend's options class to type)."""
     head, _, fragment = target.partition("#")
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in fragment.split(","))):
@@ -34,7 +35,8 @@ def split_target(target: str, keys: Mapping[str, type], backend: str) -> tuple[s
             continue
         key = key.strip().replace("-", "_")
         if key not in keys:
-            raise InvalidRequestError(f"unknown {backend} member option {key!r}", f"known: NAME, {', '.join(keys)}")
+            raise InvalidRequestError(f"unknown {backend} member option {key!r} in {target!r}",
+                                      f"known: NAME, {', '.join(k for k in keys if k != 'name')}")
         options[key] = _typed(key, value.strip(), keys[key])
     return head, options
 

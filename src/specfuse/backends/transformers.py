@@ -38,7 +38,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -54,6 +54,9 @@ from .hf_tokens import piece_function
 from .prefix_cache import PrefixCache
 from .special_text import Special, SpecialTexts, partition
 from .spec import split_target
+
+if TYPE_CHECKING:
+    from ..member_options import MemberOptions
 from .transformers_session import TransformersSession
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -157,6 +160,7 @@ class TransformersMember(LocalMember):
         if not source.exists():
             raise ModelFileError(f"model not found: {source}", "give a model directory or a .gguf file")
         self.device = pick_device(device)
+        self.placement = str(self.device).upper() if str(self.device) == "cpu" else str(self.device)
         self.dtype = pick_dtype(dtype, self.device)
         if attn_implementation not in ("sdpa", "eager"):
             # Candidates are verified with a custom 4-D mask, which flash-attention kernels do not take.
@@ -372,23 +376,25 @@ def parse_target(target: str) -> tuple[str, dict[str, Any]]:
     return split_target(target, TARGET_KEYS, "transformers")
 
 
-def load(
-    target: str, *, cache_dir: str | None = None, threads: int | None = None, slots: int | None = None,
-    **options: Any
-) -> TransformersMember:
+def load(target: str, shared: "MemberOptions | None" = None) -> TransformersMember:
     """Registry entry: an embedded model name (its GGUF), a GGUF path or a model directory,
     optionally followed by ``#NAME,KEY=VALUE,...`` (see parse_target).
 
-    `threads` sets torch's CPU threads (process-wide) when given. `slots` is ignored:
-    every session keeps its own cache, so any number can be open.
+    Of the ensemble's `shared` options it takes cache_dir, n_ctx (the spec's goes first),
+    prefix_cache_cells and threads (torch's CPU threads, process-wide); every session keeps its
+    own cache, so slots do not apply, nor do llama.cpp's GPU options (see `device`).
     """
+    from ..member_options import MemberOptions
     from ..models import CATALOGUE, resolve
     from ..sources import is_sourced
 
-    target, from_spec = parse_target(target)
-    options.update(from_spec)
-    if threads:
-        torch.set_num_threads(threads)
+    shared = shared or MemberOptions()
+    target, options = parse_target(target)
+    cache_dir = shared.cache_dir
+    options.setdefault("n_ctx", shared.n_ctx)
+    options["prefix_cache_cells"] = shared.prefix_cache_cells
+    if shared.threads:
+        torch.set_num_threads(shared.threads)
     if target in CATALOGUE or is_sourced(target):  # hf:ORG/REPO may be a checkpoint folder
         name, path, prompt = resolve(target, cache_dir, checkpoint=True)
         options.setdefault("name", name)

@@ -17,18 +17,18 @@ from ..types import DoneEvent, Message, Result, SegmentEvent
 if TYPE_CHECKING:
     from ..constraints import Constraint
 from .app import app, err, out
-from .flags import CacheOpt, CtxOpt, ModelOpt, ThreadsOpt, fusion_flags
+from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
 
 COLOURS = ("cyan", "magenta", "yellow", "green", "blue", "red", "bright_white")
 DEMO_QUESTION = "In two or three sentences, why is the sky blue?"
 SystemOpt = Annotated[Optional[str], typer.Option(help="System message.")]
 
 
-def load_ensemble(model: list[str] | None, cache_dir: str | None, threads: int | None, n_ctx: int):
+def load_ensemble(model: list[str] | None, member_options: dict[str, Any] | None):
     from ..ensemble import Ensemble  # imports llama.cpp: keep `specfuse models` light
 
     with err.status("loading members…"):
-        return Ensemble(model or None, cache_dir=cache_dir, threads=threads, n_ctx=n_ctx)
+        return Ensemble(model or None, **(member_options or {}))
 
 
 def legend(names: list[str]) -> str:
@@ -110,7 +110,7 @@ def fusion_options(fusion: dict[str, Any]) -> FusionOptions:
 
 
 @app.command()
-@fusion_flags()
+@fusion_flags(members=True)
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(
         help="The question; piped standard input is read too (document first), `-` reads only it.")] = None,
@@ -120,10 +120,8 @@ def generate(
     json_schema: Annotated[Optional[str], typer.Option(
         "--json-schema", metavar="FILE", help="The answer is JSON that validates against the JSON schema in FILE.")] = None,
     json_object: Annotated[bool, typer.Option("--json-object", help="The answer is a JSON object.")] = False,
-    cache_dir: CacheOpt = None,
-    threads: ThreadsOpt = None,
-    n_ctx: CtxOpt = 4096,
     fusion: dict[str, Any] | None = None,
+    member_options: dict[str, Any] | None = None,
 ) -> None:
     """Answer PROMPT with the ensemble, streaming segments coloured by author."""
     options = fusion_options(fusion or {})
@@ -132,7 +130,7 @@ def generate(
     from ..ensemble import to_messages
 
     to_messages(messages)  # validate before loading models
-    with load_ensemble(model, cache_dir, threads, n_ctx) as ensemble:
+    with load_ensemble(model, member_options) as ensemble:
         if as_json:
             result = ensemble.generate(messages, options=options, constraint=constraint)
             sys.stdout.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
@@ -166,16 +164,14 @@ def read_constraint(json_schema: str | None, json_object: bool) -> Constraint | 
 
 
 @app.command()
-@fusion_flags()
+@fusion_flags(members=True)
 def chat(
     model: ModelOpt = None,
     system: SystemOpt = None,
-    cache_dir: CacheOpt = None,
-    threads: ThreadsOpt = None,
-    n_ctx: CtxOpt = 4096,
     hedge_persist: Annotated[bool, typer.Option(
         "--hedge-persist", help="With --hedge: each turn starts from the weights the last one ended with.")] = False,
     fusion: dict[str, Any] | None = None,
+    member_options: dict[str, Any] | None = None,
 ) -> None:
     """Multi-turn chat with the ensemble in the terminal (empty line or Ctrl-D ends).
 
@@ -184,7 +180,7 @@ def chat(
     options = fusion_options(fusion or {})
     history: list[Message] = [Message("system", system)] if system else []
     text: str | None = piped()
-    with load_ensemble(model, cache_dir, threads, n_ctx) as ensemble:
+    with load_ensemble(model, member_options) as ensemble:
         ensemble.hedge_persist = hedge_persist
         err.print(legend(ensemble.names))
         while True:
@@ -222,7 +218,7 @@ def demo(
 
     prepare_models(list(catalogue.DEFAULT_MODELS), cache_dir)
     err.print(f"[bold]question:[/] {DEMO_QUESTION}")
-    with load_ensemble(None, cache_dir, threads, 4096) as ensemble:
+    with load_ensemble(None, {"cache_dir": cache_dir, "threads": threads}) as ensemble:
         err.print(legend(ensemble.names))
         options = FusionOptions.build(max_tokens=max_tokens, seed=seed)
         result = print_stream(ensemble.stream(DEMO_QUESTION, options=options), ensemble.names)

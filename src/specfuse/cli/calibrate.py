@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Column, Table
 
 from ..extras import require
 from .app import app, err, out
-from .flags import CacheOpt, CtxOpt, ModelOpt, ThreadsOpt
+from .flags import ModelOpt, member_flags
 
 if TYPE_CHECKING:
     from ..eval.calibrate import Setting
 
 
 @app.command()
+@member_flags()
 def calibrate(
     task: Annotated[str, typer.Argument(help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C).")],
     data: Annotated[Optional[str], typer.Option(help="JSONL file of the items (jsonl: one {\"prompt\", \"answer\"} "
@@ -33,9 +34,7 @@ def calibrate(
     out_dir: Annotated[str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")]
     = "runs/calibrate",
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
-    cache_dir: CacheOpt = None,
-    threads: ThreadsOpt = None,
-    n_ctx: CtxOpt = 4096,
+    member_options: dict[str, Any] | None = None,
 ) -> None:
     """Run the leader alone and a few settings on the same items, paired; write the profile to use.
 
@@ -47,7 +46,6 @@ def calibrate(
     from ..eval.tasks import get_task, jsonl_task
 
     chosen_task = jsonl_task(checker) if task == "jsonl" else get_task(task)
-    member_options = {k: v for k, v in {"cache_dir": cache_dir, "threads": threads, "n_ctx": n_ctx}.items() if v}
     profile, settings, chosen = run_calibration(
         chosen_task, out_dir, members=model, grid=setting or DEFAULT_GRID, data=data, offset=offset, limit=limit,
         max_tokens=max_tokens, member_options=member_options, progress=progress, leader=leader)

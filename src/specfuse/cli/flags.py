@@ -21,13 +21,16 @@ from typing import Annotated, Any, Literal, Optional
 import typer
 from pydantic.fields import FieldInfo
 
+from ..member_options import flag_fields
 from ..options import FusionOptions
-from ..profiles import load_profile
+from ..profiles import load_profile, load_profile_members
 
 PANEL = "Fusion options"
 PREFIX = "fusion__"  # parameter names of generated options; never clash with a command's own
 NONE_PREFIX = "fusion_none__"
 PROFILE = "fusion_profile"
+MEMBER_PANEL = "Member options"
+MEMBER_PREFIX = "member__"
 NONE_WORD = "none"  # `--gate none`, `--accept-margin none`: the None of a nullable number
 GIVEN_NONE = object()  # what such a flag parses to, told apart from a flag not given (None)
 
@@ -114,24 +117,46 @@ def _plain(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def fusion_flags(defaults: Mapping[str, Any] | None = None,
-                 shown: Mapping[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _member_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
+    """One typer option for one MemberOptions field; None when the user does not give it."""
+    kind, _ = _optional_of(field.annotation)
+    common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": MEMBER_PANEL}
+    if kind is bool:
+        annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
+                                                          **common)
+    elif typing.get_origin(kind) is Literal:
+        choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
+        annotation, option = Optional[choices], typer.Option(None, _flag(name), **common)
+    elif typing.get_origin(kind) is tuple:  # shares as one word, 3/1, as in a member spec
+        annotation, option = Optional[str], typer.Option(None, _flag(name), metavar="A/B/...", **common)
+    else:
+        annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
+    return inspect.Parameter(MEMBER_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                             annotation=annotation)
+
+
+def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, str] | None = None, *,
+                 members: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command one option per FusionOptions field.
 
     The command receives ``fusion``: the fields the user set, over a
     ``--profile`` (written by `specfuse calibrate`), over the command's own
     `defaults` (shown in the help, or as `shown` says where the command
     decides a default later); ``FusionOptions.build`` validates them.
+    With `members`, also one option per MemberOptions field (--n-ctx, --threads, --gpu-layers, ...):
+    the command receives ``member_options``, those given over the profile's [members] table.
     """
     defaults = dict(defaults or {})
     shown = dict(shown or {})
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
-        own = [p for p in inspect.signature(command).parameters.values() if p.name != "fusion"]
+        own = [p for p in inspect.signature(command).parameters.values() if p.name not in ("fusion", "member_options")]
         fields = FusionOptions.model_fields
         added = [_parameter(name, f, defaults.get(name, f.default), shown.get(name)) for name, f in fields.items()]
         nullable = [name for name, f in fields.items() if _optional_of(f.annotation)[1] and f.default is not None]
         added += [_none_parameter(name) for name in nullable]
+        member_fields = flag_fields() if members else {}
+        added += [_member_parameter(name, f) for name, f in member_fields.items()]
         added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
                                        default=typer.Option(None, "--profile", rich_help_panel=PANEL,
                                                             help="TOML profile from `specfuse calibrate`: its "
@@ -144,10 +169,37 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None,
             given.update({name: None for name in nullable if values.pop(NONE_PREFIX + name)})
             profile_path = values.pop(PROFILE)
             profile = load_profile(profile_path) if profile_path else {}
+            if members:
+                chosen = {name: _plain(values.pop(MEMBER_PREFIX + name)) for name in member_fields}
+                on_file = load_profile_members(profile_path) if profile_path else {}
+                values["member_options"] = {**on_file, **{k: v for k, v in chosen.items() if v is not None}}
             return command(**values, fusion={**defaults, **profile, **given})
 
         hints = typing.get_type_hints(command, include_extras=True)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own] + added
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return decorate
+
+
+def member_flags() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command without fusion flags one option per MemberOptions field; it receives
+    ``member_options``: those the user gave."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(command).parameters.values() if p.name != "member_options"]
+        fields = flag_fields()
+
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            chosen = {name: _plain(values.pop(MEMBER_PREFIX + name)) for name in fields}
+            return command(**values, member_options={k: v for k, v in chosen.items() if v is not None})
+
+        hints = typing.get_type_hints(command, include_extras=True)
+        params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own]
+        params += [_member_parameter(name, f) for name, f in fields.items()]
         run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in params}
         return run

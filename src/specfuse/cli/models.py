@@ -62,11 +62,21 @@ def models_list(
         where = row.path if row.status != "not installed" else row.install
         out.print(f"{row.name}: {where}" + (f" — {row.detail}" if row.detail else ""), soft_wrap=True)
     out.print("default members (no -m): " + ", ".join(r.name for r in rows if r.default), soft_wrap=True)
+    out.print(f"llama.cpp members run on: {runs_on()}", soft_wrap=True)
     if any(r.chat_template is False for r in rows):
         out.print("base: no chat template in the model (a base model); it gets a Question/Answer prompt",
                   soft_wrap=True)
     if any(r.status == "not prepared" for r in rows):
         out.print("prepare them with: specfuse models prepare", soft_wrap=True)
+
+
+def runs_on() -> str:
+    """Where a llama.cpp member runs by default with the installed llama-cpp-python."""
+    from ..backends.llama_runtime import can_offload  # imports llama.cpp: only for the table
+
+    if can_offload():
+        return "the GPU, every layer (--gpu-layers N keeps the rest on the CPU; 0: all on the CPU)"
+    return "the CPU (this llama-cpp-python has no GPU backend; docs/deploy.md says how to build one)"
 
 
 def prepare_models(names: list[str], cache_dir: str | None) -> None:

@@ -8,11 +8,11 @@ import typer
 
 from ..extras import require
 from .app import app
-from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
+from .flags import ModelOpt, fusion_flags
 
 
 @app.command()
-@fusion_flags()
+@fusion_flags(members=True)
 def serve(
     config: Annotated[Optional[str], typer.Option("--config", "-c", help="TOML config file (see docs/server.md).")] = None,
     host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
@@ -25,13 +25,6 @@ def serve(
                                  "1 runs one after another).")] = None,
     queue_size: Annotated[Optional[int], typer.Option(
         "--queue-size", help="Requests that may wait for a free slot (default 16).")] = None,
-    cache_dir: CacheOpt = None,
-    threads: ThreadsOpt = None,
-    n_ctx: Annotated[Optional[int], typer.Option("--n-ctx", help="Context window per member (default 4096).")] = None,
-    prefix_cache_cells: Annotated[Optional[int], typer.Option(
-        "--prefix-cache-cells", min=0, help="KV-cache cells each llama.cpp member keeps between requests, so "
-        "that a chat's next turn or a shared system prompt is not read again (default: n-ctx x max-concurrent, "
-        "a window per slot; 0: off).")] = None,
     allowed_hosts: Annotated[Optional[str], typer.Option(
         "--allowed-hosts", help="Host header names served, comma-separated ('*': any); others get 400 "
         "(default: the bound host, localhost, 127.0.0.1, ::1). Name the proxy's public name here.")] = None,
@@ -45,17 +38,18 @@ def serve(
         "--limit-concurrency", min=1, help="Connections and requests served at once; more get 503 "
         "(default 64).")] = None,
     fusion: dict[str, Any] | None = None,
+    member_options: dict[str, Any] | None = None,
 ) -> None:
     """Serve the ensemble over an OpenAI-compatible API, with a web view at /.
 
     Fusion options given here are the defaults of requests that do not set them
-    (over the config file's \\[defaults] table).
+    (over the config file's \\[defaults] table); member options go over its \\[members] table.
     """
     require("server", "specfuse serve")
     from ..server import build_config, run  # FastAPI and uvicorn load only for this command
 
     hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts is not None else None
     run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
-                     max_concurrent=max_concurrent, cache_dir=cache_dir, threads=threads, n_ctx=n_ctx,
-                     prefix_cache_cells=prefix_cache_cells, allowed_hosts=hosts, max_tokens=max_tokens_limit,
-                     request_timeout_s=request_timeout, limit_concurrency=limit_concurrency, defaults=fusion or None))
+                     max_concurrent=max_concurrent, allowed_hosts=hosts, max_tokens=max_tokens_limit,
+                     request_timeout_s=request_timeout, limit_concurrency=limit_concurrency, defaults=fusion or None,
+                     **(member_options or {})))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
+from ..member_options import MemberOptions
 from ..options import FusionOptions
 
 
@@ -20,16 +21,15 @@ def run_command(
     out: str,
     data: str | None,
     progress: bool,
-    cache_dir: str | None,
-    threads: int | None,
-    n_ctx: int,
+    member_options: dict[str, Any],
     settings: dict[str, Any],
     options: dict[str, Any],
 ) -> None:
     """Run an evaluation (then write its report), or only rebuild a report.
 
     `settings` are the run's shared settings (max_tokens, temperature, top_p, seed,
-    window, stop, hedge_persist); `options` are fusion options for every fusion system.
+    window, stop, hedge_persist); `options` are fusion options for every fusion system; `member_options`
+    are MemberOptions fields, checked here before any model loads.
     """
     from .report import build_report
 
@@ -45,7 +45,7 @@ def run_command(
     from .runner import run_eval
 
     FusionOptions.build(**options)  # a bad value fails before any model loads
-    member_options = {k: v for k, v in {"cache_dir": cache_dir, "threads": threads, "n_ctx": n_ctx}.items() if v}
+    member_options = MemberOptions.build(member_options).given()
     temperature = settings.get("temperature", 0.0)
     path = run_eval(
         task, out, systems=systems, members=model, limit=limit, offset=offset,

@@ -15,8 +15,9 @@ model only where this module was imported first, e.g. from Python with
 model_args: ``models`` (members joined by ``|``; default the embedded three),
 ``system`` (any eval system: ``specfuse``, ``rerank``, ``member:NAME``),
 ``max_tokens`` (cap on each request's ``max_gen_toks``), ``temperature``
-(default 0: greedy), ``seed``, ``window``, ``threads``, ``n_ctx``, ``prefix_cache_cells`` (0: no prefix
-cache, as a server started with ``--prefix-cache-cells 0``: the way to get the same greedy answers).
+(default 0: greedy), ``seed``, ``window``, and every member option (MemberOptions: ``threads``,
+``n_ctx``, ``gpu_layers``, ``prefix_cache_cells``, ...; ``prefix_cache_cells=0``: no prefix cache, as a
+server started with ``--prefix-cache-cells 0``: the way to get the same greedy answers).
 Any other key is refused with the list of these (a misspelt key would otherwise change nothing, silently).
 
 Prompts: a request's context becomes one user message that each member renders
@@ -39,13 +40,14 @@ from typing import Any
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from ..member_options import MemberOptions, flag_fields
 from ..types import Message
 from .systems import ItemContext, RunSettings, get_system
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 _CHAT_KEY = "specfuse_messages"
-MODEL_ARGS = ("models", "system", "max_tokens", "temperature", "seed", "window", "threads", "n_ctx",
-              "prefix_cache_cells")
+RUN_ARGS = ("models", "system", "max_tokens", "temperature", "seed", "window")
+MODEL_ARGS = RUN_ARGS + tuple(flag_fields())  # and every member option
 HARNESS_ARGS = ("batch_size", "max_batch_size", "device")  # lm-eval passes these to every model: not used
 
 
@@ -72,14 +74,12 @@ class SpecFuseLM(LM):
         temperature: float = 0.0,
         seed: int = 0,
         window: int = 10,
-        threads: int | None = None,
-        n_ctx: int = 4096,
-        prefix_cache_cells: int | None = None,
         **others: Any,
     ) -> None:
         super().__init__()
         from ..ensemble import Ensemble
 
+        member_options = {k: others.pop(k) for k in list(others) if k in MODEL_ARGS}
         unknown = sorted(set(others) - set(HARNESS_ARGS))
         if unknown:
             raise ModelArgsError(f"unknown model_args for the specfuse model: {', '.join(unknown)}; "
@@ -87,10 +87,8 @@ class SpecFuseLM(LM):
 
         get_system(system)  # fail on a bad name before loading models
         names = [m for m in str(models).split("|") if m] if models else None
-        options = {k: v for k, v in {"threads": threads, "n_ctx": n_ctx}.items() if v}
-        if prefix_cache_cells is not None:
-            options["prefix_cache_cells"] = int(prefix_cache_cells)
-        self.ensemble = Ensemble(names, **options)
+        options = MemberOptions.build(member_options, where="model_args")  # lm-eval's values arrive typed or as text
+        self.ensemble = Ensemble(names, **options.given())
         self.system = system
         self.settings = RunSettings(
             max_tokens=int(max_tokens), temperature=float(temperature),

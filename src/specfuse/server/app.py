@@ -60,6 +60,7 @@ class ServerState:
     status: Literal["ok", "loading", "failed"] = "loading"
     error: str | None = None
     members: list[str] = field(default_factory=list)
+    placement: dict[str, str] = field(default_factory=dict)  # member -> where it runs, in words
     started: int = field(default_factory=lambda: int(time.time()))
     parsers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PARSERS))
 
@@ -89,9 +90,8 @@ class ServerState:
 def load_ensemble(config: ServerConfig) -> Ensemble:
     """Load the configured members (the embedded three when none are named)."""
     m = config.members
-    cache = {} if m.prefix_cache_cells is None else {"prefix_cache_cells": m.prefix_cache_cells}
-    return Ensemble(m.models or None, cache_dir=m.cache_dir, threads=m.threads, n_ctx=m.n_ctx,
-                    slots=config.server.max_concurrent, hedge_persist=config.server.hedge_persist, **cache)
+    options = {**m.load_options().given(), "slots": config.server.max_concurrent}  # one slot per generation in flight
+    return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **options)
 
 
 def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAPI:
@@ -109,7 +109,9 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAP
         state.worker.start(ens)
         state.metrics.members(ens.names)
         state.members, state.status = ens.names, "ok"
-        log.info("serving %s with members %s", state.model_id, ", ".join(ens.names))
+        state.placement = {m.name: m.placement or "?" for m in ens.members}
+        log.info("serving %s with members %s", state.model_id,
+                 ", ".join(f"{name} ({where})" for name, where in state.placement.items()))
 
     def load_in_background() -> None:
         try:
@@ -258,7 +260,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         body = Health(status=status, model=state.model_id, members=state.members, error=error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
-                      counters=worker.snapshot(),
+                      counters=worker.snapshot(), placement=state.placement,
                       occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
         return JSONResponse(body.model_dump(), status_code=code)
 

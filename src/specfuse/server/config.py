@@ -15,10 +15,11 @@ Example ``specfuse.toml``::
     max_tokens = 4096
     request_timeout_s = 600
 
-    [members]
+    [members]                    # any member option (specfuse.member_options.MemberOptions)
     models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     n_ctx = 4096
     prefix_cache_cells = 8192    # kept between requests (default: n_ctx x max_concurrent; 0: off)
+    gpu_layers = -1              # llama.cpp layers on the GPU (default: all where it can offload, else 0)
 
     [defaults]                   # fusion options for requests that do not set them
     max_tokens = 256
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..ensemble import MAX_CONCURRENT
 from ..errors import SpecFuseError
+from ..member_options import MemberOptions
 from ..options import FusionOptions
 
 
@@ -119,16 +121,15 @@ class LimitsSection(BaseModel):
         return self.request_timeout_s or None
 
 
-class MembersSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MembersSection(MemberOptions):
+    """The members and their load options (MemberOptions' fields: n_ctx, threads, gpu_layers, ...)."""
 
     models: list[str] = Field(default_factory=list, description="empty = the embedded default three")
     n_ctx: int = Field(4096, ge=256)
-    prefix_cache_cells: int | None = Field(
-        None, ge=0, description="KV-cache cells a llama.cpp member keeps between requests (chats' earlier "
-        "turns, shared system prompts); default n_ctx x max_concurrent; 0 = off")
-    threads: int | None = Field(None, ge=1)
-    cache_dir: str | None = None
+
+    def load_options(self) -> MemberOptions:
+        """The options every member is loaded with."""
+        return MemberOptions.build(self.model_dump(exclude={"models"}), where="[members]")
 
 
 class ServerConfig(BaseModel):
@@ -159,7 +160,7 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
     """Read the TOML file (if any), apply non-None ``section.key`` overrides, validate.
 
     ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
-    log_level, model_id, allowed_hosts (server); models, n_ctx, threads, cache_dir, prefix_cache_cells (members);
+    log_level, model_id, allowed_hosts (server); models and any MemberOptions field (members);
     any [limits] field by its name (limits). ``defaults`` are
     fusion options laid over the file's [defaults]. The API key falls back to $SPECFUSE_API_KEY.
     """

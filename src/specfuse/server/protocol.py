@@ -374,3 +374,5 @@ class Health(BaseModel):
     counters: dict[str, int]
     occupancy: dict[str, MemberOccupancy] = Field(default_factory=dict,
                                                   description="per member: slots free, cache cells held")
+    placement: dict[str, str] = Field(default_factory=dict, description="per member: where it runs (CPU, "
+                                      "GPU: n/N layers, a device, a remote server)")
