@@ -37,9 +37,9 @@ import llama_cpp as lc
 import numpy as np
 from pydantic import Field
 
-from ..errors import InvalidRequestError, MemberLoadError, NoFreeSlotError, PromptTooLongError
+from ..errors import MemberLoadError, NoFreeSlotError, PromptTooLongError
 from ..models import PromptFormat, check_gguf
-from ..prompting import choose_format, content_spans, raw_prompt, render_chat, render_plain
+from ..prompting import choose_format, raw_prompt, render_chat, render_plain
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
@@ -49,7 +49,7 @@ from .llama_runtime import (LogSoftmax, default_threads, gpu_layers_for, init_ba
 from .llama_session import SEQS_PER_SESSION, Drafting, LlamaCppSession, VerifyPlan
 from .prefix_cache import PrefixCache
 from .spec import split_target
-from .special_text import Special, SpecialTexts, partition
+from .special_text import Special, SpecialTexts, protected_pieces
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 # How long opening a session waits for a slot another thread's session holds. Sessions are closed by
@@ -250,14 +250,8 @@ class LlamaCppMember(LocalMember):
         """`text` (the templated `messages`) tokenized with the template's special tokens, and the
         messages' contents as plain text (a content that spells ``<|im_start|>`` stays those characters).
         For ordinary contents the same ids as tokenizing `text` whole (``special_text.py``)."""
-        spans = content_spans(self._render, messages, text)
-        if spans is None:
-            raise InvalidRequestError(
-                f"a message spells a special token of {self.name}, and its chat template rewrites message "
-                "contents, so the text could not be kept apart from the template's own tokens",
-                "remove the special token's text from the message")
         ids = [lc.llama_vocab_bos(self._vocab)] if add_special and self.add_bos else []
-        for piece in partition(text, spans, self.specials):
+        for piece in protected_pieces(self.name, self._render, messages, text, self.specials):
             ids += [piece] if isinstance(piece, int) else self.tokenize(piece, add_special=False,
                                                                          parse_special=False)
         return ids + ([lc.llama_vocab_eos(self._vocab)] if add_special and self.add_eos else [])

@@ -19,8 +19,12 @@ and tokenizes the runs itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from ..errors import InvalidRequestError
+from ..prompting import content_spans
+from ..types import Message
 
 WHITESPACE = " \t\n\v\f\r"  # C's isspace, as llama.cpp strips around lstrip/rstrip tokens
 PREFIX = 3  # texts are grouped by their first characters, so a scan does few lookups per hit
@@ -107,3 +111,16 @@ def partition(text: str, protected: Sequence[tuple[int, int]], specials: Special
                 cut.append((start, end))
         pieces = cut
     return [p if isinstance(p, int) else text[p[0] : p[1]] for p in pieces]
+
+
+def protected_pieces(member: str, render: Callable[[Sequence[Message]], str], messages: Sequence[Message],
+                     text: str, specials: SpecialTexts) -> list[str | int]:
+    """`text` (the templated `messages`) cut into the template's special token ids and runs of plain text
+    (the contents among them); refused when the template rewrites contents so that they cannot be found."""
+    spans = content_spans(render, messages, text)
+    if spans is None:
+        raise InvalidRequestError(
+            f"a message spells a special token of {member}, and its chat template rewrites message "
+            "contents, so the text could not be kept apart from the template's own tokens",
+            "remove the special token's text from the message")
+    return partition(text, spans, specials)

@@ -43,16 +43,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..errors import InvalidRequestError, MemberLoadError, ModelFileError
+from ..errors import MemberLoadError, ModelFileError
 from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
-from ..prompting import choose_format, content_spans, raw_prompt, render_plain
+from ..prompting import choose_format, raw_prompt, render_plain
 from ..types import Message
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .hf_tokens import piece_function
 from .prefix_cache import PrefixCache
-from .special_text import Special, SpecialTexts, partition
+from .special_text import Special, SpecialTexts, protected_pieces
 from .spec import split_target
 
 if TYPE_CHECKING:
@@ -265,14 +265,8 @@ class TransformersMember(LocalMember):
         """`text` (the templated `messages`) tokenized with the template's special tokens, and the
         messages' contents as plain text (``split_special_tokens``; see ``special_text.py``)."""
         tok = self.tokenizer
-        spans = content_spans(self._render, messages, text)
-        if spans is None:
-            raise InvalidRequestError(
-                f"a message spells a special token of {self.name}, and its chat template rewrites message "
-                "contents, so the text could not be kept apart from the template's own tokens",
-                "remove the special token's text from the message")
         ids: list[int] = []
-        for piece in partition(text, spans, self.specials):
+        for piece in protected_pieces(self.name, self._render, messages, text, self.specials):
             ids += [piece] if isinstance(piece, int) else tok(piece, add_special_tokens=False,
                                                               split_special_tokens=True)["input_ids"]
         if not add_special:
