@@ -22,6 +22,7 @@ import pytest
 
 from specfuse import Ensemble
 from specfuse.backends.llama_cpp import load
+from specfuse.member_options import MemberOptions
 from specfuse.types import Message
 
 PROMPT = "Explain in a few sentences how rain forms."
@@ -74,7 +75,7 @@ STEPS = [
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_cached_scores_match_reencoded_scores_on_a_fixed_answer(default_ensemble, name):
     fast_member = next(m for m in default_ensemble.members if m.name == name)
-    slow_member = load(name, reencode=True)
+    slow_member = load(name, MemberOptions(reencode=True))
     messages = [Message("user", PROMPT)]
     fast, slow = fast_member.start(messages, seed=0, reserve=64), slow_member.start(messages, seed=0, reserve=64)
     try:
