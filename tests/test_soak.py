@@ -346,3 +346,15 @@ def test_soak_options_are_checked_before_anything_starts(args, says):
                           text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_soak_out_may_name_a_folder_or_a_file(tmp_path):
+    # A folder (as `bench --out` takes for the other benches) gets soak.json inside it; it used to crash when the
+    # run wrote its report, after the whole soak.
+    from specfuse.cli.bench import soak_path
+
+    assert soak_path(str(tmp_path)) == tmp_path / "soak.json"
+    assert soak_path(str(tmp_path / "new") + "/") == tmp_path / "new" / "soak.json"
+    assert (tmp_path / "new").is_dir()
+    assert soak_path(str(tmp_path / "deep" / "run.json")) == tmp_path / "deep" / "run.json"
+    assert (tmp_path / "deep").is_dir()

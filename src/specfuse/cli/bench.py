@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -182,11 +183,19 @@ def _require_serving_clients(command: str, remote: bool) -> None:
                                 "pip install openai httpx" + (" 'llama-cpp-python[server]'" if remote else ""))
 
 
+def soak_path(out: str | None) -> Path:
+    """Where the soak's report goes: --out as a file, or soak.json inside a folder (as the other benches take
+    --out); its folder is made now, so that a path it cannot write fails before the run, not after it."""
+    path = Path(out or "runs/soak.json")
+    if path.is_dir() or (out or "").endswith(("/", "\\")):
+        path = path / "soak.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _bench_soak(duration: str, seed: int, requests: int | None, max_tokens: int, model: list[str] | None,
                 threads: int | None, max_concurrent: int | None, remote: bool, out: str | None,
                 cache_dir: str | None) -> None:
-    from pathlib import Path
-
     from ..bench.duration import parse_duration
 
     seconds = parse_duration(duration)
@@ -197,7 +206,7 @@ def _bench_soak(duration: str, seed: int, requests: int | None, max_tokens: int,
     settings = bench_soak.SoakSettings(duration_s=seconds, seed=seed, max_tokens=max_tokens, max_requests=requests,
                                        models=tuple(model or ()), threads=threads,
                                        max_concurrent=max_concurrent or 4, remote=remote, cache_dir=cache_dir)
-    path = Path(out or "runs/soak.json")
+    path = soak_path(out)
     report = bench_soak.run(settings, out=path, log=err.print)
     soak_report.print_report(report, Console(width=200, highlight=False))
     try:
