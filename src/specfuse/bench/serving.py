@@ -127,7 +127,6 @@ def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], level
               per_level: dict[int, int], max_tokens: int, warmup: int, startup_s: float,
               log: Callable[[str], None]) -> dict[str, Any]:
     """One server (serial or concurrent worker) driven at every concurrency level."""
-    import httpx
 
     t0 = time.perf_counter()
     with specfuse_server(workdir, mode, config, startup_s=startup_s) as server:
@@ -144,7 +143,7 @@ def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], level
             log(f"   concurrency {c}: {_fmt(level['requests_per_s'], '.2f')} req/s, "
                 f"{_fmt(level['output_tokens_per_s'], '.1f')} tok/s, "
                 f"p50 {_fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}")
-        entry["server_counters"] = httpx.get(f"{server.url}/health", timeout=10).json().get("counters")
+        entry["server_counters"] = server.health().get("counters")  # with the key: counters are for key holders
     return entry
 
 
