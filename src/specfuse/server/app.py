@@ -326,6 +326,23 @@ def _room(worker: Worker) -> int:
     return worker.queue_size + max(0, worker.max_concurrent - running) - waiting
 
 
+def _event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> StreamingResponse:
+    """A request's server-sent events; `cancel` also runs when the client hung up."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(cancel))
+
+
+def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    """A waiter that returns when the client of a non-streamed request hangs up (its work is then cancelled)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return disconnected
+
+
 def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) -> None:
     worker = state.worker
 
@@ -353,18 +370,8 @@ def _add_completion_route(app: FastAPI, state: ServerState, require_key: Any) ->
             worker.cancel(job)
 
         if parsed.stream:
-            return StreamingResponse(
-                serving.stream(job, model, parsed.include_usage, cancel, detailed),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(cancel),  # also runs when the client hung up
-            )
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        result = await serving.complete(job, model, disconnected, cancel, detailed)
+            return _event_stream(serving.stream(job, model, parsed.include_usage, cancel, detailed), cancel)
+        result = await serving.complete(job, model, _disconnected(request), cancel, detailed)
         return JSONResponse(result.model_dump(mode="json"))
 
 
@@ -402,16 +409,8 @@ def _add_text_completion_route(app: FastAPI, state: ServerState, require_key: An
                 worker.cancel(job)
 
         if parsed.stream:
-            return StreamingResponse(completions.stream(jobs[0], parsed, model, cancel, detailed),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(cancel))
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        result = await completions.complete(jobs, parsed, model, disconnected, worker.cancel, detailed)
+            return _event_stream(completions.stream(jobs[0], parsed, model, cancel, detailed), cancel)
+        result = await completions.complete(jobs, parsed, model, _disconnected(request), worker.cancel, detailed)
         return JSONResponse(result.model_dump(mode="json"))
 
 
