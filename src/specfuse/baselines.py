@@ -22,23 +22,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .backends.base import Member, MemberSession
+from .backends.likelihood import SCORE_PIECE_BYTES, score_in_pieces, split_for_scoring  # noqa: F401 (moved there)
 from .engine import drive, member_seed
 from .ensemble import Ensemble
 from .errors import PromptTooLongError
 from .options import FusionOptions
-from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
 from .phases import Draft, cut_segment
+from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
 from .types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
 """Tokens a lone member drafts per call: small enough to time the first token
 closely, large enough that re-drafting a cut-off word is rare overhead."""
-
-SCORE_PIECE_BYTES = 400
-"""An answer too long for one scoring batch is scored in pieces of at most this
-many UTF-8 bytes (cut before whitespace), in order on the growing context,
-exactly as the engine scores segments."""
-
 
 @dataclass
 class Answer:
@@ -186,43 +181,6 @@ def score_answers(member: Member, messages: Sequence[Message], texts: Sequence[s
             results[i], used = score_in_pieces(member, messages, text)
             calls += used
     return [results[i] for i in range(len(texts))], calls
-
-
-def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> tuple[TokenScores, int]:
-    """Score a long `text` piece by piece on a growing context, as the engine scores segments."""
-    pieces = split_for_scoring(text)
-    logprobs: list[float] = []
-    logits: list[float] = []
-    session = member.start(messages, seed=None, reserve=1)
-    try:
-        for piece in pieces:
-            scores = session.score([piece])[0]
-            logprobs += scores.logprobs
-            logits += scores.logits
-            session.accept(piece)
-    finally:
-        session.close()
-    return TokenScores(tuple(logprobs), tuple(logits)), len(pieces)
-
-
-def split_for_scoring(text: str, limit: int = SCORE_PIECE_BYTES) -> list[str]:
-    """Cut `text` into pieces of at most `limit` UTF-8 bytes, before whitespace when possible.
-
-    Bytes, not characters: a token spells at least one byte, so a piece is at
-    most `limit` tokens in any vocabulary (a 400-character piece of CJK text or
-    emoji can be 1,200 tokens).
-    """
-    if not text:
-        return [""]
-    pieces: list[str] = []
-    while len(text.encode("utf-8")) > limit:
-        cut = len(text.encode("utf-8")[:limit].decode("utf-8", "ignore"))  # characters within the limit
-        at = max(text.rfind(" ", 1, cut), text.rfind("\n", 1, cut))
-        at = at if at > 0 else max(cut, 1)
-        pieces.append(text[:at])
-        text = text[at:]
-    pieces.append(text)
-    return pieces
 
 
 def rerank(

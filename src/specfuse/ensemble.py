@@ -10,6 +10,7 @@ from .backends.registry import load_member
 from .constraints import Constraint
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
+from .likelihood import ItemScores, Rule, score_item
 from .member_options import MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
@@ -161,6 +162,18 @@ class Ensemble:
             if isinstance(event, DoneEvent):
                 return event.result
         raise RuntimeError("the engine ended without a result")
+
+    def score(self, context: str, continuations: Sequence[str], *, rule: str | Rule = "loglinear-byte",
+              weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None) -> ItemScores:
+        """How likely each continuation of `context` is: every member's summed log-probability, token
+        and byte counts and greedy flag per continuation, and their pool under `rule` (``loglinear-byte``,
+        ``loglinear-whole``, ``mixture-byte``, ``mixture-whole``; uniform `weights` unless given).
+
+        The context is read as it is (no chat template); its trailing whitespace starts each
+        continuation, as lm-eval tokenizes. `members` picks some by name (one: that member alone).
+        """
+        chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
+        return score_item(self._chosen(members), context, continuations, chosen)
 
     def close(self) -> None:
         for member in self.members:
