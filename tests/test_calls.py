@@ -98,3 +98,64 @@ def test_calls_that_decode_nothing_are_cheap():
     member, session = ScriptedMember("a"), ScriptedSession([], {})
     assert Calls([Call(member, session, "accept", ("x",)), Call(member, session, "close")]).cheap
     assert not Calls([Call(member, session, "accept", ("x",)), draft_call(member, session)]).cheap
+
+
+class ThreadLog:
+    """Which thread ran each batched call of a member, and whether its batches overlapped another member's."""
+
+    def __init__(self, parties):
+        self.barrier = threading.Barrier(parties, timeout=10)  # broken unless `parties` calls are in flight at once
+        self.threads: dict[str, list[str]] = {}
+        self.lock = threading.Lock()
+
+    def member(self, name, capabilities):
+        log = self
+
+        class Logged(BatchingMember):
+            def draft_many(self, sessions, requests):
+                with log.lock:
+                    log.threads.setdefault(self.name, []).append(threading.current_thread().name)
+                if self.capabilities.parallel_safe:
+                    log.barrier.wait()
+                return super().draft_many(sessions, requests)
+
+            def score_many(self, sessions, requests):
+                with log.lock:
+                    log.threads.setdefault(self.name, []).append(threading.current_thread().name)
+                return super().score_many(sessions, requests)
+
+        member = Logged(name)
+        member.capabilities = capabilities
+        return member
+
+
+def test_side_by_side_batching_members_run_their_batches_in_a_thread_each_and_the_rest_here():
+    side = Capabilities(parallel_safe=True, batched=True)
+    log = ThreadLog(2)
+    a, b = log.member("a", side), log.member("b", side)
+    cpu = log.member("cpu", Capabilities(batched=True))
+    sessions = {m.name: [ScriptedSession([([b" w"], False)], {"": 0.5}) for _ in range(2)] for m in (a, b, cpu)}
+    calls = [draft_call(m, s) for m in (a, b, cpu) for s in sessions[m.name]]
+    calls += [Call(m, s, "score", ([""],)) for m in (a, b) for s in sessions[m.name]]
+    with CallRunner() as runner:
+        replies = runner.run(calls)
+    assert not any(r.failed for r in replies)  # the barrier held: a's and b's drafts were in flight at once
+    assert a.batches == b.batches == [("draft", 2), ("score", 2)]  # still batched across requests
+    here = threading.current_thread().name
+    assert log.threads["cpu"] == [here]
+    for name in ("a", "b"):  # one thread per member for all its calls, not the calling thread
+        assert len(set(log.threads[name])) == 1 and log.threads[name][0] != here
+    assert log.threads["a"][0] != log.threads["b"][0]
+
+
+def test_no_thread_when_no_member_runs_side_by_side_or_only_one_lane_has_work():
+    log = ThreadLog(1)
+    cpu = [log.member(f"cpu{i}", Capabilities(batched=True)) for i in range(2)]
+    side = log.member("gpu", Capabilities(parallel_safe=True, batched=True))
+    with CallRunner() as runner:
+        runner.run([draft_call(m, ScriptedSession([([b" w"], False)], {})) for m in cpu for _ in range(2)])
+        runner.run([draft_call(side, ScriptedSession([([b" w"], False)], {})) for _ in range(2)])
+        assert runner._pool is None  # no thread was ever started
+    here = threading.current_thread().name
+    assert all(t == here for threads in log.threads.values() for t in threads)
+    assert side.batches == [("draft", 2)]

@@ -5,8 +5,10 @@ The engine never calls a member or a session itself: it yields ``Calls``
 ``Reply`` per call. That keeps the per-request logic in one place while a
 driver decides how the work runs:
 
-- one generation (:func:`specfuse.engine.fuse`): the calls of one step, local
-  members one after another, remote (``parallel_safe``) members in threads;
+- one generation (:func:`specfuse.engine.fuse`): the calls of one step, members
+  on the CPU one after another, members that run side by side
+  (``parallel_safe``: remote servers, llama.cpp members wholly on a GPU) in
+  threads;
 - many generations (``scheduler.py``): the same, but calls of several requests
   to one member that batches (``Capabilities.batched``) go into one batched
   call, e.g. one ``llama_decode`` for every session's token.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import methodcaller
 from typing import Any, Literal
@@ -94,13 +96,35 @@ def _timed(call: Call) -> Reply:
     return Reply(value, time.perf_counter() - t0)
 
 
+def _lanes(calls: Sequence[Call], groups: list[list[int]]) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The groups the calling thread runs, and the lanes (each a list of groups) that run beside them:
+    one per call of a parallel-safe member that does not batch, one per parallel-safe member that does."""
+    here: list[list[int]] = []
+    lanes: list[list[list[int]]] = []
+    own: dict[int, list[list[int]]] = {}
+    for indices in groups:
+        member = calls[indices[0]].member
+        if not member.capabilities.parallel_safe:
+            here.append(indices)
+        elif member.capabilities.batched:
+            own.setdefault(id(member), []).append(indices)
+        else:
+            lanes += [[[i]] for i in indices]
+    return here, lanes + list(own.values())
+
+
 class CallRunner:
     """Runs a list of calls and returns one Reply per call, in order.
 
-    Calls to members that declare ``parallel_safe`` (remote servers) run in a
-    thread pool while local ones run on the calling thread, so network waits
-    overlap with local CPU work and with each other. Several draft or score
-    calls to one member that batches are made as one batched call.
+    Calls to members that declare ``parallel_safe`` run beside the others: a
+    remote server's calls each in a thread of their own (its sessions share
+    only a pooled HTTP client); a batching member's calls (a llama.cpp member
+    on its own GPU) all in one thread, one group after another, since its
+    context serves one decode at a time. Every other member's calls run on the
+    calling thread, one after another: members sharing the CPU would only
+    contend. No thread is used when only one of these lanes has work. Several
+    draft or score calls to one member that batches are made as one batched
+    call.
     """
 
     def __init__(self, max_threads: int = 16) -> None:
@@ -111,20 +135,20 @@ class CallRunner:
         groups: dict[tuple[int, str], list[int]] = {}
         for i, call in enumerate(calls):
             groups.setdefault((id(call.member), call.method), []).append(i)
+        here, lanes = _lanes(calls, list(groups.values()))
         replies: list[Reply | None] = [None] * len(calls)
-        futures: dict[int, Future[Reply]] = {}
-        local: list[list[int]] = []
-        for indices in groups.values():
-            if calls[indices[0]].member.capabilities.parallel_safe and len(calls) > 1:
-                for i in indices:
-                    futures[i] = self._threads().submit(_timed, calls[i])
-            else:
-                local.append(indices)
-        for indices in local:
-            self._run_local([calls[i] for i in indices], indices, replies)
-        for i, future in futures.items():
-            replies[i] = future.result()
+        if len(lanes) + bool(here) <= 1:  # one lane: nothing to overlap with, no thread
+            here, lanes = here + [g for lane in lanes for g in lane], []
+        futures = [self._threads().submit(self._run_lane, calls, lane, replies) for lane in lanes]
+        self._run_lane(calls, here, replies)
+        for future in futures:
+            future.result()
         return [r for r in replies if r is not None]
+
+    def _run_lane(self, calls: Sequence[Call], lane: list[list[int]], replies: list[Reply | None]) -> None:
+        """Each group of calls (one member, one method) in turn, on this thread."""
+        for indices in lane:
+            self._run_local([calls[i] for i in indices], indices, replies)
 
     def _run_local(self, group: list[Call], indices: list[int], replies: list[Reply | None]) -> None:
         first = group[0]

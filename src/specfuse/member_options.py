@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .backends.spec import FALSE, TRUE
 from .errors import InvalidRequestError
 
 SPLIT_MODES = ("layer", "row", "none")
@@ -40,6 +41,9 @@ class MemberOptions(BaseModel):
         "none (main_gpu only)")
     tensor_split: tuple[float, ...] | None = Field(
         None, description="each GPU's share of a split member, e.g. 3/1 (default: by free memory)")
+    side_by_side: Literal["auto", "on", "off"] | None = Field(
+        None, description="run a llama.cpp member's calls in a thread of their own, beside the other members' "
+        "(default auto: on when every layer is on a GPU; on/true, off/false)")
     slots: int | None = Field(None, ge=1, description="sessions a member holds at once",
                               json_schema_extra={"flag": False})
     reencode: bool | None = Field(None, description="re-encode the whole context every call (benchmarks only)",
@@ -51,6 +55,17 @@ class MemberOptions(BaseModel):
         """``3/1`` or ``3,1`` (a spec's items are comma-separated: write ``/`` there)."""
         if isinstance(value, str):
             return tuple(part for part in value.replace(",", "/").split("/") if part.strip())
+        return value
+
+    @field_validator("side_by_side", mode="before")
+    @classmethod
+    def _on_off(cls, value: object) -> object:
+        """true/false (TOML, JSON, a spec's yes/no/1/0) read as on/off."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            return "on" if lowered in TRUE else "off" if lowered in FALSE else lowered
         return value
 
     @classmethod

@@ -45,7 +45,7 @@ from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from ..member_options import MemberOptions
 from .llama_runtime import (LogSoftmax, default_threads, gpu_layers_for, init_backend, load_model, log_excerpt,
-                            offloaded_layers, placement, threads_for)
+                            offloaded_layers, placement, side_by_side_for, threads_for)
 from .llama_session import SEQS_PER_SESSION, Drafting, LlamaCppSession, VerifyPlan
 from .prefix_cache import PrefixCache
 from .spec import split_target
@@ -95,12 +95,14 @@ class LlamaCppMember(LocalMember):
         main_gpu: int = 0,
         split: str = "layer",
         tensor_split: tuple[float, ...] | None = None,
+        side_by_side: str | None = None,
     ) -> None:
         """`prefix_cache_cells`: cells kept between requests (None: ``n_ctx * slots``; 0: off).
         `reencode`: every call re-encodes the whole context, as the paper's reference code (benchmarks only).
         `gpu_layers`: layers offloaded (None: all where llama.cpp can offload, else none; -1: all), on
         `main_gpu`, or spread over the GPUs by `split` ("layer", "row"; "none": main_gpu only) in
-        `tensor_split` shares."""
+        `tensor_split` shares. `side_by_side`: "on", "off", or "auto"/None (on when every layer is on a GPU):
+        whether its calls run in a thread of their own beside the other members'."""
         if slots < 1:
             raise ValueError("slots must be at least 1")
         if prefix_cache_cells is not None and prefix_cache_cells < 0:
@@ -119,6 +121,8 @@ class LlamaCppMember(LocalMember):
         self.gpu_layers = offloaded_layers(self.model_params["n_gpu_layers"], total - 1)
         self.placement = placement(self.gpu_layers, total, main_gpu, split)
         self.threads = threads_for(threads, total - self.gpu_layers)
+        self.capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True,
+                                         parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total))
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = self.vocab_size = lc.llama_vocab_n_tokens(self._vocab)
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest

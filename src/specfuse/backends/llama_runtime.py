@@ -159,6 +159,15 @@ def threads_for(requested: int | None, on_cpu_layers: int) -> int:
     return min(2, default_threads()) if on_cpu_layers == 0 else default_threads()
 
 
+def side_by_side_for(requested: str | None, on_gpu_layers: int, total: int) -> bool:
+    """Whether a member's calls may run in a thread beside other members': as asked ("on", "off"); else
+    ("auto", None) only when every layer is on a GPU, where its decodes keep its device busy and leave
+    the CPU free. Members on the CPU share its cores: beside each other they would only contend."""
+    if requested in ("on", "off"):
+        return requested == "on"
+    return total > 0 and on_gpu_layers >= total
+
+
 class LogSoftmax:
     """log-sum-exp over one vocabulary with a reused work buffer.
 
