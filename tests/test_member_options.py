@@ -219,3 +219,16 @@ def test_threads_follow_what_stays_on_the_cpu(monkeypatch):
     assert threads_for(None, on_cpu_layers=31) == 6  # layers on the CPU set the pace: every core
     assert threads_for(None, on_cpu_layers=0) == 2  # wholly on a GPU: the CPU only samples
     assert threads_for(3, on_cpu_layers=0) == 3  # asked for: as asked
+
+
+def test_side_by_side_reads_on_off_and_auto_follows_the_layers_on_a_gpu():
+    from specfuse.backends.llama_runtime import side_by_side_for
+    from specfuse.member_options import MemberOptions
+
+    read = {v: MemberOptions.build({"side_by_side": v}).side_by_side for v in (True, False, "yes", "0", "auto")}
+    assert read == {True: "on", False: "off", "yes": "on", "0": "off", "auto": "auto"}
+    with pytest.raises(InvalidRequestError, match="side_by_side"):
+        MemberOptions.build({"side_by_side": "sometimes"})
+    assert side_by_side_for(None, 25, 25) and side_by_side_for("auto", 25, 25)  # wholly on a GPU
+    assert not side_by_side_for(None, 24, 25) and not side_by_side_for(None, 0, 25)  # some layers on the CPU
+    assert side_by_side_for("on", 0, 25) and not side_by_side_for("off", 25, 25)
