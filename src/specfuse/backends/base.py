@@ -31,16 +31,23 @@ and the batched calls default to one session after another.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..segments import complete_utf8_prefix
 from ..types import DraftTokens, Message, Sampling, TokenScores
 from .prefix_cache import PrefixStats
 
 if TYPE_CHECKING:
     from ..constraints import Constraint
+
+log = logging.getLogger("specfuse.backends")
+
+# A draft's hook: called with the draft's text so far (whole characters) after each sampled token.
+OnText = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,40 @@ class Occupancy:
     prefix: PrefixStats | None = None  # the prefix cache kept between requests, where the member has one
 
 
+class TextSoFar:
+    """Reports a draft's text to its ``on_text`` hook as tokens come: only when it grew, and only
+    whole characters (a character split across tokens waits for its last byte)."""
+
+    def __init__(self, on_text: OnText | None) -> None:
+        self.on_text = on_text
+        self.data = b""
+        self.sent = 0  # bytes reported so far
+
+    def add(self, piece: bytes) -> None:
+        if self.on_text is None:
+            return
+        self.data += piece
+        n = complete_utf8_prefix(self.data)
+        if n > self.sent:
+            self.sent = n
+            try:
+                self.on_text(self.data[:n].decode("utf-8", errors="replace"))
+            except Exception:  # a listener's fault must not fail the draft (nor a batch's others)
+                log.exception("a draft's on_text hook failed; it is not called again")
+                self.on_text = None
+
+
 class MemberSession(ABC):
     """One request's context on a member."""
 
+    streams_text: bool = False  # its draft calls ``on_text`` as it samples (the engine passes one only then)
+
     @abstractmethod
-    def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
-        """Sample up to `max_tokens` tokens after the context."""
+    def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
+        """Sample up to `max_tokens` tokens after the context.
+
+        `on_text` (sessions that declare ``streams_text``): called after each sampled token with the
+        draft's text so far, whole characters only; others never call it."""
 
     def constrain(self, constraint: "Constraint") -> None:
         """Draft only tokens that keep the answer (as accepted so far, whoever wrote it) a valid prefix
@@ -144,8 +179,10 @@ class Member(ABC):
         return Occupancy(slots=self.slots)
 
     def draft_many(self, sessions: Sequence[MemberSession],
-                   requests: Sequence[tuple[int, Sampling]]) -> list[DraftTokens | Exception]:
-        """``draft`` for several sessions: one result or exception per session, in order."""
+                   requests: Sequence[tuple[int, Sampling] | tuple[int, Sampling, OnText | None]]
+                   ) -> list[DraftTokens | Exception]:
+        """``draft`` for several sessions: one result or exception per session, in order (each request is
+        ``draft``'s positional arguments, the ``on_text`` hook included where given)."""
         return [_outcome(s.draft, *request) for s, request in zip(sessions, requests)]
 
     def score_many(self, sessions: Sequence[MemberSession],

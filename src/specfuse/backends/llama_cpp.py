@@ -446,7 +446,9 @@ class LlamaCppMember(LocalMember):
 
     def _draft_batch(self, sessions: Sequence["LlamaCppSession"],
                      requests: Sequence[tuple[int, Sampling]]) -> list[DraftTokens]:
-        drafting = [Drafting(s, n, sampling, *s._prefix()) for s, (n, sampling) in zip(sessions, requests)]
+        # A request is draft's positional arguments: (n, sampling) or (n, sampling, on_text).
+        drafting = [Drafting(s, n, sampling, *s._prefix(), *hook)
+                    for s, (n, sampling, *hook) in zip(sessions, requests)]
         while True:
             feeding = [d for d in drafting if d.step(self)]
             if not feeding:

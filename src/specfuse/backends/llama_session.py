@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import PromptTooLongError
 from ..types import DraftTokens, Sampling, TokenScores
+from .base import OnText, TextSoFar
 from .cached import CachedSession, DraftState, Verified, top_alternatives
 
 if TYPE_CHECKING:
@@ -50,8 +51,9 @@ class Drafting:
     """One session's draft in progress: sample from the current row, feed the token, repeat."""
 
     def __init__(self, session: "LlamaCppSession", n: int, sampling: Sampling, row: np.ndarray,
-                 lse: float) -> None:
+                 lse: float, on_text: OnText | None = None) -> None:
         self.session, self.n, self.sampling = session, n, sampling
+        self.text = TextSoFar(on_text)
         self.row, self.lse = row, lse
         self.pos = len(session.tokens)
         self.ids: list[int] = []
@@ -74,6 +76,7 @@ class Drafting:
         self.logprobs.append(self.logits[-1] - self.lse)
         self.finished = m.is_eog(token)
         self.done = self.finished or len(self.ids) >= self.n
+        self.text.add(m.piece(token))
         return not self.done
 
     def fed(self, row: np.ndarray, lse: float) -> None:
@@ -101,6 +104,7 @@ class LlamaCppSession(CachedSession):
 
     m: LlamaCppMember
     _verified: dict[str, InSequence]  # type: ignore[assignment]
+    streams_text = True
 
     def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None,
                  slot: int = 0, reencode: bool = False) -> None:
@@ -176,9 +180,9 @@ class LlamaCppSession(CachedSession):
         pick = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], "right")), len(cum) - 1)
         return pick if idx is None else int(idx[pick])
 
-    def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
+    def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
         self._sync()
-        return self.m._draft_batch([self], [(max_tokens, sampling)])[0]
+        return self.m._draft_batch([self], [(max_tokens, sampling, on_text)])[0]
 
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
         plan = VerifyPlan(self, texts, {}, texts)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import InvalidRequestError, MemberLoadError
 from ..prompting import raw_prompt
 from ..types import DraftTokens, Message, Sampling, TokenScores
-from .base import Capabilities, Member, MemberSession
+from .base import Capabilities, Member, MemberSession, OnText
 from .cached import check_prompt_fits
 from .completion_logprobs import Entry, choices_of, entries_of, logsumexp, pieces_of, scores_of, tail
 from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
@@ -272,7 +272,8 @@ class RemoteSession(MemberSession):
     def counters(self) -> dict[str, int]:
         return dict(self.stats)
 
-    def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
+    def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
+        # One completion request per draft: `on_text` is never called (the segment streams whole).
         self._round += 1
         # Within a signed 32-bit range, which every OpenAI-style server takes (llama.cpp's reads uint32).
         seed = None if self.seed is None else (self.seed * 1009 + self._round) % 2**31

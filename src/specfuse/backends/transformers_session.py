@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from ..errors import PromptTooLongError
 from ..types import DraftTokens, Sampling, TokenScores
+from .base import OnText, TextSoFar
 from .cached import CachedSession, DraftState, Verified, top_alternatives
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ def _scores_at(rows: torch.Tensor, targets: Sequence[int]) -> TokenScores:
 class TransformersSession(CachedSession):
     """One request's context on a TransformersMember: one DynamicCache. See the module docstring."""
 
+    streams_text = True  # its draft calls on_text as it samples
+
     m: TransformersMember
 
     def __init__(self, member: TransformersMember, prompt: list[int], seed: int | None) -> None:
@@ -84,7 +87,7 @@ class TransformersSession(CachedSession):
         if self._next_row is None:
             raise RuntimeError("context is empty")
 
-    def draft(self, max_tokens: int, sampling: Sampling) -> DraftTokens:
+    def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
         if self._draft is not None:  # an earlier draft was never accepted: drop its tokens
             _crop(self.cache, len(self.tokens))
             self._draft, self._verified = None, {}
@@ -97,6 +100,7 @@ class TransformersSession(CachedSession):
         finished = False
         pos = len(self.tokens)
         banned = self.m._eog if sampling.ignore_eos else None
+        text = TextSoFar(on_text)
         for step in range(max_tokens):
             rows.append(row)
             allowed = self.allowed_next(ids)  # under a constraint; scores stay the model's own
@@ -107,6 +111,7 @@ class TransformersSession(CachedSession):
             logit = float(row[token])
             logits.append(logit)
             logprobs.append(logit - float(torch.logsumexp(row, dim=-1)))
+            text.add(b"" if self.m.is_eog(token) else self.m.piece(token))
             if self.m.is_eog(token):
                 finished = True
                 break
