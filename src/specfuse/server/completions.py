@@ -15,10 +15,30 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
 from ..logprobs import TokenLogprob, answer_logprobs
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, SegmentEvent
+from . import parsing
+from .limits import check_text
+from .parsing import Endpoint, fusion_options
 from .protocol import FusionInfo, Usage
+from .serving import (
+    KEEPALIVE_FRAME,
+    KEEPALIVE_S,
+    APIError,
+    disconnected,
+    event_stream,
+    failure_frame,
+    finish_reason_of,
+    finished,
+    result_info,
+    sse,
+    usage_of,
+)
+from .state import ServerState, job_fields, members_for, require_members, submit
 from .text_protocol import (
     COMPLETION_NEUTRAL,
     COMPLETION_PARAMETERS,
@@ -27,12 +47,26 @@ from .text_protocol import (
     CompletionRequest,
     TextCompletion,
 )
-from .limits import check_text
-from .parsing import Endpoint, fusion_options
-from .serving import KEEPALIVE_S, APIError, failure_frame, finish_reason_of, finished, result_info, sse, usage_of
 from .worker import Job, Started
 
 COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL, check_text)
+
+
+def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    @app.post("/v1/completions", dependencies=[require_key])
+    async def text_completions(request: Request) -> Response:
+        body = await state.body(request)
+        parsed = await state.offload(parsing.parse_request, body, COMPLETIONS, state.config.limits)
+        detailed = state.holds_key(request)
+        require_members(state, detailed)
+        model = parsed.model or state.model_id
+        jobs = jobs_of(parsed, state.defaults, members_for(state, model), **job_fields(state, parsed.cache_salt))
+        # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
+        cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
+        if parsed.stream:
+            return event_stream(stream(jobs[0], parsed, model, cancel, detailed), cancel)
+        result = await complete(jobs, parsed, model, disconnected(request), state.worker.cancel, detailed)
+        return JSONResponse(result.model_dump(mode="json"))
 
 
 def jobs_of(request: CompletionRequest, defaults: FusionOptions, members: list[str] | None,
@@ -121,7 +155,7 @@ async def stream(job: Job, request: CompletionRequest, model: str,
             yield _chunk(job, model, CompletionChoice(text=request.prompts[0]))
         async for item in job.items(keepalive_s=KEEPALIVE_S):
             if item is None:
-                yield ": keep-alive\n\n"
+                yield KEEPALIVE_FRAME
             elif isinstance(item, Started):
                 started = item
             elif isinstance(item, SegmentEvent):
@@ -144,4 +178,4 @@ async def stream(job: Job, request: CompletionRequest, model: str,
         cancel()
 
 
-__all__ = ["COMPLETIONS", "complete", "jobs_of", "legacy_logprobs", "stream"]
+__all__ = ["COMPLETIONS", "add_routes", "complete", "jobs_of", "legacy_logprobs", "stream"]

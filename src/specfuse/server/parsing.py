@@ -18,11 +18,24 @@ from ..constraints import Constraint
 from ..ensemble import to_messages
 from ..errors import InvalidRequestError
 from ..options import FusionOptions
-from ..tools import Tool, call_text, chosen_tools, parse_tools, render, result_text, tool_constraint
+from ..tools import (
+    Tool,
+    call_text,
+    chosen_tools,
+    parse_tools,
+    render,
+    result_text,
+    tool_constraint,
+)
 from ..types import Message
 from . import limits as checks
 from .config import LimitsSection
-from .protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS, TOLERATED_PARAMETERS, ChatCompletionRequest
+from .protocol import (
+    NEUTRAL_PARAMETERS,
+    SUPPORTED_PARAMETERS,
+    TOLERATED_PARAMETERS,
+    ChatCompletionRequest,
+)
 from .serving import APIError
 
 log = logging.getLogger("specfuse.server")
@@ -271,7 +284,12 @@ class ChatPlan:
 def plan_chat(body: bytes, defaults: FusionOptions, limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
     """Body bytes -> everything the worker needs: parsing, limits, tools, messages, options, the compiled
     constraint. CPU work on client input, bounded by ``limits``: the app runs it off the event loop."""
-    request = parse_request(body, CHAT, limits)
+    return plan_of(parse_request(body, CHAT, limits), defaults, limits)
+
+
+def plan_of(request: ChatCompletionRequest, defaults: FusionOptions,
+            limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
+    """A validated chat request (of any API: Messages and Responses translate theirs) -> its plan."""
     try:
         tools, mode = offered_tools(request)
     except RecursionError:  # the schema checker recurses: limits raised too far for it
@@ -297,6 +315,7 @@ __all__ = [
     "offered_tools",
     "parse_request",
     "plan_chat",
+    "plan_of",
     "to_engine_messages",
     "top_logprobs",
     "unsupported",

@@ -314,6 +314,9 @@ class ModelCard(BaseModel):
     owned_by: str = "specfuse"
     parent: str | None = Field(None, description="for a member: the ensemble it belongs to")
     members: list[str] | None = Field(None, description="for the ensemble: its members, in order")
+    context_length: int | None = Field(None, description="tokens of prompt and answer it takes (the ensemble: "
+                                       "its smallest member's window); null where a member cannot tell")
+    max_model_len: int | None = Field(None, description="the same, by the name vLLM gives it")
 
 
 class ModelList(BaseModel):

@@ -1,8 +1,12 @@
-"""A job's events -> an OpenAI response body or SSE chunks (requests are read in ``parsing``).
+"""What every endpoint shares: errors, reading a job's items, server-sent events, disconnects, bodies.
 
-Streaming and non-streaming read the same item iterator (``Job.items``), so the
-two can only differ in framing. Everything here raises ``APIError``, which the
-app turns into OpenAI's error JSON.
+Each API module (``chat``, ``completions``, ``messages``, ``responses``) turns
+its request into jobs and the jobs' items into its own wire shape; what they
+all need lives here, written once: ``APIError`` (sent in each API's own error
+shape by the app), ``finished`` (the whole answer, cancelled when the client
+hangs up), ``event_stream`` (SSE headers and the cancel-on-hangup), the
+request body within ``[limits]``, and the parts of a result every response
+reports (usage, the ``specfuse`` extension).
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-from ..tools import ToolCall, read_call
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
 from ..errors import (
     InvalidRequestError,
     MemberFailedError,
@@ -23,27 +30,17 @@ from ..errors import (
     SpecFuseError,
     UnknownModelError,
 )
-from ..logprobs import TokenLogprob, answer_logprobs
-from ..types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
+from ..tools import ToolCall, read_call
+from ..types import DoneEvent, Result, Segment
+from .guards import media_type_error, redact
 from .protocol import (
-    AssistantMessage,
-    ChatCompletion,
-    ChatCompletionChunk,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-    Delta,
     ErrorDetail,
     ErrorResponse,
     FusionInfo,
     FusionStats,
-    RoundInfo,
     SegmentInfo,
-    TokenLogprobInfo,
-    TopLogprob,
     Usage,
 )
-from .guards import redact
 from .worker import (
     Cancelled,
     DeadlineError,
@@ -58,10 +55,12 @@ from .worker import (
 log = logging.getLogger("specfuse.server")
 
 KEEPALIVE_S = 10.0  # an SSE comment this often keeps proxies from closing a queued stream
+DRAIN_FACTOR = 16  # read (and drop) up to this many times the body limit, so the 413 reaches the client
 
 
 class APIError(Exception):
-    """An error to send as OpenAI error JSON with this HTTP status."""
+    """An error to send with this HTTP status, in the shape of the API the request spoke (OpenAI's by
+    default: ``body``; the app picks another API's shape by the request's path)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None) -> None:
@@ -101,23 +100,68 @@ def api_error(exc: BaseException, detailed: bool = False) -> APIError:
     return APIError(500, "internal error while generating; see the server log", "server_error")
 
 
-# --------------------------------------------------------------------------- responses
+CANCELLED = "the generation was cancelled"
+
+
+def failure_of(item: Any, detailed: bool = False) -> APIError | None:
+    """The error a failed or cancelled job ends with (None for other items)."""
+    if isinstance(item, Failed):
+        return api_error(item.error, detailed)
+    if isinstance(item, Cancelled):
+        return APIError(503, CANCELLED, "server_error", "cancelled")
+    return None
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, or 413 once it passes ``limit`` bytes (drained a while so the client sees the 413), or 408
+    when the client takes longer than ``timeout_s`` to send it (a slow client must not hold a connection)."""
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    too_big = True
+                if too_big:
+                    if size > DRAIN_FACTOR * limit:
+                        break
+                    continue
+                parts.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body took longer than {timeout_s:g} s to arrive ([limits] "
+                       "body_timeout_s)", code="request_timeout") from None
+    if too_big:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    return b"".join(parts)
+
+
+async def json_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """A JSON endpoint's body: 415 unless it is declared JSON (browsers), then read within the limits."""
+    why = media_type_error(request.headers.get("content-type"))
+    if why is not None:
+        raise APIError(415, why, code="unsupported_media_type")
+    return await read_body(request, limit, timeout_s)
+
+
+# --------------------------------------------------------------------------- what every response reports
 
 
 def finish_reason_of(result: Result, call: ToolCall | None = None) -> str:
+    """OpenAI's finish reason: "tool_calls", "stop" or "length" (a context or deadline end is a length limit)."""
     if call is not None:
         return "tool_calls"
-    return "stop" if result.stats.finish_reason == "stop" else "length"  # "context" is a length limit
+    return "stop" if result.stats.finish_reason == "stop" else "length"
 
 
-def _call_of(job: Job, result: Result) -> ToolCall | None:
+def call_of(job: Job, result: Result) -> ToolCall | None:
     """The tool call a finished answer makes, when tools were offered."""
     return read_call(result.text, job.tools) if job.tools and result.stats.finish_reason == "stop" else None
-
-
-def _calls(call: ToolCall, index: int | None = None) -> list[dict[str, Any]]:
-    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return [entry if index is None else {"index": index, **entry}]
 
 
 def usage_of(result: Result, started: Started | None) -> Usage:
@@ -149,38 +193,7 @@ def segment_info(segment: Segment) -> SegmentInfo:
     return SegmentInfo(text=segment.text, model=segment.model, round=segment.round)
 
 
-def completion_body(job: Job, model: str, result: Result, started: Started | None,
-                    detailed: bool = False) -> ChatCompletion:
-    return ChatCompletion(
-        id=job.id,
-        created=int(job.created),
-        model=model,
-        choices=[_choice(job, result)],
-        usage=usage_of(result, started),
-        specfuse=result_info(result, started, detailed).model_copy(update={
-            "segments": [segment_info(s) for s in result.segments],
-            "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
-            "prompt_tokens": started.prompt_tokens if started else None,
-        }),
-    )
-
-
-def _choice(job: Job, result: Result) -> Choice:
-    call = _call_of(job, result)
-    message = (AssistantMessage(content=None, tool_calls=_calls(call)) if call
-               else AssistantMessage(content=result.text))
-    logprobs = None
-    if job.logprobs:
-        logprobs = ChoiceLogprobs(content=None if call else chat_logprobs(result.logprobs(), job.top_logprobs))
-    return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)
-
-
-def chat_logprobs(tokens: list[TokenLogprob], k: int) -> list[TokenLogprobInfo]:
-    """Answer tokens in the chat shape: text, log-probability, bytes, the author's top `k`, who wrote it."""
-    return [TokenLogprobInfo(token=t.text, logprob=t.logprob, bytes=list(t.bytes), model=t.model,
-                             top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=list(data))
-                                           for text, data, lp in t.top[:k]])
-            for t in tokens]
+# --------------------------------------------------------------------------- a job's answer
 
 
 async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
@@ -203,109 +216,65 @@ async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
                 started = item
             elif isinstance(item, DoneEvent):
                 return item.result, started
-            elif isinstance(item, Failed):
-                raise api_error(item.error, detailed)
-            elif isinstance(item, Cancelled):
-                raise APIError(503, "the generation was cancelled", "server_error", "cancelled")
+            elif (error := failure_of(item, detailed)) is not None:
+                raise error
         raise APIError(500, "the generation ended without a result", "server_error")
     finally:
         watcher.cancel()
         cancel()  # a no-op when the job already ended
 
 
-async def complete(job: Job, model: str, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None], detailed: bool = False) -> ChatCompletion:
-    """The chat completion of the whole answer (see ``finished``)."""
-    result, started = await finished(job, disconnected, cancel, detailed)
-    return completion_body(job, model, result, started, detailed)
+def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    """A waiter that returns when the client of a non-streamed request hangs up (its work is then cancelled)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+# --------------------------------------------------------------------------- server-sent events
+
+
+def sse(payload: dict[str, Any] | str, event: str | None = None) -> str:
+    """One SSE frame (``event``: its name, for the APIs that name their events)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
+
+
+KEEPALIVE_FRAME = ": keep-alive\n\n"
 
 
 def failure_frame(item: Any, detailed: bool = False) -> str | None:
-    """The SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
-    if isinstance(item, Failed):
-        return sse(api_error(item.error, detailed).body())
-    if isinstance(item, Cancelled):
-        return sse(APIError(503, "the generation was cancelled", "server_error", "cancelled").body())
-    return None
+    """The OpenAI SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
+    error = failure_of(item, detailed)
+    return None if error is None else sse(error.body())
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
-def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
-           info: FusionInfo | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
-    chunk = ChatCompletionChunk(id=job.id, created=int(job.created), model=model,
-                                choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
-                                specfuse=info)
-    return sse(chunk.model_dump(mode="json", exclude={"usage"}))
-
-
-async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None],
-                 detailed: bool = False) -> AsyncIterator[str]:
-    """SSE frames: role chunk, one delta per accepted segment, finish, [usage], [DONE].
-
-    A failure after the stream began is sent as an ``error`` event; ``[DONE]``
-    always ends the stream. If the client disconnects, the server cancels this
-    generator at its current await and ``finally`` cancels the job.
-    """
-    yield _chunk(job, model, Delta(role="assistant", content=""), info=FusionInfo())
-    started: Started | None = None
-    pending: Segment | None = None
-    held: list[str] = []  # with tools offered: the answer's text until it is known to be a call or not
-    try:
-        async for item in job.items(keepalive_s=KEEPALIVE_S):
-            if item is None:
-                yield ": keep-alive\n\n"
-            elif isinstance(item, Started):
-                started = item
-                yield _chunk(job, model, Delta(), info=FusionInfo(prompt_tokens=item.prompt_tokens))
-            elif isinstance(item, SegmentEvent):
-                pending = item.segment  # sent with its round record, which follows at once
-                if job.tools:  # the answer may be a call: its text is sent at the end, as a call or as text
-                    held.append(pending.text)
-                    pending = None
-            elif isinstance(item, RoundEvent):
-                round_info = RoundInfo.model_validate(item.record.to_dict())
-                if pending is not None:
-                    logprobs = (ChoiceLogprobs(content=chat_logprobs(answer_logprobs([pending]), job.top_logprobs))
-                                if job.logprobs else None)
-                    yield _chunk(job, model, Delta(content=pending.text),
-                                 info=FusionInfo(segment=segment_info(pending), round=round_info), logprobs=logprobs)
-                    pending = None
-                else:  # a round whose winner was "stop here": no text, still worth showing
-                    yield _chunk(job, model, Delta(), info=FusionInfo(round=round_info))
-            elif isinstance(item, DoneEvent):
-                result = item.result
-                call = _call_of(job, result)
-                if call is not None:
-                    yield _chunk(job, model, Delta(tool_calls=_calls(call, 0)))
-                elif held:
-                    yield _chunk(job, model, Delta(content="".join(held)), logprobs=ChoiceLogprobs(
-                        content=chat_logprobs(result.logprobs(), job.top_logprobs)) if job.logprobs else None)
-                yield _chunk(job, model, Delta(), finish_reason_of(result, call),
-                             result_info(result, started, detailed))
-                if include_usage:
-                    usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
-                                                usage=usage_of(result, started))
-                    yield sse(usage.model_dump(mode="json", exclude={"specfuse"}))
-            elif (frame := failure_frame(item, detailed)) is not None:
-                yield frame
-        yield sse("[DONE]")
-    finally:
-        cancel()  # a no-op when the job already ended
+def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> StreamingResponse:
+    """A request's server-sent events; `cancel` also runs when the client hung up."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(cancel))
 
 
 __all__ = [
+    "KEEPALIVE_FRAME",
+    "KEEPALIVE_S",
     "APIError",
     "api_error",
-    "complete",
-    "completion_body",
+    "call_of",
+    "disconnected",
+    "event_stream",
     "failure_frame",
+    "failure_of",
+    "finish_reason_of",
     "finished",
+    "json_body",
+    "read_body",
     "result_info",
+    "segment_info",
     "sse",
-    "stream",
     "usage_of",
 ]
