@@ -4,7 +4,8 @@ The server is cut by endpoint: ``state`` and ``serving`` are the shared part
 (the server's state, jobs and their queueing, errors, request bodies, SSE,
 disconnects), ``parsing`` and ``limits`` read and bound requests, and each API
 module adds its own routes over them: ``chat`` (/v1/chat/completions),
-``completions`` (/v1/completions).
+``completions`` (/v1/completions), ``messages`` (Anthropic's /v1/messages), ``responses``
+(OpenAI's /v1/responses).
 
 ``create_app`` is what tests and embedders use; ``run`` is `specfuse serve`.
 Members are loaded before the app starts (``run``) or, when the app is created
@@ -37,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..ensemble import Ensemble
 from ..errors import SpecFuseError
-from . import chat, completions
+from . import chat, completions, messages, responses
 from .config import WILDCARD_HOSTS, ServerConfig
 from .guards import Gate, h11_protocol, quoted, redact
 from .metrics import ServerMetrics
@@ -48,7 +49,7 @@ from .worker import Worker
 
 log = logging.getLogger("specfuse.server")
 STATIC = Path(__file__).with_name("static")
-API_MODULES = (chat, completions)  # each adds its routes: one module per API
+API_MODULES = (chat, completions, messages, responses)  # each adds its routes: one module per API
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:
@@ -120,8 +121,11 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAP
 
 
 def _error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    anthropic = path == messages.PATH or path.startswith(messages.PATH + "/")
+    body = messages.error_body(error) if anthropic else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -1,0 +1,58 @@
+"""The app over the session's embedded members, served by uvicorn in a thread (as `specfuse serve` serves
+it), for the tests of the Messages and Responses APIs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from helpers import wait_for
+from specfuse.server.app import create_app, uvicorn_settings
+from specfuse.server.config import ServerConfig
+from specfuse.server.state import ServerState
+
+KEY = "apis-key"
+LEADER = "smollm2-135m"  # the quickest member, alone, where the test is not about fusion
+
+
+@dataclass
+class Live:
+    url: str
+    state: ServerState
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/v1"
+
+
+@contextmanager
+def live(ensemble: Any, *, limits: dict[str, Any] | None = None, **server: Any) -> Iterator[Live]:
+    config = ServerConfig.model_validate({
+        "server": {"api_key": KEY, "port": 0, "queue_size": 4, "max_concurrent": 2, "log_level": "warning",
+                   **server},
+        "limits": {"max_tokens": 64, "max_stops": 4, "max_messages": 40, "max_tools": 4, **(limits or {})},
+        "defaults": {"max_tokens": 8, "temperature": 0},
+    })
+    app = create_app(config, ensemble)
+    runner = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(config)))
+    thread = threading.Thread(target=runner.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: runner.started or not thread.is_alive(), 60, what="uvicorn to start")
+        assert runner.started, "uvicorn did not start"
+        port = runner.servers[0].sockets[0].getsockname()[1]
+        yield Live(f"http://127.0.0.1:{port}", app.state.specfuse)
+    finally:
+        runner.should_exit = True
+        thread.join(60)
+
+
+def idle(state: ServerState) -> bool:
+    """No request waiting or running, and every member's slots free again."""
+    worker = state.worker
+    return worker.state() == (0, 0) and all(o.free_slots in (None, o.slots) for o in worker.occupancy().values())
