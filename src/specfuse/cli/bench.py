@@ -14,51 +14,55 @@ from ..extras import require
 from .app import app, err
 from .flags import CacheOpt, ModelOpt
 
+# The options, named once here so that the command's signature reads as a list.
+Lengths = Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")]
+Reps = Annotated[int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the "
+                                        "whole script.")]
+Window = Annotated[int, typer.Option(help="Max tokens each member drafts per round.")]
+Out = Annotated[Optional[str], typer.Option(
+    help="Folder for bench.json and the per-round plot (default runs/bench); "
+         "with --serve the JSON file (default runs/bench-serve.json; with --soak runs/soak.json, "
+         "its plot beside it).")]
+Rss = Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")]
+Serve = Annotated[bool, typer.Option(
+    "--serve", help="Serving benchmark instead: the real `specfuse serve` under 1..N streaming users, "
+                    "serial (max_concurrent 1) vs. concurrent worker.")]
+Concurrency = Annotated[str, typer.Option(help="--serve: users in flight, comma-separated.")]
+Requests = Annotated[Optional[int], typer.Option(
+    help="--serve: requests per concurrency level (default max(8, 2 x users)); "
+         "with --soak the most requests of the run (default 10 per second of it).")]
+MaxTokens = Annotated[Optional[int], typer.Option(
+    "--max-tokens", help="--serve: max_tokens of every request (default 32; with --soak at most, "
+                         "default 16).")]
+MaxConcurrent = Annotated[Optional[int], typer.Option(
+    "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users; "
+                             "with --soak the server's, default 4).")]
+Threads = Annotated[Optional[int], typer.Option(
+    help="--serve: llama.cpp threads per member, the same in both modes (default: the server's).")]
+Remote = Annotated[bool, typer.Option(
+    "--remote", help="--serve: the members are two llama_cpp.server processes started on loopback "
+                     "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.")]
+Soak = Annotated[Optional[str], typer.Option(
+    "--soak", metavar="DURATION", help="--serve: a soak instead: the server under a seeded mix of traffic "
+                                       "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
+                                       "leaks (docs/reliability.md).")]
+Seed = Annotated[Optional[int], typer.Option(help="--soak: the seed of the traffic mix (default 0).")]
+Chat = Annotated[bool, typer.Option(
+    "--chat", help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
+                   "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "
+                   "cache (docs/performance.md).")]
+Followers = Annotated[bool, typer.Option(
+    "--followers", help="--serve: what the members the default never asks cost: the leader-alone default, "
+                        "eager followers and model=<leader>, side by side (docs/performance.md).")]
+DEFAULT_LEVELS = "1,2,4,8"
+
 
 @app.command()
-def bench(
-    lengths: Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")] = "128,256",
-    reps: Annotated[int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the "
-                                           "whole script.")] = 3,
-    model: ModelOpt = None,
-    window: Annotated[int, typer.Option(help="Max tokens each member drafts per round.")] = 10,
-    out: Annotated[Optional[str], typer.Option(
-        help="Folder for bench.json and the per-round plot (default runs/bench); "
-             "with --serve the JSON file (default runs/bench-serve.json; with --soak runs/soak.json, "
-             "its plot beside it).")] = None,
-    rss: Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")] = True,
-    serve: Annotated[bool, typer.Option(
-        "--serve", help="Serving benchmark instead: the real `specfuse serve` under 1..N streaming users, "
-                        "serial (max_concurrent 1) vs. concurrent worker.")] = False,
-    concurrency: Annotated[str, typer.Option(help="--serve: users in flight, comma-separated.")] = "1,2,4,8",
-    requests: Annotated[Optional[int], typer.Option(
-        help="--serve: requests per concurrency level (default max(8, 2 x users)); "
-             "with --soak the most requests of the run (default 10 per second of it).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(
-        "--max-tokens", help="--serve: max_tokens of every request (default 32; with --soak at most, "
-                             "default 16).")] = None,
-    max_concurrent: Annotated[Optional[int], typer.Option(
-        "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users; "
-                                 "with --soak the server's, default 4).")] = None,
-    threads: Annotated[Optional[int], typer.Option(
-        help="--serve: llama.cpp threads per member, the same in both modes (default: the server's).")] = None,
-    remote: Annotated[bool, typer.Option(
-        "--remote", help="--serve: the members are two llama_cpp.server processes started on loopback "
-                         "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.")] = False,
-    cache_dir: CacheOpt = None,
-    soak: Annotated[Optional[str], typer.Option(
-        "--soak", metavar="DURATION", help="--serve: a soak instead: the server under a seeded mix of traffic "
-                                           "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
-                                           "leaks (docs/reliability.md).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="--soak: the seed of the traffic mix (default 0).")] = None,
-    chat: Annotated[bool, typer.Option(
-        "--chat", help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
-                       "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "
-                       "cache (docs/performance.md).")] = False,
-    followers: Annotated[bool, typer.Option(
-        "--followers", help="--serve: what the members the default never asks cost: the leader-alone default, "
-                            "eager followers and model=<leader>, side by side (docs/performance.md).")] = False,
-) -> None:
+def bench(lengths: Lengths = "128,256", reps: Reps = 3, model: ModelOpt = None, window: Window = 10,
+          out: Out = None, rss: Rss = True, serve: Serve = False, concurrency: Concurrency = DEFAULT_LEVELS,
+          requests: Requests = None, max_tokens: MaxTokens = None, max_concurrent: MaxConcurrent = None,
+          threads: Threads = None, remote: Remote = False, cache_dir: CacheOpt = None, soak: Soak = None,
+          seed: Seed = None, chat: Chat = False, followers: Followers = False) -> None:
     """Time plain fusion (gate none, accept-margin none: every member drafts and votes every round)
     against its members, the floor, the reference method and response level, and the default (the
     leader alone) against the leader by itself; the systems and their options are printed first.
@@ -66,14 +70,15 @@ def bench(
     With --serve: measure the server under concurrent users instead (docs/performance.md); with
     --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md).
     """
-    _check_flags(serve, concurrency=concurrency != "1,2,4,8", requests=requests is not None,
+    levels_given = concurrency != DEFAULT_LEVELS
+    _check_flags(serve, concurrency=levels_given, requests=requests is not None,
                  max_tokens=max_tokens is not None, max_concurrent=max_concurrent is not None,
                  threads=threads is not None, remote=remote, cache_dir=cache_dir is not None,
                  soak=soak is not None, seed=seed is not None, chat=chat, followers=followers)
     if chat:
         _bench_chat(reps, max_tokens or 32, threads or 1, out)
     elif followers:
-        _bench_followers(concurrency if concurrency != "1,2,4,8" else "1,4", requests or 8, max_tokens or 32,
+        _bench_followers(concurrency if levels_given else "1,4", requests or 8, max_tokens or 32,
                          model, threads, out)
     elif soak is not None:
         _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
