@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-
 from helpers import wait_for
+
 from specfuse.server.app import create_app, uvicorn_settings
 from specfuse.server.config import ServerConfig
 from specfuse.server.state import ServerState
