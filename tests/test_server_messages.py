@@ -132,3 +132,26 @@ def test_models_say_their_context_length(server):
     assert cards["specfuse"]["context_length"] == min(windows) == cards["specfuse"]["max_model_len"]
     one = httpx.get(f"{server.url}/v1/models/{LEADER}", headers={"x-api-key": KEY}).json()
     assert one["context_length"] == cards[LEADER]["context_length"]
+
+
+def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, client):
+    raw = {"x-api-key": KEY, "Content-Type": "application/json"}
+    bad_json = httpx.post(f"{server.url}/v1/messages", content=b"{not json", headers=raw, timeout=60)
+    assert anthropic_error(bad_json, 400)["code"] == "invalid_json"
+    as_form = httpx.post(f"{server.url}/v1/messages", content=b"{}", timeout=60,
+                         headers={**raw, "Content-Type": "text/plain"})
+    assert anthropic_error(as_form, 415)["code"] == "unsupported_media_type"
+    huge = {"model": LEADER, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 3_000_000}]}
+    anthropic_error(post(server, huge), 413, "request_too_large")
+    surrogate = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}' % LEADER.encode()
+    assert anthropic_error(httpx.post(f"{server.url}/v1/messages", content=surrogate, headers=raw, timeout=60),
+                           400)["param"] == "messages.0.content"
+    cancelled = server.state.worker.snapshot()["cancelled"]
+    body = {"model": "specfuse", "max_tokens": 64, "stream": True, "messages": HI}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers=raw, timeout=300) as response:
+        for line in response.iter_lines():
+            if line == "event: content_block_delta":
+                break  # hang up mid-answer
+    wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
+    wait_for(lambda: idle(server.state), 60, what="no request or slot held")
+    assert client.messages.create(model=LEADER, max_tokens=2, messages=HI).content

@@ -110,3 +110,16 @@ def test_bad_input_is_refused_in_openai_shape(server, client):
         openai.OpenAI(base_url=server.api, api_key="wrong", max_retries=0).responses.create(model=LEADER, input="x")
     assert client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text  # still serving
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
+
+
+def test_a_hangup_mid_stream_frees_the_job(server, client):
+    cancelled = server.state.worker.snapshot()["cancelled"]
+    body = {"model": "specfuse", "input": "Tell me a story.", "max_output_tokens": 64, "stream": True}
+    with httpx.stream("POST", f"{server.api}/responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=300) as response:
+        for line in response.iter_lines():
+            if line == "event: response.output_text.delta":
+                break  # hang up mid-answer
+    wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
+    wait_for(lambda: idle(server.state), 60, what="no request or slot held")
+    assert client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text
