@@ -25,8 +25,11 @@ for the defaults.
 
 from __future__ import annotations
 
+import logging
+import queue
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from . import phases
@@ -34,11 +37,14 @@ from .backends.base import Member
 from .calls import CallRunner, Calls, Reply
 from .constraints import Constraint, TextMatcher
 from .errors import InvalidRequestError, MemberFailedError
+from .live import LeaderStream, LiveCalls
 from .options import FusionOptions
 from .phases import Drafted, Known, Ranking
 from .seats import Seat, Seats
 from .selection import pick_leader
 from .types import Candidate, Departure, DoneEvent, Event, Message, Result, RoundEvent, RoundRecord, Segment, SegmentEvent, Stats
+
+log = logging.getLogger("specfuse.engine")
 
 # A generation as a coroutine: it yields events and member calls, is sent the replies to calls.
 Steps = Generator[Event | Calls, list[Reply] | None, None]
@@ -95,14 +101,21 @@ def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options
         generation.seats.close_all()
 
 
-def drive(steps: Steps) -> Iterator[Event]:
-    """Run one generation's coroutine to its end, yielding its events (the last is a DoneEvent)."""
+def drive(steps: Steps, live: bool = True) -> Iterator[Event]:
+    """Run one generation's coroutine to its end, yielding its events (the last is a DoneEvent).
+
+    `live`: the events that calls make while they run (the leader's text as it decodes it) are
+    yielded as they come; for that, those calls run on a helper thread."""
+    helper: ThreadPoolExecutor | None = None
     with CallRunner() as runner:
         try:
             reply = None
             while True:
                 item = steps.send(reply)
-                if isinstance(item, Calls):
+                if isinstance(item, LiveCalls) and live:
+                    helper = helper or ThreadPoolExecutor(1, thread_name_prefix="specfuse-drive")
+                    reply = yield from _run_live(runner, item, helper)
+                elif isinstance(item, Calls):
                     reply = runner.run(item.calls)
                 else:
                     reply = None
@@ -110,7 +123,23 @@ def drive(steps: Steps) -> Iterator[Event]:
         except StopIteration:
             return
         finally:
+            if helper is not None:
+                helper.shutdown(wait=True)  # a call still running must end before its sessions close
             steps.close()
+
+
+def _run_live(runner: CallRunner, item: LiveCalls, helper: ThreadPoolExecutor) -> Generator[Event, None, list[Reply]]:
+    """Run `item`'s calls on the helper thread, yielding the events their hooks emit meanwhile."""
+    events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
+    item.outlet.listen(events.put)
+    future = helper.submit(runner.run, item.calls)
+    future.add_done_callback(lambda _: events.put(None))  # after every event of the calls
+    try:
+        while (event := events.get()) is not None:
+            yield event
+    finally:
+        item.outlet.listen(None)
+    return future.result()
 
 
 def fuse(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
@@ -145,6 +174,7 @@ class Generation:
         self.messages: list[Message] = []
         self.segments: list[Segment] = []
         self.rounds: list[RoundRecord] = []
+        self.live: LeaderStream | None = None  # this round's, when the leader answers alone
         self.started = time.perf_counter()
 
     def run(self, messages: Sequence[Message]) -> Steps:
@@ -254,10 +284,12 @@ class Generation:
         last = self.segments[-1].text if self.segments else ""
         leader = self._leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
+        live = self.live = self._stream(leader, round_no) if solo and self._answers_alone() else None
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
-            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no, self._check, self.sampling)
+            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no, self._check, self.sampling,
+                                            live)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
                 return (yield from self._take_over(round_no))
             if early:
@@ -270,7 +302,7 @@ class Generation:
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
                                               only=leader if solo else None, check=self._check,
-                                              drafting=self._drafts, sampling=self.sampling)
+                                              drafting=self._drafts, sampling=self.sampling, live=live)
         if not seats.active:
             return (yield from self._take_over(round_no))
         if not drafted:
@@ -309,8 +341,20 @@ class Generation:
             return "ends an incomplete answer"
         return None
 
+    def _stream(self, leader: Seat, round_no: int) -> LeaderStream:
+        """The round's segment as the leader writes it (it answers alone)."""
+        return LeaderStream(leader.name, round_no, self.text, phases.stops(leader, self.options))
+
+    def _keep_streamed(self, round_no: int) -> None:
+        """What went out of a leader that then failed stays in the answer: its successor goes on from it."""
+        live, self.live = self.live, None
+        if live is not None and live.sent:
+            self.text += live.sent
+            self.segments.append(Segment(text=live.sent, model=live.model, round=round_no))
+
     def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], RoundRecord | Stop]:
         """The leader failed mid-round with the others on standby: one catches up and the round runs again."""
+        self._keep_streamed(round_no)
         yield from self._catch_up()
         return (yield from self._round(round_no))
 
@@ -380,12 +424,24 @@ class Generation:
         stats.tokens += chosen.n_tokens
         stats.gated_rounds += record.gated
         stats.model_calls = self.seats.calls
+        live, self.live = self.live, None
+        if live is not None and live.first_at is not None and stats.time_to_first_segment_s is None:
+            stats.time_to_first_segment_s = live.first_at - self.started
         if chosen.text:
             segment = Segment(text=chosen.text, model=chosen.model, round=record.index, trail=chosen.trail)
             self.segments.append(segment)
             if stats.time_to_first_segment_s is None:
                 stats.time_to_first_segment_s = time.perf_counter() - self.started
-            yield SegmentEvent(segment)
+            sent = live.sent if live is not None else ""
+            if not sent:
+                yield SegmentEvent(segment)
+            elif chosen.text.startswith(sent):  # the rest of what went out as the leader wrote it
+                if len(chosen.text) > len(sent):
+                    yield SegmentEvent(Segment(text=chosen.text[len(sent):], model=chosen.model, round=record.index))
+            else:  # never expected: what went out is always kept
+                log.error("round %d: the streamed text %r is not where the segment %r starts", record.index, sent,
+                          chosen.text)
+                yield SegmentEvent(segment)
 
     def _finish(self, reason: str) -> Steps:
         self.stats.finish_reason = reason

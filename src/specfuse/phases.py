@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from .live import LeaderStream
 from .options import FusionOptions
 from .scoring import aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
 from .scoring import model_exit as exit_rule
@@ -107,13 +108,20 @@ Check = Callable[[str, Candidate], "str | None"]  # why a candidate may not win 
 
 
 def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: FusionOptions,
-          round_no: int, check: Check | None = None, sampling: Sampling | None = None) -> Asking:
+          round_no: int, check: Check | None = None, sampling: Sampling | None = None,
+          live: LeaderStream | None = None) -> Asking:
     """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded.
 
     `check` marks the drafts that may not win (they break the answer's constraint); `sampling`
-    replaces the options' own (to ask for top log-probabilities)."""
+    replaces the options' own (to ask for top log-probabilities); `live`: the leader drafts alone
+    and its text goes out as it decodes it, where its session can tell (``live.py``)."""
     how = sampling or options.sampling
-    outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
+    if live is not None and len(chosen) == 1 and chosen[0].session is not None and chosen[0].session.streams_text:
+        live.restart()
+        outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how, live.on_text),
+                                        outlet=live.outlet)
+    else:
+        outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     drafted = [
         (seat, cut_segment(seat.name, tokens, answer, stops(seat, options)))
         for seat, tokens in seats.survivors(chosen, outcomes, round_no, "draft")
@@ -125,7 +133,8 @@ def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: Fu
 
 def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, options: FusionOptions,
               round_no: int, only: Seat | None = None, check: Check | None = None,
-              drafting: Callable[[Seat], bool] | None = None, sampling: Sampling | None = None) -> Asking:
+              drafting: Callable[[Seat], bool] | None = None, sampling: Sampling | None = None,
+              live: LeaderStream | None = None) -> Asking:
     """Every active member (or `only` one; among those `drafting` allows) drafts, in member order;
     those in `early` already did.
 
@@ -136,7 +145,7 @@ def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, op
         done = {id(seat) for seat, _ in early}
         chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)
                   and (drafting is None or drafting(s))]
-        fresh = yield from draft(seats, chosen, n, answer, options, round_no, check, sampling)
+        fresh = yield from draft(seats, chosen, n, answer, options, round_no, check, sampling, live)
         order = {id(s): i for i, s in enumerate(seats.active)}
         drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
                          key=lambda pair: order[id(pair[0])])

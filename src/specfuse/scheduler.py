@@ -3,7 +3,8 @@
 Each generation is the engine's coroutine (:func:`specfuse.engine.fusion_steps`).
 One :meth:`Scheduler.tick` runs every generation in flight up to its next
 member calls that decode (handing its events out on the way), then runs all those calls
-together through a :class:`~specfuse.calls.CallRunner`: calls of one method to
+together through a :class:`~specfuse.calls.CallRunner` (a ``live`` flight's calls hand
+out the leader's text while they run: ``live.py``): calls of one method to
 one member that can batch (llama.cpp) become one batched call, remote calls
 overlap in threads. Every flight advances by one step per tick, so none starves.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .calls import CallRunner, Calls, Reply
 from .engine import Steps
+from .live import LiveCalls
 from .types import DoneEvent, Event, Result
 
 log = logging.getLogger("specfuse.scheduler")
@@ -32,6 +34,7 @@ class Flight:
     on_event: Callable[[Event], None]
     on_end: Callable[[BaseException | None], None]  # None: finished normally; else why it stopped
     cancelled: Callable[[], bool] = lambda: False
+    live: bool = False  # hand out the events its calls make while they run (the leader's text), at once
     pending: Calls | None = None
     reply: list[Reply] | None = None
     ended: bool = field(default=False, init=False)
@@ -59,6 +62,9 @@ class Scheduler:
         for flight in list(self.flights):
             self._advance(flight)
         waiting = [f for f in self.flights if f.pending is not None]
+        for flight in waiting:
+            if flight.live and isinstance(flight.pending, LiveCalls):
+                flight.pending.outlet.listen(flight.on_event)  # called on the thread that runs the call
         calls = [call for f in waiting for call in f.pending.calls]  # type: ignore[union-attr]
         replies = self.runner.run(calls) if calls else []
         at = 0

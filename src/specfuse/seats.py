@@ -18,6 +18,7 @@ from typing import Any
 from .backends.base import Member, MemberSession
 from .calls import Call, Calls, Method, Reply
 from .errors import MemberFailedError
+from .live import LiveCalls, Outlet
 from .types import Departure
 
 Asking = Generator[Calls, list[Reply], Any]
@@ -56,14 +57,17 @@ class Seats:
 
     def ask(self, seats: Sequence[Seat], phase: str, method: Method,
             args: Callable[[Seat], tuple[Any, ...]] = lambda seat: (), *,
-            kwargs: Callable[[Seat], Mapping[str, Any]] = lambda seat: {}, counted: bool = True) -> Asking:
+            kwargs: Callable[[Seat], Mapping[str, Any]] = lambda seat: {}, counted: bool = True,
+            outlet: Outlet | None = None) -> Asking:
         """Call ``method`` on each seat's session (on its member while it has none); each result or exception.
 
-        The seconds each seat waited add up under ``seat.timings[phase]``.
+        The seconds each seat waited add up under ``seat.timings[phase]``. With an `outlet`, the
+        calls' hooks may emit events while they run (``live.py``).
         """
         if not seats:
             return []
-        replies = yield Calls([Call(s.member, s.session, method, args(s), kwargs(s)) for s in seats])
+        calls = [Call(s.member, s.session, method, args(s), kwargs(s)) for s in seats]
+        replies = yield Calls(calls) if outlet is None else LiveCalls(calls, outlet)
         for seat, reply in zip(seats, replies):
             seat.timings[phase] = seat.timings.get(phase, 0.0) + reply.seconds
         if counted:

@@ -125,3 +125,40 @@ def tokens_covering(pieces: Sequence[bytes], n_bytes: int) -> int:
         covered += len(pieces[count])
         count += 1
     return count
+
+
+def _blank(piece: str) -> bool:
+    return bool(piece) and not piece.strip(" \t")
+
+
+def sure_prefix(pieces: Sequence[str], answer: str, stops: Sequence[str]) -> str:
+    """Of a draft still being written, the text its segment keeps however the draft goes on.
+
+    `pieces` is the draft's text so far, cut where its tokens ended (one or more tokens a piece;
+    whole characters). :func:`cut_draft` may cut an unfinished draft before its last token that
+    starts with whitespace (after the first) and drop blank tokens before that: so the sure part ends
+    before the last such piece, less the blank pieces ahead of it. A piece that hides a token start
+    hides one that begins inside a character, never a word, so a coarser view only keeps less.
+    Then :func:`before_stops`: nothing a stop string may yet start or end.
+    """
+    k = next((i for i in range(len(pieces) - 1, 0, -1) if pieces[i][:1] in (" ", "\t", "\n", "\r")),
+             len(pieces))
+    while k > 1 and _blank(pieces[k - 1]):
+        k -= 1
+    return before_stops(answer, "".join(pieces[:k]), stops)
+
+
+def before_stops(answer: str, text: str, stops: Sequence[str]) -> str:
+    """`text` up to a stop string it completes after `answer`, less any tail that could begin one
+    (as llama.cpp's server holds back a partial stop): what may be shown before the draft ends."""
+    kept, hit = apply_stops(answer, text, stops)
+    if hit or not stops:
+        return kept
+    joined = answer + kept
+    hold = 0
+    for stop in stops:
+        for j in range(min(len(stop) - 1, len(joined)), hold, -1):
+            if joined.endswith(stop[:j]):
+                hold = j
+                break
+    return kept[: len(kept) - min(hold, len(kept))]

@@ -219,9 +219,16 @@ class Result:
 
 @dataclass(frozen=True)
 class SegmentEvent:
-    """Emitted as soon as a round's winner is known: stream `segment.text` now."""
+    """Emitted as soon as a round's winner is known: stream `segment.text` now.
+
+    When the leader answers alone, its text comes as it decodes: ``partial`` events carry the new
+    text of the round's segment (no token trail: the answer's log-probabilities are in the result),
+    and the event at the round's end carries what is left of it (none when nothing is). Every
+    event's text is new text: joined, they are the answer.
+    """
 
     segment: Segment
+    partial: bool = False
 
 
 @dataclass(frozen=True)

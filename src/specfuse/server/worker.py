@@ -431,8 +431,10 @@ class Worker:
                 self._tell(lambda o: o.done(job.created, event.result))
             job.emit(event)
 
+        # The leader's text as it decodes it, unless the answer's log-probabilities are asked for: they
+        # come with whole segments (and with tools offered the text is held to the end anyway).
         self._scheduler.add(Flight(steps, on_event, lambda why: self._end(job, why, rounds[0]),
-                                   job.cancel_flag.is_set))
+                                   job.cancel_flag.is_set, live=not job.logprobs))
 
     def _tell(self, call: Callable[[Observer], None]) -> None:
         if self.observer is None:

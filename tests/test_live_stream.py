@@ -1,0 +1,144 @@
+"""The leader's text as it decodes it (leader alone): what goes out early is always kept, and the
+joined stream is the answer, through the engine, the CLI's printer and the server's SSE."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+
+from specfuse.engine import drive
+from specfuse.options import FusionOptions
+from specfuse.segments import apply_stops, before_stops, cut_draft, sure_prefix
+from specfuse.types import DoneEvent, RoundEvent, SegmentEvent
+
+# --- what may go out early: never more than the round's segment keeps ----------------------
+
+PIECES = ["Hello", " world", ",", " ", "  ", "\t", "\n", "\n\n", " caf", "é", " 12", "3", ".", " The", "re",
+          " x", "Question", ":", " Q", "\u00e9t\u00e9", " ", "!", "'s"]
+
+
+def _kept(pieces: list[str], finished: bool, answer: str, stops: tuple[str, ...]) -> str:
+    """What the round's segment keeps of a whole draft (cut, then stop strings), as the engine cuts it."""
+    cut = cut_draft([p.encode() for p in pieces], finished)
+    return apply_stops(answer, cut.text, stops)[0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sure_prefix_is_always_kept_however_the_draft_goes_on(seed):
+    rng = random.Random(seed)
+    stops = rng.choice([(), ("\n\n",), ("Question:",), (" Q", "!!")])
+    answer = rng.choice(["", "Sure.", "One\n", "Question"])
+    draft = [rng.choice(PIECES) for _ in range(rng.randint(1, 12))]
+    for finished in (False, True):
+        kept = _kept(draft, finished, answer, stops)
+        for k in range(1, len(draft) + 1):
+            sure = sure_prefix(draft[:k], answer, stops)
+            assert kept.startswith(sure), (draft, k, sure, kept)
+            # the hook sees two tokens at once where the second finishes a character (it starts inside
+            # one, never with whitespace): still kept
+            if k > 1 and draft[1][:1] not in (" ", "\t", "\n", "\r"):
+                merged = ["".join(draft[:2]), *draft[2:k]]
+                assert kept.startswith(sure_prefix(merged, answer, stops))
+
+
+def test_sure_prefix_holds_back_the_last_word_and_a_stop_strings_start():
+    assert sure_prefix(["Hello", " wor"], "", ()) == "Hello"
+    assert sure_prefix(["Hello", " world", "."], "", ()) == "Hello"  # "." may be followed by " More" + cut
+    assert sure_prefix(["Hello", " world", ".", " The"], "", ()) == "Hello world."
+    assert before_stops("", "The end.\nQuest", ("\nQuestion:",)) == "The end."
+    assert before_stops("A\nQuestion", ":", ("\nQuestion:",)) == ""
+    assert before_stops("", "ok STOP here", ("STOP",)) == "ok "
+
+
+# --- through the engine, with the real members ----------------------------------------------
+
+PROMPT = "In three short sentences, say why the sky is blue."
+
+
+def _run(ensemble, live: bool, prompt: str = PROMPT, constraint=None, **options):
+    opts = FusionOptions.build(**{"max_tokens": 24, "temperature": 0, **options})
+    events = list(drive(ensemble.steps(prompt, opts, constraint=constraint), live=live))
+    assert isinstance(events[-1], DoneEvent)
+    return events, events[-1].result
+
+
+def _texts(events) -> list[str]:
+    return [e.segment.text for e in events if isinstance(e, SegmentEvent)]
+
+
+@pytest.mark.parametrize("case", ["plain", "stop", "json"])
+def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(default_ensemble, case):
+    from specfuse.constraints import Constraint
+
+    extra: dict = {}
+    constraint = None
+    prompt = PROMPT
+    if case == "stop":
+        extra = {"stop": ["."]}
+    elif case == "json":
+        prompt = "Give a JSON object with a name and an age for a person."
+        constraint = Constraint.json_schema({"type": "object", "properties": {"name": {"type": "string"},
+                                                                             "age": {"type": "integer"}},
+                                             "required": ["name", "age"]}, where="test")
+    # The first answer to a prompt reads it all; later ones start from the prefix cache, whose logits may
+    # differ in the last bits: compare two answers that both start from the cache.
+    _run(default_ensemble, False, prompt, constraint, **{**extra, "max_tokens": 1})
+    whole_events, whole = _run(default_ensemble, False, prompt, constraint, **extra)
+    events, result = _run(default_ensemble, True, prompt, constraint, **extra)
+    assert result.text == whole.text  # greedy: the same answer, streamed or not
+    chunks = _texts(events)
+    assert "".join(chunks) == result.text
+    assert len(chunks) > len(result.rounds) >= 1  # smaller pieces than a round's segment
+    assert any(e.partial for e in events if isinstance(e, SegmentEvent))
+    assert not any(e.partial for e in whole_events if isinstance(e, SegmentEvent))
+    assert all(d.decision in ("alone", "confident") for d in result.rounds)
+    # every partial piece comes before its round's record
+    seen_round = 0
+    for e in events:
+        if isinstance(e, RoundEvent):
+            seen_round = e.record.index
+        elif isinstance(e, SegmentEvent):
+            assert e.segment.round == seen_round + 1
+    if case == "stop":
+        assert "." not in result.text and result.stats.finish_reason == "stop"
+    if case == "json":
+        assert set(json.loads(result.text)) == {"name", "age"}
+
+
+def test_consulting_options_stream_whole_segments_as_before(default_ensemble):
+    events, result = _run(default_ensemble, True, accept_margin=0.5)
+    segments = [e for e in events if isinstance(e, SegmentEvent)]
+    assert not any(e.partial for e in segments)
+    assert [e.segment.text for e in segments] == [s.text for s in result.segments]
+
+
+def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
+    from rich.console import Console
+
+    from specfuse.cli import answer
+
+    class Flushes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pieces: list[str] = []
+            self._at = 0
+
+        def flush(self) -> None:
+            text = self.getvalue()
+            if len(text) > self._at:
+                self.pieces.append(text[self._at:])
+                self._at = len(text)
+
+    sink = Flushes()
+    previous = answer.out
+    answer.out = Console(file=sink, force_terminal=False, width=10_000)
+    try:
+        opts = FusionOptions.build(max_tokens=24, temperature=0)
+        result = answer.print_stream(default_ensemble.stream(PROMPT, options=opts), default_ensemble.names)
+    finally:
+        answer.out = previous
+    assert "".join(sink.pieces) == result.text + "\n"  # the printer ends the answer's line
+    assert len(sink.pieces) - 1 > len(result.rounds)
