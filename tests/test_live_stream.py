@@ -142,3 +142,52 @@ def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
         answer.out = previous
     assert "".join(sink.pieces) == result.text + "\n"  # the printer ends the answer's line
     assert len(sink.pieces) - 1 > len(result.rounds)
+
+
+# --- through the server's SSE, with the openai client ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    from openai import OpenAI
+
+    from helpers import live_server
+
+    with live_server(tmp_path_factory.mktemp("live"), max_concurrent=1) as server:
+        with OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300) as openai:
+            yield openai
+        assert server.health()["counters"]["failed"] == 0, server.log_tail()
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("case", ["plain", "stop", "json_schema", "consulting"])
+def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
+    ask: dict = {"model": "specfuse", "max_tokens": 24, "temperature": 0,
+                 "messages": [{"role": "user", "content": PROMPT}]}
+    if case == "stop":
+        ask["stop"] = ["."]
+    elif case == "json_schema":
+        ask["messages"] = [{"role": "user", "content": "Give a JSON object with a name and an age for a person."}]
+        ask["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    elif case == "consulting":
+        ask["extra_body"] = {"specfuse": {"accept_margin": 0.5}}
+    client.chat.completions.create(**{**ask, "max_tokens": 1})  # both answers below start from the prefix cache
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    answer = whole.choices[0].message.content
+    assert "".join(pieces) == answer
+    rounds = next(c for c in chunks if c.choices and c.choices[0].finish_reason).model_extra["specfuse"]["stats"]
+    segments = whole.model_extra["specfuse"]["segments"]
+    if case == "consulting":  # a vote may be held: whole segments, as before
+        assert pieces == [s["text"] for s in segments]
+    else:
+        assert len(pieces) > rounds["rounds"] >= 1
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    if case == "stop":
+        assert "." not in answer
+    if case == "json_schema":
+        assert set(json.loads(answer)) == {"name", "age"}

@@ -111,6 +111,7 @@ function hideRound() {
 class Answer {
   constructor() {
     this.text = "";
+    this.open = null;  // the span of a segment still being written
     this.wins = new Map();
     this.body = el("div", { className: "answer waiting" });
     this.summary = el("div", { className: "summary" });
@@ -120,19 +121,27 @@ class Answer {
     $("log").append(this.node);
   }
 
-  segment(text, model, round) {
+  // A piece of the answer: a whole segment with its round, or (the leader answering alone) a piece of
+  // a segment still being written, which joins its round's span until the round's record comes.
+  segment(text, model, index, round) {
     this.body.classList.remove("waiting");
     this.text += text;
-    this.wins.set(model, (this.wins.get(model) || 0) + 1);
-    const span = el("span", { className: "seg", textContent: text, tabIndex: 0, "--c": colour(model),
-      dataset: { model, round: String(round ? round.index : "") } });
+    const key = String(index || (round ? round.index : ""));
+    let span = this.open;
+    if (!span || !key || span.dataset.round !== key) {
+      this.wins.set(model, (this.wins.get(model) || 0) + 1);
+      span = el("span", { className: "seg", textContent: "", tabIndex: 0, "--c": colour(model),
+        dataset: { model, round: key } });
+      this.body.append(span);
+    }
+    span.textContent += text;
+    this.open = round ? null : span;
     if (round) {
       span.addEventListener("mouseenter", () => showRound(span, round));
       span.addEventListener("focus", () => showRound(span, round));
       span.addEventListener("mouseleave", hideRound);
       span.addEventListener("blur", hideRound);
     }
-    this.body.append(span);
     this.node.scrollIntoView({ block: "end" });
   }
 
@@ -241,7 +250,8 @@ async function ask(question) {
       if (!choice) continue;
       const info = chunk.specfuse || {};
       if (choice.delta && choice.delta.content) {
-        answer.segment(choice.delta.content, info.segment ? info.segment.model : state.model, info.round);
+        answer.segment(choice.delta.content, info.segment ? info.segment.model : state.model,
+          info.segment ? info.segment.round : null, info.round);
       }
       if (choice.finish_reason) {
         answer.finish(info, choice.finish_reason, hedge);
