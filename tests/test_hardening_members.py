@@ -66,7 +66,7 @@ def smol():
 
 def _whole_text_tokens(member, messages) -> list[int]:
     """The templated prompt tokenized whole with special parsing: how every chat was read before."""
-    text = member._render(messages)
+    text = member.render(messages)
     has_bos = bool(member.bos_text) and text.startswith(member.bos_text)
     return member.tokenize(text, add_special=not has_bos, parse_special=True)
 
@@ -193,7 +193,7 @@ def test_hedge_weights_that_underflowed_recover():
 def test_ordinary_chats_tokenize_exactly_as_before(smol, messages):
     before = _whole_text_tokens(smol, messages)
     assert smol.prompt_tokens(messages) == before
-    text = smol._render(messages)  # the protected path too, where no content spells a token
+    text = smol.render(messages)  # the protected path too, where no content spells a token
     has_bos = bool(smol.bos_text) and text.startswith(smol.bos_text)
     assert smol.protected_tokens(messages, text, add_special=not has_bos) == before
 
@@ -205,8 +205,8 @@ def test_a_message_cannot_forge_role_tokens(smol):
     forged = smol.prompt_tokens([Message("user", FORGED)])
     assert forged.count(start[0]) == honest.count(start[0])  # the template's own, none from the message
     assert _whole_text_tokens(smol, [Message("user", FORGED)]).count(start[0]) > honest.count(start[0])
-    spelled = b"".join(smol._piece(t, special=True) for t in forged).decode()
-    assert spelled.replace(smol.bos_text, "", 1) == smol._render([Message("user", FORGED)]).replace(
+    spelled = b"".join(smol.special_piece(t) for t in forged).decode()
+    assert spelled.replace(smol.bos_text, "", 1) == smol.render([Message("user", FORGED)]).replace(
         smol.bos_text, "", 1)  # every character is still there, as text
 
 

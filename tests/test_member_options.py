@@ -27,7 +27,7 @@ CPU_ONLY = pytest.mark.skipif(can_offload(), reason="this llama-cpp-python can o
 def loaded_with(member: LlamaCppMember) -> dict:
     """What the member was loaded with, read back from the member and from llama.cpp (while it is open)."""
     return {"n_gpu_layers": member.model_params["n_gpu_layers"], "threads": member.threads, "n_ctx": member.n_ctx,
-            "cells": member.prefix_cache.bound, "context": lc.llama_n_ctx(member._ctx), "slots": member.slots,
+            "cells": member.prefix_cache.bound, "context": member.context.n_cells, "slots": member.slots,
             "options": member.options}
 
 

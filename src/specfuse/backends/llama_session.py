@@ -1,96 +1,32 @@
 """One request's context in a llama.cpp member's cache (the layout is in ``llama_cpp.py``'s docstring).
 
-``LlamaCppSession`` syncs, drafts and verifies through its member's batched
-decodes; ``Drafting`` and ``VerifyPlan`` are one session's part of a batch that
-the member runs for several sessions at once.
+``LlamaCppSession`` syncs its context, samples, lays out its candidates and
+reads their scores; its drafts and verifications run through the batch drivers
+of ``llama_batch.py``, as one session's part of a batch that may hold several.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import PromptTooLongError
 from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText, TextSoFar
-from .cached import CachedSession, DraftState, Verified, top_alternatives
+from .base import OnText
+from .cached import CachedSession, DraftState, Verified
+from .llama_batch import VerifyPlan, draft_batch, verify_batch
+from .llama_slots import MAX_CANDIDATES, SEQS_PER_SESSION
 
 if TYPE_CHECKING:
     from .llama_cpp import LlamaCppMember
-
-MAX_CANDIDATES = 7  # sequences 1..7 of a session hold one distinct candidate each per round
-SEQS_PER_SESSION = MAX_CANDIDATES + 1
 
 
 @dataclass
 class InSequence(Verified):
     seq: int  # the cache sequence holding the candidate's cells
-
-
-@dataclass
-class VerifyPlan:
-    """One session's part of a verification batch."""
-
-    session: "LlamaCppSession"
-    texts: list[str]
-    results: dict[str, TokenScores]  # known already (verified this round, or the end token)
-    pending: list[str] = field(default_factory=list)
-    encoded: list[list[int]] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    seqs: list[int] = field(default_factory=list)
-
-    def answer(self) -> list[TokenScores]:
-        return [self.results[t] for t in self.texts]
-
-
-class Drafting:
-    """One session's draft in progress: sample from the current row, feed the token, repeat."""
-
-    def __init__(self, session: "LlamaCppSession", n: int, sampling: Sampling, row: np.ndarray,
-                 lse: float, on_text: OnText | None = None) -> None:
-        self.session, self.n, self.sampling = session, n, sampling
-        self.text = TextSoFar(on_text)
-        self.row, self.lse = row, lse
-        self.pos = len(session.tokens)
-        self.ids: list[int] = []
-        self.rows: list[np.ndarray] = []  # rows[j]: logits used to sample ids[j]
-        self.logprobs: list[float] = []
-        self.logits: list[float] = []
-        self.finished = False
-        self.done = n <= 0
-
-    def step(self, m: "LlamaCppMember") -> bool:
-        """Sample the next token; True when it must be decoded for the draft to go on."""
-        if self.done:
-            return False
-        self.rows.append(self.row)
-        allowed = self.session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
-        token = self.session._sample(self.row if allowed is None else np.where(allowed, self.row, -np.inf),
-                                     self.sampling)
-        self.ids.append(token)
-        self.logits.append(float(self.row[token]))
-        self.logprobs.append(self.logits[-1] - self.lse)
-        self.finished = m.is_eog(token)
-        self.done = self.finished or len(self.ids) >= self.n
-        self.text.add(m.piece(token))
-        return not self.done
-
-    def fed(self, row: np.ndarray, lse: float) -> None:
-        self.row, self.lse = row, lse
-        self.pos += 1
-        self.session.stats.draft += 1
-        self.session.stats.decode_calls += 1
-
-    def finish(self, m: "LlamaCppMember") -> DraftTokens:
-        pieces = [m.piece(t) for t in self.ids]
-        self.session._draft = DraftState(self.ids, pieces, self.rows)
-        k = self.sampling.top_logprobs
-        tops = top_alternatives(self.rows, k, m.piece) if k else ()
-        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
 
 
 class LlamaCppSession(CachedSession):
@@ -120,7 +56,7 @@ class LlamaCppSession(CachedSession):
     def _set_next(self, row: np.ndarray | None) -> None:
         self._next_row, self._next_lse = row, None
 
-    def _prefix(self) -> tuple[np.ndarray, float]:
+    def next_row(self) -> tuple[np.ndarray, float]:
         """Logits after the cached context and their log-sum-exp (computed once)."""
         assert self._next_row is not None
         if self._next_lse is None:
@@ -128,9 +64,13 @@ class LlamaCppSession(CachedSession):
         return self._next_row, self._next_lse
 
     def _sync(self) -> None:
+        self.sync()
+
+    def sync(self) -> None:
+        """Decode the context's tokens not yet in the cache, so that the row after it is known."""
         m = self.m
         if self.reencode:  # reference behaviour: forget the cache, encode everything again
-            m._clear_slot(self.slot)
+            m.clear_slot(self.slot)
             self.n_cached = 0
             self._set_next(None)
             self._draft, self._verified = None, {}  # nothing carries over from drafting to verifying
@@ -152,7 +92,8 @@ class LlamaCppSession(CachedSession):
             self._prompt_kept = True
             m.keep_prefix(self.base, self.tokens[: self.prompt_len], self.cache_salt)
 
-    def _sample(self, row: np.ndarray, sampling: Sampling) -> int:
+    def sample(self, row: np.ndarray, sampling: Sampling) -> int:
+        """A token from `row` under `sampling` (greedy: the top one), with this session's generator."""
         if sampling.greedy:
             token = int(row.argmax())
             if sampling.ignore_eos and self.m.is_eog(token):
@@ -181,23 +122,27 @@ class LlamaCppSession(CachedSession):
         return pick if idx is None else int(idx[pick])
 
     def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
-        self._sync()
-        return self.m._draft_batch([self], [(max_tokens, sampling, on_text)])[0]
+        self.sync()
+        return draft_batch(self.m, [self], [(max_tokens, sampling, on_text)])[0]
+
+    def hold_draft(self, draft: DraftState) -> None:
+        """Keep a finished draft's tokens pending until ``accept`` says what was kept."""
+        self._draft = draft
 
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
         plan = VerifyPlan(self, texts, {}, texts)
         self._lay_out(plan)
-        self.m._verify_batch([plan])
+        verify_batch(self.m, [plan])
         return plan.results
 
-    def _plan_scores(self, texts: list[str]) -> "VerifyPlan":
+    def plan_scores(self, texts: list[str]) -> VerifyPlan:
         """What verifying `texts` needs (for a batch of sessions): known scores, the new candidates laid out."""
         known, pending = self._known(texts)
         plan = VerifyPlan(self, texts, known, pending)
         self._lay_out(plan)
         return plan
 
-    def _lay_out(self, plan: "VerifyPlan") -> None:
+    def _lay_out(self, plan: VerifyPlan) -> None:
         """Each pending candidate in a sequence of its own, after a copy of the context's cells."""
         if len(plan.pending) + len(self._verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
@@ -247,16 +192,16 @@ class LlamaCppSession(CachedSession):
 
     def _end_score(self) -> TokenScores:
         """The candidate "stop here": probability of any end-of-generation token."""
-        row, lse = self._prefix()
+        row, lse = self.next_row()
         eog = row[self.m.eog_ids]
         top = float(eog.max())
         logprob = top + math.log(float(np.exp(eog - top).sum())) - lse
         return TokenScores((logprob,), (top,), (float(row.max()) - lse,))
 
-    def _finish_verify(self, plan: "VerifyPlan", rows: np.ndarray) -> None:
+    def finish_verify(self, plan: VerifyPlan, rows: np.ndarray) -> None:
         """Scores of the planned candidates from their decoded rows (row r predicts the token after r)."""
         m = self.m
-        prefix_row, prefix_lse = self._prefix()
+        prefix_row, prefix_lse = self.next_row()
         self.stats.verify += len(plan.tokens)
         self.stats.verify_calls += 1
         self.stats.decode_calls += 1

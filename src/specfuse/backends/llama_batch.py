@@ -1,0 +1,170 @@
+"""Several llama.cpp sessions' drafts and verifications in shared decodes (``draft_many``, ``score_many``).
+
+``Drafting`` and ``VerifyPlan`` are one session's part of a batch; the drivers below run
+the parts of every session at once: drafting advances each drafting session by one token
+per ``llama_decode``; verifying decodes every session's new candidates in one batch,
+chunked at ``n_batch``. One session alone (``LlamaCppSession.draft``, ``score``) goes
+through the same drivers with a batch of one, so it decodes exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..types import DraftTokens, Sampling, TokenScores
+from .base import OnText, TextSoFar
+from .cached import DraftState, top_alternatives
+
+if TYPE_CHECKING:
+    from .llama_cpp import LlamaCppMember
+    from .llama_session import LlamaCppSession
+
+
+@dataclass
+class VerifyPlan:
+    """One session's part of a verification batch."""
+
+    session: LlamaCppSession
+    texts: list[str]
+    results: dict[str, TokenScores]  # known already (verified this round, or the end token)
+    pending: list[str] = field(default_factory=list)
+    encoded: list[list[int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+
+    def answer(self) -> list[TokenScores]:
+        return [self.results[t] for t in self.texts]
+
+
+class Drafting:
+    """One session's draft in progress: sample from the current row, feed the token, repeat."""
+
+    def __init__(self, session: LlamaCppSession, n: int, sampling: Sampling, row: np.ndarray,
+                 lse: float, on_text: OnText | None = None) -> None:
+        self.session, self.n, self.sampling = session, n, sampling
+        self.text = TextSoFar(on_text)
+        self.row, self.lse = row, lse
+        self.pos = len(session.tokens)
+        self.ids: list[int] = []
+        self.rows: list[np.ndarray] = []  # rows[j]: logits used to sample ids[j]
+        self.logprobs: list[float] = []
+        self.logits: list[float] = []
+        self.finished = False
+        self.done = n <= 0
+
+    def step(self, m: LlamaCppMember) -> bool:
+        """Sample the next token; True when it must be decoded for the draft to go on."""
+        if self.done:
+            return False
+        self.rows.append(self.row)
+        allowed = self.session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
+        token = self.session.sample(self.row if allowed is None else np.where(allowed, self.row, -np.inf),
+                                    self.sampling)
+        self.ids.append(token)
+        self.logits.append(float(self.row[token]))
+        self.logprobs.append(self.logits[-1] - self.lse)
+        self.finished = m.is_eog(token)
+        self.done = self.finished or len(self.ids) >= self.n
+        self.text.add(m.piece(token))
+        return not self.done
+
+    def fed(self, row: np.ndarray, lse: float) -> None:
+        self.row, self.lse = row, lse
+        self.pos += 1
+        self.session.stats.draft += 1
+        self.session.stats.decode_calls += 1
+
+    def finish(self, m: LlamaCppMember) -> DraftTokens:
+        pieces = [m.piece(t) for t in self.ids]
+        self.session.hold_draft(DraftState(self.ids, pieces, self.rows))
+        k = self.sampling.top_logprobs
+        tops = top_alternatives(self.rows, k, m.piece) if k else ()
+        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
+
+
+def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tuple[list[int], list[Any]]:
+    """Run each session's own preparation; one that raises gets its exception, the others go on."""
+    ready: list[int] = []
+    out: list[Any] = [None] * len(sessions)
+    for i, session in enumerate(sessions):
+        try:
+            prepare(i, session)
+        except Exception as exc:
+            out[i] = exc
+            continue
+        ready.append(i)
+    return ready, out
+
+
+def draft_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
+               requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
+    """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
+    ready, out = _prepare(sessions, lambda i, s: s.sync())
+    try:
+        drafts = draft_batch(m, [sessions[i] for i in ready], [requests[i] for i in ready])
+    except Exception as exc:  # the decode failed for all of them
+        drafts = [exc] * len(ready)
+    for i, draft in zip(ready, drafts):
+        out[i] = draft
+    return out
+
+
+def draft_batch(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
+                requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens]:
+    """Draft for synced sessions; a request is draft's positional arguments: (n, sampling) or
+    (n, sampling, on_text)."""
+    drafting = [Drafting(s, n, sampling, *s.next_row(), *hook)
+                for s, (n, sampling, *hook) in zip(sessions, requests)]
+    while True:
+        feeding = [d for d in drafting if d.step(m)]
+        if not feeding:
+            break
+        rows = m.decode([d.ids[-1] for d in feeding], [d.pos for d in feeding],
+                        [d.session.base for d in feeding], [True] * len(feeding))
+        for d, row in zip(feeding, rows):
+            d.fed(row.copy(), m.softmax.lse(row))
+    return [d.finish(m) for d in drafting]
+
+
+def score_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
+               texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+    """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
+    plans: dict[int, VerifyPlan] = {}
+
+    def plan(i: int, session: LlamaCppSession) -> None:
+        plans[i] = session.plan_scores(list(texts[i][0]))
+
+    ready, out = _prepare(sessions, plan)
+    chunk: list[VerifyPlan] = []
+    try:
+        for i in ready:
+            if sum(len(q.tokens) for q in chunk) + len(plans[i].tokens) > m.n_batch:
+                verify_batch(m, chunk)
+                chunk = []
+            chunk.append(plans[i])
+        verify_batch(m, chunk)
+        for i in ready:
+            out[i] = plans[i].answer()
+    except Exception as exc:
+        for i in ready:
+            out[i] = exc
+    return out
+
+
+def verify_batch(m: LlamaCppMember, plans: Sequence[VerifyPlan]) -> None:
+    """Decode the candidates of several sessions in one batch and hand each its rows."""
+    plans = [p for p in plans if p.tokens]
+    if not plans:
+        return
+    tokens = [t for p in plans for t in p.tokens]
+    rows = m.decode(tokens, [x for p in plans for x in p.positions], [x for p in plans for x in p.seqs],
+                    [True] * len(tokens))
+    at = 0
+    for p in plans:
+        p.session.finish_verify(p, rows[at : at + len(p.tokens)])
+        at += len(p.tokens)

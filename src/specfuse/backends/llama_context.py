@@ -1,0 +1,162 @@
+"""One llama.cpp context: its unified KV cache's sequences and the batched decodes into it.
+
+Nothing here knows which session holds which sequence; ``llama_slots.py`` keeps that
+book and ``llama_cpp.py`` (the member) puts the two together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+from ..errors import MemberLoadError, PromptTooLongError
+from .llama_runtime import log_excerpt
+
+
+def _no_room() -> bool:
+    return False
+
+
+class LlamaContext:
+    """A context of `n_ctx` cells in `n_seq` sequences over a loaded model, and one reused batch.
+
+    `window`: the tokens one session may hold, as errors quote it; `shape`: the context in words
+    (for the error when llama.cpp cannot make it). `make_room`: called when a decode finds no free cell; True if it freed some (the prefix
+    cache gives way first), so that the decode is tried again.
+    """
+
+    def __init__(self, model: Any, *, name: str, n_ctx: int, n_batch: int, n_seq: int, threads: int,
+                 n_vocab: int, max_outputs: int, window: int, shape: str) -> None:
+        self.name = name
+        self.window = window
+        self.n_vocab = n_vocab
+        self.n_batch = n_batch
+        self.max_outputs = max(1, max_outputs)  # logits rows one decode asks for (see decode)
+        self.make_room: Callable[[], bool] = _no_room
+        self._ctx = _create(model, n_ctx, n_batch, n_seq, threads, shape)
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_cells = lc.llama_n_ctx(self._ctx)
+        self._init_batch(n_batch)
+
+    def _init_batch(self, n_batch: int) -> None:
+        """One reused batch, its fields seen as NumPy arrays so that filling it is cheap."""
+        self._batch = lc.llama_batch_init(n_batch, 0, 1)
+        self._batch_tokens = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
+        self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        self._batch_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
+        self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
+        self._batch_nseq[:] = 1
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self._ctx)
+
+    # --- decoding ---------------------------------------------------------------
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+               outputs: Sequence[bool]) -> np.ndarray:
+        """Decode one batch; return the logits rows of tokens with an output flag.
+
+        llama.cpp keeps a logits buffer as large as the most rows one decode ever asked for
+        (a row is the vocabulary: 1 MiB for Gemma 3), so a batch asking for more than
+        ``max_outputs`` rows is decoded in parts (each part's tokens after the earlier parts',
+        in the same cache) and its rows are copied out. Memory then stays at the buffer reserved
+        at load, however many sessions verify together.
+        """
+        flags = list(outputs)
+        if sum(flags) <= self.max_outputs:
+            return self._decode_once(tokens, positions, seqs, flags)
+        parts, start, seen = [], 0, 0
+        for end, flag in enumerate(flags, 1):
+            seen += flag
+            if seen == self.max_outputs or end == len(flags):
+                parts.append(self._decode_once(tokens[start:end], positions[start:end], seqs[start:end],
+                                               flags[start:end]).copy())
+                start, seen = end, 0
+        return np.concatenate(parts)
+
+    def reserve_outputs(self, n_ctx: int) -> None:
+        """Grow llama.cpp's logits buffer to ``max_outputs`` rows now, once, rather than in steps while serving."""
+        n = min(self.max_outputs, self.n_batch, n_ctx)
+        self._decode_once([0] * n, list(range(n)), [0] * n, [True] * n)
+        self.clear()
+
+    def _decode_once(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+                     outputs: Sequence[bool]) -> np.ndarray:
+        n = len(tokens)
+        if n > self.n_batch:
+            raise ValueError("batch larger than n_batch")
+        batch = self._batch
+        batch.n_tokens = n
+        self._batch_tokens[:n] = tokens
+        self._batch_pos[:n] = positions
+        self._batch_logits[:n] = outputs
+        seq_ptrs = batch.seq_id
+        for i, seq in enumerate(seqs):
+            seq_ptrs[i][0] = seq
+        status = lc.llama_decode(self._ctx, batch)
+        while status == 1 and self.make_room():  # no room: cached prefixes give way first
+            status = lc.llama_decode(self._ctx, batch)
+        if status == 1:
+            raise PromptTooLongError(f"{self.name}: the context window ({self.window} tokens) is full",
+                                     "shorten the prompt or lower --max-tokens")
+        if status != 0:
+            raise MemberLoadError(f"{self.name}: llama_decode failed with status {status}", "see the log above")
+        n_out = int(sum(1 for o in outputs if o))
+        if n_out == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = lc.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+
+    # --- the cache's sequences --------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        """Drop sequence `seq`'s cells in positions [p0, p1) (-1: open-ended)."""
+        if not lc.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise MemberLoadError(f"{self.name}: cannot remove cache cells [{p0}, {p1}) of sequence {seq}",
+                                  "this model's cache does not support partial removal")
+
+    def seq_drop(self, seq: int) -> None:
+        """Drop all of sequence `seq` (always possible)."""
+        lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Make sequence `dst` share `src`'s cells in positions [p0, p1) (nothing is recomputed)."""
+        lc.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_cells(self, seq: int) -> int:
+        """Positions sequence `seq` holds."""
+        last = lc.llama_memory_seq_pos_max(self._mem, seq)
+        return last - lc.llama_memory_seq_pos_min(self._mem, seq) + 1 if last >= 0 else 0
+
+    def clear(self) -> None:
+        """Empty the whole cache."""
+        lc.llama_memory_clear(self._mem, False)
+
+    def close(self) -> None:
+        if self._ctx:
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self._ctx)
+            self._ctx = None
+
+
+def _create(model: Any, n_ctx: int, n_batch: int, n_seq: int, threads: int, shape: str) -> Any:
+    """A context of `n_ctx` cells shared by `n_seq` sequences in one unified cache, or a clear error."""
+    params = lc.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_batch
+    params.n_seq_max = n_seq
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.kv_unified = True  # candidate sequences share the prefix cells
+    params.swa_full = True  # sliding-window layers must allow partial removal
+    params.no_perf = True
+    ctx = lc.llama_init_from_model(model, params)
+    if not ctx:
+        detail = log_excerpt()
+        raise MemberLoadError(f"llama.cpp could not create a context of {shape}"
+                              + (f" ({detail})" if detail else ""),
+                              "lower n_ctx or the number of concurrent sessions (max_concurrent)")
+    return ctx
