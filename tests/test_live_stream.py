@@ -149,9 +149,8 @@ def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from openai import OpenAI
-
     from helpers import live_server
+    from openai import OpenAI
 
     with live_server(tmp_path_factory.mktemp("live"), max_concurrent=1) as server:
         with OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300) as openai:

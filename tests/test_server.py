@@ -121,21 +121,25 @@ def test_streaming_reads_the_same_answer(client, greedy):
                                             temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    pieces = []
+    pieces, ended = [], 0
     for chunk in chunks:
         if chunk.choices and chunk.choices[0].delta.content:
             info = ext(chunk)
-            # one delta per accepted segment, with its author and the round that chose it
+            # a delta per accepted segment, or per piece of one the leader writes alone (live.py), with its
+            # author; a segment's last delta comes with the round that chose it
             assert info["segment"]["text"] == chunk.choices[0].delta.content
-            assert info["round"]["winner"] == info["segment"]["model"] in MEMBERS
-            # a round the leader won alone (confidence gate) has its one candidate; a vote has everyone's
-            assert len(info["round"]["candidates"]) == (1 if info["round"]["gated"] else len(MEMBERS))
+            assert info["segment"]["model"] in MEMBERS
+            if "round" in info:
+                ended += 1
+                assert info["round"]["winner"] == info["segment"]["model"]
+                # a round the leader won alone (confidence gate) has its one candidate; a vote has everyone's
+                assert len(info["round"]["candidates"]) == (1 if info["round"]["gated"] else len(MEMBERS))
             pieces.append(chunk.choices[0].delta.content)
     # greedy decoding: the stream and the plain body come from the same engine iterator
     assert "".join(pieces) == greedy.choices[0].message.content
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == greedy.choices[0].finish_reason
-    assert ext(finishing[0])["stats"]["rounds"] >= len(pieces)
+    assert ext(finishing[0])["stats"]["rounds"] >= ended >= 1
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert last.usage.completion_tokens == greedy.usage.completion_tokens
