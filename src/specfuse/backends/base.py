@@ -12,10 +12,11 @@ and whatever cache makes extending it cheap. A session does three things:
 What a member can do beyond that is *declared*, never probed:
 
 - ``Member.capabilities`` (:class:`Capabilities`): whether its calls may run in
-  threads beside others' (remote servers), whether ``draft_many`` /
-  ``score_many`` batch several sessions into one decode (llama.cpp), whether its
-  sessions offer ``text_logprob`` (prompt-fit voting weights), whether they draft
-  under a constraint (``constrain``: structured output);
+  threads beside others' (remote servers, a llama.cpp member wholly on a GPU:
+  ``calls.py``), whether ``draft_many`` / ``score_many`` batch several sessions
+  into one decode (llama.cpp), whether its sessions offer ``text_logprob``
+  (prompt-fit voting weights), whether they draft under a constraint
+  (``constrain``: structured output);
 - ``Member.slots``: how many sessions it holds at once (None: any number);
 - ``Member.n_params``: its parameter count, where known (the confidence gate's
   default leader is the largest member when every member states its size);
@@ -54,7 +55,7 @@ OnText = Callable[[str], None]
 class Capabilities:
     """What a member can do beyond the required calls."""
 
-    parallel_safe: bool = False  # its calls may run in threads beside other calls (remote servers)
+    parallel_safe: bool = False  # its calls may run beside other members' (remote servers; llama.cpp on a GPU)
     batched: bool = False  # draft_many / score_many serve several sessions in one decode
     prompt_fit: bool = False  # its sessions offer text_logprob
     constrained: bool = False  # its sessions draft under a constraint (structured output): ``constrain``
