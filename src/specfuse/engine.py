@@ -36,15 +36,19 @@ from . import phases
 from .backends.base import Member
 from .calls import CallRunner, Calls, Reply
 from .constraints import Constraint, TextMatcher
-from .errors import InvalidRequestError, MemberFailedError
-from .live import LeaderStream, LiveCalls
+from .errors import InvalidRequestError
+from .lineup import SEED_SPACE, Lineup, member_seed
+from .live import LiveCalls
 from .options import FusionOptions
-from .phases import Drafted, Known, Ranking
-from .seats import Seat, Seats
-from .selection import pick_leader
-from .types import Candidate, Departure, DoneEvent, Event, Message, Result, RoundEvent, RoundRecord, Segment, SegmentEvent, Stats
+from .phases import Drafted, Known
+from .records import Decision, Votes, gated_how, round_record
+from .seats import Seat
+from .transcript import Transcript
+from .types import Candidate, DoneEvent, Event, Message, Result, RoundEvent
 
 log = logging.getLogger("specfuse.engine")
+
+__all__ = ["SEED_SPACE", "Steps", "Stop", "drive", "fuse", "fusion_steps", "member_seed"]
 
 # A generation as a coroutine: it yields events and member calls, is sent the replies to calls.
 Steps = Generator[Event | Calls, list[Reply] | None, None]
@@ -55,16 +59,6 @@ class Stop:
     """A round could not produce a candidate: the answer ends, for this reason."""
 
     reason: str
-
-
-SEED_SPACE = 2**63  # member seeds lie in [0, 2**63): NumPy, torch and remote servers all take them
-
-
-def member_seed(seed: int | None, index: int) -> int | None:
-    """A distinct, reproducible seed per member (two copies of a model differ); None: random.
-
-    Any integer the options accept maps into ``SEED_SPACE`` (small seeds unchanged)."""
-    return None if seed is None else (seed * 7919 + index) % SEED_SPACE
 
 
 def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
@@ -151,122 +145,65 @@ def fuse(members: Sequence[Member], messages: Sequence[Message], options: Fusion
 
 
 class Generation:
-    """State of one fused generation: seats, voting weights, statistics, the answer so far."""
+    """One fused generation: rounds until the answer stops, each decided by ``_round``.
+
+    Its jobs live apart: the seats and who leads (:class:`~specfuse.lineup.Lineup`), the answer so far
+    (:class:`~specfuse.transcript.Transcript`), the voting weights and round records (``records.py``).
+    """
 
     def __init__(self, members: Sequence[Member], options: FusionOptions,
                  weights: Mapping[str, float] | None, constraint: Constraint | None = None,
                  top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> None:
         self.options = options
         self.deadline = deadline
-        # Given to members only when set: a member's start() need not know about salts otherwise.
-        self.start_options = {} if cache_salt is None else {"cache_salt": cache_salt}
         self.sampling = replace(options.sampling, top_logprobs=top_logprobs)
         self.constraint = constraint
         self.matcher = TextMatcher(constraint) if constraint is not None else None
-        self.seats = Seats(members)
-        start = dict(weights or {})
-        mean = sum(start.values()) / len(start) if start else 1.0 / len(members)
-        self.weights = {s.name: start.get(s.name, mean) for s in self.seats.all}
-        self.stats = Stats(wins={s.name: 0 for s in self.seats.all})
-        self.lead: str | None = None  # the gate's leader, fixed at its first round
-        self.hopeless = 0  # votes in a row whose winner still looped (guard patience)
-        self.text = ""
-        self.messages: list[Message] = []
-        self.segments: list[Segment] = []
-        self.rounds: list[RoundRecord] = []
-        self.live: LeaderStream | None = None  # this round's, when the leader answers alone
-        self.started = time.perf_counter()
+        self.votes = Votes([m.name for m in members], weights)
+        self.lineup = Lineup(members, options, constraint, cache_salt, self.votes.weights)
+        self.seats = self.lineup.seats
+        self.answer = Transcript([s.name for s in self.seats.all])
 
     def run(self, messages: Sequence[Message]) -> Steps:
         """Seat the members, run rounds until the answer stops, then report."""
-        o = self.options
-        self.started = time.perf_counter()
-        self.messages = list(messages)
-        yield from self._start(messages)
+        o, answer = self.options, self.answer
+        answer.started = time.perf_counter()
+        yield from self.lineup.start(messages)
         if o.prior == "prompt":
             prior = yield from phases.prompt_prior(self.seats, messages, o.prior_temperature)
-            self.weights.update(prior or {})
+            self.votes.weights.update(prior or {})
             yield from self.seats.release()
         while True:
-            yield from self._catch_up()
+            yield from self.lineup.catch_up(answer.text, answer.stats.rounds)
             if (reason := self._limit()) is not None:
                 break
-            round_no = self.stats.rounds + 1
+            round_no = answer.stats.rounds + 1
             round_start = time.perf_counter()
-            record = yield from self._round(round_no)
-            if isinstance(record, Stop):
-                reason = record.reason
+            decision = yield from self._round(round_no)
+            if isinstance(decision, Stop):
+                reason = decision.reason
                 break
-            chosen = record.candidates[record.winner_index]
-            yield from self._append(record)
+            record = round_record(round_no, decision, self.votes, self.seats.calls)
+            chosen = decision.winner.candidate
+            yield from answer.append(record, self.seats.calls)
             yield from phases.broadcast(self.seats, chosen.text, round_no)
-            if o.exit and not chosen.finished and not record.gated:
-                phases.model_exit(self.seats, o, round_no, self._leader() if o.gate is not None else None)
+            if o.exit and not chosen.finished and not decision.gated:
+                phases.model_exit(self.seats, o, round_no, self.lineup.leader() if o.gate is not None else None)
             yield from self.seats.release()
             record.departures = list(self.seats.round_departures)
             record.total_s = time.perf_counter() - round_start
-            self.rounds.append(record)
+            answer.rounds.append(record)
             yield RoundEvent(record)
             if chosen.finished:
                 reason = "stop"
                 break
         yield from self._finish(reason)
 
-    def _start(self, messages: Sequence[Message]) -> Generator[Calls, list[Reply], None]:
-        """Every member opens a session (with lazy followers, the leader alone); one that cannot leaves."""
-        seats = self.seats
-        if self.options.followers == "lazy" and self._answers_alone():
-            first = self._successor(seats.all)
-            seats.standby = [s for s in seats.all if s is not first]
-            yield from self._open([first], messages, 0)
-            yield from self._catch_up()
-        else:
-            yield from self._open(seats.all, messages, 0)
-
-    def _answers_alone(self) -> bool:
-        """Whether the options never consult the members besides the leader (the leader alone)."""
-        o = self.options
-        return o.gate is not None and o.accept_margin == 0 and o.prior != "prompt" and len(self.seats.all) > 1
-
-    def _open(self, chosen: Sequence[Seat], messages: Sequence[Message], round_no: int) -> Generator[Calls, list[Reply], None]:
-        """The chosen members open sessions; a member that cannot leaves the query."""
-        o, seats = self.options, self.seats
-        reserve = len(seats.all) * o.window + 1
-        opened = yield from seats.ask(chosen, "start", "start", lambda s: (messages,), counted=False,
-                                      kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve,
-                                                        **self.start_options})
-        failed = seats.seated(chosen, opened)
-        for _, exc in failed:
-            if isinstance(exc, InvalidRequestError):
-                raise exc  # the request itself is wrong (e.g. too long): no member could answer it
-        for seat, exc in failed:
-            reason = f"start failed: {type(exc).__name__}: {exc}"
-            seats.departures.append(Departure(seat.name, round_no, "fault", reason))
-        if self.constraint is not None:
-            able = [s for s in chosen if s in seats.active and s.member.capabilities.constrained]
-            outcome = yield from seats.ask(able, "start", "constrain", lambda s: (self.constraint,), counted=False)
-            seats.survivors(able, outcome, round_no, "constrain")
-        if not seats.active and not seats.standby:
-            raise MemberFailedError("no member could start: " + "; ".join(d.reason for d in seats.departures),
-                                    "check the members' servers or files and retry")
-
-    def _catch_up(self) -> Generator[Calls, list[Reply], None]:
-        """With no started member left, a standby member (the next leader) starts and reads the prompt
-        and the answer so far, in one prefill at its next call; until one is active."""
-        seats = self.seats
-        while not seats.active and seats.standby:
-            seat = self._successor(seats.standby)
-            seats.standby.remove(seat)
-            yield from self._open([seat], self.messages, self.stats.rounds)
-            if seat in seats.active and self.text:
-                outcome = yield from seats.ask([seat], "catch up", "accept", lambda s: (self.text,), counted=False)
-                seats.survivors([seat], outcome, self.stats.rounds, "catch up")
-
     def _limit(self) -> str | None:
         """Why no further round can run (the budget is spent, the deadline passed, a context window is
         full), or None."""
         o, active = self.options, self.seats.active
-        if o.max_tokens - self.stats.tokens <= 0:
+        if o.max_tokens - self.answer.stats.tokens <= 0:
             return "length"
         if self.deadline is not None and time.monotonic() >= self.deadline:
             return "deadline"
@@ -274,62 +211,64 @@ class Generation:
             return "context"
         return None
 
-    def _round(self, round_no: int) -> Generator[Calls, list[Reply], RoundRecord | Stop]:
-        """Gate, draft, consult, verify, rank: the round's winner (not yet broadcast)."""
-        o, seats = self.options, self.seats
+    def _round(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
+        """Gate, draft, consult, verify, rank: how the round's winner (not yet broadcast) was chosen."""
+        o, seats, text = self.options, self.seats, self.answer.text
         seats.new_round()
         calls_before = seats.calls
-        budget = o.max_tokens - self.stats.tokens
+        budget = o.max_tokens - self.answer.stats.tokens
         n = min(o.window, budget)
-        last = self.segments[-1].text if self.segments else ""
-        leader = self._leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
+        leader = self.lineup.leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
-        live = self.live = self._stream(leader, round_no) if solo and self._answers_alone() else None
+        live = (self.answer.stream(leader.name, round_no, phases.stops(leader, o))  # type: ignore[union-attr]
+                if solo and self.lineup.answers_alone() else None)
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
-            early = yield from phases.draft(seats, [leader], n, self.text, o, round_no, self._check, self.sampling,
-                                            live)
+            early = yield from phases.draft(seats, [leader], n, text, o, round_no, self._check, self.sampling, live)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
                 return (yield from self._take_over(round_no))
             if early:
-                check = phases.gate(early[0][1], o, answer=self.text, last=last,
-                                    patient=self.hopeless < o.guard_patience)
+                check = phases.gate(early[0][1], o, answer=text, last=self.answer.last,
+                                    patient=self.votes.hopeless < o.guard_patience)
                 confidence = check.confidence
                 if check.passes or (solo and early[0][1].eligible):
-                    return self._record(round_no, early, phases.alone(early, leader), calls_before, leader,
-                                        confidence, gated=True)
+                    return Decision(gated_how(confidence, o), early, phases.alone(early, leader), leader,
+                                    confidence, calls_before)
         solo = solo and leader in seats.active
-        drafted = yield from phases.draft_all(seats, early, n, budget, self.text, o, round_no,
+        drafted = yield from phases.draft_all(seats, early, n, budget, text, o, round_no,
                                               only=leader if solo else None, check=self._check,
-                                              drafting=self._drafts, sampling=self.sampling, live=live)
+                                              drafting=self.lineup.drafts, sampling=self.sampling, live=live)
         if not seats.active:
             return (yield from self._take_over(round_no))
         if not drafted:
             return Stop("length")
         if solo:
-            return self._record(round_no, drafted, phases.alone(drafted, leader), calls_before, leader,  # type: ignore[arg-type]
-                                confidence, gated=True)
+            return Decision(gated_how(confidence, o), drafted, phases.alone(drafted, leader),  # type: ignore[arg-type]
+                            leader, confidence, calls_before)
+        return (yield from self._vote(round_no, drafted, leader, confidence, calls_before))
+
+    def _vote(self, round_no: int, drafted: Drafted, leader: Seat | None, confidence: float | None,
+              calls_before: int) -> Generator[Calls, list[Reply], Decision | Stop]:
+        """The leader consults the others' proposals (when it may accept one), then every member verifies
+        and the vote ranks the candidates."""
+        o, seats = self.options, self.seats
         consulted: dict[str, str] = {}
         known: Known = {}
         if leader is not None and o.accept_margin is not None and any(s is leader and d.eligible for s, d in drafted):
             drafted, scores, verdicts = yield from phases.consult(seats, leader, drafted, o, round_no)
             consulted, known = {name: v.reason for name, v in verdicts.items()}, {leader.name: scores}
             if leader in seats.active and not any(v.accepted for v in verdicts.values()):
-                return self._record(round_no, drafted, phases.alone(drafted, leader), calls_before, leader,
-                                    confidence, consulted=consulted)
+                return Decision("rejected", drafted, phases.alone(drafted, leader), leader, confidence, calls_before,
+                                consulted)
         drafted, known = yield from phases.verify(seats, drafted, round_no, known)
         if not any(d.eligible for _, d in drafted):
             return Stop("length")
-        weights = self._voting_weights([seat.name for seat, _ in drafted])
-        ranking = phases.rank([d for _, d in drafted], known, weights, o, round_no=round_no, answer=self.text,
-                              last=last)
-        self._learn(drafted, ranking)
-        return self._record(round_no, drafted, ranking, calls_before, leader, confidence, consulted=consulted)
-
-    def _drafts(self, seat: Seat) -> bool:
-        """Whether `seat` drafts: under a constraint, only members that can draft under it (the others verify)."""
-        return self.constraint is None or seat.member.capabilities.constrained
+        weights = self.votes.normalised([seat.name for seat, _ in drafted])
+        ranking = phases.rank([d for _, d in drafted], known, weights, o, round_no=round_no, answer=self.answer.text,
+                              last=self.answer.last)
+        self.votes.learn(drafted, ranking, o)
+        return Decision("vote", drafted, ranking, leader, confidence, calls_before, consulted)
 
     def _check(self, answer: str, candidate: Candidate) -> str | None:
         """Why `candidate` may not win under the request's constraint (None: it may, or there is none)."""
@@ -341,118 +280,23 @@ class Generation:
             return "ends an incomplete answer"
         return None
 
-    def _stream(self, leader: Seat, round_no: int) -> LeaderStream:
-        """The round's segment as the leader writes it (it answers alone)."""
-        return LeaderStream(leader.name, round_no, self.text, phases.stops(leader, self.options))
-
-    def _keep_streamed(self, round_no: int) -> None:
-        """What went out of a leader that then failed stays in the answer: its successor goes on from it."""
-        live, self.live = self.live, None
-        if live is not None and live.sent:
-            self.text += live.sent
-            self.segments.append(Segment(text=live.sent, model=live.model, round=round_no))
-
-    def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], RoundRecord | Stop]:
+    def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
         """The leader failed mid-round with the others on standby: one catches up and the round runs again."""
-        self._keep_streamed(round_no)
-        yield from self._catch_up()
+        self.answer.keep_streamed(round_no)
+        yield from self.lineup.catch_up(self.answer.text, self.answer.stats.rounds)
         return (yield from self._round(round_no))
 
-    def _leader(self) -> Seat | None:
-        """The member that drafts first under the gate.
-
-        The named one; with ``leader="auto"`` the largest member when every
-        active member states its parameter count, else the heaviest voter.
-        Chosen once per query (votes must not promote a member to leader); if
-        it departs, the next is chosen the same way among those left.
-        """
-        active = self.seats.active
-        seat = next((s for s in active if s.name == self.lead), None)
-        if seat is None and active:
-            seat = self._successor(active)
-            self.lead = seat.name
-        return seat
-
-    def _successor(self, seats: Sequence[Seat]) -> Seat:
-        """Who of `seats` leads: the named leader before any was chosen, else the largest; under a
-        constraint, one of those that can draft under it."""
-        seats = [s for s in seats if self._drafts(s)] or seats
-        if self.lead is None:
-            named = next((s for s in seats if s.name == self.options.leader), None)
-            if named is not None:
-                return named
-        sizes = [s.member.n_params for s in seats]
-        known = all(isinstance(n, int) and n > 0 for n in sizes)
-        return seats[pick_leader(sizes if known else [self.weights[s.name] for s in seats])]  # type: ignore[arg-type]
-
-    def _voting_weights(self, names: Sequence[str]) -> list[float]:
-        values = [self.weights[n] for n in names]
-        total = sum(values)
-        return [v / total for v in values] if total > 0 else [1.0 / len(names)] * len(names)
-
-    def _learn(self, drafted: Drafted, ranking: Ranking) -> None:
-        """What a vote teaches: Hedge's weights, the guard's patience, Model Exit's quality."""
-        if self.options.hedge:
-            self.weights.update(zip([seat.name for seat, _ in drafted], ranking.weights))
-        self.hopeless = self.hopeless + 1 if ranking.stuck else 0
-        for (seat, _), gain in zip(drafted, phases.quality_gains(ranking, self.options)):
-            seat.quality += gain
-
-    def _record(self, round_no: int, drafted: Drafted, ranking: Ranking, calls_before: int, leader: Seat | None,
-                confidence: float | None, gated: bool = False, consulted: dict[str, str] | None = None) -> RoundRecord:
-        names = [seat.name for seat, _ in drafted]
-        o = self.options
-        confident = gated and confidence is not None and o.gate is not None and confidence >= o.gate
-        decision = "confident" if confident else "alone" if gated else "vote" if ranking.raw else "rejected"
-        return RoundRecord(
-            index=round_no, active=names, candidates=[d.candidate for _, d in drafted],
-            raw_scores=ranking.raw, scores=ranking.scores,
-            weights=dict(zip(names, self._voting_weights(names) if decision == "rejected" else ranking.weights)),
-            aggregate=ranking.totals, winner_index=ranking.winner, model_calls=self.seats.calls - calls_before,
-            gated=gated, leader=leader.name if leader is not None else None, confidence=confidence,
-            penalised=ranking.penalised, draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in drafted},
-            verify_s={} if gated else {s.name: s.timings.get("verify", 0.0) for s, _ in drafted},
-            consulted=consulted or {}, decision=decision,
-        )
-
-    def _append(self, record: RoundRecord) -> Iterator[Event]:
-        """The winner joins the answer and is streamed at once."""
-        chosen, stats = record.candidates[record.winner_index], self.stats
-        self.text += chosen.text
-        stats.rounds = record.index
-        stats.wins[chosen.model] += 1
-        stats.tokens += chosen.n_tokens
-        stats.gated_rounds += record.gated
-        stats.model_calls = self.seats.calls
-        live, self.live = self.live, None
-        if live is not None and live.first_at is not None and stats.time_to_first_segment_s is None:
-            stats.time_to_first_segment_s = live.first_at - self.started
-        if chosen.text:
-            segment = Segment(text=chosen.text, model=chosen.model, round=record.index, trail=chosen.trail)
-            self.segments.append(segment)
-            if stats.time_to_first_segment_s is None:
-                stats.time_to_first_segment_s = time.perf_counter() - self.started
-            sent = live.sent if live is not None else ""
-            if not sent:
-                yield SegmentEvent(segment)
-            elif chosen.text.startswith(sent):  # the rest of what went out as the leader wrote it
-                if len(chosen.text) > len(sent):
-                    yield SegmentEvent(Segment(text=chosen.text[len(sent):], model=chosen.model, round=record.index))
-            else:  # never expected: what went out is always kept
-                log.error("round %d: the streamed text %r is not where the segment %r starts", record.index, sent,
-                          chosen.text)
-                yield SegmentEvent(segment)
-
     def _finish(self, reason: str) -> Steps:
-        self.stats.finish_reason = reason
-        self.stats.total_s = time.perf_counter() - self.started
-        self.stats.model_calls = self.seats.calls
+        answer, stats = self.answer, self.answer.stats
+        stats.finish_reason = reason
+        stats.total_s = time.perf_counter() - answer.started
+        stats.model_calls = self.seats.calls
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
-        invalid = self.constraint.check(self.text) if self.constraint is not None and reason == "stop" else None
+        invalid = self.constraint.check(answer.text) if self.constraint is not None and reason == "stop" else None
         yield DoneEvent(Result(
             valid=None if self.constraint is None or reason != "stop" else invalid is None, invalid_reason=invalid,
-            text=self.text, segments=self.segments, rounds=self.rounds, stats=self.stats,
-            models=[s.name for s in seats], departures=self.seats.departures, weights=dict(self.weights),
+            text=answer.text, segments=answer.segments, rounds=answer.rounds, stats=stats,
+            models=[s.name for s in seats], departures=self.seats.departures, weights=dict(self.votes.weights),
             counters=dict(self.seats.counters), prompt_bpb={s.name: s.bpb for s in seats if s.bpb is not None},
         ))

@@ -10,6 +10,7 @@ at its next tick (within a round), and closing its coroutine closes its member
 sessions. ``max_concurrent = 1`` is the serial worker: one job at a time.
 After every tick the thread also notes what each member holds (free slots, KV
 cells): only it may read a llama.cpp cache, which must not be read mid-decode.
+The job and what it hands its handler are in ``jobs.py``; the watchdog is in ``watchdog.py``.
 
 The worker is never silent about its own faults: an exception that escapes a
 tick fails every request in flight (each gets a ``Failed`` item), is logged
@@ -24,29 +25,38 @@ reason "deadline", a length limit), or fails it if it is still queued then.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 import threading
 import time
-import traceback
-import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
-from ..backends.base import Member, Occupancy
-from ..constraints import Constraint
-from ..tools import Tool
+from ..backends.base import Occupancy
 from ..ensemble import Ensemble
-from ..errors import InvalidRequestError, SpecFuseError
-from ..options import FusionOptions
-from ..scheduler import Cancelled as FlightCancelled
-from ..scheduler import Flight, Scheduler
-from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
+from ..errors import SpecFuseError
+from ..scheduler import Scheduler
+from .jobs import (
+    Cancelled,
+    DeadlineError,
+    Failed,
+    Item,
+    Job,
+    Observer,
+    QueueFullError,
+    ShuttingDownError,
+    Started,
+    WorkerFailedError,
+    ending,
+    flight_of,
+    prompt_tokens,
+    tell,
+)
+from .watchdog import Watchdog
 
 log = logging.getLogger("specfuse.server")
+
+__all__ = ["COUNTERS", "Cancelled", "DeadlineError", "Failed", "Item", "Job", "Observer", "QueueFullError",
+           "ShuttingDownError", "Started", "Worker", "WorkerFailedError"]
 
 # accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
 # completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
@@ -56,107 +66,6 @@ COUNTERS = ("accepted", "rejected", "started", "completed", "cancelled", "invali
 STALL_AFTER_S = 120.0  # a tick that runs longer than this is stalled (/health says so)
 FATAL_AFTER = 3  # ticks that raise, with no generation completed between them, before the worker gives up
 
-
-class Observer(Protocol):
-    """What watches each generation as it happens (the server's metrics); `accepted` is the job's
-    ``time.time()`` at acceptance. Called on the worker thread."""
-
-    def first_segment(self, accepted: float) -> None: ...
-
-    def done(self, accepted: float, result: Result) -> None: ...
-
-
-class QueueFullError(SpecFuseError):
-    """Every queue slot is taken; the client should retry later."""
-
-
-class ShuttingDownError(SpecFuseError):
-    """The server is stopping and takes no new work."""
-
-
-class WorkerFailedError(SpecFuseError):
-    """The worker could not go on (a tick failed, or its thread died); the request was not answered."""
-
-
-class DeadlineError(SpecFuseError):
-    """The request's deadline passed before its generation could start."""
-
-
-@dataclass(frozen=True)
-class Started:
-    """The worker picked the job up; how long it waited and the prompt sizes."""
-
-    queue_s: float
-    prompt_tokens: dict[str, int]
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class Cancelled:
-    pass
-
-
-Item = Started | Event | Failed | Cancelled
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's generation, shared between its HTTP handler and the worker."""
-
-    messages: list[Message]
-    options: FusionOptions
-    members: list[str] | None = None  # None: the whole ensemble
-    constraint: Constraint | None = None  # structured output (response_format, or the tools offered)
-    tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
-    logprobs: bool = False  # the response reports each answer token's log-probability
-    top_logprobs: int = 0  # and this many alternatives per token, as the drafters report them
-    deadline_s: float | None = None  # from acceptance: then the answer so far ends (None: no deadline)
-    cache_salt: str | None = None  # prefix-cache isolation: reuse only prefixes cached under the same salt
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    created: float = field(default_factory=time.time)
-    accepted_at: float = field(default_factory=time.monotonic)  # the deadline counts from here
-    cancel_flag: threading.Event = field(default_factory=threading.Event)
-    cancel_reason: SpecFuseError | None = None  # why the server (not the client) cancelled it, if it did
-    _loop: asyncio.AbstractEventLoop | None = None
-    _items: asyncio.Queue[Item] | None = None
-
-    @property
-    def deadline(self) -> float | None:
-        """The ``time.monotonic()`` time its deadline passes, if it has one."""
-        return None if self.deadline_s is None else self.accepted_at + self.deadline_s
-
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._items = asyncio.Queue()
-
-    def emit(self, item: Item) -> None:
-        """Thread-safe: hand an item to the waiting handler (dropped if its loop is gone)."""
-        assert self._loop is not None and self._items is not None, "job not bound to a loop"
-        try:
-            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
-        except RuntimeError:
-            pass  # the event loop closed: the server is shutting down
-
-    async def items(self, keepalive_s: float | None = None) -> AsyncIterator[Item | None]:
-        """Items until a terminal one (DoneEvent, Failed, Cancelled).
-
-        With ``keepalive_s``, yields None whenever nothing arrived for that long,
-        so a streaming handler can write a heartbeat.
-        """
-        assert self._items is not None, "job not bound to a loop"
-        while True:
-            try:
-                item = await asyncio.wait_for(self._items.get(), keepalive_s)
-            except TimeoutError:
-                yield None
-                continue
-            yield item
-            if isinstance(item, DoneEvent | Failed | Cancelled):
-                return
 
 
 class Worker:
@@ -182,11 +91,10 @@ class Worker:
         self.fatal: str | None = None  # why the worker cannot go on; None while it can
         self.on_fatal: Callable[[str], None] | None = None  # told once, from the worker or watchdog thread
         self._tick_since: float | None = None  # time.monotonic() at the start of the tick in progress
-        self._stall_seen: float | None = None  # the tick the watchdog last reported
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
-        self._watchdog = threading.Thread(target=self._watch, name="specfuse-watchdog", daemon=True)
+        self._watchdog = Watchdog(self)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
@@ -212,13 +120,7 @@ class Worker:
     @property
     def stalled(self) -> str | None:
         """Why the worker looks stuck: a tick running longer than ``stall_after_s``; None when it is not."""
-        since = self._tick_since
-        if since is None:
-            return None
-        age = time.monotonic() - since
-        if age <= self.stall_after_s:
-            return None
-        return f"one worker step has run for {age:.0f} s (more than {self.stall_after_s:g} s)"
+        return self._watchdog.stalled()
 
     def occupancy(self) -> dict[str, Occupancy]:
         """What each member held after the worker's last step (all slots free and no cells when idle)."""
@@ -369,24 +271,6 @@ class Worker:
                 except Exception:
                     log.exception("on_fatal failed")
 
-    def _watch(self) -> None:
-        """Every few seconds: has a tick run too long (said once per tick), has the worker thread died?"""
-        period = min(5.0, max(0.05, self.stall_after_s / 4))
-        while not self._stopped.wait(period):
-            since = self._tick_since
-            if since is not None and since != self._stall_seen and time.monotonic() - since > self.stall_after_s:
-                self._stall_seen = since
-                self._count("stalls")
-                log.error("the worker is stalled: %s; it is at:\n%s", self.stalled, self._where())
-            if not self._thread.is_alive() and self.fatal is None and not self._stopping:
-                self._die("the worker thread died", None)
-                return
-
-    def _where(self) -> str:
-        """The worker thread's current stack (innermost last), for the stall report."""
-        frame = sys._current_frames().get(self._thread.ident or -1)
-        return "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(not running)"
-
     def _observe(self) -> None:
         assert self._ensemble is not None
         seen = {}
@@ -416,33 +300,8 @@ class Worker:
             self._end(job, exc, 0)
             return
         members = [m for m in ensemble.members if job.members is None or m.name in job.members]
-        job.emit(Started(time.time() - job.created, _prompt_tokens(members, job.messages)))
-        rounds = [0]
-        first = [True]
-
-        def on_event(event: Event) -> None:
-            if isinstance(event, RoundEvent):
-                rounds[0] += 1
-                self._count("rounds")
-            elif isinstance(event, SegmentEvent) and first[0]:
-                first[0] = False
-                self._tell(lambda o: o.first_segment(job.created))
-            elif isinstance(event, DoneEvent):
-                self._tell(lambda o: o.done(job.created, event.result))
-            job.emit(event)
-
-        # The leader's text as it decodes it, unless the answer's log-probabilities are asked for: they
-        # come with whole segments (and with tools offered the text is held to the end anyway).
-        self._scheduler.add(Flight(steps, on_event, lambda why: self._end(job, why, rounds[0]),
-                                   job.cancel_flag.is_set, live=not job.logprobs))
-
-    def _tell(self, call: Callable[[Observer], None]) -> None:
-        if self.observer is None:
-            return
-        try:
-            call(self.observer)
-        except Exception:  # metrics must never stop a generation
-            log.exception("the observer failed")
+        job.emit(Started(time.time() - job.created, prompt_tokens(members, job.messages)))
+        self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         with self._cond:
@@ -451,34 +310,5 @@ class Worker:
 
     def _finished(self, job: Job, why: BaseException | None, rounds: int) -> None:
         if why is None:
-            self._count("completed")
             self._failed_ticks = 0  # the worker works: earlier failures were passing ones
-        elif isinstance(why, FlightCancelled):
-            self._count("cancelled")
-            log.info("%s cancelled after %d rounds", job.id, rounds)
-            job.emit(Cancelled() if job.cancel_reason is None else Failed(job.cancel_reason))
-        elif isinstance(why, InvalidRequestError):
-            self._count("invalid")
-            log.info("%s rejected: %s", job.id, why)
-            job.emit(Failed(why))
-        elif isinstance(why, SpecFuseError):
-            self._count("failed")
-            log.warning("%s failed: %s", job.id, why)
-            job.emit(Failed(why))
-        else:  # a bug or a backend crash: report it, keep serving
-            self._count("failed")
-            log.error("%s crashed", job.id, exc_info=why)
-            job.emit(Failed(why))
-
-
-def _prompt_tokens(members: Sequence[Member], messages: Sequence[Message]) -> dict[str, int]:
-    """Templated prompt length per member, where the backend can tell (for usage)."""
-    counts: dict[str, int] = {}
-    for member in members:
-        try:
-            tokens = member.prompt_tokens(messages)
-        except SpecFuseError:
-            continue  # the generation itself reports a bad prompt
-        if tokens is not None:
-            counts[member.name] = len(tokens)
-    return counts
+        ending(job, why, rounds, self._count)
