@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -190,3 +191,45 @@ def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
         assert "." not in answer
     if case == "json_schema":
         assert set(json.loads(answer)) == {"name", "age"}
+
+
+def test_text_a_failing_leader_sent_stays_and_its_successor_goes_on(default_ensemble):
+    from helpers import SessionWrapper, Wrapped
+
+    class FailsAfterWriting(SessionWrapper):
+        """The leader writes its second draft (its text goes out), then its call fails."""
+
+        streams_text = True
+
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.drafts = 0
+
+        def draft(self, max_tokens, sampling, on_text=None):
+            self.drafts += 1
+            drafted = self.inner.draft(max_tokens, sampling, on_text)
+            if self.drafts == 2:
+                raise RuntimeError("the leader's server went away")
+            return drafted
+
+    class Leader(Wrapped):
+        def __init__(self, member):
+            super().__init__(member)
+            self.capabilities = replace(member.capabilities, batched=False)  # draft() itself, not draft_many
+
+        def start(self, messages, *, seed, reserve, **options):
+            return FailsAfterWriting(self.member.start(messages, seed=seed, reserve=reserve, **options))
+
+    members = [Leader(m) if m.name == "qwen2.5-coder-0.5b" else m for m in default_ensemble.members]
+    from specfuse.engine import fusion_steps
+    from specfuse.types import Message
+
+    opts = FusionOptions.build(max_tokens=32, temperature=0)
+    events = list(drive(fusion_steps(members, [Message("user", PROMPT)], opts)))
+    result = events[-1].result
+    assert [d.model for d in result.departures] == ["qwen2.5-coder-0.5b"]
+    sent = [e.segment for e in events if isinstance(e, SegmentEvent)]
+    assert "".join(s.text for s in sent) == result.text == "".join(s.text for s in result.segments)
+    second = [s.text for s in sent if s.round == 2 and s.model == "qwen2.5-coder-0.5b"]
+    assert second, "the failing leader's second draft went out in part"
+    assert {s.model for s in result.segments if s.round >= 2} - {"qwen2.5-coder-0.5b"}  # a successor went on
