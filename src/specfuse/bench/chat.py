@@ -13,13 +13,14 @@ reuse), a 6-turn chat (an owner's manual as the system prompt, each answer sent 
 assistant turn, as chat UIs do) and 4 users, one after another, who share a long system prompt and
 each ask their own question. Each repetition marks its system prompts with its number, so that no
 repetition reuses another's (``sections`` keeps only the documents' first sections: a shorter
-script, for tests). Per request it records the time to the first content (the first
-segment; the anchor streams token by token, so its first content is one token), to the first 40
+script, for tests). Per request it records the time to the first content (ours: the leader's first
+words as it writes them, since it answers alone by default; the anchor's first token), to the first 40
 characters (about ten tokens: like for like) and to the end.
 
 Reported, never enforced (docs/performance.md): turns 2-6 and users 2-4 with the cache against a
 short prompt (target <= 1.5x) and against no cache (target >= 5x sooner), and the cache against
-the anchor on the same conversation.
+the anchor on the same conversation (first content <= 1.1x, first 40 characters <= 1x, whole
+answer <= 0.7x).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from .processes import llama_cpp_server, sigterm_as_interrupt, specfuse_server
 
 SYSTEMS = ("cache", "no-cache", "llama-server")
 SHORT_PROMPTS = (SHORT_PROMPT, "Say hello.", "Say thanks.")
-# About ten tokens of English: the same amount of answer for a server that streams segments (ours) and
-# one that streams tokens (the anchor), so "first words" compares like with like.
+# About ten tokens of English: the same amount of answer whatever pieces a server streams it in, so
+# "first words" compares like with like.
 FIRST_WORDS = 40
 LEADER = "qwen2.5-coder-0.5b"
 
@@ -256,11 +257,11 @@ TARGETS = {
     "chat_later_turns_over_short": ("<=", 1.5, "chat turns 2-6, first segment with the cache / a short prompt's"),
     "chat_no_cache_over_cache": (">=", 5.0, "chat turns 2-6, first segment without the cache / with it"),
     "users_later_over_short": ("<=", 1.5, "users 2-4 of a shared system prompt, first segment / a short prompt's"),
-    "chat_ttfs_cache_over_anchor": ("<=", 1.0, "chat turns 2-6, first content (a segment / a token): ours / "
+    "chat_ttfs_cache_over_anchor": ("<=", 1.1, "chat turns 2-6, first content: ours / "
                                                "llama-cpp-python server's"),
     "chat_first_words_cache_over_anchor": ("<=", 1.0, f"chat turns 2-6, first {FIRST_WORDS} characters: ours / "
                                                       "llama-cpp-python server's"),
-    "chat_total_cache_over_anchor": ("<=", 1.0, "chat turns 2-6, whole answer: ours / llama-cpp-python server's"),
+    "chat_total_cache_over_anchor": ("<=", 0.7, "chat turns 2-6, whole answer: ours / llama-cpp-python server's"),
 }
 
 
