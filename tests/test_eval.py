@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from specfuse.eval.runner import carried_weights, read_records
 from specfuse.eval.systems import resolve_systems
 from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
 from specfuse.errors import InvalidRequestError
+from specfuse.likelihood import Rule
 
 SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
 
@@ -324,10 +326,67 @@ def test_lm_eval_model_is_registered_and_generates():
 
     (text,) = lm.generate_until([Request()], disable_tqdm=True)
     assert "5" in text
-    with pytest.raises(NotImplementedError, match="generate_until"):
-        lm.loglikelihood([Request()])
     lm.ensemble.close()
-    assert "specfuse_gsm8k" in task_manager().all_tasks
+    known = task_manager().all_tasks
+    assert "specfuse_gsm8k" in known and "specfuse_bigbench_mc" in known
+
+
+class _Request:  # lm-eval's Instance exposes its arguments as .args
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+
+def test_lm_eval_bigbench_group_runs_offline_and_one_member_gives_its_own_scores():
+    import lm_eval
+
+    from specfuse.eval.bigbench import TASKS, items
+    from specfuse.eval.lm_eval_adapter import SpecFuseLM, task_manager
+
+    # No prefix cache: every item is decoded on an empty cache, so scores do not depend on the order.
+    lm = SpecFuseLM(models="smollm2-135m", system="member:smollm2-135m", threads=1, prefix_cache_cells=0)
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=["specfuse_bigbench_mc"], task_manager=task_manager(),
+                                      limit=1, log_samples=True)
+        assert "acc,none" in out["results"]["specfuse_bigbench_mc"]
+        for task in TASKS:
+            name = "specfuse_bigbench_" + task.replace("-", "_")
+            item = items(task, 0, 1)[0]
+            own = lm.ensemble.score(item.context, list(item.choices), rule="loglinear-whole")
+            (sample,) = out["samples"][name]
+            answered = [resp[0][0] for resp in sample["resps"]]
+            assert answered == pytest.approx([s.logprob for s in own.members["smollm2-135m"]], abs=2e-3)
+            assert out["results"][name]["acc,none"] == float(own.best in item.correct)
+    finally:
+        lm.ensemble.close()
+
+
+def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
+    from specfuse.eval.lm_eval_adapter import SpecFuseLM
+
+    context, choices = "Q: What is the capital of France?\nA:", [" Paris", " Berlin", " a small potato"]
+    requests = [_Request(context, c) for c in choices]
+    lm = SpecFuseLM(models="smollm2-135m|gemma3-270m", rule="mixture-byte", threads=1, prefix_cache_cells=0)
+    try:
+        own = lm.ensemble.score(context, choices, rule="loglinear-whole")
+        rows = list(own.members.values())
+        mixture = lm.loglikelihood(requests, disable_tqdm=True)
+        assert sum(math.exp(v) for v, _ in mixture) == pytest.approx(1.0)
+        assert [v for v, _ in mixture] == pytest.approx(own.pooled(Rule.parse("mixture-byte")), abs=1e-3)
+        lm.scoring.rule = Rule.parse("loglinear-whole", {"smollm2-135m": 3, "gemma3-270m": 1})
+        weighted = lm.loglikelihood(requests, disable_tqdm=True)
+        assert [v for v, _ in weighted] == pytest.approx(
+            [0.75 * a.logprob + 0.25 * b.logprob for a, b in zip(*rows)], abs=1e-3)
+        assert [g for _, g in weighted] == [a.greedy and b.greedy for a, b in zip(*rows)]
+        (rolling,) = lm.loglikelihood_rolling([_Request("The cat sat on the mat.")], disable_tqdm=True)
+        texts = lm.ensemble.score("", ["The cat sat on the mat."], rule="loglinear-whole")
+        assert rolling == pytest.approx(0.75 * texts.members["smollm2-135m"][0].logprob
+                                        + 0.25 * texts.members["gemma3-270m"][0].logprob, abs=1e-3)
+        with pytest.raises(InvalidRequestError, match="unknown rule"):
+            SpecFuseLM(models="smollm2-135m", rule="median")
+        with pytest.raises(InvalidRequestError, match="bad weights"):
+            SpecFuseLM(models="smollm2-135m", weights="smollm2-135m=1")
+    finally:
+        lm.ensemble.close()
 
 
 def test_lm_eval_cli_runs_a_local_task_with_the_specfuse_model():

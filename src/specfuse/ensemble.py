@@ -95,6 +95,10 @@ class Ensemble:
                              top_logprobs=top_logprobs, deadline=deadline, cache_salt=cache_salt)
         return self._carrying(steps) if persist else steps
 
+    def pick(self, names: Sequence[str] | None) -> list[Member]:
+        """The members named (all of them for None); an unknown name is refused with the list."""
+        return self._chosen(names)
+
     def _chosen(self, names: Sequence[str] | None) -> list[Member]:
         if names is None:
             return list(self.members)

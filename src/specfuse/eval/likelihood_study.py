@@ -77,10 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", default=str(DATA_DIR))
     parser.add_argument("--models", default=None, help="members joined by | (default: the embedded three)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prefix-cache-cells", type=int, default=0,
+                        help="0 (default): every item is decoded on an empty cache, so its scores do not "
+                             "depend on the items before it")
     args = parser.parse_args(argv)
     from ..ensemble import Ensemble
 
     options = {"threads": args.threads} if args.threads else {}
+    options["prefix_cache_cells"] = args.prefix_cache_cells
     names = args.models.split("|") if args.models else None
     with Ensemble(names, **options) as ensemble:
         run(ensemble, [t for t in args.tasks.split(",") if t], args.start, args.stop, args.out, args.data)

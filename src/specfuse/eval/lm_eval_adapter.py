@@ -2,8 +2,8 @@
 
 Run lm-eval's own CLI through this module (console script ``specfuse-lm-eval``,
 or ``python -m specfuse.eval.lm_eval_adapter``), which registers the model and adds
-the local task configs (``specfuse_gsm8k``, ``specfuse_ifeval``: the files under
-``../shared/data``, no hub access) before handing over::
+the local task configs (``specfuse_gsm8k``, ``specfuse_ifeval``, the multiple-choice group
+``specfuse_bigbench_mc``: the files under ``../shared/data``, no hub access) before handing over::
 
     specfuse-lm-eval --model specfuse \\
         --model_args system=specfuse,max_tokens=256 --tasks specfuse_gsm8k --limit 20
@@ -24,10 +24,16 @@ Prompts: a request's context becomes one user message that each member renders
 with its own chat template; with ``--apply_chat_template`` the harness's
 messages are passed through the same way. ``until`` strings become stop strings.
 
-Loglikelihood requests are refused: the members tokenize differently, so there
-is no shared token sequence whose likelihood the ensemble could report, and a
-mean of members' log-likelihoods is not the likelihood of what SpecFuse would
-generate. Use generate-style tasks.
+Log-likelihood requests (multiple-choice and perplexity tasks): every member scores the
+continuation under its own tokenizer (``specfuse.likelihood``) and the scores are pooled by
+``rule``: ``loglinear`` (default) answers the weighted mean of the members' summed
+log-probabilities, so lm-eval's ``acc`` compares whole continuations and ``acc_norm`` compares
+them per character; ``mixture-byte`` / ``mixture-whole`` answer the log of the members' mean
+probability of the choice, normalised over the choices that share the request's context.
+``weights``: ``NAME:W|NAME:W`` (default uniform). ``system=member:NAME``: that member alone.
+A continuation is greedy when it is every scoring member's greedy continuation.
+``loglikelihood_rolling`` scores a whole text after a newline (log-linear pool), up to the
+members' window.
 """
 
 from __future__ import annotations
@@ -42,11 +48,12 @@ from lm_eval.api.registry import register_model
 
 from ..member_options import MemberOptions, flag_fields
 from ..types import Message
+from .lm_eval_scoring import LikelihoodScoring, parse_rule
 from .systems import ItemContext, RunSettings, get_system
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 _CHAT_KEY = "specfuse_messages"
-RUN_ARGS = ("models", "system", "max_tokens", "temperature", "seed", "window")
+RUN_ARGS = ("models", "system", "max_tokens", "temperature", "seed", "window", "rule", "weights")
 MODEL_ARGS = RUN_ARGS + tuple(flag_fields())  # and every member option
 HARNESS_ARGS = ("batch_size", "max_batch_size", "device")  # lm-eval passes these to every model: not used
 
@@ -74,6 +81,8 @@ class SpecFuseLM(LM):
         temperature: float = 0.0,
         seed: int = 0,
         window: int = 10,
+        rule: str = "loglinear",
+        weights: str | None = None,
         **others: Any,
     ) -> None:
         super().__init__()
@@ -86,10 +95,12 @@ class SpecFuseLM(LM):
                                  f"it takes {', '.join(MODEL_ARGS)}")
 
         get_system(system)  # fail on a bad name before loading models
+        rule_chosen = parse_rule(rule, weights)
         names = [m for m in str(models).split("|") if m] if models else None
         options = MemberOptions.build(member_options, where="model_args")  # lm-eval's values arrive typed or as text
         self.ensemble = Ensemble(names, **options.given())
         self.system = system
+        self.scoring = LikelihoodScoring.build(self.ensemble, system, rule_chosen)
         self.settings = RunSettings(
             max_tokens=int(max_tokens), temperature=float(temperature),
             top_p=1.0 if float(temperature) <= 0 else 0.9, seed=int(seed), window=int(window),
@@ -124,16 +135,18 @@ class SpecFuseLM(LM):
         return outputs
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        raise NotImplementedError(_REFUSAL)
+        """Each (context, continuation): the pooled log-likelihood and whether it is greedy."""
+        answers = self.scoring.loglikelihood([r.args for r in requests], disable_tqdm)
+        for request, answer in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood", request.args, answer)
+        return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        raise NotImplementedError(_REFUSAL)
-
-
-_REFUSAL = (
-    "the specfuse model answers generate_until tasks only (e.g. specfuse_gsm8k, specfuse_ifeval): its members "
-    "tokenize differently, so it has no log-likelihood of a given continuation"
-)
+        """Each text's pooled log-likelihood as a whole (perplexity tasks)."""
+        answers = self.scoring.rolling([r.args[0] for r in requests], disable_tqdm)
+        for request, answer in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, answer)
+        return answers
 
 
 def to_messages(context: str) -> list[Message]:
