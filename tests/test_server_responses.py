@@ -123,3 +123,24 @@ def test_a_hangup_mid_stream_frees_the_job(server, client):
     wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
     assert client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text
+
+
+def test_the_store_is_bounded_in_responses_and_characters():
+    from specfuse.server.response_store import ResponseStore
+
+    def turn(chars: int) -> list[dict]:
+        return [{"role": "user", "content": "x" * chars}]
+
+    store = ResponseStore(capacity=3, max_chars=100)
+    for i in range(4):
+        store.put(f"r{i}", turn(10))
+    assert store.get("r0") is None and len(store) == 3  # the oldest went first
+    assert store.get("r1") is not None  # now the most recently used
+    store.put("big", turn(75))  # 4 responses, 105 characters: the least recently used goes
+    assert store.get("r2") is None and store.get("r3") is not None and store.get("r1") is not None
+    assert store.chars == 95 and len(store) == 3
+    store.put("more", turn(85))  # big is now the least recently used: it goes, then r3, for room
+    assert store.get("big") is None and store.get("r3") is None and store.get("r1") is not None
+    assert store.chars == 95 and len(store) == 2
+    store.put("huge", turn(101))  # larger than the whole store: not kept, nothing dropped for it
+    assert store.get("huge") is None and len(store) == 2

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..errors import SpecFuseError
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, SegmentEvent
 from . import limits as checks
@@ -101,12 +102,15 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
 
 def _count(state: ServerState, messages: list[Message], names: list[str] | None) -> int:
     """The templated prompt's tokens: the longest among the members that would answer (as usage counts)."""
-    counts = []
+    counts = [0]
     for member in state.loaded:
         if names is None or member.name in names:
-            tokens = member.prompt_tokens(messages)
+            try:
+                tokens = member.prompt_tokens(messages)
+            except SpecFuseError:  # as the worker: a member that cannot tell is left out of the count
+                continue
             counts.append(len(tokens) if tokens is not None else 0)
-    return max(counts, default=0)
+    return max(counts)
 
 
 # --------------------------------------------------------------------------- the answer

@@ -80,21 +80,19 @@ def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
     return ResponsesPlan(request, conversation(request, earlier), parsing.plan_of(chat, defaults, limits))
 
 
-def _store(state: ServerState) -> ResponseStore:
-    return state.extras.setdefault("responses", ResponseStore())
-
-
 def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    store = state.extras["responses"] = ResponseStore()  # one per app: what previous_response_id finds
+
     @app.post("/v1/responses", dependencies=[require_key])
     async def responses(request: Request) -> Response:
         body = await state.body(request)
-        plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, _store(state))
+        plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, store)
         detailed = state.holds_key(request)
         require_members(state, detailed)
         model = plan.request.model or state.model_id
         job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
         cancel = submit(state, [job], detailed, plan.request.user)
-        answer = Answer(job, model, plan, _store(state), detailed)
+        answer = Answer(job, model, plan, store, detailed)
         if plan.request.stream:
             return event_stream(answer.stream(cancel), cancel)
         result, started = await finished(job, disconnected(request), cancel, detailed)
