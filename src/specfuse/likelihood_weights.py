@@ -9,9 +9,11 @@ gives the right choice (softmax over the item's choices), then by closeness to u
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from .backends.likelihood import ContinuationScore
 from .likelihood import Rule, log_softmax
@@ -35,6 +37,14 @@ def item_from_record(record: Mapping) -> ScoredItem:
                       for lp, tok, size, greedy in zip(row["logprob"], row["tokens"], sizes, row["greedy"])]
                for name, row in record["members"].items()}
     return ScoredItem(members, tuple(record["correct"]))
+
+
+def read_items(source: str | Path) -> list[ScoredItem]:
+    """Scored items from a JSONL file of records, or from every ``*.jsonl`` file of a folder."""
+    path = Path(source)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    return [item_from_record(json.loads(line)) for f in files
+            for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def simplex(names: Sequence[str], step: float) -> list[dict[str, float]]:

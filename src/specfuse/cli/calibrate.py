@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 @app.command()
 @member_flags()
 def calibrate(
-    task: Annotated[str, typer.Argument(help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C).")],
+    task: Annotated[str, typer.Argument(help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C); "
+                                             "pooling: weights for `specfuse score` from scored items (--data).")],
     data: Annotated[Optional[str], typer.Option(help="JSONL file of the items (jsonl: one {\"prompt\", \"answer\"} "
                                                      "per line; built-in tasks: their data by default).")] = None,
     checker: Annotated[Optional[str], typer.Option(
@@ -34,6 +36,7 @@ def calibrate(
     out_dir: Annotated[str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")]
     = "runs/calibrate",
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    rule: Annotated[str, typer.Option(help="pooling: the rule to fit weights for.")] = "loglinear-byte",
     member_options: dict[str, Any] | None = None,
 ) -> None:
     """Run the leader alone and a few settings on the same items, paired; write the profile to use.
@@ -41,6 +44,8 @@ def calibrate(
     The profile holds the cheapest setting right on more items than the leader (else the leader
     alone: a tie is not worth its time); load it with `--profile` in generate, chat, serve and eval.
     """
+    if task == "pooling":
+        return calibrate_pooling(data, rule, out_dir)
     require("eval", "specfuse calibrate")
     from ..eval.calibrate import DEFAULT_GRID, calibrate as run_calibration
     from ..eval.tasks import get_task, jsonl_task
@@ -66,3 +71,32 @@ def calibration_table(task: str, settings: "list[Setting]", chosen: "Setting") -
         table.add_row(s.spec + mark, f"{s.correct}/{s.items}", str(s.only_this), str(s.only_leader),
                       f"{s.time_ratio:.2f}×")
     return table
+
+
+def calibrate_pooling(data: str | None, rule: str, out_dir: str) -> None:
+    """Fit pooling weights on scored items (JSONL records with every member's scores of every choice and
+    the right ones, as the likelihood study writes them: a file or a folder of them)."""
+    from pathlib import Path
+
+    from ..errors import InvalidRequestError
+    from ..likelihood import Rule
+    from ..likelihood_weights import evaluate, fit_weights, read_items
+
+    if not data:
+        raise InvalidRequestError("pooling needs --data: a JSONL file or folder of scored items",
+                                  "write them with python -m specfuse.eval.likelihood_study")
+    chosen = Rule.parse(rule)
+    items = read_items(data)
+    weights = fit_weights(chosen, items)
+    fitted, uniform = evaluate(Rule(chosen.pool, chosen.norm, weights), items)[0], evaluate(chosen, items)[0]
+    table = Table("member", Column("weight", justify="right"), title=f"{chosen.name} on {len(items)} items: "
+                  f"{fitted} right with these weights, {uniform} with uniform ones")
+    for name, w in weights.items():
+        table.add_row(name, f"{w:.2f}")
+    out.print(table)
+    path = Path(out_dir) / "pooling.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rule": chosen.name, "weights": weights, "items": len(items),
+                                "right": fitted, "right_uniform": uniform}, indent=2) + "\n", encoding="utf-8")
+    flags = " ".join(f"--weight {n}={w:g}" for n, w in weights.items())
+    err.print(f"weights: {path}; use them with specfuse score --rule {chosen.name} {flags}")

@@ -11,9 +11,9 @@ read once, against the member that did best on the study items::
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,18 +23,22 @@ from ..likelihood_weights import ScoredItem, fit_weights, item_from_record
 Split = dict[str, list[tuple[int, ScoredItem, float]]]  # task -> (index, item, seconds of all members)
 
 
-def load_split(folder: str | Path) -> tuple[Split, dict[str, float]]:
-    """Records per task (sorted by index), and each member's mean seconds per item."""
+def load_split(folder: str | Path, stop: int | None = None) -> tuple[Split, dict[str, float]]:
+    """Records per task (sorted by index; only those below `stop`, where given), and each member's
+    mean seconds per item."""
     split: Split = {}
     seconds: dict[str, list[float]] = {}
     for path in sorted(Path(folder).glob("*.jsonl")):
         rows = {}
         for line in path.read_text(encoding="utf-8").splitlines():
             record = json.loads(line)
+            if stop is not None and record["index"] >= stop:
+                continue
             rows[record["index"]] = record
             for name, s in record["seconds"].items():
                 seconds.setdefault(name, []).append(s)
-        split[path.stem] = [(i, item_from_record(r), sum(r["seconds"].values())) for i, r in sorted(rows.items())]
+        if rows:  # a task whose run has not written an item yet is left out
+            split[path.stem] = [(i, item_from_record(r), sum(r["seconds"].values())) for i, r in sorted(rows.items())]
     return split, {n: sum(v) / len(v) for n, v in seconds.items()}
 
 
@@ -129,8 +133,8 @@ def pairing_lines(a: Mapping[str, list[bool]], b: Mapping[str, list[bool]]) -> s
     return "\n".join(lines)
 
 
-def report(study_dir: str, confirm_dir: str | None = None) -> str:
-    study, seconds = load_split(study_dir)
+def report(study_dir: str, confirm_dir: str | None = None, study_stop: int | None = None) -> str:
+    study, seconds = load_split(study_dir, study_stop)
     results = outcomes(study, None)
     chosen, best = choose(results)
     parts = [f"## Study ({study_dir})", table(results, {chosen: " ← chosen", best: " ← best member"}),
@@ -149,8 +153,12 @@ def report(study_dir: str, confirm_dir: str | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    print(report(args[0], args[1] if len(args) > 1 else None))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study")
+    parser.add_argument("confirm", nargs="?")
+    parser.add_argument("--study-stop", type=int, default=None, help="read study items below this index only")
+    args = parser.parse_args(argv)
+    print(report(args.study, args.confirm, args.study_stop))
 
 
 if __name__ == "__main__":
