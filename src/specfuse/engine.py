@@ -14,7 +14,11 @@ broadcast to every member and streamed; Model Exit may then send laggards away.
 When the options never consult the others (the default: the leader alone,
 ``accept_margin`` 0), only the leader starts; the others wait on *standby*
 (``followers="lazy"``) and one joins, reading the prompt and the answer so far
-at once, only if the leader fails mid-answer.
+at once, only if the leader fails mid-answer. The leader's text then goes out
+as it decodes it (``live.py``).
+
+A generation's seats and leader are in ``lineup.py``, the answer so far in
+``transcript.py``, the voting weights and round records in ``records.py``.
 
 Members take part while *active* (``seats.py``): a member leaves the query when
 Model Exit finds it lagging or when one of its calls raises (a fault: a dead
