@@ -94,7 +94,9 @@ class Worker:
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="specfuse-worker", daemon=True)
-        self._watchdog = Watchdog(self)
+        self._watchdog = Watchdog(self._thread, stall_after_s, lambda: self._tick_since, lambda: self._count("stalls"),
+                                  lambda: self._die("the worker thread died", None),
+                                  lambda: self.fatal is None and not self._stopping, self._stopped)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
