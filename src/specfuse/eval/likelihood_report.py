@@ -123,7 +123,11 @@ def table(results: Mapping[str, Mapping[str, list[bool]]], marks: Mapping[str, s
 
 
 def _short(task: str) -> str:
-    return task.split("-")[0].replace("_", " ")[:18]
+    """A column label: the task's name without its subtask, except where two tasks share it (wikihow)."""
+    head, _, sub = task.partition("-")
+    if head == "goal_step_wikihow":
+        return "wikihow " + sub.split("_")[0]
+    return head.replace("_", " ")[:18]
 
 
 def pairing_lines(a: Mapping[str, list[bool]], b: Mapping[str, list[bool]]) -> str:
