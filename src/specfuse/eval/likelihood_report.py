@@ -63,7 +63,22 @@ def outcomes(split: Split, study: Split | None) -> dict[str, dict[str, list[bool
             out.setdefault(f"{rule_name} uniform", {})[task] = [item.right(rule.fuse(item.members))
                                                                 for _, item, _ in rows]
             out.setdefault(f"{rule_name} calibrated", {})[task] = _calibrated(rule, rows, (study or {}).get(task))
+        out.setdefault("member picked per task", {})[task] = _picked(names, rows, (study or {}).get(task))
     return out
+
+
+def _picked(names: list[str], rows, study_rows) -> list[bool]:
+    """Right or not for the member (and unit) that did best on the task's study rows (else on the other
+    half of its rows, by index parity): selection without pooling, the baseline calibrated weights face."""
+    systems = [member_system(n, norm) for n in names for norm in NORMS]
+
+    def best(on: list[ScoredItem]):
+        return max(systems, key=lambda right: sum(right(item) for item in on))
+
+    if study_rows is not None:
+        chosen = best([item for _, item, _ in study_rows])
+        return [chosen(item) for _, item, _ in rows]
+    return [best([it for i, it, _ in rows if i % 2 != index % 2])(item) for index, item, _ in rows]
 
 
 def _calibrated(rule: Rule, rows, study_rows) -> list[bool]:
@@ -107,7 +122,7 @@ def paired(a: Mapping[str, list[bool]], b: Mapping[str, list[bool]]) -> dict[str
 def choose(results: Mapping[str, Mapping[str, list[bool]]]) -> tuple[str, str]:
     """(the best pooled system, the best member alone) by macro average; the first listed wins a tie."""
     pooled = [s for s in results if s.endswith(("uniform", "calibrated"))]
-    alone = [s for s in results if s not in pooled]
+    alone = [s for s in results if s not in pooled and s != "member picked per task"]
     return max(pooled, key=lambda s: macro(results[s])), max(alone, key=lambda s: macro(results[s]))
 
 
