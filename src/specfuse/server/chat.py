@@ -167,8 +167,9 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                  detailed: bool = False) -> AsyncIterator[str]:
     """SSE frames: role chunk, one delta per segment, finish, [usage], [DONE].
 
-    A segment is sent with its round record when that follows at once; a segment that another follows
-    first (a leader's tokens as they are decoded) goes alone. A failure after the stream began is sent as
+    A round's segment is sent with its round record, which follows at once; a leader's pieces as it
+    writes them (partial segments) go out alone at once, and their round's record then comes with the
+    round's last piece, or alone in a chunk with no content. A failure after the stream began is sent as
     an ``error`` event; ``[DONE]`` always ends the stream. If the client disconnects, the server cancels
     this generator at its current await and ``finally`` cancels the job.
     """
@@ -189,7 +190,11 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                     continue
                 if pending is not None:
                     yield _segment_chunk(job, model, pending)
-                pending = item.segment  # sent with its round record, when that comes next
+                    pending = None
+                if item.partial:  # the leader's words as it writes them: out at once
+                    yield _segment_chunk(job, model, item.segment)
+                else:
+                    pending = item.segment  # sent with its round record, which comes next
             elif isinstance(item, RoundEvent):
                 round_info = RoundInfo.model_validate(item.record.to_dict())
                 if pending is not None:

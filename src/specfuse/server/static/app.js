@@ -136,13 +136,23 @@ class Answer {
     }
     span.textContent += text;
     this.open = round ? null : span;
-    if (round) {
-      span.addEventListener("mouseenter", () => showRound(span, round));
-      span.addEventListener("focus", () => showRound(span, round));
-      span.addEventListener("mouseleave", hideRound);
-      span.addEventListener("blur", hideRound);
-    }
+    if (round) this.hover(span, round);
     this.node.scrollIntoView({ block: "end" });
+  }
+
+  // A round's record that came after its pieces, in a chunk of its own: the open span's hover.
+  round(round) {
+    const span = this.open;
+    if (!span || span.dataset.round !== String(round.index)) return;  // a "stop here" round: no text
+    this.open = null;
+    this.hover(span, round);
+  }
+
+  hover(span, round) {
+    span.addEventListener("mouseenter", () => showRound(span, round));
+    span.addEventListener("focus", () => showRound(span, round));
+    span.addEventListener("mouseleave", hideRound);
+    span.addEventListener("blur", hideRound);
   }
 
   // A structured answer, indented, below the segments (which keep showing who wrote what).
@@ -252,6 +262,8 @@ async function ask(question) {
       if (choice.delta && choice.delta.content) {
         answer.segment(choice.delta.content, info.segment ? info.segment.model : state.model,
           info.segment ? info.segment.round : null, info.round);
+      } else if (info.round) {
+        answer.round(info.round);
       }
       if (choice.finish_reason) {
         answer.finish(info, choice.finish_reason, hedge);
