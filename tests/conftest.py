@@ -24,6 +24,18 @@ def default_ensemble():
     ensemble.close()
 
 
+@pytest.fixture(scope="session")
+def uncached_ensemble():
+    """The three embedded members with no prefix cache, for tests that compare two greedy answers to one
+    prompt: each reads its prompt afresh in the same cache layout, so they agree to the last bit. (Cells
+    reused from a prefix cache, or other entries it holds, change the kernels' arithmetic in the last bits,
+    which can flip a near-tie.)"""
+    _require_prepared()
+    ensemble = Ensemble(prefix_cache_cells=0)
+    yield ensemble
+    ensemble.close()
+
+
 @pytest.fixture()
 def recording(default_ensemble):
     return [Recording(m) for m in default_ensemble.members]

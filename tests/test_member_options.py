@@ -154,6 +154,23 @@ def test_llm_plugin_options_reach_the_member(tmp_path, monkeypatch):
         model.prompt("Hi", members=MODEL, gpu_layer=3).text()
 
 
+def test_llm_plugin_reads_on_off_options_as_the_other_entry_points_do(tmp_path, monkeypatch):
+    llm = pytest.importorskip("llm")
+    from specfuse import llm_plugin
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    monkeypatch.setattr(llm_plugin, "_loaded", {})
+    model = llm.get_model("specfuse")
+    model.prompt("Hi", members=MODEL, max_tokens=1, threads=1, side_by_side="true").text()  # as `-o side_by_side true`
+    (ensemble,) = llm_plugin._loaded.values()
+    try:
+        assert ensemble.members[0].capabilities.parallel_safe
+    finally:
+        ensemble.close()
+    with pytest.raises(Exception, match="side_by_side"):
+        model.prompt("Hi", members=MODEL, side_by_side="sometimes").text()
+
+
 def test_lm_eval_model_args_reach_the_member():
     pytest.importorskip("lm_eval")
     from specfuse.eval.lm_eval_adapter import ModelArgsError, SpecFuseLM

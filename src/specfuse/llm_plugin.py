@@ -51,9 +51,14 @@ class _FusionOptions(llm.Options):
 
 
 MEMBER_KEYS = tuple(flag_fields())
+# Fields MemberOptions reads leniently before checking them (true/false as on/off, 3/1 as a split): taken
+# as given here, so that its own reading applies.
+_LENIENT = {name for d in MemberOptions.__pydantic_decorators__.field_validators.values()
+            if d.info.mode == "before" for name in d.info.fields}
 # The member options are MemberOptions' own fields (checked again, whole, by MemberOptions.build).
 _Options = create_model("Options", __base__=_FusionOptions,
-                        **{name: (f.annotation, Field(None, description=f.description))
+                        **{name: (Any if name in _LENIENT else f.annotation,
+                                  Field(None, description=f.description))
                            for name, f in flag_fields().items()})  # type: ignore[call-overload]
 
 
