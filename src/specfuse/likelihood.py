@@ -80,6 +80,20 @@ class Rule:
                 for i in range(n_choices)]
 
 
+def weight_pairs(pairs: Sequence[str], sep: str, what: str, hint: str) -> dict[str, float]:
+    """``NAME<sep>WEIGHT`` pairs as a mapping; a malformed pair is refused as a bad `what`, saying `hint`."""
+    weights = {}
+    for pair in pairs:
+        name, found, value = pair.rpartition(sep)
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            found = ""
+        if not found or not name:
+            raise InvalidRequestError(f"bad {what} {pair!r}", hint)
+    return weights
+
+
 def log_softmax(values: Sequence[float]) -> list[float]:
     total = logsumexp(values)
     return [v - total for v in values]

@@ -37,17 +37,9 @@ def score(
     The context's trailing whitespace starts each choice, as lm-eval tokenizes.
     """
     from ..ensemble import Ensemble
-    from ..errors import InvalidRequestError
+    from ..likelihood import weight_pairs
 
-    weights = {}
-    for item in weight or []:
-        name, sep, value = item.rpartition("=")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name:
-            raise InvalidRequestError(f"bad --weight {item!r}", "write NAME=WEIGHT")
+    weights = weight_pairs(weight or [], "=", "--weight", "write NAME=WEIGHT")
     with Ensemble(model or None, **(member_options or {})) as ensemble:
         scored = ensemble.score(context, choices, rule=rule, weights=weights or None)
     if as_json:

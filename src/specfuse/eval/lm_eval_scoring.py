@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..backends.base import Member
 from ..errors import InvalidRequestError
-from ..likelihood import Rule, score_item
+from ..likelihood import Rule, score_item, weight_pairs
 
 RULE_NAMES = ("loglinear", "mixture-byte", "mixture-whole")
 
@@ -20,16 +20,7 @@ def parse_weights(text: str | None) -> dict[str, float] | None:
     """``NAME:W|NAME:W`` as a mapping (None: uniform)."""
     if not text:
         return None
-    weights = {}
-    for part in str(text).split("|"):
-        name, sep, value = part.rpartition(":")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name:
-            raise InvalidRequestError(f"bad weights {text!r}", "write NAME:WEIGHT|NAME:WEIGHT")
-    return weights
+    return weight_pairs(str(text).split("|"), ":", "weights", "write NAME:WEIGHT|NAME:WEIGHT")
 
 
 def parse_rule(rule: str, weights: str | None) -> Rule:
