@@ -38,6 +38,13 @@ def live(ensemble: Any, *, limits: dict[str, Any] | None = None, **server: Any) 
         "limits": {"max_tokens": 64, "max_stops": 4, "max_messages": 40, "max_tools": 4, **(limits or {})},
         "defaults": {"max_tokens": 8, "temperature": 0},
     })
+    with serve_app(config, ensemble) as (url, state):
+        yield Live(url, state)
+
+
+@contextmanager
+def serve_app(config: ServerConfig, ensemble: Any) -> Iterator[tuple[str, ServerState]]:
+    """The app over `ensemble` under `config`, served by uvicorn in a thread: its URL and its state."""
     app = create_app(config, ensemble)
     runner = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(config)))
     thread = threading.Thread(target=runner.run, name="test-uvicorn", daemon=True)
@@ -46,7 +53,7 @@ def live(ensemble: Any, *, limits: dict[str, Any] | None = None, **server: Any) 
         wait_for(lambda: runner.started or not thread.is_alive(), 60, what="uvicorn to start")
         assert runner.started, "uvicorn did not start"
         port = runner.servers[0].sockets[0].getsockname()[1]
-        yield Live(f"http://127.0.0.1:{port}", app.state.specfuse)
+        yield f"http://127.0.0.1:{port}", app.state.specfuse
     finally:
         runner.should_exit = True
         thread.join(60)

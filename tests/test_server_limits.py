@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-
 from helpers import wait_for
-from specfuse.server.app import ServerState, create_app, uvicorn_settings
+from live_app import serve_app
+
+from specfuse.server.app import ServerState, create_app
 from specfuse.server.config import ServerConfig
 from specfuse.server.serving import result_info
 from specfuse.types import Departure, Result, Stats
@@ -72,18 +72,8 @@ def live(ensemble, *, api_key: str | None = KEY, limits: dict[str, Any] | None =
         "limits": {**LIMITS, **(limits or {})},
         "defaults": {"max_tokens": 8, "temperature": 0},
     })
-    app = create_app(config, ensemble)
-    runner = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(config)))
-    thread = threading.Thread(target=runner.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: runner.started or not thread.is_alive(), 60, what="uvicorn to start")
-        assert runner.started, "uvicorn did not start"
-        port = runner.servers[0].sockets[0].getsockname()[1]
-        yield Live(f"http://127.0.0.1:{port}", app.state.specfuse)
-    finally:
-        runner.should_exit = True
-        thread.join(60)
+    with serve_app(config, ensemble) as (url, state):
+        yield Live(url, state)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import SpecFuseError
 from ..options import FusionOptions
 from ..types import DoneEvent, Message, Result, SegmentEvent
 from . import limits as checks
@@ -47,7 +46,7 @@ from .serving import (
     usage_of,
 )
 from .state import ServerState, members_for, require_members, submit
-from .worker import Job, Started
+from .worker import Job, Started, prompt_tokens
 
 PATH = "/v1/messages"
 
@@ -102,15 +101,8 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
 
 def _count(state: ServerState, messages: list[Message], names: list[str] | None) -> int:
     """The templated prompt's tokens: the longest among the members that would answer (as usage counts)."""
-    counts = [0]
-    for member in state.loaded:
-        if names is None or member.name in names:
-            try:
-                tokens = member.prompt_tokens(messages)
-            except SpecFuseError:  # as the worker: a member that cannot tell is left out of the count
-                continue
-            counts.append(len(tokens) if tokens is not None else 0)
-    return max(counts)
+    members = [m for m in state.loaded if names is None or m.name in names]
+    return max(prompt_tokens(members, messages).values(), default=0)
 
 
 # --------------------------------------------------------------------------- the answer
