@@ -8,6 +8,7 @@ from typing import Any
 from .backends.base import Member
 from .backends.registry import load_member
 from .constraints import Constraint
+from .echo import echo_text
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
 from .likelihood import ItemScores, Rule, score_item
@@ -15,7 +16,7 @@ from .member_options import MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
 from .prompting import validate_messages
-from .types import DoneEvent, Event, Message, Result
+from .types import DoneEvent, Event, Message, PromptToken, Result
 
 MAX_MEMBERS = 7
 MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
@@ -166,6 +167,13 @@ class Ensemble:
             if isinstance(event, DoneEvent):
                 return event.result
         raise RuntimeError("the engine ended without a result")
+
+    def echo(self, prompt: str | Sequence[int], *, top_k: int = 0, members: Sequence[str] | None = None,
+             weights: Mapping[str, float] | None = None) -> tuple[Member, list[PromptToken]]:
+        """Every token of `prompt` with its log-probability from the text's start, as every member (or
+        those named) reads it, pooled on the largest member's tokens (``echo.py``); `prompt` may be
+        that member's token ids. Returns the member whose tokens these are, and the tokens."""
+        return echo_text(self._chosen(members), prompt, top_k=top_k, weights=weights)
 
     def score(self, context: str, continuations: Sequence[str], *, rule: str | Rule = "loglinear-byte",
               weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None) -> ItemScores:

@@ -77,6 +77,21 @@ class TokenScores:
 
 
 @dataclass(frozen=True)
+class PromptToken:
+    """One token of a text a member read (an echoed prompt): its id, the characters it completes
+    (the entries' texts join to the text exactly; a token ending inside a character spells none of it),
+    the UTF-8 byte span it covers, its log-probability given the tokens before it (None for the
+    first: nothing predicts it), and the member's most likely tokens there as (text, log-probability)."""
+
+    id: int | None
+    text: str
+    start: int
+    end: int
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Candidate:
     """A member's draft after cutting to a word/character boundary."""
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..segments import complete_utf8_prefix
-from ..types import DraftTokens, Message, Sampling, TokenScores
+from ..types import DraftTokens, Message, PromptToken, Sampling, TokenScores
 from .prefix_cache import PrefixStats
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class Capabilities:
     batched: bool = False  # draft_many / score_many serve several sessions in one decode
     prompt_fit: bool = False  # its sessions offer text_logprob
     constrained: bool = False  # its sessions draft under a constraint (structured output): ``constrain``
+    echo: bool = False  # it reports a whole text's token log-probabilities: ``Member.echo`` (and tokenizes)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,21 @@ class Member(ABC):
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:
         """The templated prompt's tokens; None where the member cannot tell."""
         return None
+
+    def tokenize_text(self, text: str) -> list[int] | None:
+        """`text`'s tokens as they are (no special tokens added or parsed); None where the member cannot tell."""
+        return None
+
+    def detokenize(self, tokens: Sequence[int]) -> str | None:
+        """The text `tokens` spell; None where the member cannot tell."""
+        return None
+
+    def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
+        """Every token of `prompt` (a text, tokenized with :meth:`tokenize_text`, or this member's token
+        ids) with its log-probability given those before it and its `top_k` likeliest alternatives,
+        from the text's start (after the BOS the model reads first, which is not echoed). Members that
+        declare ``Capabilities.echo`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report a prompt's log-probabilities")
 
     def occupancy(self) -> Occupancy:
         """Slots free and cache cells held. Call it only from the thread that runs this member's

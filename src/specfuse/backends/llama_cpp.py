@@ -44,13 +44,23 @@ from pydantic import Field
 from ..errors import MemberLoadError
 from ..member_options import MemberOptions
 from ..models import PromptFormat, check_gguf
-from ..types import DraftTokens, Message, TokenScores
+from ..types import DraftTokens, Message, PromptToken, TokenScores
 from . import llama_batch
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .llama_context import LlamaContext
-from .llama_runtime import (LogSoftmax, default_threads, gpu_layers_for, init_backend, load_model,
-                            offloaded_layers, placement, side_by_side_for, threads_for)
+from .llama_echo import echo_tokens
+from .llama_runtime import (
+    LogSoftmax,
+    default_threads,
+    gpu_layers_for,
+    init_backend,
+    load_model,
+    offloaded_layers,
+    placement,
+    side_by_side_for,
+    threads_for,
+)
 from .llama_session import LlamaCppSession
 from .llama_slots import SEQS_PER_SESSION, SlotTable, prefix_entries
 from .llama_vocab import LlamaVocab
@@ -62,7 +72,7 @@ __all__ = ["LlamaCppMember", "LlamaCppSession", "default_threads", "load"]
 class LlamaCppMember(LocalMember):
     """A GGUF model loaded once; serves up to ``slots`` sessions at a time."""
 
-    capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True)
+    capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True)
 
     def __init__(
         self,
@@ -124,7 +134,7 @@ class LlamaCppMember(LocalMember):
         self.gpu_layers = offloaded_layers(self.model_params["n_gpu_layers"], total - 1)
         self.placement = placement(self.gpu_layers, total, main_gpu, split)
         self.threads = threads_for(threads, total - self.gpu_layers)
-        self.capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True,
+        self.capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True,
                                          parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total))
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
 
@@ -160,6 +170,16 @@ class LlamaCppMember(LocalMember):
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         return self.vocab.prompt_tokens(messages)
+
+    def tokenize_text(self, text: str) -> list[int]:
+        return self.tokenize_plain(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
+        ids = self.tokenize_plain(prompt) if isinstance(prompt, str) else list(prompt)
+        return echo_tokens(self, ids, top_k)
 
     def render(self, messages: Sequence[Message]) -> str:
         """`messages` through the model's chat template."""

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..ensemble import Ensemble
 from ..errors import SpecFuseError
-from . import chat, completions, messages, responses
+from . import chat, completions, messages, responses, tokenize
 from .config import WILDCARD_HOSTS, ServerConfig
 from .guards import Gate, h11_protocol, quoted, redact
 from .metrics import ServerMetrics
@@ -49,7 +49,7 @@ from .worker import Worker
 
 log = logging.getLogger("specfuse.server")
 STATIC = Path(__file__).with_name("static")
-API_MODULES = (chat, completions, messages, responses)  # each adds its routes: one module per API
+API_MODULES = (chat, completions, messages, responses, tokenize)  # each adds its routes: one module per API
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:

@@ -4,13 +4,14 @@ Every member continues the prompt as it is, with no chat template (a base
 model's natural task); the fusion is the same as for chat. A list of prompts
 is answered one choice each (run side by side, as slots allow); streaming takes
 one prompt. ``logprobs`` (up to 5) reports each answer token as its author
-drafted it; ``echo`` puts the prompt before the answer's text, but its tokens
-carry no log-probabilities (a 400 asks for both).
+drafted it; ``echo`` puts the prompt before the answer's text, and with ``logprobs`` its tokens
+too (``echo_completions.py``; ``max_tokens: 0``: the prompt alone).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -20,8 +21,9 @@ from fastapi.responses import JSONResponse, Response
 
 from ..logprobs import TokenLogprob, answer_logprobs
 from ..options import FusionOptions
-from ..types import DoneEvent, Message, Result, SegmentEvent
+from ..types import DoneEvent, Message, PromptToken, Result, SegmentEvent
 from . import parsing
+from .echo_completions import echo_logprobs, joined, prompt_texts, read_prompts
 from .limits import check_text
 from .parsing import Endpoint, fusion_options
 from .protocol import FusionInfo, Usage
@@ -60,32 +62,48 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
         detailed = state.holds_key(request)
         require_members(state, detailed)
         model = parsed.model or state.model_id
-        jobs = jobs_of(parsed, state.defaults, members_for(state, model), **job_fields(state, parsed.cache_salt))
+        texts = prompt_texts(state, parsed, model)
+        echoes = None
+        if parsed.echo and parsed.logprobs is not None:
+            echoes = await read_prompts(state, request, parsed, model, detailed)
+            if parsed.max_tokens == 0:
+                return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
+        jobs = jobs_of(parsed, texts, state.defaults, members_for(state, model),
+                       **job_fields(state, parsed.cache_salt))
         # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
         cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
         if parsed.stream:
-            return event_stream(stream(jobs[0], parsed, model, cancel, detailed), cancel)
-        result = await complete(jobs, parsed, model, disconnected(request), state.worker.cancel, detailed)
+            return event_stream(stream(jobs[0], parsed, texts[0], model, cancel, detailed), cancel)
+        result = await complete(jobs, parsed, texts, model, disconnected(request), state.worker.cancel, detailed,
+                                echoes)
         return JSONResponse(result.model_dump(mode="json"))
 
 
-def jobs_of(request: CompletionRequest, defaults: FusionOptions, members: list[str] | None,
+def jobs_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions, members: list[str] | None,
             **job: Any) -> list[Job]:
-    """One job per prompt (`job`: more Job fields, the same for each); 400 for what the endpoint cannot do."""
-    if request.echo and request.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported: SpecFuse reports log-probabilities of the "
-                            "answer only (its members tokenize the prompt differently); drop echo, or score the "
-                            "text by asking for its continuation", code="unsupported_parameter", param="echo")
-    if request.stream and len(request.prompts) > 1:
+    """One job per prompt (`texts`: each as text; `job`: more Job fields, the same for each); 400 for what
+    the endpoint cannot do."""
+    if request.stream and len(texts) > 1:
         raise APIError(400, "a stream answers one prompt: send the prompts one by one, or stream: false",
                        code="invalid_value", param="prompt")
-    if not all(request.prompts):
+    if not all(texts):
         raise APIError(400, "a prompt is empty: give the text to continue", code="invalid_value", param="prompt")
     options = fusion_options(request, defaults)
     name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
     return [Job([Message("raw", prompt)], options, members, id=name if i == 0 else f"{name}-{i}",
                 logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, **job)
-            for i, prompt in enumerate(request.prompts)]
+            for i, prompt in enumerate(texts)]
+
+
+def echoed_only(request: CompletionRequest, model: str, texts: Sequence[str],
+                echoes: Sequence[Sequence[PromptToken]]) -> TextCompletion:
+    """``max_tokens: 0``: each prompt with its tokens' log-probabilities, and no answer."""
+    k = request.logprobs or 0
+    choices = [CompletionChoice(index=i, text=text, logprobs=echo_logprobs(echo, k), finish_reason="length")
+               for i, (text, echo) in enumerate(zip(texts, echoes))]
+    count = sum(len(e) for e in echoes)
+    return TextCompletion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, choices=choices,
+                          usage=Usage(prompt_tokens=count, completion_tokens=0, total_tokens=count))
 
 
 def legacy_logprobs(tokens: Sequence[TokenLogprob], k: int, offset: int) -> CompletionLogprobs:
@@ -107,10 +125,13 @@ def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
     return table
 
 
-def _choice(index: int, prompt: str, result: Result, request: CompletionRequest) -> CompletionChoice:
+def _choice(index: int, prompt: str, result: Result, request: CompletionRequest,
+            echo: Sequence[PromptToken] | None = None) -> CompletionChoice:
     before = prompt if request.echo else ""
     logprobs = (legacy_logprobs(result.logprobs(), request.logprobs, len(before))
                 if request.logprobs is not None else None)
+    if echo is not None:
+        logprobs = joined(echo_logprobs(echo, request.logprobs or 0), logprobs)
     return CompletionChoice(index=index, text=before + result.text, logprobs=logprobs,
                             finish_reason=finish_reason_of(result))  # type: ignore[arg-type]
 
@@ -122,11 +143,12 @@ def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
 
 
-async def complete(jobs: list[Job], request: CompletionRequest, model: str,
+async def complete(jobs: list[Job], request: CompletionRequest, texts: Sequence[str], model: str,
                    disconnected: Callable[[], Awaitable[None]], cancel: Callable[[Job], None],
-                   detailed: bool = False) -> TextCompletion:
-    """Every prompt's answer, in order, as one text completion; `cancel` stops one job (client gone, or
-    another prompt's answer failed); `detailed`: internal error texts unredacted."""
+                   detailed: bool = False, echoes: Sequence[Sequence[PromptToken]] | None = None) -> TextCompletion:
+    """Every prompt's answer (`texts`: the prompts), in order, as one text completion; `cancel` stops one
+    job (client gone, or another prompt's answer failed); `detailed`: internal error texts unredacted;
+    `echoes`: each prompt's echoed tokens, reported before the answer's."""
     try:
         outcomes = await asyncio.gather(*(finished(job, disconnected, lambda j=job: cancel(j), detailed)
                                           for job in jobs))
@@ -134,7 +156,8 @@ async def complete(jobs: list[Job], request: CompletionRequest, model: str,
         for job in jobs:
             cancel(job)  # a no-op for those that ended
     first = outcomes[0][0]
-    choices = [_choice(i, p, r, request) for i, (p, (r, _)) in enumerate(zip(request.prompts, outcomes))]
+    choices = [_choice(i, p, r, request, echoes[i] if echoes else None)
+               for i, (p, (r, _)) in enumerate(zip(texts, outcomes))]
     info = result_info(first, outcomes[0][1], detailed) if len(jobs) == 1 else FusionInfo(members=first.models)
     return TextCompletion(id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices,
                           usage=_usage(outcomes), specfuse=info)
@@ -145,14 +168,14 @@ def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | No
     return sse(body.model_dump(mode="json", exclude={"usage"}))
 
 
-async def stream(job: Job, request: CompletionRequest, model: str,
+async def stream(job: Job, request: CompletionRequest, text: str, model: str,
                  cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:
-    """SSE frames: the echoed prompt (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
-    k, offset = request.logprobs, len(request.prompt) if request.echo else 0
+    """SSE frames: the echoed prompt `text` (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
+    k, offset = request.logprobs, len(text) if request.echo else 0
     started: Started | None = None
     try:
         if request.echo:
-            yield _chunk(job, model, CompletionChoice(text=request.prompts[0]))
+            yield _chunk(job, model, CompletionChoice(text=text))
         async for item in job.items(keepalive_s=KEEPALIVE_S):
             if item is None:
                 yield KEEPALIVE_FRAME

@@ -16,6 +16,7 @@ from typing import Protocol
 from ..backends.base import Member
 from ..constraints import Constraint
 from ..engine import Steps
+from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SpecFuseError
 from ..options import FusionOptions
 from ..scheduler import Cancelled as FlightCancelled
@@ -69,7 +70,14 @@ class Cancelled:
     pass
 
 
-Item = Started | Event | Failed | Cancelled
+@dataclass(frozen=True)
+class Worked:
+    """A work job's value (see ``Job.work``)."""
+
+    value: object
+
+
+Item = Started | Event | Failed | Cancelled | Worked
 
 
 @dataclass(eq=False)
@@ -85,6 +93,9 @@ class Job:
     top_logprobs: int = 0  # and this many alternatives per token, as the drafters report them
     deadline_s: float | None = None  # from acceptance: then the answer so far ends (None: no deadline)
     cache_salt: str | None = None  # prefix-cache isolation: reuse only prefixes cached under the same salt
+    # Instead of a generation, one call on the worker thread with the ensemble (reading an echoed
+    # prompt: bounded by the members' windows); its value comes back as ``Worked``.
+    work: Callable[[Ensemble], object] | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
     accepted_at: float = field(default_factory=time.monotonic)  # the deadline counts from here
@@ -124,7 +135,7 @@ class Job:
                 yield None
                 continue
             yield item
-            if isinstance(item, DoneEvent | Failed | Cancelled):
+            if isinstance(item, DoneEvent | Failed | Cancelled | Worked):
                 return
 
 

@@ -49,6 +49,7 @@ from .worker import (
     QueueFullError,
     ShuttingDownError,
     Started,
+    Worked,
     WorkerFailedError,
 )
 
@@ -204,6 +205,23 @@ async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
     the job within a round and the item stream ends with ``Cancelled``.
     """
 
+    item, started = await _last_item(job, disconnected, cancel, detailed)
+    assert isinstance(item, DoneEvent)
+    return item.result, started
+
+
+async def worked(job: Job, disconnected: Callable[[], Awaitable[None]],
+                 cancel: Callable[[], None], detailed: bool = False) -> object:
+    """A work job's value (``Job.work``), as :func:`finished` waits for an answer."""
+    item, _ = await _last_item(job, disconnected, cancel, detailed)
+    assert isinstance(item, Worked)
+    return item.value
+
+
+async def _last_item(job: Job, disconnected: Callable[[], Awaitable[None]], cancel: Callable[[], None],
+                     detailed: bool) -> tuple[DoneEvent | Worked, Started | None]:
+    """The job's result item and its Started; its failure raised as an APIError."""
+
     async def watch() -> None:
         await disconnected()
         cancel()
@@ -214,8 +232,8 @@ async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
         async for item in job.items():
             if isinstance(item, Started):
                 started = item
-            elif isinstance(item, DoneEvent):
-                return item.result, started
+            elif isinstance(item, DoneEvent | Worked):
+                return item, started
             elif (error := failure_of(item, detailed)) is not None:
                 raise error
         raise APIError(500, "the generation ended without a result", "server_error")
@@ -260,6 +278,7 @@ def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> Stre
 
 
 __all__ = [
+    "worked",
     "KEEPALIVE_FRAME",
     "KEEPALIVE_S",
     "APIError",

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .protocol import FusionInfo, GenerationRequest, Usage
 
@@ -13,31 +12,44 @@ from .protocol import FusionInfo, GenerationRequest, Usage
 class CompletionRequest(GenerationRequest):
     """The body of ``POST /v1/completions``: a text every member continues as it is (no chat template)."""
 
-    prompt: str | list[str] = Field(description="the text to continue; a list answers each (not streamed)")
-    echo: bool = Field(False, description="the prompt before the answer, in text (not in logprobs)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="the text to continue (a list answers each, not streamed); or token ids of the model's "
+                    "tokenizer (``/tokenize``: for specfuse, its largest member's)")
+    echo: bool = Field(False, description="the prompt before the answer; with logprobs, its tokens' too")
     logprobs: int | None = Field(None, ge=0, le=5, description="each answer token's log-probability under its "
                                  "author, with this many of its most likely tokens (up to 5)")
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _text_not_tokens(cls, value: object) -> object:
-        # OpenAI also takes token ids (a list of ints, or of lists): the members share no vocabulary.
-        items = value if isinstance(value, list) else [value]
-        if any(isinstance(item, (int, list)) and not isinstance(item, bool) for item in items):
-            raise PydanticCustomError("token_array", "token-array prompts are not supported (the members share no "
-                                      "vocabulary): send the prompt as text")
-        return value
+    max_tokens: int | None = Field(None, ge=0, description="0 (with echo): the prompt alone, no answer")
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompt(cls, value: str | list[str]) -> str | list[str]:
+    def _some_prompt(cls, value: object) -> object:
         if isinstance(value, list) and not value:  # how many at most: [limits] max_prompts
             raise ValueError("give at least one prompt")
+        if isinstance(value, list) and isinstance(value[0], list):
+            if not all(value):
+                raise ValueError("a token-array prompt is empty")
+            ids = [t for item in value for t in item]  # type: ignore[union-attr]
+        else:
+            ids = [t for t in value if isinstance(t, int)] if isinstance(value, list) else []
+        if any(t < 0 for t in ids):
+            raise ValueError("token ids are 0 or more")
         return value
 
+    @model_validator(mode="after")
+    def _answer_or_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for no answer: only with echo (the prompt's log-probabilities)")
+        return self
+
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text, or token ids."""
+        value = self.prompt
+        if isinstance(value, str):
+            return [value]
+        if value and isinstance(value[0], int):
+            return [list(value)]  # type: ignore[arg-type]
+        return list(value)  # type: ignore[arg-type]
 
 
 COMPLETION_PARAMETERS: tuple[str, ...] = tuple(CompletionRequest.model_fields)

@@ -45,6 +45,7 @@ from .jobs import (
     QueueFullError,
     ShuttingDownError,
     Started,
+    Worked,
     WorkerFailedError,
     ending,
     flight_of,
@@ -56,7 +57,7 @@ from .watchdog import Watchdog
 log = logging.getLogger("specfuse.server")
 
 __all__ = ["COUNTERS", "Cancelled", "DeadlineError", "Failed", "Item", "Job", "Observer", "QueueFullError",
-           "ShuttingDownError", "Started", "Worker", "WorkerFailedError"]
+           "ShuttingDownError", "Started", "Worked", "Worker", "WorkerFailedError"]
 
 # accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
 # completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
@@ -295,6 +296,9 @@ class Worker:
                 f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
                 f"of {job.deadline_s:g} s", "retry when the server is less busy"), 0)
             return
+        if job.work is not None:
+            self._work(job, ensemble)
+            return
         try:
             steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint,
                                    top_logprobs=job.top_logprobs, deadline=deadline, cache_salt=job.cache_salt)
@@ -304,6 +308,18 @@ class Worker:
         members = [m for m in ensemble.members if job.members is None or m.name in job.members]
         job.emit(Started(time.time() - job.created, prompt_tokens(members, job.messages)))
         self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
+
+    def _work(self, job: Job, ensemble: Ensemble) -> None:
+        """Run a work job's call now, on this thread (the members are this thread's), and end it."""
+        assert job.work is not None
+        job.emit(Started(time.time() - job.created, {}))
+        try:
+            value = job.work(ensemble)
+        except Exception as exc:  # its own failure (a text over a window: invalid; a bug: failed)
+            self._end(job, exc, 0)
+            return
+        job.emit(Worked(value))
+        self._end(job, None, 0)
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         with self._cond:
