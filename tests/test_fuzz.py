@@ -289,9 +289,13 @@ path_texts = st.text(st.characters(min_codepoint=32, max_codepoint=126, exclude_
 
 @st.composite
 def route_requests(draw: st.DrawFn) -> Request:
-    """The other routes: models by any id, health, metrics, the web view, static files, unknown paths."""
+    """The other routes: models by any id, the tokenizer's, health, metrics, the web view, static files,
+    unknown paths."""
     path = draw(st.one_of(
         st.builds(lambda m: f"/v1/models/{m}", st.sampled_from(["specfuse", *MEMBERS]) | path_texts),
+        st.sampled_from(["/tokenize", "/detokenize", "/tokenizer_info", f"/m/{MEMBERS[0]}/tokenize",
+                         f"/m/{MEMBERS[0]}/v1/completions"]),
+        st.builds(lambda m: f"/m/{m}/tokenizer_info", st.sampled_from(["specfuse", *MEMBERS]) | path_texts),
         st.sampled_from(["/v1/models", "/health", "/metrics", "/", "/openapi.json", "/static/index.html",
                          "/static/../../../../etc/passwd", "/static/..%2f..%2f..%2fetc%2fpasswd", "/v1", "/v2/x"]),
         st.builds(lambda p: f"/static/{p}", path_texts), st.builds(lambda p: f"/v1/{p}", path_texts)))

@@ -577,7 +577,7 @@ def test_chat_logprobs_cover_the_answer_exactly(client):
 
 
 @pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 422, "logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),

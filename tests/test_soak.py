@@ -144,7 +144,8 @@ def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None]
 
     try:
         if path == TEXT_PATH:
-            jobs_of(parsing.parse_request(body, COMPLETIONS), FusionOptions(), None)
+            parsed = parsing.parse_request(body, COMPLETIONS)
+            jobs_of(parsed, [p if isinstance(p, str) else "ids" for p in parsed.prompts], FusionOptions(), None)
             return None
         request = parsing.parse_request(body)
         tools, mode = parsing.offered_tools(request)

@@ -57,26 +57,38 @@ COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUT
 def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
     @app.post("/v1/completions", dependencies=[require_key])
     async def text_completions(request: Request) -> Response:
-        body = await state.body(request)
-        parsed = await state.offload(parsing.parse_request, body, COMPLETIONS, state.config.limits)
-        detailed = state.holds_key(request)
-        require_members(state, detailed)
-        model = parsed.model or state.model_id
-        texts = prompt_texts(state, parsed, model)
-        echoes = None
-        if parsed.echo and parsed.logprobs is not None:
-            echoes = await read_prompts(state, request, parsed, model, detailed)
-            if parsed.max_tokens == 0:
-                return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
-        jobs = jobs_of(parsed, texts, state.defaults, members_for(state, model),
-                       **job_fields(state, parsed.cache_salt))
-        # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
-        cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
-        if parsed.stream:
-            return event_stream(stream(jobs[0], parsed, texts[0], model, cancel, detailed), cancel)
-        result = await complete(jobs, parsed, texts, model, disconnected(request), state.worker.cancel, detailed,
-                                echoes)
-        return JSONResponse(result.model_dump(mode="json"))
+        return await answer(state, request)
+
+    # One model's own path (its tokens in /m/{model}/tokenize beside it): lm-eval's remote tokenizer
+    # finds the tokenizer next to the completions URL and names no model.
+    @app.post("/m/{model}/v1/completions", dependencies=[require_key])
+    async def model_text_completions(request: Request, model: str) -> Response:
+        return await answer(state, request, model)
+
+
+async def answer(state: ServerState, request: Request, path_model: str | None = None) -> Response:
+    """A text completion (`path_model`: the model its path names; the body may name only that one)."""
+    body = await state.body(request)
+    parsed = await state.offload(parsing.parse_request, body, COMPLETIONS, state.config.limits)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    if path_model is not None and parsed.model not in (None, path_model):
+        raise APIError(400, f"this path serves {path_model!r}, the body asks for {parsed.model!r}",
+                       code="invalid_value", param="model")
+    model = path_model or parsed.model or state.model_id
+    texts = await state.offload(prompt_texts, state, parsed, model)
+    jobs = jobs_of(parsed, texts, state.defaults, members_for(state, model), **job_fields(state, parsed.cache_salt))
+    echoes = None
+    if parsed.echo and parsed.logprobs is not None:
+        echoes = await read_prompts(state, request, parsed, model, detailed)
+        if parsed.max_tokens == 0:
+            return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
+    # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
+    cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
+    if parsed.stream:
+        return event_stream(stream(jobs[0], parsed, texts[0], model, cancel, detailed), cancel)
+    result = await complete(jobs, parsed, texts, model, disconnected(request), state.worker.cancel, detailed, echoes)
+    return JSONResponse(result.model_dump(mode="json"))
 
 
 def jobs_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions, members: list[str] | None,

@@ -42,6 +42,10 @@ class CompletionRequest(GenerationRequest):
         return self
 
     @property
+    def answer_budget(self) -> int | None:
+        return self.max_tokens or None  # 0: no answer at all (echo alone), so no budget to set
+
+    @property
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a text, or token ids."""
         value = self.prompt

@@ -84,22 +84,19 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
         require_members(state, detailed)
         return reader_for(state, model or state.model_id)
 
-    @app.post("/tokenize", dependencies=[require_key])
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request, path_model: str | None = None) -> dict[str, Any]:
         body = await state.body(request)
         parsed = await state.offload(parsing.parse_request, body, TOKENIZE, state.config.limits)
-        member = reader(parsed.model, state.holds_key(request))
+        member = reader(path_model or parsed.model, state.holds_key(request))
         tokens = await state.offload(_tokens, member, parsed)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.contexts.get(member.name)}
 
-    @app.post("/detokenize", dependencies=[require_key])
-    async def detokenize(request: Request) -> dict[str, Any]:
+    async def detokenize(request: Request, path_model: str | None = None) -> dict[str, Any]:
         body = await state.body(request)
         parsed = await state.offload(parsing.parse_request, body, DETOKENIZE, state.config.limits)
-        member = reader(parsed.model, state.holds_key(request))
+        member = reader(path_model or parsed.model, state.holds_key(request))
         return {"prompt": await state.offload(_text, member, parsed.tokens)}
 
-    @app.get("/tokenizer_info", dependencies=[require_key])
     async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
         member = reader(model, state.holds_key(request))
         return {"model": model or state.model_id, "tokenizer_of": member.name,
@@ -107,6 +104,14 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
                 "eos_token": getattr(member, "eos_text", None) or None, "pad_token": None,
                 "chat_template": getattr(member, "chat_template", None),
                 "model_max_length": state.contexts.get(member.name)}
+
+    # The server's own model's tokens, and one model's beside its /m/{model}/v1/completions.
+    app.post("/tokenize", dependencies=[require_key])(tokenize)
+    app.post("/detokenize", dependencies=[require_key])(detokenize)
+    app.get("/tokenizer_info", dependencies=[require_key])(tokenizer_info)
+    app.post("/m/{path_model}/tokenize", dependencies=[require_key])(tokenize)
+    app.post("/m/{path_model}/detokenize", dependencies=[require_key])(detokenize)
+    app.get("/m/{model}/tokenizer_info", dependencies=[require_key])(tokenizer_info)
 
 
 __all__ = ["add_routes"]
