@@ -11,7 +11,7 @@ from .constraints import Constraint
 from .echo import echo_text
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
-from .likelihood import ItemScores, Rule, score_item
+from .likelihood import ItemScores, Rule, score_item, score_items
 from .member_options import MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
@@ -186,6 +186,14 @@ class Ensemble:
         """
         chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
         return score_item(self._chosen(members), context, continuations, chosen)
+
+    def score_many(self, items: Sequence[tuple[str, Sequence[str]]], *, rule: str | Rule = "loglinear-byte",
+                   weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None
+                   ) -> list[ItemScores | Exception]:
+        """:meth:`score` for several (context, continuations) items, batched where members hold several
+        sessions (``slots``); in order, each item's scores or the error it alone met."""
+        chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
+        return score_items(self._chosen(members), items, chosen)
 
     def close(self) -> None:
         for member in self.members:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .backends.base import Member
-from .backends.likelihood import ContinuationScore, score_continuations
+from .backends.likelihood import ContinuationScore, batch_width, score_batches
 from .errors import InvalidRequestError, PromptTooLongError
 
 MAX_CHOICES = 100
@@ -152,17 +152,59 @@ def check_item(context: str, continuations: Sequence[str]) -> None:
 def score_item(members: Sequence[Member], context: str, continuations: Sequence[str],
                rule: Rule | None = None) -> ItemScores:
     """Every member's score of every continuation after `context`, and their pool under `rule`."""
-    check_item(context, continuations)
-    scored_context, texts = split_boundary(context, continuations)
-    found: dict[str, list[ContinuationScore]] = {}
-    seconds: dict[str, float] = {}
-    for member in members:
-        started = time.perf_counter()
-        try:
-            found[member.name] = score_continuations(member, scored_context, texts)
-        except PromptTooLongError as exc:
-            raise PromptTooLongError(f"{member.name}: {exc.message}",
-                                     "shorten the context or the choices, or raise the member's n_ctx") from exc
-        seconds[member.name] = time.perf_counter() - started
+    outcome = score_items(members, [(context, continuations)], rule)[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def score_items(members: Sequence[Member], items: Sequence[tuple[str, Sequence[str]]],
+                rule: Rule | None = None) -> list[ItemScores | Exception]:
+    """:func:`score_item` for several (context, continuations) items, in order: each item's scores,
+    or the error it met (bad input, a context over a member's window), which is that item's alone.
+
+    Members that batch sessions score up to their ``slots`` items at once, their choices in one
+    decode; the seconds a member spent on a batch are shared evenly by its items."""
     rule = rule or Rule()
-    return ItemScores(scored_context, texts, found, seconds, rule, rule.fuse(found))
+    out: list[ItemScores | Exception] = []
+    for context, continuations in items:
+        try:
+            check_item(context, continuations)
+        except InvalidRequestError as exc:
+            out.append(exc)
+            continue
+        scored_context, texts = split_boundary(context, continuations)
+        out.append(ItemScores(scored_context, texts, {}, {}, rule))
+    for member in members:
+        _score_with(member, out)
+    for item in out:
+        if isinstance(item, ItemScores):
+            item.fused = rule.fuse(item.members)
+    return out
+
+
+def _score_with(member: Member, out: list[ItemScores | Exception]) -> None:
+    """Add `member`'s scores to every item still standing in `out`; an item it fails becomes its error."""
+    live = [(at, item) for at, item in enumerate(out) if isinstance(item, ItemScores)]
+    width = batch_width(member)
+    for start in range(0, len(live), width):
+        batch = live[start : start + width]
+        began = time.perf_counter()
+        outcomes = score_batches(member, [(item.context, item.choices) for _, item in batch])
+        share = (time.perf_counter() - began) / len(batch)
+        for (at, item), outcome in zip(batch, outcomes):
+            if isinstance(outcome, Exception):
+                out[at] = _named(member, outcome)
+            else:
+                item.members[member.name] = outcome
+                item.seconds[member.name] = share
+
+
+def _named(member: Member, error: Exception) -> Exception:
+    """A context or choice over `member`'s window, said with its name."""
+    if not isinstance(error, PromptTooLongError):
+        return error
+    named = PromptTooLongError(f"{member.name}: {error.message}",
+                               "shorten the context or the choices, or raise the member's n_ctx")
+    named.__cause__ = error
+    return named

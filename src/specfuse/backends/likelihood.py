@@ -5,13 +5,15 @@ scored on its cached cells, a few distinct texts per ``score`` call (a llama.cpp
 verifies at most :data:`MAX_PER_CALL` candidates at once, in at most ``n_batch`` tokens).
 A group a backend refuses as too large is halved; a single text still too large is scored
 in pieces on a session of its own, each piece accepted before the next is scored, as the
-engine scores segments. Nothing here depends on one backend.
+engine scores segments. Several items are scored at once (``score_batches``) where a member
+batches sessions: one session per item, up to its ``slots``, their groups in one ``score_many``.
+Nothing here depends on one backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import PromptTooLongError
 from ..types import Message, TokenScores
@@ -57,36 +59,109 @@ def score_continuations(member: Member, context: str, texts: Sequence[str]) -> l
     Raises PromptTooLongError when the context, or the context and a text, do not fit the
     member's window.
     """
-    messages = [Message("raw", context)]
-    found: dict[str, TokenScores] = {}
-    too_long: list[str] = []
+    outcome = score_batches(member, [(context, texts)])[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def batch_width(member: Member) -> int:
+    """How many items `member` scores at once: its free slots where it batches sessions, else one
+    (a slot another request holds is not waited for, but by a batch of one)."""
+    if not member.capabilities.batched:
+        return 1
+    slots = member.slots or 1
+    free = member.occupancy().free_slots
+    return max(min(slots, slots if free is None else free), 1)
+
+
+def score_batches(member: Member, items: Sequence[tuple[str, Sequence[str]]]
+                  ) -> list[list[ContinuationScore] | Exception]:
+    """:func:`score_continuations` for several (context, texts) items: up to :func:`batch_width`
+    sessions open at once, one per item, their groups of texts scored together through
+    ``member.score_many``. Each item's outcome in order: its scores, or the exception it met."""
+    width = batch_width(member)
+    out: list[list[ContinuationScore] | Exception] = []
+    for at in range(0, len(items), width):
+        out += _score_batch(member, items[at : at + width])
+    return out
+
+
+@dataclass
+class _Item:
+    """One item of a batch: its session, the groups of texts still to score, what is known."""
+
+    context: str
+    texts: Sequence[str]
+    queue: list[list[str]]
+    session: MemberSession | None = None
+    found: dict[str, TokenScores] = field(default_factory=dict)
+    too_long: list[str] = field(default_factory=list)
+    error: Exception | None = None
+
+
+def _score_batch(member: Member, items: Sequence[tuple[str, Sequence[str]]]
+                 ) -> list[list[ContinuationScore] | Exception]:
+    batch = [_Item(context, texts, _groups(texts)) for context, texts in items]
+    try:
+        for item in batch:  # each item's own failure (a context over the window) is that item's
+            try:
+                item.session = member.start([Message("raw", item.context)], seed=None, reserve=1)
+            except Exception as exc:  # noqa: BLE001 - the item's own failure, not the batch's
+                item.error = exc
+        while live := [i for i in batch if i.queue and i.error is None]:
+            groups = [i.queue.pop(0) for i in live]
+            outcomes = member.score_many([i.session for i in live], [(g,) for g in groups])  # type: ignore[misc]
+            for item, group, outcome in zip(live, groups, outcomes):
+                _take(item, group, outcome)
+    finally:
+        for item in batch:  # before opening another: a member may hold one session at a time
+            if item.session is not None:
+                _close(item)
+    return [_finish(member, item) for item in batch]
+
+
+def _groups(texts: Sequence[str]) -> list[list[str]]:
     distinct = list(dict.fromkeys(texts))
-    session = member.start(messages, seed=None, reserve=1)
-    try:
-        for at in range(0, len(distinct), MAX_PER_CALL):
-            _score_group(session, distinct[at : at + MAX_PER_CALL], found, too_long)
-    finally:
-        session.close()  # before opening another: a member may hold one session at a time
-    for text in too_long:
-        found[text], _ = score_in_pieces(member, messages, text)
-    return [summarise(t, found[t]) for t in texts]
+    return [distinct[at : at + MAX_PER_CALL] for at in range(0, len(distinct), MAX_PER_CALL)]
 
 
-def _score_group(session: MemberSession, group: list[str], found: dict[str, TokenScores],
-                 too_long: list[str]) -> None:
-    """Score `group` in one call, or its halves when the backend refuses it as too large."""
+def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception) -> None:
+    """Keep a group's scores; a group the backend refused as too large is halved (queued first),
+    a single text set aside to be scored in pieces; any other failure is the item's."""
     try:
-        found.update(zip(group, session.score(group)))
-    except (PromptTooLongError, ValueError):
-        if len(group) == 1:
-            too_long.append(group[0])
-        else:
-            half = len(group) // 2
-            session.accept("")  # drop whatever the refused call laid out
-            _score_group(session, group[:half], found, too_long)
-            _score_group(session, group[half:], found, too_long)
-    finally:
-        session.accept("")  # the context stays; this call's candidates are dropped
+        item.session.accept("")  # type: ignore[union-attr]  # the context stays; the candidates are dropped
+    except Exception as exc:  # noqa: BLE001 - a session that cannot go on fails its item alone
+        item.error = exc
+        return
+    if not isinstance(outcome, Exception):
+        item.found.update(zip(group, outcome))
+    elif not isinstance(outcome, (PromptTooLongError, ValueError)):
+        item.error = outcome
+    elif len(group) == 1:
+        item.too_long.append(group[0])
+    else:
+        half = len(group) // 2
+        item.queue[:0] = [group[:half], group[half:]]
+
+
+def _close(item: _Item) -> None:
+    try:
+        item.session.close()  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - the other sessions must still be closed
+        item.error = item.error or exc
+
+
+def _finish(member: Member, item: _Item) -> list[ContinuationScore] | Exception:
+    """The item's scores, its long texts scored in pieces now that its batch's sessions are closed."""
+    if item.error is not None:
+        return item.error
+    try:
+        for text in item.too_long:
+            item.found[text], _ = score_in_pieces(member, [Message("raw", item.context)], text)
+    except Exception as exc:  # noqa: BLE001 - the item's own failure
+        return exc
+    return [summarise(t, item.found[t]) for t in item.texts]
 
 
 def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> tuple[TokenScores, int]:

@@ -32,6 +32,8 @@ them per character; ``mixture-byte`` / ``mixture-whole`` answer the log of the m
 probability of the choice, normalised over the choices that share the request's context.
 ``weights``: ``NAME:W|NAME:W`` (default uniform). ``system=member:NAME``: that member alone.
 A continuation is greedy when it is every scoring member's greedy continuation.
+With ``slots=N`` (or lm-eval's ``--batch_size N`` where ``slots`` is not given) each llama.cpp
+member holds N sessions and scores N items' choices in one decode.
 ``loglikelihood_rolling`` scores a whole text after a newline (log-linear pool), up to the
 members' window.
 """
@@ -54,8 +56,8 @@ from .systems import ItemContext, RunSettings, get_system
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 _CHAT_KEY = "specfuse_messages"
 RUN_ARGS = ("models", "system", "max_tokens", "temperature", "seed", "window", "rule", "weights")
-MODEL_ARGS = RUN_ARGS + tuple(flag_fields())  # and every member option
-HARNESS_ARGS = ("batch_size", "max_batch_size", "device")  # lm-eval passes these to every model: not used
+MODEL_ARGS = RUN_ARGS + tuple(flag_fields()) + ("slots",)  # and every member option
+HARNESS_ARGS = ("batch_size", "max_batch_size", "device")  # lm-eval passes these to every model (batch_size: slots)
 
 
 class ModelArgsError(ValueError):
@@ -89,6 +91,8 @@ class SpecFuseLM(LM):
         from ..ensemble import Ensemble
 
         member_options = {k: others.pop(k) for k in list(others) if k in MODEL_ARGS}
+        if "slots" not in member_options and str(others.get("batch_size", "")).isdigit():
+            member_options["slots"] = max(int(others["batch_size"]), 1)  # lm-eval's batch: items scored at once
         unknown = sorted(set(others) - set(HARNESS_ARGS))
         if unknown:
             raise ModelArgsError(f"unknown model_args for the specfuse model: {', '.join(unknown)}; "

@@ -1,7 +1,9 @@
 """lm-eval's log-likelihood requests answered by the ensemble's members (the adapter's scoring half).
 
 Requests that share a context (the choices of one multiple-choice item) are scored together: one
-cached context per member, every choice on it, pooled by the rule.
+cached context per member, every choice on it, pooled by the rule. Items go to the members
+``batch`` at a time (default: the most slots a member holds), so that a member loaded with
+``slots=N`` scores N items' choices in one decode.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 from ..backends.base import Member
 from ..errors import InvalidRequestError
-from ..likelihood import Rule, score_item, weight_pairs
+from ..likelihood import ItemScores, Rule, score_items, weight_pairs
 
 RULE_NAMES = ("loglinear", "mixture-byte", "mixture-whole")
 
@@ -34,17 +36,18 @@ def parse_rule(rule: str, weights: str | None) -> Rule:
 
 @dataclass
 class LikelihoodScoring:
-    """Which members score, and the rule that pools them."""
+    """Which members score, the rule that pools them, and how many items go to them at once."""
 
     members: list[Member]
     rule: Rule
+    batch: int = 1
 
     @classmethod
     def build(cls, ensemble, system: str, rule: Rule) -> LikelihoodScoring:
         """`system` ``member:NAME`` scores with that member alone; any other, with every member."""
         picked = ensemble.pick([system.split(":", 1)[1]] if system.startswith("member:") else None)
         rule.member_weights([m.name for m in picked])  # refuse bad weights before any request
-        return cls(picked, rule)
+        return cls(picked, rule, max((m.slots or 1 for m in picked), default=1))
 
     def loglikelihood(self, args: Sequence[tuple[str, str]], disable_tqdm: bool = True) -> list[tuple[float, bool]]:
         from tqdm import tqdm
@@ -52,14 +55,14 @@ class LikelihoodScoring:
         groups: dict[str, list[int]] = {}
         for i, (context, _) in enumerate(args):
             groups.setdefault(context, []).append(i)
+        items = [(context, list(dict.fromkeys(args[i][1] for i in indices))) for context, indices in groups.items()]
         answers: list[tuple[float, bool]] = [(0.0, False)] * len(args)
-        for context, indices in tqdm(groups.items(), disable=disable_tqdm, desc="specfuse loglikelihood"):
-            choices = list(dict.fromkeys(args[i][1] for i in indices))
-            scored = score_item(self.members, context, choices, self.rule)
-            for i in indices:
-                at = choices.index(args[i][1])
-                greedy = all(bool(row[at].greedy) for row in scored.members.values())
-                answers[i] = (float(scored.fused[at]), greedy)
+        with tqdm(total=len(items), disable=disable_tqdm, desc="specfuse loglikelihood") as bar:
+            for at in range(0, len(items), self.batch):
+                chunk = items[at : at + self.batch]
+                for (context, choices), scored in zip(chunk, score_items(self.members, chunk, self.rule)):
+                    _answer(args, groups[context], choices, _raised(scored), answers)
+                bar.update(len(chunk))
         return answers
 
     def rolling(self, texts: Sequence[str], disable_tqdm: bool = True) -> list[float]:
@@ -67,5 +70,23 @@ class LikelihoodScoring:
         from tqdm import tqdm
 
         rule = Rule("loglinear", "whole", self.rule.weights)
-        return [float(score_item(self.members, "", [text], rule).fused[0])
-                for text in tqdm(texts, disable=disable_tqdm, desc="specfuse loglikelihood_rolling")]
+        answers: list[float] = []
+        for at in tqdm(range(0, len(texts), self.batch), disable=disable_tqdm, desc="specfuse loglikelihood_rolling"):
+            chunk = [("", [text]) for text in texts[at : at + self.batch]]
+            answers += [float(_raised(scored).fused[0]) for scored in score_items(self.members, chunk, rule)]
+        return answers
+
+def _raised(scored: ItemScores | Exception) -> ItemScores:
+    """An item's scores; lm-eval takes no partial answers, so an item's error stops the run."""
+    if isinstance(scored, Exception):
+        raise scored
+    return scored
+
+
+def _answer(args: Sequence[tuple[str, str]], indices: list[int], choices: list[str], scored: ItemScores,
+            answers: list[tuple[float, bool]]) -> None:
+    """Each request of one item: the pooled score of its continuation, and whether every member's greedy."""
+    for i in indices:
+        at = choices.index(args[i][1])
+        greedy = all(bool(row[at].greedy) for row in scored.members.values())
+        answers[i] = (float(scored.fused[at]), greedy)
