@@ -16,6 +16,9 @@ How the protocol maps onto the API:
   request where the server takes a list of prompts (vLLM, SGLang);
 - ``score("")``: the log-probability of the model's end-of-generation text
   (e.g. ``<|im_end|>``) after the context.
+- ``echo`` (a whole text's tokens, ``Member.echo``): the server's echo of the
+  text alone, offered only where a load-time probe shows it echoes a plain text
+  right (``remote_echo.py``); ``tokenize_text``/``detokenize`` stay None.
 Servers expose log-probabilities, not raw logits, so TokenScores.logits holds
 the log-probabilities too (``mean_logit`` then ranks like ``mean_logprob``).
 Caching is left to the server (vLLM's prefix caching, llama-cpp-python's
@@ -32,12 +35,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import InvalidRequestError, MemberLoadError
 from ..prompting import raw_prompt
-from ..types import DraftTokens, Message, Sampling, TokenScores
+from ..types import DraftTokens, Message, PromptToken, Sampling, TokenScores
 from .base import Capabilities, Member, MemberSession, OnText
 from .cached import check_prompt_fits
 from .completion_logprobs import Entry, choices_of, entries_of, logsumexp, pieces_of, scores_of, tail
 from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
 from .prompt_source import PromptSource, load_prompt_source
+from .remote_echo import echo_remote, echoed_match, raw_echo_agrees, refuse_ids, same_logprobs
 from .spec import split_target
 
 if TYPE_CHECKING:
@@ -84,7 +88,7 @@ class RemoteOptions:
     backoff: float = 0.25
     n_ctx: int | None = None
     api_key: str | None = None  # default: $SPECFUSE_REMOTE_API_KEY
-    check_echo: bool = True  # probe that echoed log-probs agree with generated ones
+    check_echo: bool = True  # probe that echoed log-probs agree with generated ones (chat and plain text)
 
 
 # --- member and session -----------------------------------------------------------------
@@ -121,8 +125,11 @@ class RemoteMember(Member):
                     "members must verify other members' candidates: serve it with vLLM, SGLang or "
                     "llama-cpp-python instead",
                 )
+            # Echo (Member.echo) only where the server echoes a plain text right; unprobed: trusted.
+            self.capabilities = Capabilities(parallel_safe=True, echo=True)
             if options.check_echo:
                 self._check_echo()
+                self.capabilities = Capabilities(parallel_safe=True, echo=raw_echo_agrees(self))
         except BaseException:
             self.client.close()
             raise
@@ -165,17 +172,11 @@ class RemoteMember(Member):
         entries = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
         if not entries:
             return  # nothing to compare
-        echoed = self._echo([prompt + text])[0].entries
-        # Find the generated tokens among the echoed ones by their texts, from the end; do not
-        # trust counts here, as the faulty server also drops the last entry.
-        tokens = [e.token for e in entries]
-        at = next((i for i in range(len(echoed) - len(tokens), -1, -1)
-                   if [e.token for e in echoed[i : i + len(tokens)]] == tokens), None)
-        if at is None or any(e.logprob is None for e in echoed[at : at + len(tokens)]):
+        got = echoed_match(self._echo([prompt + text])[0].entries, entries)
+        if got is None:
             return  # re-tokenized differently: inconclusive
-        got = [float(e.logprob) for e in echoed[at : at + len(tokens)]]  # type: ignore[arg-type]
         want = [float(e.logprob) for e in entries]  # type: ignore[arg-type]
-        if any(abs(a - b) > 0.1 + 0.1 * abs(b) for a, b in zip(got, want)):
+        if not same_logprobs(got, want):
             raise MemberLoadError(
                 f"{self.url}: echoed prompt log-probabilities disagree with generated ones "
                 f"({[round(x, 3) for x in got]} vs {[round(x, 3) for x in want]})",
@@ -228,6 +229,17 @@ class RemoteMember(Member):
                 n_gen = self.kind.echo_max_tokens if n_gen is None else min(n_gen, self.kind.echo_max_tokens)
                 out.append(_Echo(entries_of(choice.get("logprobs")), n_gen))
         return out
+
+    def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
+        """The server's echo of a text (remote_echo.py); token ids are refused (the server's tokenizer
+        is not known here)."""
+        if not isinstance(prompt, str):
+            raise refuse_ids(self)
+        if not self.capabilities.echo:
+            raise InvalidRequestError(f"{self.url} does not echo a plain text's log-probabilities right "
+                                      "(abetlen/llama-cpp-python#1983 shifts them when it reads no BOS first)",
+                                      "serve this model with vLLM or a fixed llama-cpp-python, or drop echo")
+        return echo_remote(self, prompt, top_k)
 
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
               cache_salt: str | None = None) -> "RemoteSession":  # the server's own cache: no salt to give

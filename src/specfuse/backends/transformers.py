@@ -22,6 +22,9 @@ Per session (docs/design.md#prefix-caching), mirroring the llama.cpp backend:
   recomputation;
 - ``score("")`` is the probability of any end-of-generation token.
 
+``echo`` (a whole text's tokens with their log-probabilities, ``Member.echo``) runs the text from
+its start on a cache of its own, in chunks of bounded logits (``hf_echo.py``).
+
 Between requests (``prefix_cache_cells``, default one context window; 0 off), a
 closed session's keys and values (prompt plus accepted answer) are copied into
 a small prefix cache (``prefix_cache.py``, at most ``PREFIX_ENTRIES`` entries);
@@ -47,9 +50,10 @@ from ..errors import MemberLoadError, ModelFileError
 from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
 from ..prompting import choose_format, raw_prompt, render_plain
-from ..types import Message
+from ..types import Message, PromptToken
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
+from .hf_echo import check_ids, echo_tokens, text_frame
 from .hf_tokens import piece_function
 from .prefix_cache import PrefixCache
 from .special_text import Special, SpecialTexts, protected_pieces
@@ -138,7 +142,7 @@ class TransformersMember(LocalMember):
     """A causal LM loaded once; each session owns its own KV cache (on one device, concurrent
     forwards only contend: not parallel_safe)."""
 
-    capabilities = Capabilities(constrained=True)
+    capabilities = Capabilities(constrained=True, echo=True)
 
     def __init__(
         self,
@@ -180,6 +184,8 @@ class TransformersMember(LocalMember):
         self.chat_template: str | None = getattr(self.tokenizer, "chat_template", None)
         self.prompt = choose_format(prompt, self.chat_template, self.name)
         self._piece = piece_function(self.tokenizer)
+        self.n_vocab = len(self.tokenizer)  # ids with a text (logits rows past it are padding)
+        self.text_prefix, self._text_suffix = text_frame(self.tokenizer)  # e.g. its BOS; EOS
         self._read_end_tokens()
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
         self.specials = SpecialTexts(Special(str(t.content), int(i), bool(getattr(t, "lstrip", False)),
@@ -269,13 +275,22 @@ class TransformersMember(LocalMember):
         for piece in protected_pieces(self.name, self._render, messages, text, self.specials):
             ids += [piece] if isinstance(piece, int) else tok(piece, add_special_tokens=False,
                                                               split_special_tokens=True)["input_ids"]
-        if not add_special:
-            return ids
-        # BOS/EOS as the tokenizer adds them around a text: read off a one-word text, once.
-        bare = tok("a", add_special_tokens=False)["input_ids"]
-        framed = tok("a", add_special_tokens=True)["input_ids"]
-        at = next((i for i in range(len(framed)) if framed[i : i + len(bare)] == bare), 0)
-        return list(framed[:at]) + ids + list(framed[at + len(bare) :])
+        return self.text_prefix + ids + self._text_suffix if add_special else ids
+
+    # --- echo (hf_echo.py) ---------------------------------------------------------------------
+    def tokenize_text(self, text: str) -> list[int]:
+        return self.tokenize_plain(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        check_ids(self, tokens)
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
+        return echo_tokens(self, self.tokenize_plain(prompt) if isinstance(prompt, str) else prompt, top_k)
+
+    def spelled(self, token: int) -> bytes:
+        """A logits row's token as bytes; b"" past the tokenizer's vocabulary (padding rows)."""
+        return self.piece(token) if token < self.n_vocab else b""
 
     # --- forward -----------------------------------------------------------------------------
     @torch.inference_mode()

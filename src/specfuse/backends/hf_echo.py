@@ -1,0 +1,78 @@
+"""``Member.echo`` for a transformers member: a text's tokens read in one pass from its start.
+
+The tokens run on a ``DynamicCache`` of their own (after the tokens the tokenizer puts before a text,
+its BOS, which are not echoed), with no prefix from the member's cache: the same numbers a fresh
+decode computes. They run in chunks whose logits rows stay within :data:`ROW_FLOATS` floats, so
+memory is bounded however long the text and however large the vocabulary. Like the member's
+sessions, an echo owns its cache and shares only the weights, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import InvalidRequestError, PromptTooLongError
+from ..types import PromptToken
+from .echo_rows import Alternatives, echoed, top_of
+
+if TYPE_CHECKING:
+    from .transformers import TransformersMember
+
+ROW_FLOATS = 2**25
+"""Logits floats held at once (128 MiB in float32): a chunk has ROW_FLOATS // vocabulary rows."""
+
+MAX_CHUNK = 512  # tokens per forward at most, however small the vocabulary
+
+
+def text_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The tokens `tokenizer` puts before and after a text (BOS, EOS), read off a one-word text."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    framed = tokenizer("a", add_special_tokens=True)["input_ids"]
+    at = next((i for i in range(len(framed)) if framed[i : i + len(bare)] == bare), 0)
+    return list(framed[:at]), list(framed[at + len(bare) :])
+
+
+def check_ids(m: TransformersMember, ids: Sequence[int]) -> None:
+    """InvalidRequestError naming the first id outside `m`'s vocabulary."""
+    bad = next((t for t in ids if not 0 <= int(t) < m.n_vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is not in {m.name}'s vocabulary (0 to {m.n_vocab - 1})",
+                                  "give ids of this member's tokenizer (see /tokenize)", field="prompt")
+
+
+def echo_tokens(m: TransformersMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:
+    """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
+    ids = [int(t) for t in ids]
+    check_ids(m, ids)
+    lead = list(m.text_prefix)
+    bos = lead if lead and ids[: len(lead)] != lead else []
+    tokens = bos + ids
+    if len(tokens) > m.n_ctx:
+        raise PromptTooLongError(f"{m.name}: the text is {len(tokens)} tokens, over its context window "
+                                 f"({m.n_ctx})", "shorten the text")
+    logprobs: list[float | None] = [None] * len(ids)
+    tops: list[Alternatives] = [()] * len(ids)
+    step = max(1, min(MAX_CHUNK, ROW_FLOATS // max(m.vocab_size, 1)))
+    cache = DynamicCache()
+    for at in range(0, len(tokens) - 1, step):  # the last token predicts nothing echoed
+        part = tokens[at : at + step]
+        rows = m.forward(cache, part, range(at, at + len(part)))
+        targets = tokens[at + 1 : at + 1 + len(part)]  # row r predicts the token after part[r]
+        rows = rows[: len(targets)]
+        lse = torch.logsumexp(rows, dim=-1)
+        picked = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0] - lse
+        table = rows.cpu().numpy() if top_k > 0 else None
+        for r, logprob in enumerate(picked.tolist()):
+            i = at + r + 1 - len(bos)
+            logprobs[i] = logprob
+            if table is not None:
+                tops[i] = top_of(table[r], float(lse[r]), top_k, m.spelled)
+        del rows, table
+    return echoed(ids, [m.piece(t) for t in ids], logprobs, tops)
+
+
+__all__ = ["MAX_CHUNK", "ROW_FLOATS", "check_ids", "echo_tokens", "text_frame"]

@@ -1,0 +1,123 @@
+"""``Member.echo`` for a remote member: the server's own echo of a text (``/v1/completions`` with
+``echo`` and ``logprobs``), checked before it is trusted.
+
+What a server reports is taken as it is only where it spells the text: the echoed prompt tokens'
+pieces must join to the text exactly, else the echo is refused (never numbers on other tokens).
+A leading BOS the server lists (vLLM lists the tokens it read) is dropped; the token after it keeps
+its log-probability given the BOS. Servers that hide the BOS (llama-cpp-python) report no
+log-probability for the first token: it stays None. Whether a server echoes a plain text right at
+all is probed once when the member loads (:func:`raw_echo_agrees`): llama-cpp-python shifts every
+echoed log-probability by one token when the text does not start with its BOS
+(abetlen/llama-cpp-python#1983).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidRequestError, PromptTooLongError
+from ..types import PromptToken
+from .completion_logprobs import Entry, choices_of, entries_of, pieces_of
+from .openai_http import RemoteServerError
+
+if TYPE_CHECKING:
+    from .remote import RemoteMember
+
+PROBE_TEXT = "The capital of France is"
+"""A plain text (no BOS, no template) whose greedy continuation the load-time probe echoes back."""
+
+
+def same_logprobs(got: list[float], want: list[float]) -> bool:
+    """Echoed and generated log-probabilities of the same tokens agree (servers batch differently)."""
+    return len(got) == len(want) and all(abs(a - b) <= 0.1 + 0.1 * abs(b) for a, b in zip(got, want))
+
+
+def echoed_match(echoed: list[Entry], generated: list[Entry]) -> list[float] | None:
+    """The echoed log-probabilities of the `generated` tokens, found by their texts from the end (a
+    faulty server also drops the last entry, so counts are not trusted); None when not found."""
+    tokens = [e.token for e in generated]
+    at = next((i for i in range(len(echoed) - len(tokens), -1, -1)
+               if [e.token for e in echoed[i : i + len(tokens)]] == tokens), None)
+    if at is None or any(e.logprob is None for e in echoed[at : at + len(tokens)]):
+        return None
+    return [float(e.logprob) for e in echoed[at : at + len(tokens)]]  # type: ignore[arg-type]
+
+
+def raw_echo_agrees(m: RemoteMember) -> bool:
+    """Whether the server's echo of a plain text gives the log-probabilities it generated with."""
+    try:  # a failed probe leaves the member as it was, without echo
+        gen = m._complete(PROBE_TEXT, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
+        text = gen.get("text") or ""
+        generated = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
+        if not generated:
+            return False  # nothing to compare: not shown to work
+        got = echoed_match(m._echo([PROBE_TEXT + text])[0].entries, generated)
+    except RemoteServerError:
+        return False
+    return got is not None and same_logprobs(got, [float(e.logprob) for e in generated])  # type: ignore[arg-type]
+
+
+def _request(m: RemoteMember, text: str, top_k: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": m.model, "prompt": text, "max_tokens": m.kind.echo_max_tokens,
+                            "temperature": 0.0, "logprobs": max(top_k, 1), "echo": True, "stream": False}
+    try:
+        data = m.client.post("/completions", body)
+    except RemoteServerError as exc:
+        if len(text.encode("utf-8")) + m.kind.echo_max_tokens > m.n_ctx:  # it may well be over the window
+            raise PromptTooLongError(f"{m.name} could not read the text, which may be over its context window "
+                                     f"({m.n_ctx} tokens): {exc}", "shorten the text") from None
+        raise
+    choice = choices_of(data, 1)[0]
+    choice["_usage"] = data.get("usage") or {}
+    return choice
+
+
+def _alternatives(listed: Any, k: int) -> tuple[tuple[str, float], ...]:
+    """A server's top log-probabilities at one position as (text, log-probability), likeliest first."""
+    if k <= 0 or not isinstance(listed, dict):
+        return ()
+    ranked = sorted(((str(t), float(lp)) for t, lp in listed.items()), key=lambda p: -p[1])
+    return tuple(ranked[:k])
+
+
+def echo_remote(m: RemoteMember, text: str, top_k: int) -> list[PromptToken]:
+    """`text`'s tokens as `m`'s server reads them, with their log-probabilities and `top_k` alternatives."""
+    if not text:
+        return []
+    choice = _request(m, text, top_k)
+    entries = entries_of(choice.get("logprobs"))
+    tops = list((choice.get("logprobs") or {}).get("top_logprobs") or [None] * len(entries))
+    n_gen = m.kind.echo_max_tokens
+    completed = choice["_usage"].get("completion_tokens")
+    if isinstance(completed, int):
+        n_gen = min(completed, n_gen)  # llama-cpp-python lists no end-of-generation token
+    entries, tops = entries[: len(entries) - n_gen], tops[: len(entries) - n_gen]
+    bos = m.source.bos_text
+    if len(entries) > 1 and bos and entries[0].token == bos and not text.startswith(bos):
+        entries, tops = entries[1:], tops[1:]  # the BOS the server read first (not echoed)
+    if len(entries) + n_gen > m.n_ctx:
+        raise PromptTooLongError(f"{m.name}: the text is {len(entries)} tokens, over its context window "
+                                 f"({m.n_ctx})", "shorten the text")
+    try:
+        pieces = pieces_of(text, entries)
+    except RemoteServerError:
+        pieces = []
+    if "".join(pieces) != text:
+        raise RemoteServerError(f"{m.name}: the server's echoed tokens do not spell the text",
+                                "its echo cannot be attributed to the text; ask another member")
+    out: list[PromptToken] = []
+    at = 0
+    for entry, piece, listed in zip(entries, pieces, tops):
+        end = at + len(piece.encode("utf-8"))
+        out.append(PromptToken(None, piece, at, end, entry.logprob, _alternatives(listed, top_k)))
+        at = end
+    return out
+
+
+def refuse_ids(m: RemoteMember) -> InvalidRequestError:
+    """The error for token ids given to a member whose tokenizer is the server's."""
+    return InvalidRequestError(f"{m.name} reads text only: its server's token ids are unknown here",
+                               "give the prompt as text", field="prompt")
+
+
+__all__ = ["PROBE_TEXT", "echo_remote", "echoed_match", "raw_echo_agrees", "refuse_ids", "same_logprobs"]
