@@ -27,7 +27,7 @@ from specfuse.backends.registry import load_member
 from specfuse.backends.remote_echo import raw_echo_agrees
 from specfuse.errors import InvalidRequestError, PromptTooLongError
 from specfuse.models import CATALOGUE, is_ready, model_path
-from specfuse.types import PromptToken
+from specfuse.types import Message, PromptToken
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -162,3 +162,5 @@ def test_remote_echo_refused_where_the_server_shifts_it(remote_member):  # noqa:
     assert not remote_member.capabilities.echo
     with pytest.raises(InvalidRequestError, match="1983"):
         remote_member.echo(CONTEXT)
+    with pytest.raises(InvalidRequestError, match="1983"):  # a text completion's scores would be shifted too
+        remote_member.start([Message("raw", CONTEXT)], seed=None, reserve=4)

@@ -243,6 +243,12 @@ class RemoteMember(Member):
 
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
               cache_salt: str | None = None) -> "RemoteSession":  # the server's own cache: no salt to give
+        if raw_prompt(messages) is not None and not self.capabilities.echo:
+            # Its verification reads echoed log-probabilities of the text: shifted by one, they would be wrong.
+            raise InvalidRequestError(f"{self.name}: {self.url} shifts the log-probabilities of a text it reads "
+                                      "with no BOS first (abetlen/llama-cpp-python#1983), so it cannot score a "
+                                      "text completion", "use chat completions with it, or serve this model with "
+                                      "vLLM or a fixed llama-cpp-python")
         prompt = self.source.render(messages)
         estimate = len(prompt.encode("utf-8")) // 4  # refined by the first draft's usage
         check_prompt_fits(self.name, estimate, reserve, self.n_ctx, approximate=True)
