@@ -179,6 +179,11 @@ class Member(ABC):
         """`text`'s tokens as they are (no special tokens added or parsed); None where the member cannot tell."""
         return None
 
+    def lead_tokens(self) -> list[int]:
+        """The tokens the model reads before a text (its BOS, where it uses one): not echoed, and what
+        ``/tokenize`` adds when asked for special tokens."""
+        return []
+
     def detokenize(self, tokens: Sequence[int]) -> str | None:
         """The text `tokens` spell; None where the member cannot tell."""
         return None

@@ -174,6 +174,9 @@ class LlamaCppMember(LocalMember):
     def tokenize_text(self, text: str) -> list[int]:
         return self.tokenize_plain(text)
 
+    def lead_tokens(self) -> list[int]:
+        return [self.vocab.bos] if self.vocab.add_bos and self.vocab.bos >= 0 else []
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 

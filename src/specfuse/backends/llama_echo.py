@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 def echo_tokens(m: LlamaCppMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
-    vocab = m.vocab
-    bos = [vocab.bos] if vocab.add_bos and vocab.bos >= 0 and (not ids or ids[0] != vocab.bos) else []
+    lead = m.lead_tokens()
+    bos = lead if lead and list(ids[: len(lead)]) != lead else []
     tokens = bos + list(ids)
     if len(tokens) > m.n_ctx:
         raise PromptTooLongError(f"{m.name}: the text is {len(tokens)} tokens, over its context window "

@@ -281,6 +281,9 @@ class TransformersMember(LocalMember):
     def tokenize_text(self, text: str) -> list[int]:
         return self.tokenize_plain(text)
 
+    def lead_tokens(self) -> list[int]:
+        return list(self.text_prefix)
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         check_ids(self, tokens)
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")

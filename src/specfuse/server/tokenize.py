@@ -52,19 +52,11 @@ TOKENIZE = Endpoint(TokenizeRequest, tuple(TokenizeRequest.model_fields), {}, _c
 DETOKENIZE = Endpoint(DetokenizeRequest, tuple(DetokenizeRequest.model_fields), {}, _check_detokenize)
 
 
-def _adds_bos(member: Member) -> bool:
-    """Whether the model reads a BOS first (llama.cpp members say so in their vocabulary)."""
-    vocab = getattr(member, "vocab", None)
-    return bool(getattr(vocab, "add_bos", False)) and getattr(vocab, "bos", -1) >= 0
-
-
 def _tokens(member: Member, request: TokenizeRequest) -> list[int]:
     ids = member.tokenize_text(request.prompt)
     if ids is None:
         raise APIError(400, f"{member.name} cannot tokenize here", code="invalid_value", param="model")
-    if request.add_special_tokens and _adds_bos(member):
-        ids = [member.vocab.bos, *ids]  # type: ignore[attr-defined]
-    return ids
+    return member.lead_tokens() + ids if request.add_special_tokens else ids
 
 
 def _text(member: Member, tokens: list[int]) -> str:
@@ -100,7 +92,7 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
     async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
         member = reader(model, state.holds_key(request))
         return {"model": model or state.model_id, "tokenizer_of": member.name,
-                "bos_token": (getattr(member, "bos_text", None) or None) if _adds_bos(member) else None,
+                "bos_token": (getattr(member, "bos_text", None) or None) if member.lead_tokens() else None,
                 "eos_token": getattr(member, "eos_text", None) or None, "pad_token": None,
                 "chat_template": getattr(member, "chat_template", None),
                 "model_max_length": state.contexts.get(member.name)}
