@@ -3,6 +3,7 @@ lm-eval boundary, scoring in pieces, greedy flags, pooling rules and bad input."
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -105,6 +106,26 @@ def test_a_context_over_the_window_names_the_member():
             score_item([small], "word " * 400, ["a"])
     finally:
         small.close()
+
+
+def test_a_text_over_the_window_is_read_in_rolling_windows():
+    """A perplexity text one and a half windows long: every piece is scored, each after the last half window
+    of the text before it, where a single window would be full."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test_first1000.jsonl"
+    text = " ".join(json.loads(line)["question"] for line in data.read_text().splitlines()[:50])
+    member = load_member("smollm2-135m", MemberOptions(threads=1, n_ctx=1600, prefix_cache_cells=0))
+    try:
+        n_tokens = len(member.tokenize_text(text))
+        assert n_tokens > 1.4 * member.n_ctx  # it cannot be read in one window
+        with pytest.raises(PromptTooLongError):
+            score_item([member], text, ["a"])
+        (scored,) = score_continuations(member, "\n", [text])
+        assert abs(scored.tokens - n_tokens) < 0.02 * n_tokens  # every piece, in about the text's tokens
+        assert -6.0 < scored.logprob / scored.tokens < -0.5  # English read with context, not noise
+    finally:
+        member.close()
 
 
 def _score(logprob: float, size: int) -> ContinuationScore:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import PromptTooLongError
+from ..prompting import raw_prompt
 from ..types import Message, TokenScores
 from .base import Member, MemberSession
 
@@ -165,22 +166,51 @@ def _finish(member: Member, item: _Item) -> list[ContinuationScore] | Exception:
 
 
 def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> tuple[TokenScores, int]:
-    """Score a long `text` piece by piece on a growing context; returns (scores, calls)."""
+    """Score a long `text` piece by piece on a growing context; returns (scores, calls).
+
+    After a raw context (a text, no template), a text longer than the member's window is read in
+    rolling windows: when the next piece would not fit, the session starts again on the last half
+    window of the text so far (in bytes, so at most that many tokens), and scoring goes on there.
+    """
     pieces = split_for_scoring(text)
     logprobs: list[float] = []
     logits: list[float] = []
     tops: list[float] | None = []
+    raw, read = raw_prompt(messages), ""
     session = member.start(messages, seed=None, reserve=1)
     try:
         for piece in pieces:
+            if raw is not None and session.room <= len(piece.encode("utf-8")):
+                session.close()
+                session = member.start([Message("raw", _tail(raw + read, _window(member)))],
+                                       seed=None, reserve=1)
             scores = session.score([piece])[0]
             logprobs += scores.logprobs
             logits += scores.logits
             tops = None if tops is None or scores.tops is None else tops + list(scores.tops)
             session.accept(piece)
+            read += piece
     finally:
         session.close()
     return TokenScores(tuple(logprobs), tuple(logits), None if tops is None else tuple(tops)), len(pieces)
+
+
+def _window(member: Member) -> int:
+    """The member's window in tokens (its ``n_ctx``)."""
+    n_ctx = getattr(member, "n_ctx", None)
+    if not isinstance(n_ctx, int) or n_ctx < 4 * SCORE_PIECE_BYTES:
+        raise PromptTooLongError(f"{member.name}: the text does not fit its context window, and the window "
+                                 f"is too small to read it in rolling windows of {SCORE_PIECE_BYTES} bytes",
+                                 "shorten the text, or load the member with a larger n_ctx")
+    return n_ctx
+
+
+def _tail(text: str, window: int) -> str:
+    """The last half `window` of `text` in UTF-8 bytes (at most that many tokens), from a whitespace."""
+    data = text.encode("utf-8")[-(window // 2):]
+    tail = data.decode("utf-8", "ignore")
+    cut = min((i for i in (tail.find(" "), tail.find("\n")) if i >= 0), default=-1)
+    return tail[cut:] if 0 <= cut < len(tail) // 2 else tail
 
 
 def split_for_scoring(text: str, limit: int = SCORE_PIECE_BYTES) -> list[str]:
