@@ -176,6 +176,20 @@ def flight_of(job: Job, steps: Steps, count: Callable[[str], None], tell: Callab
                   live=not job.logprobs)
 
 
+def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | None, int], None]) -> None:
+    """Run a work job's call (``Job.work``) and end it: its value as ``Worked``, or its failure to `end`
+    (a text over a window is invalid; anything else failed)."""
+    assert job.work is not None
+    job.emit(Started(time.time() - job.created, {}))
+    try:
+        value = job.work(ensemble)
+    except Exception as exc:
+        end(job, exc, 0)
+        return
+    job.emit(Worked(value))
+    end(job, None, 0)
+
+
 def tell(observer: Observer | None, call: Callable[[Observer], None]) -> None:
     """Tell the observer (if any) what happened; metrics must never stop a generation."""
     if observer is None:

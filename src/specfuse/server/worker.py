@@ -50,6 +50,7 @@ from .jobs import (
     ending,
     flight_of,
     prompt_tokens,
+    run_work,
     tell,
 )
 from .watchdog import Watchdog
@@ -296,8 +297,8 @@ class Worker:
                 f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
                 f"of {job.deadline_s:g} s", "retry when the server is less busy"), 0)
             return
-        if job.work is not None:
-            self._work(job, ensemble)
+        if job.work is not None:  # one call, now, on this thread (the members are this thread's)
+            run_work(job, ensemble, self._end)
             return
         try:
             steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint,
@@ -308,18 +309,6 @@ class Worker:
         members = [m for m in ensemble.members if job.members is None or m.name in job.members]
         job.emit(Started(time.time() - job.created, prompt_tokens(members, job.messages)))
         self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
-
-    def _work(self, job: Job, ensemble: Ensemble) -> None:
-        """Run a work job's call now, on this thread (the members are this thread's), and end it."""
-        assert job.work is not None
-        job.emit(Started(time.time() - job.created, {}))
-        try:
-            value = job.work(ensemble)
-        except Exception as exc:  # its own failure (a text over a window: invalid; a bug: failed)
-            self._end(job, exc, 0)
-            return
-        job.emit(Worked(value))
-        self._end(job, None, 0)
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         with self._cond:
