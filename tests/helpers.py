@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
+from specfuse import models as catalogue
 from specfuse.backends.base import Member, MemberSession
 from specfuse.bench.processes import SpecfuseServer, specfuse_server
 
@@ -110,6 +113,18 @@ def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, 
         config["members"]["prefix_cache_cells"] = prefix_cache_cells
     with specfuse_server(tmp, "server", config, startup_s=startup_s) as server:
         yield server
+
+
+@contextmanager
+def checked_server(tmp: Path, **options) -> Iterator[SpecfuseServer]:
+    """`live_server` with the default members, failing clearly when they are not prepared; on leaving,
+    no request made the server fail."""
+    missing = [n for n in catalogue.DEFAULT_MODELS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
+    if missing:
+        pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
+    with live_server(tmp, **options) as running:
+        yield running
+        assert running.health()["counters"]["failed"] == 0, running.log_tail()
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

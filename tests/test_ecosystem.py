@@ -14,10 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import checked_server
 from openai import OpenAI
-
-from helpers import live_server
-from specfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -29,12 +27,8 @@ OFFLINE = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "LIT
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    missing = [n for n in catalogue.DEFAULT_MODELS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
-    if missing:
-        pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
-    with live_server(tmp_path_factory.mktemp("ecosystem"), max_concurrent=1, prefix_cache_cells=0) as running:
+    with checked_server(tmp_path_factory.mktemp("ecosystem"), max_concurrent=1, prefix_cache_cells=0) as running:
         yield running
-        assert running.health()["counters"]["failed"] == 0, running.log_tail()
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> str:

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import live_server
+from helpers import checked_server
 
-from specfuse import models as catalogue
 from specfuse.eval.bigbench import items
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
@@ -37,12 +36,8 @@ POOLED = 0.6
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    missing = [n for n in catalogue.DEFAULT_MODELS if not catalogue.is_ready(catalogue.CATALOGUE[n])]
-    if missing:
-        pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
-    with live_server(tmp_path_factory.mktemp("echo"), max_concurrent=1, prefix_cache_cells=0) as running:
+    with checked_server(tmp_path_factory.mktemp("echo"), max_concurrent=1, prefix_cache_cells=0) as running:
         yield running
-        assert running.health()["counters"]["failed"] == 0, running.log_tail()
 
 
 @pytest.fixture(scope="module")
