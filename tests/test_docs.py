@@ -225,7 +225,8 @@ def test_every_specfuse_command_in_the_docs_parses():
 
 
 # Flags the docs name in passing that belong to other programs (vLLM, SGLang, lm-eval, llm, llama-cpp-python).
-OTHER_PROGRAMS_FLAGS = {"--apply_chat_template": "lm_eval", "--include_path": "lm_eval", "--schema": "llm",
+OTHER_PROGRAMS_FLAGS = {"--apply_chat_template": "lm_eval", "--include_path": "lm_eval", "--tasks": "lm_eval",
+                        "--batch_size": "lm_eval", "--schema": "llm",
                         "--cache": "llama_cpp.server", "--enable-prefix-caching": "vllm", "--max-logprobs": "vllm",
                         "--disable-radix-cache": "sglang"}
 
