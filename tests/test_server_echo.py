@@ -29,8 +29,9 @@ SMOL = "smollm2-135m"
 LEADER = "qwen2.5-coder-0.5b"  # the largest embedded member: specfuse's echo is on its tokens
 CONTEXT, CHOICE = "Question: What is the capital of France?\nAnswer:", " Paris, on the Seine."
 # A member's echo reads context and choice in one batch, its score in two: the same sums in another order.
-# SmolLM2's numbers agree to the last bits here; Gemma 3's differ by up to ~0.1 nats a token.
-SAME_MEMBER = 1e-3
+# SmolLM2's numbers agree to the last bits on this machine; Gemma 3's differ by up to ~0.1 nats a token. The
+# bound leaves room for another CPU's kernels; a token read at the wrong place would be off by nats.
+SAME_MEMBER = 1e-2
 POOLED = 0.6
 
 
