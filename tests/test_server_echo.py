@@ -158,3 +158,15 @@ def test_lm_eval_local_completions_scores_as_the_members_do(server, uncached_ens
             max(range(len(own.fused)), key=served_scores(sample).__getitem__)
         assert sample["acc"] == float(own.best in item.correct)
     assert all(not math.isnan(v) for s in pooled for v in served_scores(s))
+
+
+def test_token_ids_outside_a_vocabulary_are_refused_before_any_decode(uncached_ensemble):
+    """llama.cpp aborts the process on an id outside its vocabulary: the member refuses it first."""
+    from specfuse.errors import InvalidRequestError
+
+    leader = next(m for m in uncached_ensemble.members if m.name == LEADER)
+    for ids in ([10**7], [-1], [1, 2, leader.n_vocab]):
+        with pytest.raises(InvalidRequestError, match="is not in"):
+            uncached_ensemble.echo(ids)
+        with pytest.raises(InvalidRequestError, match="is not in"):
+            leader.detokenize(ids)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import Constraint, TokenMatcher, tokenizer_for
-from ..errors import PromptTooLongError
+from ..errors import InvalidRequestError, PromptTooLongError
 from ..models import PromptFormat
 from ..prompting import raw_prompt
 from ..segments import tokens_spelling
@@ -116,7 +116,23 @@ class LocalMember(Member):
         """The templated prompt's tokens."""
 
     vocab_size: int  # rows of its logits
+    n_vocab: int  # ids with a text (logits rows past it, where there are any, are padding)
     eog_ids: Sequence[int]  # its end-of-generation tokens
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """InvalidRequestError naming the first id outside the vocabulary (a native tokenizer given one
+        may abort the process)."""
+        bad = next((t for t in ids if not 0 <= int(t) < self.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is not in {self.name}'s vocabulary (0 to {self.n_vocab - 1})",
+                                      "give ids of this member's tokenizer (see /tokenize)", field="prompt")
+
+    def tokenize_text(self, text: str) -> list[int]:
+        return self.tokenize_plain(text)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        self.check_ids(tokens)
+        return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", "replace")
 
     def token_matcher(self, constraint: Constraint) -> TokenMatcher:
         """A matcher of `constraint` over this member's tokens (its vocabulary is read once, ~1 s)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from ..errors import InvalidRequestError, PromptTooLongError
+from ..errors import PromptTooLongError
 from ..types import PromptToken
 from .echo_rows import Alternatives, echoed, top_of
 
@@ -36,18 +36,14 @@ def text_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
     return list(framed[:at]), list(framed[at + len(bare) :])
 
 
-def check_ids(m: TransformersMember, ids: Sequence[int]) -> None:
-    """InvalidRequestError naming the first id outside `m`'s vocabulary."""
-    bad = next((t for t in ids if not 0 <= int(t) < m.n_vocab), None)
-    if bad is not None:
-        raise InvalidRequestError(f"token id {bad} is not in {m.name}'s vocabulary (0 to {m.n_vocab - 1})",
-                                  "give ids of this member's tokenizer (see /tokenize)", field="prompt")
-
-
 def echo_tokens(m: TransformersMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
     ids = [int(t) for t in ids]
-    check_ids(m, ids)
+    m.check_ids(ids)
+
+    def spelled(token: int) -> bytes:  # a logits row's token; b"" past the tokenizer's vocabulary (padding rows)
+        return m.piece(token) if token < m.n_vocab else b""
+
     lead = list(m.text_prefix)
     bos = lead if lead and ids[: len(lead)] != lead else []
     tokens = bos + ids
@@ -70,9 +66,9 @@ def echo_tokens(m: TransformersMember, ids: Sequence[int], top_k: int) -> list[P
             i = at + r + 1 - len(bos)
             logprobs[i] = logprob
             if table is not None:
-                tops[i] = top_of(table[r], float(lse[r]), top_k, m.spelled)
+                tops[i] = top_of(table[r], float(lse[r]), top_k, spelled)
         del rows, table
     return echoed(ids, [m.piece(t) for t in ids], logprobs, tops)
 
 
-__all__ = ["MAX_CHUNK", "ROW_FLOATS", "check_ids", "echo_tokens", "text_frame"]
+__all__ = ["MAX_CHUNK", "ROW_FLOATS", "echo_tokens", "text_frame"]

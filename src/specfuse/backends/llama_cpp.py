@@ -171,14 +171,8 @@ class LlamaCppMember(LocalMember):
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         return self.vocab.prompt_tokens(messages)
 
-    def tokenize_text(self, text: str) -> list[int]:
-        return self.tokenize_plain(text)
-
     def lead_tokens(self) -> list[int]:
         return [self.vocab.bos] if self.vocab.add_bos and self.vocab.bos >= 0 else []
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
         ids = self.tokenize_plain(prompt) if isinstance(prompt, str) else list(prompt)

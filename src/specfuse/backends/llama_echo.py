@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 def echo_tokens(m: LlamaCppMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
+    ids = [int(t) for t in ids]
+    m.check_ids(ids)
     lead = m.lead_tokens()
     bos = lead if lead and list(ids[: len(lead)]) != lead else []
     tokens = bos + list(ids)

@@ -41,7 +41,7 @@ from .cached import check_prompt_fits
 from .completion_logprobs import Entry, choices_of, entries_of, logsumexp, pieces_of, scores_of, tail
 from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
 from .prompt_source import PromptSource, load_prompt_source
-from .remote_echo import echo_remote, echoed_match, raw_echo_agrees, refuse_ids, same_logprobs
+from .remote_echo import echo_probe, echo_remote, raw_echo_agrees, refuse_ids, same_logprobs, shifted
 from .spec import split_target
 
 if TYPE_CHECKING:
@@ -125,11 +125,11 @@ class RemoteMember(Member):
                     "members must verify other members' candidates: serve it with vLLM, SGLang or "
                     "llama-cpp-python instead",
                 )
-            # Echo (Member.echo) only where the server echoes a plain text right; unprobed: trusted.
-            self.capabilities = Capabilities(parallel_safe=True, echo=True)
             if options.check_echo:
                 self._check_echo()
-                self.capabilities = Capabilities(parallel_safe=True, echo=raw_echo_agrees(self))
+            # Echo (Member.echo) only where the server echoes a plain text right; unprobed: trusted.
+            self.capabilities = Capabilities(parallel_safe=True,
+                                             echo=not options.check_echo or raw_echo_agrees(self))
         except BaseException:
             self.client.close()
             raise
@@ -166,16 +166,10 @@ class RemoteMember(Member):
         does not start with BOS (abetlen/llama-cpp-python#1983); scores would
         then be silently wrong, so such a server is refused.
         """
-        prompt = self.source.render([Message("user", "Say hello.")])
-        gen = self._complete(prompt, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
-        text = gen.get("text") or ""
-        entries = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
-        if not entries:
-            return  # nothing to compare
-        got = echoed_match(self._echo([prompt + text])[0].entries, entries)
-        if got is None:
-            return  # re-tokenized differently: inconclusive
-        want = [float(e.logprob) for e in entries]  # type: ignore[arg-type]
+        found = echo_probe(self, self.source.render([Message("user", "Say hello.")]))
+        if found is None:
+            return  # nothing to compare, or re-tokenized differently: inconclusive
+        got, want = found
         if not same_logprobs(got, want):
             raise MemberLoadError(
                 f"{self.url}: echoed prompt log-probabilities disagree with generated ones "
@@ -236,19 +230,14 @@ class RemoteMember(Member):
         if not isinstance(prompt, str):
             raise refuse_ids(self)
         if not self.capabilities.echo:
-            raise InvalidRequestError(f"{self.url} does not echo a plain text's log-probabilities right "
-                                      "(abetlen/llama-cpp-python#1983 shifts them when it reads no BOS first)",
-                                      "serve this model with vLLM or a fixed llama-cpp-python, or drop echo")
+            raise shifted(self, "echo a text")
         return echo_remote(self, prompt, top_k)
 
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
               cache_salt: str | None = None) -> "RemoteSession":  # the server's own cache: no salt to give
         if raw_prompt(messages) is not None and not self.capabilities.echo:
             # Its verification reads echoed log-probabilities of the text: shifted by one, they would be wrong.
-            raise InvalidRequestError(f"{self.name}: {self.url} shifts the log-probabilities of a text it reads "
-                                      "with no BOS first (abetlen/llama-cpp-python#1983), so it cannot score a "
-                                      "text completion", "use chat completions with it, or serve this model with "
-                                      "vLLM or a fixed llama-cpp-python")
+            raise shifted(self, "score a text completion (chat completions work)")
         prompt = self.source.render(messages)
         estimate = len(prompt.encode("utf-8")) // 4  # refined by the first draft's usage
         check_prompt_fits(self.name, estimate, reserve, self.n_ctx, approximate=True)

@@ -43,18 +43,34 @@ def echoed_match(echoed: list[Entry], generated: list[Entry]) -> list[float] | N
     return [float(e.logprob) for e in echoed[at : at + len(tokens)]]  # type: ignore[arg-type]
 
 
+def echo_probe(m: RemoteMember, prompt: str) -> tuple[list[float], list[float]] | None:
+    """Three greedy tokens after `prompt`, then the echo of prompt and tokens: (echoed, generated)
+    log-probabilities of those tokens; None when there is nothing to compare (no tokens, or the echo
+    re-tokenized them differently)."""
+    gen = m._complete(prompt, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
+    text = gen.get("text") or ""
+    generated = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
+    if not generated:
+        return None
+    got = echoed_match(m._echo([prompt + text])[0].entries, generated)
+    return None if got is None else (got, [float(e.logprob) for e in generated])  # type: ignore[arg-type]
+
+
 def raw_echo_agrees(m: RemoteMember) -> bool:
-    """Whether the server's echo of a plain text gives the log-probabilities it generated with."""
-    try:  # a failed probe leaves the member as it was, without echo
-        gen = m._complete(PROBE_TEXT, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
-        text = gen.get("text") or ""
-        generated = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
-        if not generated:
-            return False  # nothing to compare: not shown to work
-        got = echoed_match(m._echo([PROBE_TEXT + text])[0].entries, generated)
+    """Whether the server's echo of a plain text gives the log-probabilities it generated with (nothing
+    to compare, or a failed probe: not shown to work)."""
+    try:
+        found = echo_probe(m, PROBE_TEXT)
     except RemoteServerError:
         return False
-    return got is not None and same_logprobs(got, [float(e.logprob) for e in generated])  # type: ignore[arg-type]
+    return found is not None and same_logprobs(*found)
+
+
+def shifted(m: RemoteMember, what: str) -> InvalidRequestError:
+    """The error for what a server that shifts a plain text's echo (#1983) cannot do right."""
+    return InvalidRequestError(f"{m.name}: {m.url} shifts the log-probabilities of a text it reads with no BOS "
+                               f"first (abetlen/llama-cpp-python#1983), so it cannot {what}",
+                               "serve this model with vLLM or a fixed llama-cpp-python")
 
 
 def _request(m: RemoteMember, text: str, top_k: int) -> dict[str, Any]:
@@ -120,4 +136,5 @@ def refuse_ids(m: RemoteMember) -> InvalidRequestError:
                                "give the prompt as text", field="prompt")
 
 
-__all__ = ["PROBE_TEXT", "echo_remote", "echoed_match", "raw_echo_agrees", "refuse_ids", "same_logprobs"]
+__all__ = ["PROBE_TEXT", "echo_probe", "echo_remote", "echoed_match", "raw_echo_agrees", "refuse_ids",
+           "same_logprobs", "shifted"]

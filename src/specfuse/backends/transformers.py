@@ -53,7 +53,7 @@ from ..prompting import choose_format, raw_prompt, render_plain
 from ..types import Message, PromptToken
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
-from .hf_echo import check_ids, echo_tokens, text_frame
+from .hf_echo import echo_tokens, text_frame
 from .hf_tokens import piece_function
 from .prefix_cache import PrefixCache
 from .special_text import Special, SpecialTexts, protected_pieces
@@ -278,22 +278,11 @@ class TransformersMember(LocalMember):
         return self.text_prefix + ids + self._text_suffix if add_special else ids
 
     # --- echo (hf_echo.py) ---------------------------------------------------------------------
-    def tokenize_text(self, text: str) -> list[int]:
-        return self.tokenize_plain(text)
-
     def lead_tokens(self) -> list[int]:
         return list(self.text_prefix)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        check_ids(self, tokens)
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
-
     def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
         return echo_tokens(self, self.tokenize_plain(prompt) if isinstance(prompt, str) else prompt, top_k)
-
-    def spelled(self, token: int) -> bytes:
-        """A logits row's token as bytes; b"" past the tokenizer's vocabulary (padding rows)."""
-        return self.piece(token) if token < self.n_vocab else b""
 
     # --- forward -----------------------------------------------------------------------------
     @torch.inference_mode()

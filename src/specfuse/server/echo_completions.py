@@ -20,6 +20,7 @@ from fastapi import Request
 from ..backends.base import Member
 from ..echo import reader_of
 from ..ensemble import Ensemble
+from ..errors import InvalidRequestError
 from ..types import PromptToken
 from .serving import APIError, disconnected, worked
 from .state import ServerState, job_fields, members_for, submit
@@ -41,17 +42,20 @@ def prompt_texts(state: ServerState, request: CompletionRequest, model: str) -> 
         if isinstance(prompt, str):
             texts.append(prompt)
             continue
-        reader = reader_for(state, model)
-        size = getattr(reader, "n_vocab", None)
-        if size is not None and max(prompt) >= size:
-            raise APIError(400, f"token id {max(prompt)} is not in {reader.name}'s vocabulary (0 to {size - 1})",
-                           code="invalid_value", param="prompt")
-        text = reader.detokenize(prompt)
-        if text is None:
-            raise APIError(400, f"{reader.name} cannot read token ids: send the prompt as text",
-                           code="invalid_value", param="prompt")
-        texts.append(text)
+        texts.append(spelled(reader_for(state, model), prompt, "prompt"))
     return texts
+
+
+def spelled(member: Member, ids: list[int], param: str) -> str:
+    """The text `ids` spell in `member`'s vocabulary; a 400 naming `param` for an id outside it, or for a
+    member that cannot read ids."""
+    try:
+        text = member.detokenize(ids)
+    except InvalidRequestError as exc:
+        raise APIError(400, exc.message, code="invalid_value", param=param) from None
+    if text is None:
+        raise APIError(400, f"{member.name} cannot read token ids: send text", code="invalid_value", param=param)
+    return text
 
 
 def _read(prompt: str | list[int], k: int, members: list[str] | None, ensemble: Ensemble) -> list[PromptToken]:
@@ -101,4 +105,4 @@ def joined(echo: CompletionLogprobs, answer: CompletionLogprobs | None) -> Compl
                               text_offset=echo.text_offset + answer.text_offset)
 
 
-__all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "reader_for"]
+__all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "reader_for", "spelled"]

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..backends.base import Member
 from . import parsing
-from .echo_completions import reader_for
+from .echo_completions import reader_for, spelled
 from .limits import exceeded
 from .parsing import Endpoint
 from .serving import APIError
@@ -59,18 +59,6 @@ def _tokens(member: Member, request: TokenizeRequest) -> list[int]:
     return member.lead_tokens() + ids if request.add_special_tokens else ids
 
 
-def _text(member: Member, tokens: list[int]) -> str:
-    size = getattr(member, "n_vocab", None)
-    bad = [t for t in tokens if t < 0 or (size is not None and t >= size)]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is not in {member.name}'s vocabulary", code="invalid_value",
-                       param="tokens")
-    text = member.detokenize(tokens)
-    if text is None:
-        raise APIError(400, f"{member.name} cannot read token ids here", code="invalid_value", param="model")
-    return text
-
-
 def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
     def reader(model: str | None, detailed: bool) -> Member:
         require_members(state, detailed)
@@ -87,7 +75,7 @@ def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
         body = await state.body(request)
         parsed = await state.offload(parsing.parse_request, body, DETOKENIZE, state.config.limits)
         member = reader(path_model or parsed.model, state.holds_key(request))
-        return {"prompt": await state.offload(_text, member, parsed.tokens)}
+        return {"prompt": await state.offload(spelled, member, parsed.tokens, "tokens")}
 
     async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
         member = reader(model, state.holds_key(request))
