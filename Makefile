@@ -31,10 +31,10 @@ $(FULL): $(CORE)
 install: $(FULL)
 
 models: $(CORE)
-	$(BIN)/specfuse models prepare
+	$(BIN)/segfuse models prepare
 
 demo: models
-	$(BIN)/specfuse demo
+	$(BIN)/segfuse demo
 
 # The web page is tested in Debian's headless Chromium (installed once, from Debian's packages).
 browser:
@@ -50,27 +50,27 @@ test: $(FULL) models browser
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(FULL) models
-	$(BIN)/specfuse bench
+	$(BIN)/segfuse bench
 
 # The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
 bench-serve: $(FULL) models
-	$(BIN)/specfuse bench --serve
+	$(BIN)/segfuse bench --serve
 
 # Chats and shared system prompts with and without the prefix cache, and llama-cpp-python's server
 # with its cache as the anchor (docs/performance.md).
 bench-chat: $(FULL) models
-	$(BIN)/specfuse bench --serve --chat
+	$(BIN)/segfuse bench --serve --chat
 
 # What the members the leader-alone default never asks cost a server (docs/performance.md).
 bench-followers: $(FULL) models
-	$(BIN)/specfuse bench --serve --followers
+	$(BIN)/segfuse bench --serve --followers
 
 # The server under a seeded mix of traffic for SOAK (default 30m): nothing lost, nothing leaking
 # (docs/reliability.md). E.g. `make soak SOAK=2h`; SOAK_ARGS adds options (`SOAK_ARGS=--remote`).
 SOAK ?= 30m
 SOAK_ARGS ?=
 soak: $(FULL) models
-	$(BIN)/specfuse bench --serve --soak $(SOAK) $(SOAK_ARGS)
+	$(BIN)/segfuse bench --serve --soak $(SOAK) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,7 +1,7 @@
 """Time to first content on each API of one server, for the same prompts, interleaved in one run.
 
 Starts the app over the embedded members (in this process, served by uvicorn on loopback, as
-`specfuse serve` serves it), then for each round sends the round's prompt, streamed, to chat
+`segfuse serve` serves it), then for each round sends the round's prompt, streamed, to chat
 completions, Messages and Responses in turn (the order rotates each round), and times from the request
 to the first frame that carries answer text: a chat chunk with content, a ``content_block_delta``, a
 ``response.output_text.delta``. Prints, as JSON, each API's median, its ratio to chat's median, and the
@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import uvicorn
 
-from specfuse import Ensemble
-from specfuse.server.app import create_app, uvicorn_settings
-from specfuse.server.config import ServerConfig
+from segfuse import Ensemble
+from segfuse.server.app import create_app, uvicorn_settings
+from segfuse.server.config import ServerConfig
 
 PROMPTS = ["Name a primary colour.", "What is the capital of France?", "Say hello in Spanish.",
            "Name a large planet.", "What is two plus two?", "Name a fruit that is yellow."]
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--model", default="specfuse", help="the fused model, or one member alone")
+    parser.add_argument("--model", default="segfuse", help="the fused model, or one member alone")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads per member")
     args = parser.parse_args(argv)
     times: dict[str, list[float]] = {name: [] for name in APIS}

@@ -1,6 +1,6 @@
 """The leader's first words against llama-cpp-python's server: the chat benchmark's traffic, two servers only.
 
-Runs `specfuse bench --serve --chat`'s traffic and measurements (``specfuse.bench.chat``: the servers,
+Runs `segfuse bench --serve --chat`'s traffic and measurements (``segfuse.bench.chat``: the servers,
 ``one_repetition``, ``summarise``) on the ``cache`` server and the anchor only (the ``no-cache`` server,
 which reads every long prompt again, is left out for time), the chat without the users by default,
 repetitions in alternating order. Writes the report, with the load average at start and end, as JSON.
@@ -18,12 +18,12 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from specfuse.bench.chat import LEADER, Target, ask, one_repetition, summarise
-from specfuse.bench.machine import git, loadavg, machine
-from specfuse.bench.processes import (
+from segfuse.bench.chat import LEADER, Target, ask, one_repetition, summarise
+from segfuse.bench.machine import git, loadavg, machine
+from segfuse.bench.processes import (
     llama_cpp_server,
     sigterm_as_interrupt,
-    specfuse_server,
+    segfuse_server,
 )
 
 
@@ -36,22 +36,22 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from specfuse.models import CATALOGUE, model_path
+    from segfuse.models import CATALOGUE, model_path
 
     report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
               "settings": {"reps": args.reps, "max_tokens": args.max_tokens, "threads": args.threads,
                            "turns": args.turns, "users": args.users, "sections": None, "leader": LEADER,
                            "systems": ["cache", "llama-server"]},
               "loadavg": {"start": loadavg()}, "replies": []}
-    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="specfuse-leader-words-") as tmp, \
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="segfuse-leader-words-") as tmp, \
             ExitStack() as stack:
         config = {"server": {"api_key": "bench-key", "max_concurrent": 1},
                   "members": {"threads": args.threads, "prefix_cache_cells": None}}
-        ours = stack.enter_context(specfuse_server(Path(tmp), "cache", config))
+        ours = stack.enter_context(segfuse_server(Path(tmp), "cache", config))
         anchor = stack.enter_context(llama_cpp_server(
             model_path(CATALOGUE[LEADER]), Path(tmp) / "llama-server.log", threads=args.threads, n_ctx=4096,
             extra_args=("--cache", "true")))
-        servers = [Target("cache", ours.api, "bench-key", "specfuse", ours.health),
+        servers = [Target("cache", ours.api, "bench-key", "segfuse", ours.health),
                    Target("llama-server", anchor.url, "", LEADER)]
         for server in servers:  # warm-up: the first request of a process pays for loading pages
             ask(server, -1, "warm-up", 0, [{"role": "user", "content": "Hello."}], 4)

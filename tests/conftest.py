@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specfuse import Ensemble
-from specfuse import models as catalogue
+from segfuse import Ensemble
+from segfuse import models as catalogue
 from helpers import Recording
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import threading
 
-from specfuse.backends.base import Capabilities, Member, MemberSession
-from specfuse.types import DraftTokens, TokenScores
+from segfuse.backends.base import Capabilities, Member, MemberSession
+from segfuse.types import DraftTokens, TokenScores
 
 
 class ScriptedSession(MemberSession):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from specfuse import models as catalogue
-from specfuse.backends.base import Member, MemberSession
-from specfuse.bench.processes import SpecfuseServer, specfuse_server
+from segfuse import models as catalogue
+from segfuse.backends.base import Member, MemberSession
+from segfuse.bench.processes import SegfuseServer, segfuse_server
 
 
 class SessionWrapper(MemberSession):
@@ -97,8 +97,8 @@ API_KEY = "test-key"
 
 @contextmanager
 def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, max_concurrent: int = 2,
-                startup_s: float = 180.0, prefix_cache_cells: int | None = None) -> Iterator[SpecfuseServer]:
-    """A real `specfuse serve` with the default members, an API key, a small queue and body limit,
+                startup_s: float = 180.0, prefix_cache_cells: int | None = None) -> Iterator[SegfuseServer]:
+    """A real `segfuse serve` with the default members, an API key, a small queue and body limit,
     running `max_concurrent` generations together (`prefix_cache_cells`: its bound; None, the default)."""
     config = {
         "server": {"api_key": API_KEY, "queue_size": queue_size, "max_concurrent": max_concurrent,
@@ -111,12 +111,12 @@ def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, 
     }
     if prefix_cache_cells is not None:
         config["members"]["prefix_cache_cells"] = prefix_cache_cells
-    with specfuse_server(tmp, "server", config, startup_s=startup_s) as server:
+    with segfuse_server(tmp, "server", config, startup_s=startup_s) as server:
         yield server
 
 
 @contextmanager
-def checked_server(tmp: Path, **options) -> Iterator[SpecfuseServer]:
+def checked_server(tmp: Path, **options) -> Iterator[SegfuseServer]:
     """`live_server` with the default members, failing clearly when they are not prepared; on leaving,
     no request made the server fail."""
     missing = [n for n in catalogue.DEFAULT_MODELS if not catalogue.is_ready(catalogue.CATALOGUE[n])]

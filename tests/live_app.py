@@ -1,4 +1,4 @@
-"""The app over the session's embedded members, served by uvicorn in a thread (as `specfuse serve` serves
+"""The app over the session's embedded members, served by uvicorn in a thread (as `segfuse serve` serves
 it), for the tests of the Messages and Responses APIs."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import uvicorn
 from helpers import wait_for
 
-from specfuse.server.app import create_app, uvicorn_settings
-from specfuse.server.config import ServerConfig
-from specfuse.server.state import ServerState
+from segfuse.server.app import create_app, uvicorn_settings
+from segfuse.server.config import ServerConfig
+from segfuse.server.state import ServerState
 
 KEY = "apis-key"
 LEADER = "smollm2-135m"  # the quickest member, alone, where the test is not about fusion
@@ -53,7 +53,7 @@ def serve_app(config: ServerConfig, ensemble: Any) -> Iterator[tuple[str, Server
         wait_for(lambda: runner.started or not thread.is_alive(), 60, what="uvicorn to start")
         assert runner.started, "uvicorn did not start"
         port = runner.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}", app.state.specfuse
+        yield f"http://127.0.0.1:{port}", app.state.segfuse
     finally:
         runner.should_exit = True
         thread.join(60)

@@ -1,7 +1,7 @@
 """Members beyond llama.cpp, on real models: transformers on CPU and a remote server on loopback.
 
 - transformers: SmolLM2-135M-Instruct's GGUF (Q4_1) loaded through transformers,
-  which dequantizes it; the converted checkpoint is cached under the specfuse
+  which dequantizes it; the converted checkpoint is cached under the segfuse
   cache directory, so only the first run pays the conversion (~45 s).
 - remote: `python -m llama_cpp.server` (llama-cpp-python's OpenAI-compatible
   server) started on a free loopback port with the same GGUF.
@@ -29,13 +29,13 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from specfuse.backends.registry import load_member  # noqa: E402
-from specfuse.ensemble import Ensemble  # noqa: E402
-from specfuse.errors import MemberLoadError  # noqa: E402
-from specfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
-from specfuse.scoring import normalise, raw_score  # noqa: E402
-from specfuse.types import Message, Sampling  # noqa: E402
-from specfuse.bench.processes import free_port, llama_cpp_server  # noqa: E402
+from segfuse.backends.registry import load_member  # noqa: E402
+from segfuse.ensemble import Ensemble  # noqa: E402
+from segfuse.errors import MemberLoadError  # noqa: E402
+from segfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
+from segfuse.scoring import normalise, raw_score  # noqa: E402
+from segfuse.types import Message, Sampling  # noqa: E402
+from segfuse.bench.processes import free_port, llama_cpp_server  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -46,7 +46,7 @@ CANDIDATES = ["The capital of France is Paris.", " Paris is", "It is Lyon, of co
 REPO = Path(__file__).resolve().parents[1]
 
 if not is_ready(SMOL):
-    pytest.skip("SmolLM2-135M is not prepared (`specfuse models prepare`)", allow_module_level=True)
+    pytest.skip("SmolLM2-135M is not prepared (`segfuse models prepare`)", allow_module_level=True)
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_mixed_local_and_remote_ensemble(server_url):
 
 def test_cli_generate_with_remote_member(server_url):
     out = subprocess.run(
-        [str(Path(sys.executable).with_name("specfuse")), "generate", "Say hi.",
+        [str(Path(sys.executable).with_name("segfuse")), "generate", "Say hi.",
          "-m", f"remote:{server_url}#smol-remote", "-m", "smollm2-135m", "--max-tokens", "12", "--seed", "1", "--threads", "1", "--json"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
@@ -249,7 +249,7 @@ def test_remote_refuses_off_by_one_echo(tmp_path):
 
 
 def test_remote_unreachable_server_fails_fast():
-    from specfuse.backends.openai_http import RemoteServerError
+    from segfuse.backends.openai_http import RemoteServerError
 
     port = free_port()  # nothing listens there
     started = time.monotonic()
@@ -259,7 +259,7 @@ def test_remote_unreachable_server_fails_fast():
 
 
 def test_remote_spec_options():
-    from specfuse.backends.remote import parse_target
+    from segfuse.backends.remote import parse_target
 
     url, opts = parse_target("http://h:8000/v1#big,model=Qwen/Qwen2.5-72B-Instruct,batch=false,n_ctx=8192")
     assert url == "http://h:8000/v1"

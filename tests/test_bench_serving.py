@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specfuse.bench import serving as bench_serve
+from segfuse.bench import serving as bench_serve
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
 
@@ -56,8 +56,8 @@ def test_bench_chat_reuses_the_turns_and_the_shared_system_prompt(tmp_path):
     so that every system reading every prompt takes a fraction of the timeout, on a loaded machine too."""
     pytest.importorskip("openai")
     pytest.importorskip("llama_cpp.server", reason="the anchor is llama-cpp-python's server")
-    from specfuse.bench import chat as bench_chat
-    from specfuse.bench.chat_script import MANUAL, POLICY, excerpt
+    from segfuse.bench import chat as bench_chat
+    from segfuse.bench.chat_script import MANUAL, POLICY, excerpt
 
     out = tmp_path / "bench-chat.json"
     report = bench_chat.run(reps=1, max_tokens=4, threads=1, turns=2, users=2, sections=0, out=out,
@@ -84,7 +84,7 @@ def test_bench_chat_reuses_the_turns_and_the_shared_system_prompt(tmp_path):
 
 def test_bench_followers_compares_the_default_with_eager_followers_and_the_leader(tmp_path):
     pytest.importorskip("openai")
-    from specfuse.bench import followers as bench_followers
+    from segfuse.bench import followers as bench_followers
 
     report = bench_followers.run([1], requests=2, max_tokens=4, threads=1, reps=1, out=tmp_path / "f.json",
                                  log=lambda line: None)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import live_server
-from specfuse import models as catalogue
+from segfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -54,7 +54,7 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
 
     browser.get(server.url + "/")
     # The page keeps the API key in localStorage, as after a user typed it once.
-    browser.execute_script("localStorage.setItem('specfuse-api-key', arguments[0])", server.api_key)
+    browser.execute_script("localStorage.setItem('segfuse-api-key', arguments[0])", server.api_key)
     browser.get_log("browser")  # drop the 401 of the first, keyless visit
     browser.refresh()
     legend = WebDriverWait(browser, 30).until(
@@ -80,7 +80,7 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     assert len(browser.find_elements(By.CSS_SELECTOR, ".turn.assistant .summary .bar")) == len(MEMBERS)
     assert "error" not in browser.find_element(By.ID, "status").get_attribute("class")
 
-    answer_shot = tmp_path / "specfuse-answer.png"
+    answer_shot = tmp_path / "segfuse-answer.png"
     assert browser.save_screenshot(str(answer_shot))
 
     # Hovering a segment shows its round: the leader's draft alone (confidence gate), or every member's
@@ -94,7 +94,7 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     else:  # the others proposed: a vote, or the leader accepted none of their segments
         assert ("put to a vote" in tip.text or "accepted no proposal" in tip.text) and len(rows) == len(MEMBERS)
 
-    shot = tmp_path / "specfuse-hover.png"
+    shot = tmp_path / "segfuse-hover.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
 
     # A follow-up with Hedge on: the conversation goes on and the chart adds the final weights.
@@ -107,7 +107,7 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     second = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[1]
     assert "Hedge weights" in second.find_element(By.CLASS_NAME, "summary").text
     assert len(second.find_elements(By.CSS_SELECTOR, ".bar")) == 2 * len(MEMBERS)
-    conversation = tmp_path / "specfuse-conversation.png"
+    conversation = tmp_path / "segfuse-conversation.png"
     assert browser.save_screenshot(str(conversation))
     print(f"screenshots: {answer_shot} {shot} {conversation}")
     problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
@@ -121,7 +121,7 @@ def test_a_json_answer_is_shown_formatted(server, browser, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(server.url + "/")
-    browser.execute_script("localStorage.setItem('specfuse-api-key', arguments[0])", server.api_key)
+    browser.execute_script("localStorage.setItem('segfuse-api-key', arguments[0])", server.api_key)
     browser.refresh()
     WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#legend .member"))
     tokens = browser.find_element(By.ID, "max-tokens")
@@ -138,4 +138,4 @@ def test_a_json_answer_is_shown_formatted(server, browser, tmp_path):
     text = browser.execute_script("return Array.from(document.querySelectorAll('.turn.assistant .answer .seg'))"
                                   ".map((s) => s.textContent).join('')")
     assert json.loads(text) == value  # the coloured segments still show who wrote what
-    assert browser.save_screenshot(str(tmp_path / "specfuse-json.png"))
+    assert browser.save_screenshot(str(tmp_path / "segfuse-json.png"))

@@ -20,10 +20,10 @@ import math
 
 import pytest
 
-from specfuse import Ensemble
-from specfuse.backends.llama_cpp import load
-from specfuse.member_options import MemberOptions
-from specfuse.types import Message
+from segfuse import Ensemble
+from segfuse.backends.llama_cpp import load
+from segfuse.member_options import MemberOptions
+from segfuse.types import Message
 
 PROMPT = "Explain in a few sentences how rain forms."
 MEMBERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]

@@ -1,4 +1,4 @@
-"""`specfuse calibrate` and profiles: the choice rule on hand-made figures, the user's own JSONL tasks,
+"""`segfuse calibrate` and profiles: the choice rule on hand-made figures, the user's own JSONL tasks,
 profiles loaded under command-line flags, and a tiny real calibration whose profile `generate` loads."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from specfuse.errors import InvalidRequestError
-from specfuse.eval.calibrate import LEADER_ALONE, Setting, choose, compare
-from specfuse.eval.tasks import jsonl_task
-from specfuse.profiles import load_profile, write_profile
+from segfuse.errors import InvalidRequestError
+from segfuse.eval.calibrate import LEADER_ALONE, Setting, choose, compare
+from segfuse.eval.tasks import jsonl_task
+from segfuse.profiles import load_profile, write_profile
 
-SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 QUESTIONS = [("What is 2 + 2?", "4"), ("What is 3 + 5?", "8"), ("What is 10 - 7?", "3"), ("What is 6 times 7?", "42"),
              ("What is 9 + 1?", "10"), ("What is 12 / 4?", "3"), ("What is 5 + 5?", "10"), ("What is 7 - 2?", "5"),
              ("What is 2 times 8?", "16"), ("What is 100 - 1?", "99"), ("What is 1 + 1?", "2")]
@@ -95,7 +95,7 @@ def test_a_python_checker_is_the_users_own_function(tmp_path, monkeypatch):
 
 
 def run_cli(*args, timeout=900):
-    return subprocess.run([*SPECFUSE, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*SEGFUSE, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_calibrate_refuses_too_few_items_and_a_missing_checker(tmp_path):

@@ -7,9 +7,9 @@ import time
 
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
 
-from specfuse.backends.base import Capabilities
-from specfuse.calls import Call, CallRunner, Calls
-from specfuse.types import Sampling
+from segfuse.backends.base import Capabilities
+from segfuse.calls import Call, CallRunner, Calls
+from segfuse.types import Sampling
 
 GREEDY = Sampling(0.0, 1.0, 0)
 

@@ -9,27 +9,27 @@ import sys
 
 import pytest
 
-from specfuse import models as catalogue
+from segfuse import models as catalogue
 
-SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 QWEN = ["-m", "qwen2.5-coder-0.5b", "--threads", "1", "--temperature", "0", "--json"]
 
 
-def specfuse(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*SPECFUSE, *args], input=stdin if stdin is not None else "", capture_output=True,
+def segfuse(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*SEGFUSE, *args], input=stdin if stdin is not None else "", capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.models
 def test_the_prompt_can_be_piped_in():
-    done = specfuse("generate", "--max-tokens", "6", *QWEN, stdin="What is 2+2? Answer with the number only.")
+    done = segfuse("generate", "--max-tokens", "6", *QWEN, stdin="What is 2+2? Answer with the number only.")
     assert done.returncode == 0, done.stderr
     assert "4" in json.loads(done.stdout)["text"]
 
 
 @pytest.mark.models
 def test_a_piped_document_and_a_prompt_make_one_message():
-    done = specfuse("generate", "What is the secret word? Answer with the word only.", "--max-tokens", "8", *QWEN,
+    done = segfuse("generate", "What is the secret word? Answer with the word only.", "--max-tokens", "8", *QWEN,
                     stdin="The secret word is PINEAPPLE.")
     assert done.returncode == 0, done.stderr
     assert "pineapple" in json.loads(done.stdout)["text"].lower()
@@ -37,7 +37,7 @@ def test_a_piped_document_and_a_prompt_make_one_message():
 
 @pytest.mark.models
 def test_the_demo_answers_with_the_default_ensemble_and_says_how_to_consult_the_others():
-    done = specfuse("demo", "--threads", "1", "--max-tokens", "24")
+    done = segfuse("demo", "--threads", "1", "--max-tokens", "24")
     assert done.returncode == 0, done.stderr
     assert "question:" in done.stderr and "smollm2-135m" in done.stderr and "gemma3-270m" in done.stderr
     assert len(done.stdout.split()) >= 3  # the streamed answer
@@ -46,25 +46,25 @@ def test_the_demo_answers_with_the_default_ensemble_and_says_how_to_consult_the_
 
 
 def test_dash_with_nothing_piped_is_a_clear_error():
-    done = specfuse("generate", "-")
+    done = segfuse("generate", "-")
     assert done.returncode == 2
     assert "standard input" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_no_prompt_at_all_is_a_clear_error():
-    done = specfuse("generate")
+    done = segfuse("generate")
     assert done.returncode == 2
     assert "no prompt given" in done.stderr
 
 
 def only_embedded(home) -> dict[str, str]:
     """An environment whose tools (Ollama, Hugging Face, LM Studio, llama.cpp) hold no models."""
-    return {"HOME": str(home), "SPECFUSE_CACHE_DIR": str(catalogue.cache_dir()), "OLLAMA_MODELS": str(home / "none"),
+    return {"HOME": str(home), "SEGFUSE_CACHE_DIR": str(catalogue.cache_dir()), "OLLAMA_MODELS": str(home / "none"),
             "HF_HUB_CACHE": str(home / "none"), "LLAMA_CACHE": str(home / "none")}
 
 
 def test_the_model_list_never_cuts_a_name_at_80_columns(tmp_path):
-    done = specfuse("models", env={"COLUMNS": "80", **only_embedded(tmp_path)})
+    done = segfuse("models", env={"COLUMNS": "80", **only_embedded(tmp_path)})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     table = lines[: lines.index("")]  # the table, a blank line, then one line per file
@@ -75,11 +75,11 @@ def test_the_model_list_never_cuts_a_name_at_80_columns(tmp_path):
 
 
 def test_the_model_list_as_json_and_paths(tmp_path):
-    rows = json.loads(specfuse("models", "--json", env=only_embedded(tmp_path)).stdout)
+    rows = json.loads(segfuse("models", "--json", env=only_embedded(tmp_path)).stdout)
     assert [r["name"] for r in rows] == list(catalogue.CATALOGUE)
     assert {"name", "ready", "path", "install", "default", "source", "size", "quantisation", "architecture",
             "chat_template"} <= set(rows[0])
-    paths = specfuse("models", "--paths", env=only_embedded(tmp_path)).stdout.splitlines()
+    paths = segfuse("models", "--paths", env=only_embedded(tmp_path)).stdout.splitlines()
     assert [line.split("\t")[0] for line in paths] == list(catalogue.CATALOGUE)
 
 
@@ -94,8 +94,8 @@ class Missing:
         return None
 
 sys.meta_path.insert(0, Missing())
-sys.argv = ["specfuse", *{args!r}]
-from specfuse.cli import main
+sys.argv = ["segfuse", *{args!r}]
+from segfuse.cli import main
 main()
 """
 
@@ -112,4 +112,4 @@ def test_a_missing_extra_says_which_pip_line_fixes_it(args, blocked, extra):
     assert done.returncode == 2, done.stderr
     message = done.stderr.strip()
     assert len(message.splitlines()) == 1 and "Traceback" not in message
-    assert f"pip install 'specfuse[{extra}]'" in message
+    assert f"pip install 'segfuse[{extra}]'" in message

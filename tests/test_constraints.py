@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specfuse.constraints import Constraint, TextMatcher
-from specfuse.errors import InvalidRequestError
+from segfuse.constraints import Constraint, TextMatcher
+from segfuse.errors import InvalidRequestError
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

@@ -3,14 +3,16 @@
 A small collector reads the fenced blocks of README.md and docs/*.md. Each block is one of:
 
 - marked ``<!-- not run: REASON -->`` on the line before it (GPUs, remote servers, hours of running):
-  its ``specfuse`` lines are still parsed by the real CLI, flags and values, without running anything;
+  its ``segfuse`` lines are still parsed by the real CLI, flags and values, without running anything;
 - a sample output: marked ``<!-- output of: COMMAND -->``, or starting with ``$ COMMAND``. The test runs
-  the command and finds the sample in what it prints, ``…`` standing for any text (timings);
+  the command and finds the sample in what it prints, ``…`` standing for any text (timings). A generated
+  answer is matched by its shape only (legend, summary fields, finish reason): greedy answers differ between
+  CPUs, so the sample's text is one machine's and no test compares it;
 - a shell, Python, YAML (llm's model list) or TOML (server config) block, which the tests below run,
-  against one shared ``specfuse serve`` where it needs a server.
+  against one shared ``segfuse serve`` where it needs a server.
 
 Small limits are the test's, not the docs': one item (``--limit 1``), a few tokens, one thread
-(``SPECFUSE_THREADS=1``), its own port and output folders. Inline commands (``specfuse ...`` in prose and
+(``SEGFUSE_THREADS=1``), its own port and output folders. Inline commands (``segfuse ...`` in prose and
 tables) are parsed by the CLI too, and the README's one-line commands for other tools (curl, llm,
 lm_eval) run against the shared server. A block no rule covers fails: run it here, or mark it.
 """
@@ -34,19 +36,19 @@ from typing import Any
 import pytest
 import typer.main
 
-from specfuse import models as catalogue
-from specfuse.bench.processes import SpecfuseServer, free_port, running, wait_until_serving
+from segfuse import models as catalogue
+from segfuse.bench.processes import SegfuseServer, free_port, running, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-ENV = {**{k: v for k, v in os.environ.items() if k != "SPECFUSE_API_KEY"},
-       "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "SPECFUSE_THREADS": "1", "PYTHONUNBUFFERED": "1",
+ENV = {**{k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"},
+       "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "SEGFUSE_THREADS": "1", "PYTHONUNBUFFERED": "1",
        "NO_COLOR": "1"}
 DOC_SERVER = ("127.0.0.1:8000", "localhost:8000")  # where the docs' server listens: the shared one's port here
 # The shared server: the one docs/evaluation.md starts in the background for lm-eval (the README's and
 # docs/server.md's clients need no more), with the test's limits.
-SHARED_SERVE = ["specfuse", "serve", "--prefix-cache-cells", "0", "--max-concurrent", "1"]
+SHARED_SERVE = ["segfuse", "serve", "--prefix-cache-cells", "0", "--max-concurrent", "1"]
 LIMITS = ["--threads", "1", "--max-tokens", "16"]
 
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
@@ -156,21 +158,21 @@ def program(argv: list[str]) -> str:
 @cache
 def cli() -> Any:
     """The CLI as a click group (typer's own copy of click: reached through the objects, never imported)."""
-    from specfuse.cli import app
+    from segfuse.cli import app
 
     return typer.main.get_command(app)
 
 
 def parse_cli(argv: list[str], reference: bool = False) -> None:
-    """Parse `specfuse ARGS` as the CLI does, run nothing: an unknown flag or a bad value raises.
+    """Parse `segfuse ARGS` as the CLI does, run nothing: an unknown flag or a bad value raises.
 
-    A `reference` (a command named in prose: `specfuse calibrate`, `specfuse serve --config`) may leave
+    A `reference` (a command named in prose: `segfuse calibrate`, `segfuse serve --config`) may leave
     out its arguments and an option's value; what it does name must still exist."""
-    from specfuse.cli.flags import NONE_PREFIX, PREFIX, _plain
-    from specfuse.options import FusionOptions
+    from segfuse.cli.flags import NONE_PREFIX, PREFIX, _plain
+    from segfuse.options import FusionOptions
 
     command = cli()
-    parent = command.context_class(command, info_name="specfuse")
+    parent = command.context_class(command, info_name="segfuse")
     args = list(argv[1:])
     while hasattr(command, "commands") and args and args[0] in command.commands:  # a group: its subcommand
         command, args = command.commands[args[0]], args[1:]
@@ -188,8 +190,8 @@ def parse_cli(argv: list[str], reference: bool = False) -> None:
         FusionOptions.build(**fusion)
 
 
-def specfuse_lines() -> Iterator[tuple[str, list[str], bool]]:
-    """Every `specfuse ...` command the docs show: in blocks (run or not) and inline."""
+def segfuse_lines() -> Iterator[tuple[str, list[str], bool]]:
+    """Every `segfuse ...` command the docs show: in blocks (run or not) and inline."""
     for block in BLOCKS:
         first = block.text.splitlines()[0] if block.text else ""
         if block.lang == "bash":
@@ -200,20 +202,20 @@ def specfuse_lines() -> Iterator[tuple[str, list[str], bool]]:
             lines = []
         for line in lines:
             for argv in simple_commands(line):
-                if program(env_and_argv(argv)[1]) == "specfuse":
+                if program(env_and_argv(argv)[1]) == "segfuse":
                     yield block.name, env_and_argv(argv)[1], False
     for path in DOCS:
         for span in inline_code(path):
-            if re.match(r"(\S*/)?specfuse \S", span) or "| specfuse " in span:
+            if re.match(r"(\S*/)?segfuse \S", span) or "| segfuse " in span:
                 for argv in simple_commands(span):
-                    if program(argv) == "specfuse":
+                    if program(argv) == "segfuse":
                         yield f"{path.relative_to(ROOT)} `{span}`", argv, True
 
 
-def test_every_specfuse_command_in_the_docs_parses():
+def test_every_segfuse_command_in_the_docs_parses():
     """Flags and values the docs name, the CLI takes (`--accept-margin none`, `--gate none`, ...)."""
     seen, failures = 0, []
-    for where, argv, inline in specfuse_lines():
+    for where, argv, inline in segfuse_lines():
         seen += 1
         try:
             parse_cli(argv, reference=inline)
@@ -243,7 +245,7 @@ def cli_flags() -> dict[str, list[list[str]]]:
         for name, sub in getattr(command, "commands", {}).items():
             walk(sub, [*path, name])
 
-    walk(cli(), ["specfuse"])
+    walk(cli(), ["segfuse"])
     return flags
 
 
@@ -287,13 +289,13 @@ def test_every_flag_the_docs_name_is_taken():
 def test_the_parser_refuses_what_the_cli_refuses():
     """The check above can fail: a flag the CLI lacks, a value it refuses."""
     with pytest.raises(Exception, match="No such option"):
-        parse_cli(["specfuse", "generate", "--no-such-flag", "x"])
+        parse_cli(["segfuse", "generate", "--no-such-flag", "x"])
     with pytest.raises(Exception, match="not a number or none"):
-        parse_cli(["specfuse", "generate", "--accept-margin", "lots", "x"])
+        parse_cli(["segfuse", "generate", "--accept-margin", "lots", "x"])
     with pytest.raises(Exception, match="gate"):
-        parse_cli(["specfuse", "generate", "--gate", "-1", "x"])
-    parse_cli(["specfuse", "generate", "--accept-margin", "none", "--gate", "None", "x"])
-    parse_cli(["specfuse", "generate", "--no-accept-margin", "--no-gate", "x"])
+        parse_cli(["segfuse", "generate", "--gate", "-1", "x"])
+    parse_cli(["segfuse", "generate", "--accept-margin", "none", "--gate", "None", "x"])
+    parse_cli(["segfuse", "generate", "--no-accept-margin", "--no-gate", "x"])
 
 
 def test_make_targets_and_extras_the_docs_name_exist():
@@ -327,23 +329,23 @@ def models_ready() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[SpecfuseServer]:
-    """The docs' `specfuse serve` (no key, port 8000 there; a free port here), shared by every block."""
+def server(tmp_path_factory) -> Iterator[SegfuseServer]:
+    """The docs' `segfuse serve` (no key, port 8000 there; a free port here), shared by every block."""
     models_ready()
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    args = [str(BIN / "specfuse"), *SHARED_SERVE[1:], "--port", str(port), *LIMITS]
+    args = [str(BIN / "segfuse"), *SHARED_SERVE[1:], "--port", str(port), *LIMITS]
     with running(args, log, signal.SIGINT, 20, env=ENV) as process:  # SIGINT: uvicorn's graceful shutdown
         url = f"http://127.0.0.1:{port}"
         wait_until_serving(process, f"{url}/health", 300, log, ok=healthy)
-        yield SpecfuseServer(url, "", log, process)
+        yield SegfuseServer(url, "", log, process)
 
 
 def healthy(response) -> bool:
     return response.status_code == 200 and response.json().get("status") == "ok"
 
 
-def at(server: SpecfuseServer, text: str) -> str:
+def at(server: SegfuseServer, text: str) -> str:
     """`text` with the docs' server address replaced by the shared server's."""
     for address in DOC_SERVER:
         text = text.replace(address, server.url.removeprefix("http://"))
@@ -370,19 +372,19 @@ def executable(name: str) -> str:
     return str(BIN / name) if (BIN / name).exists() else name
 
 
-def limited(argv: list[str], tmp: Path, server: SpecfuseServer | None) -> list[str]:
+def limited(argv: list[str], tmp: Path, server: SegfuseServer | None) -> list[str]:
     """A docs command with the test's limits: one item, a few tokens, one thread, its own folders and port."""
     name, args = program(argv), argv[1:]
-    evaluates = name in ("lm_eval", "specfuse-lm-eval") or (
-        name == "specfuse" and args[:1] == ["eval"] and "--report" not in args)
+    evaluates = name in ("lm_eval", "segfuse-lm-eval") or (
+        name == "segfuse" and args[:1] == ["eval"] and "--report" not in args)
     assert not evaluates or "--limit" in args, (
         f"`{shlex.join(argv)}` as written runs every item of its task (hours): give it a --limit")
     args = [tmp / a if a.startswith("runs/") else a for a in args]
     args = [str(a) for a in args]
-    if name == "specfuse" and evaluates:
+    if name == "segfuse" and evaluates:
         args = override(override(override(args, "--limit", "1"), "--max-tokens", "8"), "--threads", "1")
         args.append("--no-progress")
-    elif name in ("lm_eval", "specfuse-lm-eval"):
+    elif name in ("lm_eval", "segfuse-lm-eval"):
         args = override(override(args, "--limit", "1"), "--gen_kwargs", "max_gen_toks=8")
         if server is not None:
             args = [at(server, a) for a in args]
@@ -402,12 +404,12 @@ def run_shell_block(block: Block, tmp: Path, request: pytest.FixtureRequest) -> 
             name = program(argv)
             if name == "pip":
                 continue  # the install is this environment's (test_make_targets_and_extras_the_docs_name_exist)
-            if argv[:2] == ["specfuse", "serve"]:
+            if argv[:2] == ["segfuse", "serve"]:
                 outputs.append(serve_once(block, line, argv, tmp))
                 continue
             needs_server = name == "curl" or any(a in line for a in DOC_SERVER)
             server = request.getfixturevalue("server") if needs_server else None
-            assert name in ("specfuse", "specfuse-lm-eval", "lm_eval", "curl", "llm"), (
+            assert name in ("segfuse", "segfuse-lm-eval", "lm_eval", "curl", "llm"), (
                 f"{block.name}: the test does not know how to run `{line}`: teach it, or mark the block "
                 "<!-- not run: reason -->")
             outputs.append(run(limited(argv, tmp, server), env=env))
@@ -415,12 +417,12 @@ def run_shell_block(block: Block, tmp: Path, request: pytest.FixtureRequest) -> 
 
 
 def serve_once(block: Block, line: str, argv: list[str], tmp: Path) -> str:
-    """`specfuse serve ...` as written: in the background (`&`) it is the shared server; else it must start."""
+    """`segfuse serve ...` as written: in the background (`&`) it is the shared server; else it must start."""
     if line.rstrip().endswith("&"):
         assert argv == SHARED_SERVE, f"{block.name}: the shared server runs {shlex.join(SHARED_SERVE)}"
         return ""
     port = str(free_port())
-    args = override([str(BIN / "specfuse"), *argv[1:], *LIMITS], "--port", port)
+    args = override([str(BIN / "segfuse"), *argv[1:], *LIMITS], "--port", port)
     if "--config" in args:  # the docs' own config file: the TOML block beside it
         [toml] = [b for b in BLOCKS if b.path == block.path and b.lang == "toml"]
         config = tmp / args[args.index("--config") + 1]
@@ -432,11 +434,62 @@ def serve_once(block: Block, line: str, argv: list[str], tmp: Path) -> str:
     return log.read_text()
 
 
+LEGEND = re.compile(r"^■ ")                # the line naming the members, before the answer
+STATS = re.compile(r"^\d+ rounds? · ")      # the summary line that follows the answer
+NUMBER = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?(?![\w-])")  # a number, not a digit of a name
+
+
+def literal(text: str) -> str:
+    """A pattern for `text`, whitespace aside (any run of it, or none), `…` matching any text."""
+    return ".*?".join(r"\s*".join(map(re.escape, part.split())) for part in text.split("…"))
+
+
+def stats_shape(text: str) -> str:
+    """A pattern for a summary line: its fields, names and finish reason as written, its numbers any number,
+    except the token count of an answer the budget cut (`finish: length`: the budget fixes it)."""
+    flat = " ".join(text.split())
+    cut = "finish: length" in flat
+    pieces = re.split(f"({NUMBER.pattern} tokens|{NUMBER.pattern})", flat)
+    return r"\s*".join(literal(piece) if i % 2 == 0 or (cut and piece.endswith(" tokens"))
+                        else NUMBER.pattern + (r"\s*tokens" if piece.endswith(" tokens") else "")
+                        for i, piece in enumerate(pieces))
+
+
+def sample_pattern(sample: str) -> str:
+    """A generation's sample by its shape: the text before the legend and the legend as written, the answer
+    any text (greedy answers differ between CPUs: the text is one machine's), the summary by its fields
+    (`stats_shape`), the lines after it as written. Any other sample: as written, `…` matching any text."""
+    lines = sample.splitlines()
+    legend = next((i for i, line in enumerate(lines) if LEGEND.match(line)), None)
+    stats = next((i for i, line in enumerate(lines) if STATS.match(line)), None)
+    if legend is None or stats is None or stats <= legend:
+        return literal(sample)
+    end = next(i for i in range(stats, len(lines)) if "finish:" in lines[i]) + 1
+    head, answer = literal("\n".join(lines[:legend + 1])), r"\S.*?"
+    summary, tail = stats_shape("\n".join(lines[stats:end])), literal("\n".join(lines[end:]))
+    return r"\s*".join(part for part in (head, answer, summary, tail) if part)
+
+
 def sample_matches(sample: str, output: str) -> bool:
-    """The sample is in the output, whitespace aside, `…` matching any text."""
-    flat = lambda s: " ".join(s.split())  # noqa: E731
-    pattern = ".*?".join(re.escape(part.strip()) for part in flat(sample).split("…"))
-    return re.search(pattern.replace(r"\ ", r"\s*"), flat(output), flags=re.S) is not None
+    """The sample (by its shape, `sample_pattern`) is in the output, whitespace aside."""
+    return re.search(sample_pattern(sample), " ".join(output.split()), flags=re.S) is not None
+
+
+def test_a_generation_sample_is_matched_by_its_shape_not_its_text():
+    """Another CPU's greedy answer of the same shape matches; another finish reason, or another token count
+    where the budget fixes it, does not."""
+    sample = ("question: Why?\n■ a  ■ b\nThe sky is blue because of Rayleigh scattering.\n"
+              "8 rounds · 64 tokens · … tok/s · first segment … s · total … s · 48 member calls (6.0/round) ·\n"
+              "wins: a 3, b-0.5b 5 · finish: length\nhint as written")
+    other = ("question: Why?\n■ a  ■ b\nBecause of refraction, which is a process\n"
+             "7 rounds · 64 tokens · 9.1 tok/s · first segment 0.2 s · total 7.0 s · 42 member calls (6.0/round) · "
+             "wins: a 4, b-0.5b 3 · finish: length\nhint as written\n")
+    assert sample_matches(sample, other)
+    assert not sample_matches(sample, other.replace("finish: length", "finish: stop"))
+    assert not sample_matches(sample, other.replace("64 tokens", "60 tokens"))
+    assert not sample_matches(sample, other.replace("hint as written", "another hint"))
+    assert not sample_matches(sample, other.replace("wins: a 4", "wins: c 4"))
+    assert sample_matches("plain … output", "some plain 42 output")
 
 
 RUNNABLE = [b for b in BLOCKS if b.not_run is None]
@@ -453,10 +506,10 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
         sample = block.text if block.output_of else "\n".join(block.text.splitlines()[1:])
         output = run(limited(words(command), tmp_path, None))
         assert sample_matches(sample, output), f"{block.name}: `{command}` no longer prints the sample:\n{output}"
-    elif first == "src/specfuse/":  # the layout: every file and folder it names exists
+    elif first == "src/segfuse/":  # the layout: every file and folder it names exists
         named = re.findall(r"^  (\S+)", block.text, flags=re.M)
         for name in named:
-            assert (ROOT / "src" / "specfuse" / name).exists(), f"{block.name}: {name} is not in src/specfuse"
+            assert (ROOT / "src" / "segfuse" / name).exists(), f"{block.name}: {name} is not in src/segfuse"
     elif block.lang == "bash":
         run_shell_block(block, tmp_path, request)
     elif block.lang == "python":
@@ -471,11 +524,11 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
         answer = run([executable("llm"), "-m", model, "Say hi.", "-o", "max_tokens", "8"],
                      env={"LLM_USER_PATH": str(tmp_path)})
         assert answer.strip()
-    elif block.lang == "toml" and "[server]" in block.text:  # `specfuse serve --config` reads it
-        from specfuse.server.config import build_config
+    elif block.lang == "toml" and "[server]" in block.text:  # `segfuse serve --config` reads it
+        from segfuse.server.config import build_config
 
-        (tmp_path / "specfuse.toml").write_text(block.text)
-        build_config(tmp_path / "specfuse.toml")
+        (tmp_path / "segfuse.toml").write_text(block.text)
+        build_config(tmp_path / "segfuse.toml")
     else:
         pytest.fail(f"{block.name}: no rule runs a `{block.lang or 'plain'}` block like this: teach the test, "
                     "or mark it <!-- not run: reason -->")
@@ -513,8 +566,8 @@ def test_readme_one_liners_run(server, tmp_path):
         if program(argv) == "curl":
             assert json.loads(output)["choices"][0]["text"]
         elif program(argv) == "lm_eval":  # a generation task, or a multiple-choice one (log-likelihoods)
-            assert ("specfuse_gsm8k" in output and "exact_match" in output) or (
-                "specfuse_bigbench" in output and "acc_norm" in output), output[-2000:]
+            assert ("segfuse_gsm8k" in output and "exact_match" in output) or (
+                "segfuse_bigbench" in output and "acc_norm" in output), output[-2000:]
         else:
             assert output.strip()
 
@@ -523,8 +576,8 @@ def test_readme_one_liners_run(server, tmp_path):
 
 
 def help_text(*args: str) -> str:
-    """`specfuse ARGS --help`, wide, box drawing and line breaks flattened."""
-    text = run([executable("specfuse"), *args, "--help"], env={"COLUMNS": "240"})
+    """`segfuse ARGS --help`, wide, box drawing and line breaks flattened."""
+    text = run([executable("segfuse"), *args, "--help"], env={"COLUMNS": "240"})
     return " ".join(text.replace("│", " ").split())
 
 
@@ -536,24 +589,24 @@ def test_help_tells_the_truth():
 
 
 def test_none_is_a_value_in_toml_and_llm_options(tmp_path):
-    from specfuse.server.config import build_config
+    from segfuse.server.config import build_config
 
-    (tmp_path / "specfuse.toml").write_text('[defaults]\ngate = "none"\naccept_margin = "None"\n')
-    defaults = build_config(tmp_path / "specfuse.toml").fusion_defaults()
+    (tmp_path / "segfuse.toml").write_text('[defaults]\ngate = "none"\naccept_margin = "None"\n')
+    defaults = build_config(tmp_path / "segfuse.toml").fusion_defaults()
     assert defaults.gate is None and defaults.accept_margin is None
-    from specfuse.llm_plugin import SpecFuse
+    from segfuse.llm_plugin import Segfuse
 
-    options = SpecFuse.Options(gate="none", accept_margin="NONE")
+    options = Segfuse.Options(gate="none", accept_margin="NONE")
     assert (options.gate, options.accept_margin) == ("none", "none")
     with pytest.raises(Exception, match="gate"):
-        SpecFuse.Options(gate="never")
+        Segfuse.Options(gate="never")
 
 
 def test_calibrate_table_keeps_settings_apart_at_80_columns():
     from rich.console import Console
 
-    from specfuse.cli.calibrate import calibration_table
-    from specfuse.eval.calibrate import DEFAULT_GRID, Setting
+    from segfuse.cli.calibrate import calibration_table
+    from segfuse.eval.calibrate import DEFAULT_GRID, Setting
 
     settings = [Setting("leader alone", 20, 40, 0, 0, 1.0, 20)]
     settings += [Setting(spec, 21, 40, 2, 1, 1.2 + i / 10, 20) for i, spec in enumerate(DEFAULT_GRID)]
@@ -568,12 +621,12 @@ def test_calibrate_table_keeps_settings_apart_at_80_columns():
 
 @pytest.mark.models
 @pytest.mark.timeout(900)
-def test_specfuse_lm_eval_refuses_unknown_model_args():
-    done = subprocess.run([executable("specfuse-lm-eval"), "--model", "specfuse", "--model_args",
-                           "system=default,max_tokns=8", "--tasks", "specfuse_gsm8k", "--limit", "1"],
+def test_segfuse_lm_eval_refuses_unknown_model_args():
+    done = subprocess.run([executable("segfuse-lm-eval"), "--model", "segfuse", "--model_args",
+                           "system=default,max_tokns=8", "--tasks", "segfuse_gsm8k", "--limit", "1"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "unknown model_args for the specfuse model: max_tokns" in done.stderr and "max_tokens" in done.stderr
+    assert "unknown model_args for the segfuse model: max_tokns" in done.stderr and "max_tokens" in done.stderr
 
 
 @pytest.mark.models
@@ -594,15 +647,15 @@ def test_token_array_prompts_are_the_leaders_tokens_and_others_a_clear_refusal(s
 @pytest.mark.models
 @pytest.mark.timeout(1200)
 def test_bench_runs_to_its_table_naming_its_systems(tmp_path):
-    """`make bench` (`specfuse bench`) with a short answer and one repetition: the table, the JSON, the systems."""
-    printed = run([executable("specfuse"), "bench", "--lengths", "12", "--reps", "1", "--no-rss",
+    """`make bench` (`segfuse bench`) with a short answer and one repetition: the table, the JSON, the systems."""
+    printed = run([executable("segfuse"), "bench", "--lengths", "12", "--reps", "1", "--no-rss",
                    "--out", str(tmp_path)], env={"COLUMNS": "240"})
     report = json.loads((tmp_path / "bench.json").read_text())
     plain = report["systems"]["plain fusion"]
     assert plain["gate"] is None and plain["accept_margin"] is None
     assert report["systems"]["default (leader alone)"]["accept_margin"] == 0
     entry = report["lengths"]["12"]
-    assert entry["specfuse_tokens"]["median"] == entry["default_tokens"]["median"] == 12
+    assert entry["fusion_tokens"]["median"] == entry["default_tokens"]["median"] == 12
     assert entry["floor"]["median"] > 0 and entry["leader_alone"]["median"] > 0
     assert "plain fusion: window=10, gate=none, accept_margin=none" in " ".join(printed.split())
     assert "default (leader alone)" in printed

@@ -21,13 +21,13 @@ import pytest
 # The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
 from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  (fixtures)
 
-from specfuse.backends import hf_echo
-from specfuse.backends.likelihood import score_continuations
-from specfuse.backends.registry import load_member
-from specfuse.backends.remote_echo import raw_echo_agrees
-from specfuse.errors import InvalidRequestError, PromptTooLongError
-from specfuse.models import CATALOGUE, is_ready, model_path
-from specfuse.types import Message, PromptToken
+from segfuse.backends import hf_echo
+from segfuse.backends.likelihood import score_continuations
+from segfuse.backends.registry import load_member
+from segfuse.backends.remote_echo import raw_echo_agrees
+from segfuse.errors import InvalidRequestError, PromptTooLongError
+from segfuse.models import CATALOGUE, is_ready, model_path
+from segfuse.types import Message, PromptToken
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -44,7 +44,7 @@ def gemma_url(tmp_path_factory) -> Iterator[str]:
     pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
     if not is_ready(GEMMA):
         pytest.skip("Gemma 3 270M is not prepared")
-    from specfuse.bench.processes import llama_cpp_server
+    from segfuse.bench.processes import llama_cpp_server
 
     with llama_cpp_server(model_path(GEMMA), tmp_path_factory.mktemp("gemma") / "gemma.log",
                           n_ctx=GEMMA_CTX) as server:

@@ -11,10 +11,10 @@ import pytest
 
 from fakes import FittedSession, ScriptedMember, ScriptedSession, fitted
 
-from specfuse.engine import fuse
-from specfuse.errors import InvalidRequestError
-from specfuse.options import FusionOptions
-from specfuse.types import DoneEvent, Message, RoundEvent, SegmentEvent
+from segfuse.engine import fuse
+from segfuse.errors import InvalidRequestError
+from segfuse.options import FusionOptions
+from segfuse.types import DoneEvent, Message, RoundEvent, SegmentEvent
 
 
 def run(members, **options):
@@ -120,7 +120,7 @@ def test_a_member_that_fails_mid_answer_is_dropped_and_the_answer_completes():
 
 
 def test_no_member_left_is_a_clear_error():
-    from specfuse.errors import MemberFailedError
+    from segfuse.errors import MemberFailedError
 
     broken = BrokenSession([], {}, fail_at=1)
     with pytest.raises(MemberFailedError, match="no member"):
@@ -336,8 +336,8 @@ class ConstrainedSession(ScriptedSession):
 
 
 def test_under_a_constraint_a_candidate_that_breaks_it_cannot_win():
-    from specfuse.backends.base import Capabilities
-    from specfuse.constraints import Constraint
+    from segfuse.backends.base import Capabilities
+    from segfuse.constraints import Constraint
 
     # b's prose is preferred by every verifier, but it is not JSON: a's object wins.
     a = ConstrainedSession([([b'{"ok"', b": true}"], True)], {'{"ok": true}': 0.2, "Sure thing": 0.9})
@@ -352,7 +352,7 @@ def test_under_a_constraint_a_candidate_that_breaks_it_cannot_win():
 
 
 def test_a_constraint_needs_a_member_that_can_draft_under_it():
-    from specfuse.constraints import Constraint
+    from segfuse.constraints import Constraint
 
     members = [ScriptedMember("remote", ScriptedSession([], {}))]
     with pytest.raises(InvalidRequestError) as caught:
@@ -361,8 +361,8 @@ def test_a_constraint_needs_a_member_that_can_draft_under_it():
 
 
 def test_under_a_constraint_members_that_cannot_draft_under_it_only_verify():
-    from specfuse.backends.base import Capabilities
-    from specfuse.constraints import Constraint
+    from segfuse.backends.base import Capabilities
+    from segfuse.constraints import Constraint
 
     a = ConstrainedSession([([b'{"a"', b": 1}"], True)], {'{"a": 1}': 0.5})
     remote = ScriptedSession([([b"prose"], False)], {'{"a": 1}': 0.6})

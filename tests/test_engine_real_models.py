@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from specfuse import Ensemble
-from specfuse.engine import fuse
-from specfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
-from specfuse.options import FusionOptions
-from specfuse.types import Message, Sampling, SegmentEvent
+from segfuse import Ensemble
+from segfuse.engine import fuse
+from segfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
+from segfuse.options import FusionOptions
+from segfuse.types import Message, Sampling, SegmentEvent
 
 QUESTION = [Message("user", "What is the capital of France? Answer in one short sentence.")]
 EXPLAIN = [Message("user", "Explain in a few sentences how rain forms.")]
@@ -100,7 +100,7 @@ def test_batched_scoring_matches_scoring_each_candidate_alone(default_ensemble):
 
 def test_own_draft_scores_match_verifying_the_same_text(default_ensemble):
     """Self-scores come from drafting; they equal scoring the kept text afresh."""
-    from specfuse.segments import cut_draft
+    from segfuse.segments import cut_draft
 
     for member in default_ensemble.members:
         session = member.start(QUESTION, seed=0, reserve=64)
@@ -168,7 +168,7 @@ def test_bad_member_specs_fail_clearly(tmp_path):
     with pytest.raises(ModelFileError, match="not a GGUF"):
         Ensemble([str(garbage)])
     truncated = tmp_path / "truncated.gguf"
-    from specfuse.models import CATALOGUE, model_path
+    from segfuse.models import CATALOGUE, model_path
 
     truncated.write_bytes(model_path(CATALOGUE["smollm2-135m"]).read_bytes()[:200_000])
     with pytest.raises(MemberLoadError, match="could not load"):
@@ -176,7 +176,7 @@ def test_bad_member_specs_fail_clearly(tmp_path):
 
 
 def test_gguf_path_member_and_duplicate_names(default_ensemble):
-    from specfuse.models import CATALOGUE, model_path
+    from segfuse.models import CATALOGUE, model_path
 
     path = str(model_path(CATALOGUE["smollm2-135m"]))
     with Ensemble([path, path]) as pair:
@@ -187,7 +187,7 @@ def test_gguf_path_member_and_duplicate_names(default_ensemble):
 
 def test_cli_json_output():
     proc = subprocess.run(
-        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--no-gate", "--max-tokens", "24", "--seed", "1",
+        [sys.executable, "-m", "segfuse.cli", "generate", "--json", "--no-gate", "--max-tokens", "24", "--seed", "1",
          "Name three primary colors."],
         capture_output=True, text=True, timeout=300,
     )
@@ -205,7 +205,7 @@ def test_cli_json_output():
 def test_cli_json_with_exit_and_hedge_shows_weights_and_exits_per_round():
     # Default Model Exit knobs on a GSM8K-style question: the lagging members leave after warm-up.
     proc = subprocess.run(
-        [sys.executable, "-m", "specfuse.cli", "generate", "--json", "--no-gate", "--exit", "--hedge", "--temperature", "0",
+        [sys.executable, "-m", "segfuse.cli", "generate", "--json", "--no-gate", "--exit", "--hedge", "--temperature", "0",
          "--max-tokens", "64", "--threads", "1",
          "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?"],
         capture_output=True, text=True, timeout=300,
@@ -226,7 +226,7 @@ def test_cli_user_errors_are_one_line_without_traceback():
                          (["generate", "--window", "0", "hi"], "window"),
                          (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
                          (["generate", "   "], "empty")):
-        proc = subprocess.run([sys.executable, "-m", "specfuse.cli", *args], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "segfuse.cli", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2, args
         assert needle in proc.stderr
@@ -263,7 +263,7 @@ def test_hedge_weights_move_and_are_reported(recording):
 
 def test_rerank_scores_an_answer_longer_than_one_batch(default_ensemble):
     """A text over n_batch tokens is scored in pieces on a second session, opened after the first closed."""
-    from specfuse.baselines import score_answers, split_for_scoring
+    from segfuse.baselines import score_answers, split_for_scoring
 
     qwen = next(m for m in default_ensemble.members if m.name.startswith("qwen"))
     long_text = " ".join(f"step {i}: add {i} and {i + 1} to get {2 * i + 1}." for i in range(90))

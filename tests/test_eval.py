@@ -11,16 +11,16 @@ import sys
 
 import pytest
 
-from specfuse.eval.report import (
+from segfuse.eval.report import (
     build_report, comparisons, coverage_groups, latest, mcnemar_p, paired, summarise, wilson,
 )
-from specfuse.eval.runner import carried_weights, read_records
-from specfuse.eval.systems import resolve_systems
-from specfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
-from specfuse.errors import InvalidRequestError
-from specfuse.likelihood import Rule
+from segfuse.eval.runner import carried_weights, read_records
+from segfuse.eval.systems import resolve_systems
+from segfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
+from segfuse.errors import InvalidRequestError
+from segfuse.likelihood import Rule
 
-SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 
 
 # --- GSM8K metric --------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_punkt_data_is_written_in_nltk_format(tmp_path, monkeypatch):
     import nltk
     from nltk.tokenize.punkt import PunktTokenizer
 
-    from specfuse.eval.nltk_offline import write_punkt_tab
+    from segfuse.eval.nltk_offline import write_punkt_tab
 
     write_punkt_tab(tmp_path)
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])  # only the folder just written
@@ -218,8 +218,8 @@ def test_carried_weights_resume_from_the_latest_earlier_item():
 # --- real runs through the CLI --------------------------------------------------
 
 def _cli(*args, check=True):
-    env = {**os.environ, "SPECFUSE_THREADS": os.environ.get("SPECFUSE_THREADS", "1")}
-    done = subprocess.run([*SPECFUSE, *args], capture_output=True, text=True, env=env, timeout=600)
+    env = {**os.environ, "SEGFUSE_THREADS": os.environ.get("SEGFUSE_THREADS", "1")}
+    done = subprocess.run([*SEGFUSE, *args], capture_output=True, text=True, env=env, timeout=600)
     if check:
         assert done.returncode == 0, done.stderr[-2000:]
     return done
@@ -302,7 +302,7 @@ def test_report_rebuilds_from_jsonl(gsm8k_run):
 
 
 def test_ifeval_run_in_process(tmp_path):
-    from specfuse.eval.runner import run_eval
+    from segfuse.eval.runner import run_eval
 
     path = run_eval("ifeval", tmp_path, systems="member:smollm2-135m", members=["smollm2-135m"],
                     limit=1, max_tokens=16, progress=False)
@@ -316,10 +316,10 @@ def test_ifeval_run_in_process(tmp_path):
 def test_lm_eval_model_is_registered_and_generates():
     from lm_eval.api.registry import get_model
 
-    from specfuse.eval.lm_eval_adapter import SpecFuseLM, task_manager
+    from segfuse.eval.lm_eval_adapter import SegfuseLM, task_manager
 
-    assert get_model("specfuse") is SpecFuseLM
-    lm = SpecFuseLM(models="smollm2-135m", system="member:smollm2-135m", max_tokens=12)
+    assert get_model("segfuse") is SegfuseLM
+    lm = SegfuseLM(models="smollm2-135m", system="member:smollm2-135m", max_tokens=12)
 
     class Request:  # lm-eval's Instance exposes its arguments as .args
         args = ("What is 2 + 3? Reply with the number only.", {"until": ["\n\n"], "max_gen_toks": 64})
@@ -328,7 +328,7 @@ def test_lm_eval_model_is_registered_and_generates():
     assert "5" in text
     lm.ensemble.close()
     known = task_manager().all_tasks
-    assert "specfuse_gsm8k" in known and "specfuse_bigbench_mc" in known
+    assert "segfuse_gsm8k" in known and "segfuse_bigbench_mc" in known
 
 
 class _Request:  # lm-eval's Instance exposes its arguments as .args
@@ -339,17 +339,17 @@ class _Request:  # lm-eval's Instance exposes its arguments as .args
 def test_lm_eval_bigbench_group_runs_offline_and_one_member_gives_its_own_scores():
     import lm_eval
 
-    from specfuse.eval.bigbench import TASKS, items
-    from specfuse.eval.lm_eval_adapter import SpecFuseLM, task_manager
+    from segfuse.eval.bigbench import TASKS, items
+    from segfuse.eval.lm_eval_adapter import SegfuseLM, task_manager
 
     # No prefix cache: every item is decoded on an empty cache, so scores do not depend on the order.
-    lm = SpecFuseLM(models="smollm2-135m", system="member:smollm2-135m", threads=1, prefix_cache_cells=0)
+    lm = SegfuseLM(models="smollm2-135m", system="member:smollm2-135m", threads=1, prefix_cache_cells=0)
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=["specfuse_bigbench_mc"], task_manager=task_manager(),
+        out = lm_eval.simple_evaluate(model=lm, tasks=["segfuse_bigbench_mc"], task_manager=task_manager(),
                                       limit=1, log_samples=True)
-        assert "acc,none" in out["results"]["specfuse_bigbench_mc"]
+        assert "acc,none" in out["results"]["segfuse_bigbench_mc"]
         for task in TASKS:
-            name = "specfuse_bigbench_" + task.replace("-", "_")
+            name = "segfuse_bigbench_" + task.replace("-", "_")
             item = items(task, 0, 1)[0]
             own = lm.ensemble.score(item.context, list(item.choices), rule="loglinear-whole")
             (sample,) = out["samples"][name]
@@ -361,11 +361,11 @@ def test_lm_eval_bigbench_group_runs_offline_and_one_member_gives_its_own_scores
 
 
 def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
-    from specfuse.eval.lm_eval_adapter import SpecFuseLM
+    from segfuse.eval.lm_eval_adapter import SegfuseLM
 
     context, choices = "Q: What is the capital of France?\nA:", [" Paris", " Berlin", " a small potato"]
     requests = [_Request(context, c) for c in choices]
-    lm = SpecFuseLM(models="smollm2-135m|gemma3-270m", rule="mixture-byte", threads=1, prefix_cache_cells=0)
+    lm = SegfuseLM(models="smollm2-135m|gemma3-270m", rule="mixture-byte", threads=1, prefix_cache_cells=0)
     try:
         own = lm.ensemble.score(context, choices, rule="loglinear-whole")
         rows = list(own.members.values())
@@ -382,25 +382,25 @@ def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
         assert rolling == pytest.approx(0.75 * texts.members["smollm2-135m"][0].logprob
                                         + 0.25 * texts.members["gemma3-270m"][0].logprob, abs=1e-3)
         with pytest.raises(InvalidRequestError, match="unknown rule"):
-            SpecFuseLM(models="smollm2-135m", rule="median")
+            SegfuseLM(models="smollm2-135m", rule="median")
         with pytest.raises(InvalidRequestError, match="bad weights"):
-            SpecFuseLM(models="smollm2-135m", weights="smollm2-135m=1")
+            SegfuseLM(models="smollm2-135m", weights="smollm2-135m=1")
     finally:
         lm.ensemble.close()
 
 
-def test_lm_eval_cli_runs_a_local_task_with_the_specfuse_model():
+def test_lm_eval_cli_runs_a_local_task_with_the_segfuse_model():
     # lm-eval's own CLI (through our console script, which registers the model and the local tasks).
-    script = os.path.join(os.path.dirname(sys.executable), "specfuse-lm-eval")
+    script = os.path.join(os.path.dirname(sys.executable), "segfuse-lm-eval")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [script, "--model", "specfuse", "--model_args",
+        [script, "--model", "segfuse", "--model_args",
          "models=smollm2-135m,system=member:smollm2-135m,max_tokens=16,threads=1",
-         "--tasks", "specfuse_gsm8k", "--limit", "1"],
+         "--tasks", "segfuse_gsm8k", "--limit", "1"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "|specfuse_gsm8k|" in done.stdout and "exact_match" in done.stdout
+    assert "|segfuse_gsm8k|" in done.stdout and "exact_match" in done.stdout
 
 
 
@@ -408,7 +408,7 @@ def test_lm_eval_cli_runs_a_local_task_with_the_specfuse_model():
 
 
 def test_fusion_systems_parse_options_and_refuse_bad_ones():
-    from specfuse.eval.systems import get_system, parse_fusion
+    from segfuse.eval.systems import get_system, parse_fusion
 
     assert parse_fusion("gate=0.7/guard=true/exit=false/prior=prompt/leader=qwen") == {
         "gate": 0.7, "guard": True, "exit": False, "prior": "prompt", "leader": "qwen"}
@@ -439,7 +439,7 @@ def test_report_counts_answers_at_the_limit_and_looping_answers():
 
 
 def test_scoring_pieces_are_bounded_in_bytes_not_characters():
-    from specfuse.baselines import split_for_scoring
+    from segfuse.baselines import split_for_scoring
 
     text = "天气很好。" * 200 + " and some words at the end"
     pieces = split_for_scoring(text, limit=400)

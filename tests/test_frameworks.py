@@ -1,4 +1,4 @@
-"""The frameworks applications use, unchanged, against a live `specfuse serve` with the embedded members.
+"""The frameworks applications use, unchanged, against a live `segfuse serve` with the embedded members.
 
 LangChain's ``ChatOpenAI`` (structured output and bound tools) and pydantic-ai agents (a typed output,
 and a tool the agent calls before it answers). Each sends what it sends to OpenAI; the server must
@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from helpers import live_server
-from specfuse import models as catalogue
+from segfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -37,7 +37,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_model(server):
     langchain_openai = pytest.importorskip("langchain_openai", reason="the test extra installs langchain-openai")
-    return langchain_openai.ChatOpenAI(base_url=server.api, api_key=server.api_key, model="specfuse",
+    return langchain_openai.ChatOpenAI(base_url=server.api, api_key=server.api_key, model="segfuse",
                                        temperature=0, max_tokens=64, max_retries=0)
 
 
@@ -64,7 +64,7 @@ def _agent_model(server):
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    return OpenAIChatModel("specfuse", provider=OpenAIProvider(base_url=server.api, api_key=server.api_key))
+    return OpenAIChatModel("segfuse", provider=OpenAIProvider(base_url=server.api, api_key=server.api_key))
 
 
 def test_pydantic_ai_typed_output(server):

@@ -6,7 +6,7 @@ strategy, so a new field is fuzzed as soon as it exists), plus the server's tabl
 neutral parameters, the fusion options, and deliberately broken variants: wrong types, non-finite
 numbers, lone surrogates, bad tools and schemas, raw bytes, other methods, paths, headers and keys.
 
-Every request goes through real HTTP on loopback to a real ``specfuse serve`` with the embedded
+Every request goes through real HTTP on loopback to a real ``segfuse serve`` with the embedded
 members. The properties, for each request:
 
 - an answer comes (no hang: a client time-out is a failure) and it is never a 5xx;
@@ -39,10 +39,10 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from helpers import API_KEY, wait_for  # noqa: E402
-from specfuse import models as catalogue  # noqa: E402
-from specfuse.bench.processes import SpecfuseServer, specfuse_server  # noqa: E402
-from specfuse.options import FusionOptions  # noqa: E402
-from specfuse.server.protocol import (  # noqa: E402
+from segfuse import models as catalogue  # noqa: E402
+from segfuse.bench.processes import SegfuseServer, segfuse_server  # noqa: E402
+from segfuse.options import FusionOptions  # noqa: E402
+from segfuse.server.protocol import (  # noqa: E402
     NEUTRAL_PARAMETERS,
     TOLERATED_PARAMETERS,
     ChatCompletion,
@@ -51,7 +51,7 @@ from specfuse.server.protocol import (  # noqa: E402
     ChatMessage,
     ErrorResponse,
 )
-from specfuse.server.text_protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
+from segfuse.server.text_protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 
@@ -60,7 +60,7 @@ BATCH = 100  # fuzz requests between two normal ones
 TIMEOUT_S = 120.0  # no answer in this long is a hang (answers here are 1-2 tokens)
 # Requests per batch of each test; together at least 2,000 (checked at the end).
 EXAMPLES = {"chat": 1000, "text": 400, "raw": 450, "routes": 250}
-NORMAL = {"model": "specfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
+NORMAL = {"model": "segfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
           "max_tokens": 4, "temperature": 0}
 FUZZ = settings(max_examples=1, deadline=None, derandomize=True, database=None, print_blob=False,
                 phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
@@ -169,7 +169,7 @@ fusion_options = st.lists(st.sampled_from(sorted(FusionOptions.model_fields)) | 
                               {k: option_values(k) if k in FusionOptions.model_fields else json_values for k in names}))
 
 SHARED = {  # GenerationRequest's fields, chat and text alike
-    "model": st.sampled_from(["specfuse", *MEMBERS]) | texts | json_values,
+    "model": st.sampled_from(["segfuse", *MEMBERS]) | texts | json_values,
     "max_tokens": budgets,
     "temperature": finite_floats(-1, 3) | st.floats() | json_values,
     "top_p": finite_floats(-0.5, 1.5) | st.floats() | json_values,
@@ -180,7 +180,7 @@ SHARED = {  # GenerationRequest's fields, chat and text alike
     "user": texts | json_values,
     "n": st.sampled_from([1, 2, 0, -1]) | json_values,
     "cache_salt": st.sampled_from(["a", "tenant-1", "", "x" * 300]) | texts | json_values,
-    "specfuse": fusion_options | json_values,
+    "segfuse": fusion_options | json_values,
 }
 CHAT_FIELDS = {
     **SHARED,
@@ -292,10 +292,10 @@ def route_requests(draw: st.DrawFn) -> Request:
     """The other routes: models by any id, the tokenizer's, health, metrics, the web view, static files,
     unknown paths."""
     path = draw(st.one_of(
-        st.builds(lambda m: f"/v1/models/{m}", st.sampled_from(["specfuse", *MEMBERS]) | path_texts),
+        st.builds(lambda m: f"/v1/models/{m}", st.sampled_from(["segfuse", *MEMBERS]) | path_texts),
         st.sampled_from(["/tokenize", "/detokenize", "/tokenizer_info", f"/m/{MEMBERS[0]}/tokenize",
                          f"/m/{MEMBERS[0]}/v1/completions"]),
-        st.builds(lambda m: f"/m/{m}/tokenizer_info", st.sampled_from(["specfuse", *MEMBERS]) | path_texts),
+        st.builds(lambda m: f"/m/{m}/tokenizer_info", st.sampled_from(["segfuse", *MEMBERS]) | path_texts),
         st.sampled_from(["/v1/models", "/health", "/metrics", "/", "/openapi.json", "/static/index.html",
                          "/static/../../../../etc/passwd", "/static/..%2f..%2f..%2fetc%2fpasswd", "/v1", "/v2/x"]),
         st.builds(lambda p: f"/static/{p}", path_texts), st.builds(lambda p: f"/v1/{p}", path_texts)))
@@ -315,7 +315,7 @@ class Wedged(Exception):
 class Fuzz:
     """One live server, the requests sent to it, and what went wrong."""
 
-    server: SpecfuseServer
+    server: SegfuseServer
     http: httpx.Client
     baseline: str = ""
     sent: Counter[str] = field(default_factory=Counter)
@@ -455,7 +455,7 @@ def fuzz(tmp_path_factory) -> Iterator[Fuzz]:
         "members": {"threads": 1, "n_ctx": 512},
         "defaults": {"max_tokens": 2},  # a request that sets no budget answers 1-2 tokens too
     }
-    with specfuse_server(tmp_path_factory.mktemp("fuzz"), "fuzz", config, startup_s=300) as server, \
+    with segfuse_server(tmp_path_factory.mktemp("fuzz"), "fuzz", config, startup_s=300) as server, \
             httpx.Client(base_url=server.url, timeout=httpx.Timeout(TIMEOUT_S, connect=10)) as http:
         state = Fuzz(server, http)
         state.baseline = state.normal()

@@ -23,19 +23,19 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers import SessionWrapper, Wrapped, wait_for
-from specfuse import Ensemble
-from specfuse import models as catalogue
-from specfuse.backends.registry import load_member
-from specfuse.backends.special_text import Special, SpecialTexts, partition
-from specfuse.engine import SEED_SPACE, member_seed
-from specfuse.errors import InvalidRequestError, NoFreeSlotError
-from specfuse.options import FusionOptions
-from specfuse.prompting import content_spans, render_chat
-from specfuse.scoring import hedge_update
-from specfuse.server import app as server_app
-from specfuse.server.config import build_config
-from specfuse.server.worker import Failed, Job, ShuttingDownError, Worker, WorkerFailedError, DeadlineError
-from specfuse.types import DoneEvent, Message
+from segfuse import Ensemble
+from segfuse import models as catalogue
+from segfuse.backends.registry import load_member
+from segfuse.backends.special_text import Special, SpecialTexts, partition
+from segfuse.engine import SEED_SPACE, member_seed
+from segfuse.errors import InvalidRequestError, NoFreeSlotError
+from segfuse.options import FusionOptions
+from segfuse.prompting import content_spans, render_chat
+from segfuse.scoring import hedge_update
+from segfuse.server import app as server_app
+from segfuse.server.config import build_config
+from segfuse.server.worker import Failed, Job, ShuttingDownError, Worker, WorkerFailedError, DeadlineError
+from segfuse.types import DoneEvent, Message
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
 
@@ -384,8 +384,8 @@ def test_health_answers_503_with_the_reason_when_the_worker_cannot_go_on(smol):
             health = wait_for(lambda: (h := client.get("/health")).status_code == 503 and h, 30, 0.05,
                               "/health to say the worker stopped")
             assert health.json()["status"] == "failed" and "the worker stopped" in health.json()["error"]
-            server = server_app._server(app, config)  # `specfuse serve` stops (and exits 1) when it is told
-            app.state.specfuse.worker.on_fatal("test")
+            server = server_app._server(app, config)  # `segfuse serve` stops (and exits 1) when it is told
+            app.state.segfuse.worker.on_fatal("test")
             assert server.should_exit
         ensemble.members = []
 

@@ -1,4 +1,4 @@
-"""`specfuse serve` stops promptly on SIGTERM, even mid-generation: the open stream ends with an error frame
+"""`segfuse serve` stops promptly on SIGTERM, even mid-generation: the open stream ends with an error frame
 (the worker stops its jobs first) instead of running on until uvicorn's graceful-shutdown timeout cuts it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from helpers import API_KEY
-from specfuse import models as catalogue
-from specfuse.bench.processes import specfuse_server
+from segfuse import models as catalogue
+from segfuse.bench.processes import segfuse_server
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
 
@@ -25,9 +25,9 @@ def test_sigterm_ends_an_open_stream_with_an_error_frame_and_the_process_exits(t
         pytest.fail(f"model not prepared: {MEMBER}; run `make models`", pytrace=False)
     config = {"server": {"api_key": API_KEY, "max_concurrent": 1},
               "members": {"models": [MEMBER], "threads": 1}}
-    with specfuse_server(tmp_path, "shutdown", config) as server:
+    with segfuse_server(tmp_path, "shutdown", config) as server:
         body = {"messages": [{"role": "user", "content": "Count from 1 to 1000."}], "max_tokens": 1000,
-                "stream": True, "temperature": 0, "specfuse": {"ignore_eos": True}}
+                "stream": True, "temperature": 0, "segfuse": {"ignore_eos": True}}
         frames: list[str] = []
         with httpx.stream("POST", f"{server.api}/chat/completions", json=body, timeout=120,
                           headers={"Authorization": f"Bearer {server.api_key}"}) as response:

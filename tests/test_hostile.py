@@ -17,15 +17,15 @@ import httpx
 import pytest
 
 from helpers import live_server, wait_for
-from specfuse import models as catalogue
-from specfuse.bench.soak_client import SoakClient
-from specfuse.bench.traffic import HOSTILE, Action
+from segfuse import models as catalogue
+from segfuse.bench.soak_client import SoakClient
+from segfuse.bench.traffic import HOSTILE, Action
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
-SLOTS = 4  # `specfuse serve`'s default max_concurrent: one slot per generation in flight, per member
+SLOTS = 4  # `segfuse serve`'s default max_concurrent: one slot per generation in flight, per member
 TIMEOUT_S = 120.0
-NORMAL = {"model": "specfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
+NORMAL = {"model": "segfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
           "max_tokens": 4, "temperature": 0}
 
 

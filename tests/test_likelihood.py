@@ -8,17 +8,17 @@ import math
 
 import pytest
 
-from specfuse.backends.likelihood import (
+from segfuse.backends.likelihood import (
     MAX_PER_CALL,
     ContinuationScore,
     score_continuations,
 )
-from specfuse.backends.registry import load_member
-from specfuse.errors import InvalidRequestError, PromptTooLongError
-from specfuse.likelihood import MAX_CHOICES, Rule, score_item, split_boundary
-from specfuse.likelihood_weights import ScoredItem, fit_weights, simplex
-from specfuse.member_options import MemberOptions
-from specfuse.types import Message, Sampling
+from segfuse.backends.registry import load_member
+from segfuse.errors import InvalidRequestError, PromptTooLongError
+from segfuse.likelihood import MAX_CHOICES, Rule, score_item, split_boundary
+from segfuse.likelihood_weights import ScoredItem, fit_weights, simplex
+from segfuse.member_options import MemberOptions
+from segfuse.types import Message, Sampling
 
 CONTEXT = "Q: What is 80 plus 29?\nA: "
 CHOICES = ["109", "108", "One hundred and nine, of course"]

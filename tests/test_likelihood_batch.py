@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-from specfuse import Ensemble
-from specfuse.backends.likelihood import score_batches
-from specfuse.backends.registry import load_member
-from specfuse.errors import InvalidRequestError, PromptTooLongError
-from specfuse.eval.bigbench import items
-from specfuse.eval.lm_eval_scoring import LikelihoodScoring
-from specfuse.likelihood import ItemScores, Rule, score_item, score_items
-from specfuse.member_options import MemberOptions
+from segfuse import Ensemble
+from segfuse.backends.likelihood import score_batches
+from segfuse.backends.registry import load_member
+from segfuse.errors import InvalidRequestError, PromptTooLongError
+from segfuse.eval.bigbench import items
+from segfuse.eval.lm_eval_scoring import LikelihoodScoring
+from segfuse.likelihood import ItemScores, Rule, score_item, score_items
+from segfuse.member_options import MemberOptions
 
 SLOTS = 3
 NOISE = 2e-3  # nats
@@ -78,7 +78,7 @@ def test_real_items_batched_score_as_one_at_a_time(slotted, monkeypatch):
 def test_lm_eval_scoring_batches_by_the_members_slots(slotted):
     chosen = items("arithmetic-2_digit_addition", 103, 105)
     requests = [(i.context, c) for i in chosen for c in i.choices]
-    batched = LikelihoodScoring.build(slotted, "specfuse", Rule.parse("loglinear-whole"))
+    batched = LikelihoodScoring.build(slotted, "segfuse", Rule.parse("loglinear-whole"))
     assert batched.batch == SLOTS
     one = LikelihoodScoring(batched.members, batched.rule, batch=1)
     got, expected = batched.loglikelihood(requests), one.loglikelihood(requests)

@@ -1,4 +1,4 @@
-"""`specfuse score`, the study's recorder and report, and `specfuse calibrate pooling`, run as a user would."""
+"""`segfuse score`, the study's recorder and report, and `segfuse calibrate pooling`, run as a user would."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import os
 import subprocess
 import sys
 
-SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 TWO = ["-m", "smollm2-135m", "-m", "gemma3-270m", "--threads", "1", "--prefix-cache-cells", "0"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPECFUSE_THREADS": "1"}
+    env = {**os.environ, "SEGFUSE_THREADS": "1"}
     return subprocess.run(list(args), capture_output=True, text=True, env=env, timeout=600, check=False)
 
 
 def test_score_prints_every_member_and_the_pool_as_json_and_as_a_table():
-    done = _run(*SPECFUSE, "score", "Q: What is the capital of France?\nA: ", "Paris", "Berlin", "a potato",
+    done = _run(*SEGFUSE, "score", "Q: What is the capital of France?\nA: ", "Paris", "Berlin", "a potato",
                 *TWO, "--rule", "loglinear-whole", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
@@ -28,22 +28,22 @@ def test_score_prints_every_member_and_the_pool_as_json_and_as_a_table():
         assert choice["fused"] == sum(r["logprob"] for r in rows) / 2
         assert all(r["tokens"] >= 1 and r["bytes"] == len(choice["text"].encode()) for r in rows)
     assert sum(c["best"] for c in data["choices"]) == 1
-    table = _run(*SPECFUSE, "score", "The sky is ", "blue", "green", "-m", "smollm2-135m", "--threads", "1")
+    table = _run(*SEGFUSE, "score", "The sky is ", "blue", "green", "-m", "smollm2-135m", "--threads", "1")
     assert table.returncode == 0, table.stderr[-2000:]
     assert "smollm2-135m" in table.stdout and "' blue'" in table.stdout and "←" in table.stdout
 
 
 def test_score_refuses_bad_input_clearly():
-    empty = _run(*SPECFUSE, "score", "Q: hi\nA:", "yes", "", "-m", "smollm2-135m", "--threads", "1")
+    empty = _run(*SEGFUSE, "score", "Q: hi\nA:", "yes", "", "-m", "smollm2-135m", "--threads", "1")
     assert empty.returncode == 2 and "choice 1 is empty" in empty.stderr
-    rule = _run(*SPECFUSE, "score", "Q: hi\nA:", "yes", "-m", "smollm2-135m", "--rule", "median")
+    rule = _run(*SEGFUSE, "score", "Q: hi\nA:", "yes", "-m", "smollm2-135m", "--rule", "median")
     assert rule.returncode == 2 and "unknown pooling rule" in rule.stderr
-    weight = _run(*SPECFUSE, "score", "Q: hi\nA:", "yes", "-m", "smollm2-135m", "--weight", "smollm2-135m")
+    weight = _run(*SEGFUSE, "score", "Q: hi\nA:", "yes", "-m", "smollm2-135m", "--weight", "smollm2-135m")
     assert weight.returncode == 2 and "bad --weight" in weight.stderr
 
 
 def test_study_records_resume_and_calibrate_fits_pooling_weights(tmp_path):
-    study = [sys.executable, "-m", "specfuse.eval.likelihood_study", "--models", "smollm2-135m|gemma3-270m",
+    study = [sys.executable, "-m", "segfuse.eval.likelihood_study", "--models", "smollm2-135m|gemma3-270m",
              "--tasks", "arithmetic-2_digit_addition", "--threads", "1", "--out", str(tmp_path / "study")]
     first = _run(*study, "--start", "0", "--stop", "2")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -55,7 +55,7 @@ def test_study_records_resume_and_calibrate_fits_pooling_weights(tmp_path):
     assert again.stderr.count("arithmetic-2_digit_addition ") == 1
     assert set(records[0]["members"]) == {"smollm2-135m", "gemma3-270m"} and records[0]["correct"] == [6]
 
-    fitted = _run(*SPECFUSE, "calibrate", "pooling", "--data", str(tmp_path / "study"), "--rule", "mixture-byte",
+    fitted = _run(*SEGFUSE, "calibrate", "pooling", "--data", str(tmp_path / "study"), "--rule", "mixture-byte",
                   "--out", str(tmp_path / "cal"))
     assert fitted.returncode == 0, fitted.stderr[-2000:]
     saved = json.loads((tmp_path / "cal" / "pooling.json").read_text())
@@ -63,6 +63,6 @@ def test_study_records_resume_and_calibrate_fits_pooling_weights(tmp_path):
     assert abs(sum(saved["weights"].values()) - 1) < 1e-9 and saved["right"] >= saved["right_uniform"]
     assert "--weight smollm2-135m=" in fitted.stderr
 
-    report = _run(sys.executable, "-m", "specfuse.eval.likelihood_report", str(tmp_path / "study"))
+    report = _run(sys.executable, "-m", "segfuse.eval.likelihood_report", str(tmp_path / "study"))
     assert report.returncode == 0, report.stderr[-2000:]
     assert "loglinear-byte uniform" in report.stdout and "← chosen" in report.stdout

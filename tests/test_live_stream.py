@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from specfuse.engine import drive
-from specfuse.options import FusionOptions
-from specfuse.segments import apply_stops, before_stops, cut_draft, sure_prefix
-from specfuse.types import DoneEvent, RoundEvent, SegmentEvent
+from segfuse.engine import drive
+from segfuse.options import FusionOptions
+from segfuse.segments import apply_stops, before_stops, cut_draft, sure_prefix
+from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
 
 # --- what may go out early: never more than the round's segment keeps ----------------------
 
@@ -72,7 +72,7 @@ def _texts(events) -> list[str]:
 
 @pytest.mark.parametrize("case", ["plain", "stop", "json"])
 def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(uncached_ensemble, case):
-    from specfuse.constraints import Constraint
+    from segfuse.constraints import Constraint
 
     extra: dict = {}
     constraint = None
@@ -117,7 +117,7 @@ def test_consulting_options_stream_whole_segments_as_before(default_ensemble):
 def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
     from rich.console import Console
 
-    from specfuse.cli import answer
+    from segfuse.cli import answer
 
     class Flushes(io.StringIO):
         def __init__(self) -> None:
@@ -164,7 +164,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 @pytest.mark.parametrize("case", ["plain", "stop", "json_schema", "consulting"])
 def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
-    ask: dict = {"model": "specfuse", "max_tokens": 24, "temperature": 0,
+    ask: dict = {"model": "segfuse", "max_tokens": 24, "temperature": 0,
                  "messages": [{"role": "user", "content": PROMPT}]}
     if case == "stop":
         ask["stop"] = ["."]
@@ -172,14 +172,14 @@ def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
         ask["messages"] = [{"role": "user", "content": "Give a JSON object with a name and an age for a person."}]
         ask["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     elif case == "consulting":
-        ask["extra_body"] = {"specfuse": {"accept_margin": 0.5}}
+        ask["extra_body"] = {"segfuse": {"accept_margin": 0.5}}
     whole = client.chat.completions.create(**ask)
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     answer = whole.choices[0].message.content
     assert "".join(pieces) == answer
-    rounds = next(c for c in chunks if c.choices and c.choices[0].finish_reason).model_extra["specfuse"]["stats"]
-    segments = whole.model_extra["specfuse"]["segments"]
+    rounds = next(c for c in chunks if c.choices and c.choices[0].finish_reason).model_extra["segfuse"]["stats"]
+    segments = whole.model_extra["segfuse"]["segments"]
     if case == "consulting":  # a vote may be held: whole segments, as before
         assert pieces == [s["text"] for s in segments]
     else:
@@ -219,8 +219,8 @@ def test_text_a_failing_leader_sent_stays_and_its_successor_goes_on(default_ense
             return FailsAfterWriting(self.member.start(messages, seed=seed, reserve=reserve, **options))
 
     members = [Leader(m) if m.name == "qwen2.5-coder-0.5b" else m for m in default_ensemble.members]
-    from specfuse.engine import fusion_steps
-    from specfuse.types import Message
+    from segfuse.engine import fusion_steps
+    from segfuse.types import Message
 
     opts = FusionOptions.build(max_tokens=32, temperature=0)
     events = list(drive(fusion_steps(members, [Message("user", PROMPT)], opts)))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specfuse.logprobs import answer_logprobs
-from specfuse.types import Segment, TokenTrail
+from segfuse.logprobs import answer_logprobs
+from segfuse.types import Segment, TokenTrail
 
 
 def segment(text: str, pieces: list[bytes], logprobs: list[float], model: str = "a", tops=()) -> Segment:

@@ -12,11 +12,11 @@ import llama_cpp as lc
 import pytest
 from typer.testing import CliRunner
 
-from specfuse.backends import llama_cpp as llama_backend
-from specfuse.backends.llama_cpp import LlamaCppMember
-from specfuse.backends.llama_runtime import can_offload, gpu_layers_for, threads_for
-from specfuse.ensemble import Ensemble
-from specfuse.errors import InvalidRequestError
+from segfuse.backends import llama_cpp as llama_backend
+from segfuse.backends.llama_cpp import LlamaCppMember
+from segfuse.backends.llama_runtime import can_offload, gpu_layers_for, threads_for
+from segfuse.ensemble import Ensemble
+from segfuse.errors import InvalidRequestError
 
 MODEL = "smollm2-135m"
 # Small enough to load fast; n_ctx + cells is a multiple of 256, so llama.cpp keeps the window as asked.
@@ -61,7 +61,7 @@ def loaded(monkeypatch):
 # --- each entry point -------------------------------------------------------------------------
 
 def test_cli_flags_reach_the_member(loaded):
-    from specfuse.cli import app
+    from segfuse.cli import app
 
     flags = ["--n-ctx", "512", "--threads", "1", "--gpu-layers", "3", "--prefix-cache-cells", "256"]
     done = CliRunner().invoke(app, ["generate", "-m", MODEL, *flags, "--max-tokens", "2", "--json", "Hi"])
@@ -71,7 +71,7 @@ def test_cli_flags_reach_the_member(loaded):
 
 
 def test_profile_members_table_reaches_the_member_under_the_flags(loaded, tmp_path):
-    from specfuse.cli import app
+    from segfuse.cli import app
 
     profile = tmp_path / "profile.toml"
     profile.write_text("[fusion]\nmax_tokens = 2\n\n[members]\nn_ctx = 512\nthreads = 2\ngpu_layers = 3\n"
@@ -84,7 +84,7 @@ def test_profile_members_table_reaches_the_member_under_the_flags(loaded, tmp_pa
 
 
 def test_profile_with_an_unknown_member_option_is_refused(tmp_path):
-    from specfuse.profiles import load_profile_members
+    from segfuse.profiles import load_profile_members
 
     profile = tmp_path / "profile.toml"
     profile.write_text("[fusion]\nmax_tokens = 2\n\n[members]\ngpu_layer = 3\n")
@@ -97,10 +97,10 @@ def test_server_config_members_section_reaches_the_member(tmp_path):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from specfuse.server.app import create_app, load_ensemble
-    from specfuse.server.config import build_config
+    from segfuse.server.app import create_app, load_ensemble
+    from segfuse.server.config import build_config
 
-    toml = tmp_path / "specfuse.toml"
+    toml = tmp_path / "segfuse.toml"
     toml.write_text(f'[server]\nmax_concurrent = 1\n\n[members]\nmodels = ["{MODEL}"]\nn_ctx = 512\nthreads = 1\n'
                     "gpu_layers = 3\nprefix_cache_cells = 256\n")
     config = build_config(toml)
@@ -115,9 +115,9 @@ def test_server_config_members_section_reaches_the_member(tmp_path):
 
 
 def test_server_flags_go_over_the_members_section(tmp_path):
-    from specfuse.server.config import ConfigError, build_config
+    from segfuse.server.config import ConfigError, build_config
 
-    toml = tmp_path / "specfuse.toml"
+    toml = tmp_path / "segfuse.toml"
     toml.write_text("[members]\ngpu_layers = 3\nthreads = 2\n")
     config = build_config(toml, threads=1, main_gpu=1, split="row")
     assert config.members.load_options().given() == {"n_ctx": 4096, "threads": 1, "gpu_layers": 3, "main_gpu": 1,
@@ -137,17 +137,17 @@ def test_member_spec_options_reach_the_member():
 
 def test_llm_plugin_options_reach_the_member(tmp_path, monkeypatch):
     llm = pytest.importorskip("llm")
-    from specfuse import llm_plugin
+    from segfuse import llm_plugin
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
-    (tmp_path / "specfuse.toml").write_text("[members]\nthreads = 2\nprefix_cache_cells = 256\n")
+    (tmp_path / "segfuse.toml").write_text("[members]\nthreads = 2\nprefix_cache_cells = 256\n")
     monkeypatch.setattr(llm_plugin, "_loaded", {})
-    model = llm.get_model("specfuse")
+    model = llm.get_model("segfuse")
     response = model.prompt("Hi", members=MODEL, max_tokens=2, n_ctx=512, threads=1, gpu_layers=3)
     response.text()
     (ensemble,) = llm_plugin._loaded.values()
     try:
-        assert_reached(ensemble.members[0])  # prefix_cache_cells from specfuse.toml, threads from -o
+        assert_reached(ensemble.members[0])  # prefix_cache_cells from segfuse.toml, threads from -o
     finally:
         ensemble.close()
     with pytest.raises(Exception, match="gpu_layer"):
@@ -156,11 +156,11 @@ def test_llm_plugin_options_reach_the_member(tmp_path, monkeypatch):
 
 def test_llm_plugin_reads_on_off_options_as_the_other_entry_points_do(tmp_path, monkeypatch):
     llm = pytest.importorskip("llm")
-    from specfuse import llm_plugin
+    from segfuse import llm_plugin
 
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
     monkeypatch.setattr(llm_plugin, "_loaded", {})
-    model = llm.get_model("specfuse")
+    model = llm.get_model("segfuse")
     model.prompt("Hi", members=MODEL, max_tokens=1, threads=1, side_by_side="true").text()  # as `-o side_by_side true`
     (ensemble,) = llm_plugin._loaded.values()
     try:
@@ -173,16 +173,16 @@ def test_llm_plugin_reads_on_off_options_as_the_other_entry_points_do(tmp_path, 
 
 def test_lm_eval_model_args_reach_the_member():
     pytest.importorskip("lm_eval")
-    from specfuse.eval.lm_eval_adapter import ModelArgsError, SpecFuseLM
+    from segfuse.eval.lm_eval_adapter import ModelArgsError, SegfuseLM
 
     args = f"models={MODEL},system=member:{MODEL},max_tokens=2,n_ctx=512,threads=1,gpu_layers=3,prefix_cache_cells=256"
-    lm = SpecFuseLM.create_from_arg_string(args)
+    lm = SegfuseLM.create_from_arg_string(args)
     try:
         assert_reached(lm.ensemble.members[0])
     finally:
         lm.ensemble.close()
     with pytest.raises(ModelArgsError, match="gpu_layer.*it takes.*gpu_layers"):
-        SpecFuseLM.create_from_arg_string(f"models={MODEL},gpu_layer=3")
+        SegfuseLM.create_from_arg_string(f"models={MODEL},gpu_layer=3")
 
 
 # --- refusals -----------------------------------------------------------------------------------
@@ -232,15 +232,15 @@ def test_tensor_split_shares_reach_llama_cpp():
 
 
 def test_threads_follow_what_stays_on_the_cpu(monkeypatch):
-    monkeypatch.setenv("SPECFUSE_THREADS", "6")
+    monkeypatch.setenv("SEGFUSE_THREADS", "6")
     assert threads_for(None, on_cpu_layers=31) == 6  # layers on the CPU set the pace: every core
     assert threads_for(None, on_cpu_layers=0) == 2  # wholly on a GPU: the CPU only samples
     assert threads_for(3, on_cpu_layers=0) == 3  # asked for: as asked
 
 
 def test_side_by_side_reads_on_off_and_auto_follows_the_layers_on_a_gpu():
-    from specfuse.backends.llama_runtime import side_by_side_for
-    from specfuse.member_options import MemberOptions
+    from segfuse.backends.llama_runtime import side_by_side_for
+    from segfuse.member_options import MemberOptions
 
     read = {v: MemberOptions.build({"side_by_side": v}).side_by_side for v in (True, False, "yes", "0", "auto")}
     assert read == {True: "on", False: "off", "yes": "on", "0": "off", "auto": "auto"}

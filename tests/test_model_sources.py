@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from specfuse import models as catalogue
-from specfuse.models import check_gguf
-from specfuse.backends.prompt_source import load_prompt_source
-from specfuse.errors import ModelFileError, SpecFuseError, UnknownModelError
-from specfuse.models import resolve
-from specfuse.sources.listing import list_models
+from segfuse import models as catalogue
+from segfuse.models import check_gguf
+from segfuse.backends.prompt_source import load_prompt_source
+from segfuse.errors import ModelFileError, SegfuseError, UnknownModelError
+from segfuse.models import resolve
+from segfuse.sources.listing import list_models
 
 SMOL_SPEC, GEMMA_SPEC = catalogue.CATALOGUE["smollm2-135m"], catalogue.CATALOGUE["gemma3-270m"]
 SMOL = catalogue.model_path(SMOL_SPEC)  # ~100 MB, chat template (Q4_1, llama)
 GEMMA = catalogue.model_path(GEMMA_SPEC)  # base model: no chat template (Q4_K_M, gemma3)
 SHA256 = {SMOL: SMOL_SPEC.sha256, GEMMA: GEMMA_SPEC.sha256}
 REV = "2b4c6d8e0a1b3c5d7e9f0a2b4c6d8e0a1b3c5d7e"  # a snapshot's commit hash
-SPECFUSE = [sys.executable, "-m", "specfuse.cli"]
+SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 TOOL_VARS = ("OLLAMA_MODELS", "HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "LLAMA_CACHE", "XDG_CACHE_HOME")
 OLLAMA_TEMPLATE = b"{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"  # Go, unused
 
@@ -121,7 +121,7 @@ CHECKPOINT = {
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """A home where the user pulled models with every tool, at each tool's default place."""
-    monkeypatch.setenv("SPECFUSE_CACHE_DIR", str(catalogue.cache_dir()))  # the embedded models stay found
+    monkeypatch.setenv("SEGFUSE_CACHE_DIR", str(catalogue.cache_dir()))  # the embedded models stay found
     monkeypatch.setenv("HOME", str(tmp_path))
     for var in TOOL_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -151,20 +151,20 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def specfuse(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*SPECFUSE, *args], capture_output=True, text=True, timeout=600, env=os.environ.copy())
+def segfuse(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SEGFUSE, *args], capture_output=True, text=True, timeout=600, env=os.environ.copy())
 
 
-def error_of(name: str, **kwargs) -> SpecFuseError:
-    with pytest.raises(SpecFuseError) as caught:
+def error_of(name: str, **kwargs) -> SegfuseError:
+    with pytest.raises(SegfuseError) as caught:
         resolve(name, **kwargs)
     return caught.value
 
 
-# --- `specfuse models` ------------------------------------------------------------------------------
+# --- `segfuse models` ------------------------------------------------------------------------------
 
 def test_the_model_list_shows_every_source_with_what_the_files_say(home):
-    done = specfuse("models", "--json")
+    done = segfuse("models", "--json")
     assert done.returncode == 0, done.stderr
     rows = {r["name"]: r for r in json.loads(done.stdout)}
     embedded = [n for n, r in rows.items() if r["source"] == "embedded"]
@@ -197,7 +197,7 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
         "qwen2", "bfloat16", True)
     assert not any("mmproj" in n or "mlx-community" in n for n in rows)  # projectors and MLX folders are no members
 
-    table = specfuse("models")
+    table = segfuse("models")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     for name in expected:
@@ -205,7 +205,7 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
         assert any(line.startswith(f"{name}: /") for line in lines), name  # its file on its own line
     assert any("base: no chat template" in line for line in lines)
     assert any(line.startswith("ollama:llava:7b: ") and "projector" in line for line in lines)
-    paths = dict(line.split("\t") for line in specfuse("models", "--paths").stdout.splitlines())
+    paths = dict(line.split("\t") for line in segfuse("models", "--paths").stdout.splitlines())
     assert Path(paths["ollama:smollm2:135m"]).resolve() == SMOL.resolve()
 
 
@@ -335,7 +335,7 @@ def test_a_name_not_found_lists_the_closest_and_where_it_looked(home, name, clos
 
 
 def test_the_command_line_says_it_in_one_line(home):
-    done = specfuse("generate", "hi", "-m", "ollama:smollm2:136m")
+    done = segfuse("generate", "hi", "-m", "ollama:smollm2:136m")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert "no Ollama model ollama:smollm2:136m" in done.stderr and "closest: ollama:smollm2:135m" in done.stderr
@@ -463,12 +463,12 @@ def test_generate_with_members_named_each_way(home):
     """The same SmolLM2 file named through every tool answers exactly as the embedded model does."""
     run = ["generate", "What is the capital of France?", "--max-tokens", "8", "--temperature", "0",
            "--threads", "1", "--json"]
-    alone = specfuse(*run, "-m", "smollm2-135m")
+    alone = segfuse(*run, "-m", "smollm2-135m")
     assert alone.returncode == 0, alone.stderr
     names = ["ollama:smollm2:135m", "hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
              "lmstudio:lmstudio-community/SmolLM2-135M-Instruct-GGUF",
              "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"]
-    fused = specfuse(*run, *[arg for name in names for arg in ("-m", name)])
+    fused = segfuse(*run, *[arg for name in names for arg in ("-m", name)])
     assert fused.returncode == 0, fused.stderr
     result = json.loads(fused.stdout)
     assert result["models"] == ["smollm2:135m", "smollm2-135m-instruct-q4_1", "SmolLM2-135M-Instruct-Q4_1",
@@ -480,9 +480,9 @@ def test_generate_with_members_named_each_way(home):
 def test_a_cached_checkpoint_is_a_transformers_member(home):
     """`-m transformers:hf:ORG/REPO`: a checkpoint from the Hugging Face cache, loaded by transformers."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
-    from specfuse import Ensemble
-    from specfuse.backends.registry import load_member
-    from specfuse.backends.transformers import convert_gguf, pick_dtype
+    from segfuse import Ensemble
+    from segfuse.backends.registry import load_member
+    from segfuse.backends.transformers import convert_gguf, pick_dtype
 
     checkpoint = convert_gguf(SMOL, pick_dtype("auto", "cpu"), None)  # SmolLM2 as a plain checkpoint (cached)
     hf_repo(home / ".cache" / "huggingface" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -5,7 +5,7 @@ The real llama.cpp cache behind it is tested in test_prefix_cache_real_models.py
 
 from __future__ import annotations
 
-from specfuse.backends.prefix_cache import PrefixCache, common_prefix
+from segfuse.backends.prefix_cache import PrefixCache, common_prefix
 
 import numpy as np
 

@@ -14,9 +14,9 @@ import math
 
 import pytest
 
-from specfuse import Ensemble
-from specfuse.errors import PromptTooLongError
-from specfuse.types import Message, Result
+from segfuse import Ensemble
+from segfuse.errors import PromptTooLongError
+from segfuse.types import Message, Result
 
 pytestmark = pytest.mark.models
 

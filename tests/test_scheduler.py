@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
 
-from specfuse.calls import CallRunner
-from specfuse.engine import fusion_steps
-from specfuse.errors import MemberFailedError
-from specfuse.options import FusionOptions
-from specfuse.scheduler import Cancelled, Flight, Scheduler, run_all
-from specfuse.types import DoneEvent, Message
+from segfuse.calls import CallRunner
+from segfuse.engine import fusion_steps
+from segfuse.errors import MemberFailedError
+from segfuse.options import FusionOptions
+from segfuse.scheduler import Cancelled, Flight, Scheduler, run_all
+from segfuse.types import DoneEvent, Message
 
 PLAIN = FusionOptions.build(gate=None, max_tokens=64, temperature=0.0)
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]

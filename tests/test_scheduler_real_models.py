@@ -7,14 +7,14 @@ import pytest
 
 from helpers import Recording, SessionWrapper
 
-from specfuse import Ensemble
-from specfuse.backends.base import Occupancy
-from specfuse.backends.registry import load_member
-from specfuse.engine import fusion_steps
-from specfuse.ensemble import to_messages
-from specfuse.options import FusionOptions
-from specfuse.scheduler import Cancelled, Flight, Scheduler
-from specfuse.types import DoneEvent, Message, Sampling
+from segfuse import Ensemble
+from segfuse.backends.base import Occupancy
+from segfuse.backends.registry import load_member
+from segfuse.engine import fusion_steps
+from segfuse.ensemble import to_messages
+from segfuse.options import FusionOptions
+from segfuse.scheduler import Cancelled, Flight, Scheduler
+from segfuse.types import DoneEvent, Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -216,7 +216,7 @@ def test_a_member_fault_in_one_request_does_not_break_the_others(ensemble):
 
 
 def test_a_member_loaded_for_more_sessions_than_llama_cpp_allows_gets_a_clear_error(ensemble):
-    from specfuse.errors import MemberLoadError
+    from segfuse.errors import MemberLoadError
 
     path = _qwen(ensemble).path
     with pytest.raises(MemberLoadError, match="concurrent"):

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from specfuse.scoring import aggregate, normalise, pick_winner, raw_score
-from specfuse.types import TokenScores
+from segfuse.scoring import aggregate, normalise, pick_winner, raw_score
+from segfuse.types import TokenScores
 
 
 def ts(*logprobs, logits=None):

@@ -1,6 +1,6 @@
 """Cutting drafts at word, character and stop-string boundaries (pure logic)."""
 
-from specfuse.segments import apply_stops, complete_utf8_prefix, cut_draft, find_stop
+from segfuse.segments import apply_stops, complete_utf8_prefix, cut_draft, find_stop
 
 
 def test_mid_word_draft_is_cut_before_the_last_word():

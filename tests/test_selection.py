@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from specfuse.scoring import aggregate, model_exit, normalise, pick_winner
-from specfuse.selection import (
+from segfuse.scoring import aggregate, model_exit, normalise, pick_winner
+from segfuse.selection import (
     bits_per_byte,
     cross_quality,
     degeneration,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from specfuse.engine import fuse
-from specfuse.options import FusionOptions
-from specfuse.scoring import aggregate, normalise, pick_winner, raw_score
-from specfuse.selection import degeneration, guard_eligible
-from specfuse.types import Message
+from segfuse.engine import fuse
+from segfuse.options import FusionOptions
+from segfuse.scoring import aggregate, normalise, pick_winner, raw_score
+from segfuse.selection import degeneration, guard_eligible
+from segfuse.types import Message
 
 STORY = [Message("user", "Write two sentences about a cat.")]
 LOOP = " The cat sat on the mat."
@@ -81,8 +81,8 @@ INSTRUCTION = [Message("user", "Write a haiku about the sea. Use only lowercase 
 
 def test_with_margin_zero_the_fused_answer_is_the_leaders_own(default_ensemble):
     """accept_margin 0: the others are never consulted, and the answer is the leader's alone, byte for byte."""
-    from specfuse.baselines import write_answer
-    from specfuse.types import Sampling
+    from segfuse.baselines import write_answer
+    from segfuse.types import Sampling
 
     leader = max(default_ensemble.members, key=lambda m: m.n_params)
     alone = write_answer(leader, INSTRUCTION, max_tokens=96, sampling=Sampling(0.0, 1.0, 0))

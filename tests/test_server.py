@@ -1,4 +1,4 @@
-"""`specfuse serve` with the real default members, driven by the real `openai` client and raw HTTP.
+"""`segfuse serve` with the real default members, driven by the real `openai` client and raw HTTP.
 
 One server (a subprocess on a free loopback port) serves the whole module. Answers
 are kept short (max_tokens 4-16) so the module stays quick on a 2-core CPU.
@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from helpers import live_server, wait_for
-from specfuse import models as catalogue
+from segfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -61,13 +61,13 @@ def http(server):
 @pytest.fixture(scope="module")
 def greedy(client):
     """One greedy non-streaming answer, shared by the tests that inspect it."""
-    return client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+    return client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
                                           temperature=0)
 
 
 def ext(obj) -> dict:
-    """The `specfuse` extension field of an openai response object."""
-    return (obj.model_extra or {}).get("specfuse") or {}
+    """The `segfuse` extension field of an openai response object."""
+    return (obj.model_extra or {}).get("segfuse") or {}
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -84,19 +84,19 @@ def error_of(response: httpx.Response) -> dict:
 
 def test_models_and_health(client, server):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {"specfuse", *MEMBERS}
-    assert cards["specfuse"].model_extra["members"] == MEMBERS
-    assert all(cards[m].model_extra["parent"] == "specfuse" for m in MEMBERS)
+    assert set(cards) == {"segfuse", *MEMBERS}
+    assert cards["segfuse"].model_extra["members"] == MEMBERS
+    assert all(cards[m].model_extra["parent"] == "segfuse" for m in MEMBERS)
     health = server.health()
     assert health["status"] == "ok" and health["members"] == MEMBERS
     assert health["queue"] == {"waiting": 0, "running": 0, "capacity": 8, "max_concurrent": 2}
-    assert client.models.retrieve("specfuse").id == "specfuse"
+    assert client.models.retrieve("segfuse").id == "segfuse"
 
 
 def test_non_streaming_completion_with_provenance(greedy):
     choice = greedy.choices[0]
     text = choice.message.content
-    assert greedy.object == "chat.completion" and greedy.model == "specfuse"
+    assert greedy.object == "chat.completion" and greedy.model == "segfuse"
     assert choice.message.role == "assistant" and text.strip()
     assert choice.finish_reason in ("stop", "length")
     usage = greedy.usage
@@ -120,7 +120,7 @@ def test_non_streaming_completion_with_provenance(greedy):
 
 
 def test_streaming_reads_the_same_answer(client, greedy):
-    stream = client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+    stream = client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
                                             temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -177,7 +177,7 @@ OK_MESSAGES = user("Hello")
 BAD_REQUESTS = {
     "invalid JSON": (b'{"messages": [', 400, "invalid_json", None),
     "JSON array": (b"[1, 2]", 400, "invalid_json", None),
-    "missing messages": ({"model": "specfuse"}, 422, "invalid_value", "messages"),
+    "missing messages": ({"model": "segfuse"}, 422, "invalid_value", "messages"),
     "messages not a list": ({"messages": "hello"}, 422, "invalid_value", "messages"),
     "content not a string": ({"messages": [{"role": "user", "content": 5}]}, 422, "invalid_value", None),
     "unknown role": ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "invalid_value", None),
@@ -191,8 +191,8 @@ BAD_REQUESTS = {
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
         400, "invalid_messages", "messages"),
     "blank question": ({"messages": user("   ")}, 400, "invalid_messages", "messages"),
-    "bad fusion option": ({"messages": OK_MESSAGES, "specfuse": {"window": 0}}, 400, "invalid_value", None),
-    "unknown fusion option": ({"messages": OK_MESSAGES, "specfuse": {"bogus": 1}}, 400, "invalid_value", None),
+    "bad fusion option": ({"messages": OK_MESSAGES, "segfuse": {"window": 0}}, 400, "invalid_value", None),
+    "unknown fusion option": ({"messages": OK_MESSAGES, "segfuse": {"bogus": 1}}, 400, "invalid_value", None),
     "unknown model": ({"messages": OK_MESSAGES, "model": "gpt-9"}, 404, "model_not_found", "model"),
     "invalid JSON schema": ({"messages": OK_MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
@@ -222,7 +222,7 @@ def test_oversize_body_gets_413(client, http):
     response = http.post("/v1/chat/completions", json={"messages": huge})
     assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
     with pytest.raises(openai.APIStatusError) as caught:
-        client.chat.completions.create(model="specfuse", messages=huge)
+        client.chat.completions.create(model="segfuse", messages=huge)
     assert caught.value.status_code == 413
 
 
@@ -230,9 +230,9 @@ def test_openai_client_sees_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=OK_MESSAGES)
     with pytest.raises(openai.UnprocessableEntityError):
-        client.chat.completions.create(model="specfuse", messages=OK_MESSAGES, max_tokens=0)
+        client.chat.completions.create(model="segfuse", messages=OK_MESSAGES, max_tokens=0)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="specfuse", messages=[{"role": "system", "content": "be brief"}])
+        client.chat.completions.create(model="segfuse", messages=[{"role": "system", "content": "be brief"}])
 
 
 def test_api_key_is_required(server):
@@ -257,7 +257,7 @@ def test_prompt_too_long_is_a_400_or_an_error_event(client, http):
     """Found only when the worker opens the members' sessions: a status, or an event once streaming."""
     long_prompt = user("word " * 6000)  # about 6000 tokens: more than a member's 4096-token context
     with pytest.raises(openai.BadRequestError, match="context"):
-        client.chat.completions.create(model="specfuse", messages=long_prompt, max_tokens=4)
+        client.chat.completions.create(model="segfuse", messages=long_prompt, max_tokens=4)
     body = {"messages": long_prompt, "max_tokens": 4, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200  # the stream had begun before the members saw the prompt
@@ -269,7 +269,7 @@ def test_prompt_too_long_is_a_400_or_an_error_event(client, http):
 
 def test_stop_strings_reach_the_engine(client):
     # Every candidate is cut at its first space, so the answer is one word and ends there.
-    answer = client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+    answer = client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
                                             temperature=0, stop=[" "])
     text = answer.choices[0].message.content
     assert text.strip() and " " not in text
@@ -277,7 +277,7 @@ def test_stop_strings_reach_the_engine(client):
 
 
 def test_still_serving_after_bad_input(client, server):
-    answer = client.chat.completions.create(model="specfuse", messages=user("Say hello."), max_tokens=4)
+    answer = client.chat.completions.create(model="segfuse", messages=user("Say hello."), max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert server.health()["status"] == "ok"
 
@@ -306,7 +306,7 @@ def _stream_until_first_segment(http, stack: ExitStack, prompt: str, max_tokens:
     # ignore_eos: the generation runs to max_tokens, so it keeps the worker busy however fast the machine
     response = stack.enter_context(http.stream("POST", "/v1/chat/completions", json={
         "messages": user(prompt), "max_tokens": max_tokens, "stream": True, "temperature": 0,
-        "specfuse": {"ignore_eos": True, "gate": None}}))  # every round votes: slow enough to hold the worker
+        "segfuse": {"ignore_eos": True, "gate": None}}))  # every round votes: slow enough to hold the worker
     assert response.status_code == 200
     lines = response.iter_lines()
     for line in lines:
@@ -336,7 +336,7 @@ def test_disconnect_cancels_a_non_streaming_request(server):
     before = server.health()["counters"]
     # Every round votes and the answer runs to max_tokens: the request outlives the hang-up however fast the machine.
     body = json.dumps({"messages": user(LONG), "max_tokens": 400,
-                       "specfuse": {"ignore_eos": True, "gate": None}}).encode()
+                       "segfuse": {"ignore_eos": True, "gate": None}}).encode()
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Authorization: Bearer " + server.api_key.encode() + b"\r\n"
@@ -364,7 +364,7 @@ def test_full_queue_answers_429(http, client, server):
             error = error_of(full)
             assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
             with pytest.raises(openai.RateLimitError):
-                client.chat.completions.create(model="specfuse", messages=OK_MESSAGES, max_tokens=4)
+                client.chat.completions.create(model="segfuse", messages=OK_MESSAGES, max_tokens=4)
         # Their clients left while they waited: the slots free up at once.
         health_when(server, lambda h: h["queue"]["waiting"] == 0, "the queue to empty", timeout=30)
         assert server.health()["queue"]["running"] == len(held)
@@ -383,14 +383,14 @@ def test_load_8_clients_5_requests_each(client, server):
         for i in range(5):
             messages = user(f"Reply with the number {k * 5 + i}.")
             if i % 2:
-                stream = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=4,
+                stream = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=4,
                                                         stream=True)
                 chunks = list(stream)
                 finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 assert finish and finish[0] in ("stop", "length")
                 answers.append(chunks[0].id)
             else:
-                answer = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=4)
+                answer = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=4)
                 assert answer.choices[0].finish_reason in ("stop", "length")
                 answers.append(answer.id)
         return answers
@@ -417,15 +417,15 @@ def test_response_format_json_schema(client):
     import jsonschema
 
     messages = user("Extract the person as JSON: Maria Lopez, 34, lives in Seville.")
-    answer = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=64, temperature=0,
+    answer = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=64, temperature=0,
                                             response_format=PERSON_FORMAT)
     assert answer.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
-    streamed = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=64, temperature=0,
+    streamed = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=64, temperature=0,
                                               response_format=PERSON_FORMAT, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == answer.choices[0].message.content
-    anything = client.chat.completions.create(model="specfuse", messages=user("Describe a cat as JSON."),
+    anything = client.chat.completions.create(model="segfuse", messages=user("Describe a cat as JSON."),
                                               max_tokens=64, temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
@@ -440,7 +440,7 @@ def test_the_openai_clients_own_structured_parse(client):
         age: int
 
     parsed = client.chat.completions.parse(
-        model="specfuse", messages=user("Extract the person: Tom Baker, aged 51, lives in Leeds."),
+        model="segfuse", messages=user("Extract the person: Tom Baker, aged 51, lives in Leeds."),
         max_tokens=64, temperature=0, response_format=Person)
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person) and person.name and person.age > 0
@@ -462,7 +462,7 @@ def test_a_tool_round_trip(client):
     import jsonschema
 
     messages = user("What is the weather in Paris right now?")
-    first = client.chat.completions.create(model="specfuse", messages=messages, max_tokens=64, temperature=0,
+    first = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=64, temperature=0,
                                            tools=[WEATHER, CLOCK], tool_choice="required")
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -473,14 +473,14 @@ def test_a_tool_round_trip(client):
 
     history = [*messages, choice.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
-    final = client.chat.completions.create(model="specfuse", messages=history, max_tokens=48, temperature=0,
+    final = client.chat.completions.create(model="segfuse", messages=history, max_tokens=48, temperature=0,
                                            tools=[WEATHER, CLOCK], tool_choice="none")
     assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
 
 
 def test_a_named_tool_call_streams_as_openai_streams_it(client):
     chunks = list(client.chat.completions.create(
-        model="specfuse", messages=user("Weather in Oslo, in fahrenheit?"), max_tokens=64, temperature=0,
+        model="segfuse", messages=user("Weather in Oslo, in fahrenheit?"), max_tokens=64, temperature=0,
         tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
     calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert len(calls) == 1 and calls[0][0].index == 0 and calls[0][0].function.name == "get_weather"
@@ -490,7 +490,7 @@ def test_a_named_tool_call_streams_as_openai_streams_it(client):
 
 
 def test_auto_tool_choice_answers_text_or_a_call(client):
-    answer = client.chat.completions.create(model="specfuse", messages=user("Say hello to Ada."), max_tokens=24,
+    answer = client.chat.completions.create(model="segfuse", messages=user("Say hello to Ada."), max_tokens=24,
                                             temperature=0, tools=[WEATHER])
     choice = answer.choices[0]
     if choice.finish_reason == "tool_calls":
@@ -517,20 +517,20 @@ def test_bad_tools_get_a_400_naming_the_field(http, extra, param):
 
 
 def test_a_text_completion_continues_the_raw_prompt(client):
-    answer = client.completions.create(model="specfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0)
+    answer = client.completions.create(model="segfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0)
     choice = answer.choices[0]
     assert answer.object == "text_completion" and answer.id.startswith("cmpl-")
     # no chat template: the members continue the sequence instead of answering a question about it
     assert choice.text.startswith(" 6,"), choice.text
     assert choice.finish_reason in ("stop", "length") and answer.usage.completion_tokens > 0
     assert 0 < answer.usage.prompt_tokens < 16  # the text alone, no template around it
-    echoed = client.completions.create(model="specfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0,
+    echoed = client.completions.create(model="segfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0,
                                        echo=True)
     assert echoed.choices[0].text == "1, 2, 3, 4, 5," + choice.text
 
 
 def test_text_completion_logprobs_are_the_answer_tokens(client):
-    answer = client.completions.create(model="specfuse", prompt="The capital of France is", max_tokens=10,
+    answer = client.completions.create(model="segfuse", prompt="The capital of France is", max_tokens=10,
                                        temperature=0, logprobs=3)
     choice = answer.choices[0]
     lp = choice.logprobs
@@ -542,8 +542,8 @@ def test_text_completion_logprobs_are_the_answer_tokens(client):
 
 
 def test_a_streamed_text_completion_matches_the_whole_one(client):
-    whole = client.completions.create(model="specfuse", prompt="Once upon a time", max_tokens=16, temperature=0)
-    chunks = list(client.completions.create(model="specfuse", prompt="Once upon a time", max_tokens=16,
+    whole = client.completions.create(model="segfuse", prompt="Once upon a time", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model="segfuse", prompt="Once upon a time", max_tokens=16,
                                             temperature=0, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
@@ -553,7 +553,7 @@ def test_a_streamed_text_completion_matches_the_whole_one(client):
 
 def test_a_list_of_prompts_gets_a_choice_each(client):
     prompts = ["Roses are red,", "def add(a, b):"]
-    answer = client.completions.create(model="specfuse", prompt=prompts, max_tokens=6, temperature=0, echo=True)
+    answer = client.completions.create(model="segfuse", prompt=prompts, max_tokens=6, temperature=0, echo=True)
     assert [c.index for c in answer.choices] == [0, 1]
     for prompt, choice in zip(prompts, answer.choices):
         assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
@@ -561,15 +561,15 @@ def test_a_list_of_prompts_gets_a_choice_each(client):
 
 def test_chat_logprobs_cover_the_answer_exactly(client):
     members = set(MEMBERS)
-    answer = client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+    answer = client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
                                             temperature=0, logprobs=True, top_logprobs=2,
-                                            extra_body={"specfuse": {"gate": None, "accept_margin": None}})
+                                            extra_body={"segfuse": {"gate": None, "accept_margin": None}})
     content = answer.choices[0].logprobs.content
     assert "".join(t.token for t in content) == answer.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in content)
     authors = {(t.model_extra or {}).get("model") for t in content}
     assert authors <= members and authors == {s["model"] for s in ext(answer)["segments"]}
-    streamed = list(client.chat.completions.create(model="specfuse", messages=user(QUESTION), max_tokens=12,
+    streamed = list(client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
                                                    temperature=0, logprobs=True, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]

@@ -11,25 +11,25 @@ import httpx
 import pytest
 import uvicorn
 
-from specfuse.bench.processes import free_port
-from specfuse.server import ConfigError, build_config, create_app
+from segfuse.bench.processes import free_port
+from segfuse.server import ConfigError, build_config, create_app
 
 
 def write(tmp_path, text: str):
-    path = tmp_path / "specfuse.toml"
+    path = tmp_path / "segfuse.toml"
     path.write_text(text)
     return path
 
 
 def test_defaults_bind_loopback_without_auth(monkeypatch):
-    monkeypatch.delenv("SPECFUSE_API_KEY", raising=False)
+    monkeypatch.delenv("SEGFUSE_API_KEY", raising=False)
     config = build_config()
     assert (config.server.host, config.server.port, config.server.api_key) == ("127.0.0.1", 8000, None)
     assert config.members.models == [] and config.fusion_defaults().max_tokens == 256
 
 
 def test_file_then_flags(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECFUSE_API_KEY", "from-env")
+    monkeypatch.setenv("SEGFUSE_API_KEY", "from-env")
     path = write(tmp_path, '[server]\nport = 9000\nqueue_size = 2\n[members]\nmodels = ["smollm2-135m"]\n'
                            "[defaults]\nmax_tokens = 32\nwindow = 6\n")
     config = build_config(path, port=9100)
@@ -63,7 +63,7 @@ def test_missing_config_file(tmp_path):
 
 def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     path = write(tmp_path, "[server]\nport = -1\n")
-    done = subprocess.run([sys.executable, "-m", "specfuse.cli", "serve", "--config", str(path)],
+    done = subprocess.run([sys.executable, "-m", "segfuse.cli", "serve", "--config", str(path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "server.port" in done.stderr and "Traceback" not in done.stderr

@@ -2,7 +2,7 @@
 multiple-choice tasks ask for them (`echo`, `logprobs`, `max_tokens` 1 or 0), token-array prompts,
 the tokenizer routes, and lm-eval's own `local-completions` against it.
 
-One `specfuse serve` with the embedded members and no prefix cache serves the module; the in-process
+One `segfuse serve` with the embedded members and no prefix cache serves the module; the in-process
 scores it is compared with come from the same members with no prefix cache either.
 """
 
@@ -19,14 +19,14 @@ import httpx
 import pytest
 from helpers import checked_server
 
-from specfuse.eval.bigbench import items
+from segfuse.eval.bigbench import items
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ROOT / "src" / "specfuse" / "eval" / "lm_eval_tasks"
+TASKS = ROOT / "src" / "segfuse" / "eval" / "lm_eval_tasks"
 SMOL = "smollm2-135m"
-LEADER = "qwen2.5-coder-0.5b"  # the largest embedded member: specfuse's echo is on its tokens
+LEADER = "qwen2.5-coder-0.5b"  # the largest embedded member: segfuse's echo is on its tokens
 CONTEXT, CHOICE = "Question: What is the capital of France?\nAnswer:", " Paris, on the Seine."
 # A member's echo reads context and choice in one batch, its score in two: the same sums in another order.
 # SmolLM2's numbers agree to the last bits on this machine; Gemma 3's differ by up to ~0.1 nats a token. The
@@ -108,7 +108,7 @@ def test_token_ids_read_as_the_text_they_spell_and_an_answer_follows(http):
     ("/v1/completions", {"prompt": [-3]}, 422, "prompt"),
     ("/v1/completions", {"prompt": "word " * 5000, "echo": True, "logprobs": 1, "max_tokens": 0}, 400, None),
     ("/m/nobody/v1/completions", {"prompt": "x"}, 404, "model"),
-    (f"/m/{SMOL}/v1/completions", {"prompt": "x", "model": "specfuse"}, 400, "model"),
+    (f"/m/{SMOL}/v1/completions", {"prompt": "x", "model": "segfuse"}, 400, "model"),
     ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
     ("/tokenize", {"prompt": "x", "extra": 1}, 400, "extra"),
 ])
@@ -133,7 +133,7 @@ def lm_eval_served(server, out: Path, path: str, model: str) -> list[dict]:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": server.api_key}
     done = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "local-completions",
                            "--model_args", args, "--include_path", str(TASKS), "--tasks",
-                           "specfuse_bigbench_" + TASK.replace("-", "_"), "--limit", str(LIMIT), "--log_samples",
+                           "segfuse_bigbench_" + TASK.replace("-", "_"), "--limit", str(LIMIT), "--log_samples",
                            "--output_path", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -146,7 +146,7 @@ def served_scores(sample: dict) -> list[float]:
 
 
 def test_lm_eval_local_completions_scores_as_the_members_do(server, uncached_ensemble, tmp_path):
-    pooled = lm_eval_served(server, tmp_path / "pooled", "", "specfuse")
+    pooled = lm_eval_served(server, tmp_path / "pooled", "", "segfuse")
     alone = lm_eval_served(server, tmp_path / "alone", f"/m/{SMOL}", SMOL)
     for sample, one, item in zip(pooled, alone, items(TASK, 0, LIMIT)):
         own = uncached_ensemble.score(item.context, list(item.choices), rule="loglinear-whole")
@@ -162,7 +162,7 @@ def test_lm_eval_local_completions_scores_as_the_members_do(server, uncached_ens
 
 def test_token_ids_outside_a_vocabulary_are_refused_before_any_decode(uncached_ensemble):
     """llama.cpp aborts the process on an id outside its vocabulary: the member refuses it first."""
-    from specfuse.errors import InvalidRequestError
+    from segfuse.errors import InvalidRequestError
 
     leader = next(m for m in uncached_ensemble.members if m.name == LEADER)
     for ids in ([10**7], [-1], [1, 2, leader.n_vocab]):

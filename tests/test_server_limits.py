@@ -1,7 +1,7 @@
 """Hostile and careless clients against a live server: limits, parsing off the loop, privacy, browsers, clean errors.
 
 Each server here is the real app (``create_app``) with the real embedded members (loaded once per
-session, conftest.py), served by uvicorn with the settings `specfuse serve` uses
+session, conftest.py), served by uvicorn with the settings `segfuse serve` uses
 (``uvicorn_settings``) on a free loopback port. Most requests are refused before any member runs;
 the few that generate ask for a handful of tokens. After each test the server still answers a
 normal request (``assert_healthy``).
@@ -24,10 +24,10 @@ import pytest
 from helpers import wait_for
 from live_app import serve_app
 
-from specfuse.server.app import ServerState, create_app
-from specfuse.server.config import ServerConfig
-from specfuse.server.serving import result_info
-from specfuse.types import Departure, Result, Stats
+from segfuse.server.app import ServerState, create_app
+from segfuse.server.config import ServerConfig
+from segfuse.server.serving import result_info
+from segfuse.types import Departure, Result, Stats
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -65,7 +65,7 @@ class Live:
 @contextmanager
 def live(ensemble, *, api_key: str | None = KEY, limits: dict[str, Any] | None = None,
          **server: Any) -> Iterator[Live]:
-    """The app over `ensemble`, served by uvicorn in a thread as `specfuse serve` serves it."""
+    """The app over `ensemble`, served by uvicorn in a thread as `segfuse serve` serves it."""
     config = ServerConfig.model_validate({
         "server": {"api_key": api_key, "port": 0, "queue_size": 4, "max_concurrent": 1, "log_level": "warning",
                    "max_body_bytes": 2_000_000, **server},
@@ -128,12 +128,12 @@ def tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
 LIMIT_CASES = {
     "max_tokens": (chat(max_tokens=100_000), "max_tokens", "max_tokens"),
     "max_completion_tokens": (chat(max_completion_tokens=65), "max_completion_tokens", "max_tokens"),
-    "specfuse.max_tokens": (chat(specfuse={"max_tokens": 10_000}), "specfuse.max_tokens", "max_tokens"),
+    "segfuse.max_tokens": (chat(segfuse={"max_tokens": 10_000}), "segfuse.max_tokens", "max_tokens"),
     "stop count": (chat(stop=["a", "b", "c", "d", "e"]), "stop", "max_stops"),
     "stop length": (chat(stop="x" * 33), "stop", "max_stop_chars"),
-    # specfuse.stop used to skip the top-level limit: 150,000 stops cost 28 ms per candidate per round
-    "specfuse.stop count": (chat(specfuse={"stop": ["x"] * 150_000}), "specfuse.stop", "max_stops"),
-    "specfuse.stop length": (chat(specfuse={"stop": ["y" * 40]}), "specfuse.stop", "max_stop_chars"),
+    # segfuse.stop used to skip the top-level limit: 150,000 stops cost 28 ms per candidate per round
+    "segfuse.stop count": (chat(segfuse={"stop": ["x"] * 150_000}), "segfuse.stop", "max_stops"),
+    "segfuse.stop length": (chat(segfuse={"stop": ["y" * 40]}), "segfuse.stop", "max_stop_chars"),
     "messages": (chat(messages=SAY_HI * 41), "messages", "max_messages"),
     "content": (chat(messages=[{"role": "user", "content": "z" * 20_001}]), "messages", "max_content_chars"),
     "tools count": (chat(tools=[tool(f"t{i}") for i in range(5)]), "tools", "max_tools"),
@@ -167,8 +167,8 @@ def test_text_completion_limits_and_prompts_take_queue_places(server):
     body = {"model": LEADER, "prompt": ["Once"] * 5, "max_tokens": 2}
     error = error_of(server.post("/v1/completions", body), 400, "limit_exceeded", "prompt")
     assert "[limits] max_prompts" in error["message"]
-    error_of(server.post("/v1/completions", {**body, "prompt": "Once", "specfuse": {"stop": ["s"] * 5}}),
-             400, "limit_exceeded", "specfuse.stop")
+    error_of(server.post("/v1/completions", {**body, "prompt": "Once", "segfuse": {"stop": ["s"] * 5}}),
+             400, "limit_exceeded", "segfuse.stop")
     # queue_size 4 and one slot: five places when idle. Four prompts fit; with two requests waiting they do
     # not, and the request is refused whole, before any prompt takes a place.
     answer = server.post("/v1/completions", {**body, "prompt": ["Once", "Twice", "Thrice", "Then"]})
@@ -201,8 +201,8 @@ def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, de
         {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *results, *SAY_HI])
     error_of(server.post("/v1/chat/completions", body), 400, "limit_exceeded", "messages")
     # Within a raised limit they are one user turn, in order (joined once, not by repeated concatenation).
-    from specfuse.server import parsing
-    from specfuse.server.config import LimitsSection
+    from segfuse.server import parsing
+    from segfuse.server.config import LimitsSection
 
     plan = parsing.plan_chat(json.dumps(body).encode(), server.state.defaults,
                              LimitsSection(max_messages=30_000, max_content_chars=1_000_000))
@@ -213,7 +213,7 @@ def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, de
 
 def test_requests_are_parsed_off_the_event_loop(server, monkeypatch):
     """Parsing, limits, tools and schema compilation run in a worker thread, not on uvicorn's loop."""
-    from specfuse.server import parsing
+    from segfuse.server import parsing
 
     seen: list[str] = []
 
@@ -269,8 +269,8 @@ def test_malformed_tool_calls_are_4xx_naming_the_field(server, case):
 
 def test_a_body_nested_thousands_deep_is_a_400(server):
     error_of(server.post("/v1/chat/completions", b'{"messages": ' + b"[" * 100_000), 400, "limit_exceeded", "body")
-    error_of(server.post("/v1/chat/completions", chat(specfuse={"x": json.loads("[" * 80 + "]" * 80)})), 400,
-             "limit_exceeded", "specfuse")
+    error_of(server.post("/v1/chat/completions", chat(segfuse={"x": json.loads("[" * 80 + "]" * 80)})), 400,
+             "limit_exceeded", "segfuse")
 
 
 def test_a_lone_surrogate_is_a_400_naming_its_field(server):
@@ -283,8 +283,8 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(server):
 
 @pytest.mark.parametrize("options, param", [
     ({"seed": 2**64}, "seed"),
-    ({"specfuse": {"hedge_eta": 1e308}}, "specfuse.hedge_eta"),
-    ({"specfuse": {"hedge": True, "hedge_persist": True}}, "specfuse.hedge_persist"),
+    ({"segfuse": {"hedge_eta": 1e308}}, "segfuse.hedge_eta"),
+    ({"segfuse": {"hedge": True, "hedge_persist": True}}, "segfuse.hedge_persist"),
 ])
 def test_refused_fusion_options_name_their_field(server, options, param):
     response = server.post("/v1/chat/completions", chat(model=LEADER, **options))
@@ -299,7 +299,7 @@ def test_cache_salt_is_a_bounded_request_field(server):
 
 
 def test_client_strings_are_logged_quoted(server, caplog):
-    with caplog.at_level(logging.INFO, logger="specfuse.server"):
+    with caplog.at_level(logging.INFO, logger="segfuse.server"):
         response = server.post("/v1/chat/completions", chat(model=LEADER, max_tokens=1,
                                                             user="bob\n2026-01-01 INFO forged line" + "x" * 500))
     assert response.status_code == 200, response.text
@@ -349,17 +349,17 @@ def test_health_metrics_and_openapi_without_the_key(server):
     full = server.get("/health", key=True).json()
     assert full["counters"]["completed"] >= 1 and full["occupancy"][LEADER]["prefix"]["hits"] >= 0
     open_metrics, key_metrics = server.get("/metrics").text, server.get("/metrics", key=True).text
-    assert "specfuse_requests_total" in open_metrics and "specfuse_member_free_slots" in open_metrics
-    assert "prefix_cache" not in open_metrics and "specfuse_member_cache_cells" not in open_metrics
-    assert "specfuse_member_prefix_cache_reused_tokens_total" in key_metrics
+    assert "segfuse_requests_total" in open_metrics and "segfuse_member_free_slots" in open_metrics
+    assert "prefix_cache" not in open_metrics and "segfuse_member_cache_cells" not in open_metrics
+    assert "segfuse_member_prefix_cache_reused_tokens_total" in key_metrics
     assert server.get("/openapi.json").status_code == 401
-    assert server.get("/openapi.json", key=True).json()["info"]["title"] == "SpecFuse"
+    assert server.get("/openapi.json", key=True).json()["info"]["title"] == "segfuse"
 
 
 def test_a_keyless_server_shows_everything(default_ensemble):
     with live(default_ensemble, api_key=None) as keyless:
         assert "counters" in keyless.get("/health").json()
-        assert "specfuse_member_prefix_cache_hits_total" in keyless.get("/metrics").text
+        assert "segfuse_member_prefix_cache_hits_total" in keyless.get("/metrics").text
         assert keyless.get("/openapi.json").status_code == 200
 
 
@@ -375,7 +375,7 @@ def test_json_endpoints_need_a_json_content_type(server):
         bare = httpx.post(f"{server.url}{path}", content=json.dumps(chat()), timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"})
         error_of(bare, 415, "unsupported_media_type")
-    response = server.post("/v1/chat/completions", {"model": "specfuse"},
+    response = server.post("/v1/chat/completions", {"model": "segfuse"},
                            **{"Content-Type": "application/json; charset=utf-8"})
     error_of(response, 422, "invalid_value", "messages")  # past the media type check
 
@@ -457,7 +457,7 @@ def test_a_request_past_its_deadline_ends_or_fails_clearly(default_ensemble):
             "messages": [{"role": "user", "content": "Count from 1 to 300."}], "max_tokens": 64})
         if response.status_code == 200:  # admitted in time: the answer ended at the deadline
             body = response.json()
-            assert body["specfuse"]["stats"]["finish_reason"] == "deadline", body["specfuse"]["stats"]
+            assert body["segfuse"]["stats"]["finish_reason"] == "deadline", body["segfuse"]["stats"]
             assert body["choices"][0]["finish_reason"] == "length"
         else:  # still queued when it passed
             error_of(response, 504, "deadline_exceeded")

@@ -55,8 +55,8 @@ def test_create_and_stream_give_the_same_answer(client):
 
 
 def test_the_fused_model_answers_with_its_extension(client):
-    message = client.messages.create(model="specfuse", max_tokens=6, messages=HI)
-    info = message.model_extra["specfuse"]
+    message = client.messages.create(model="segfuse", max_tokens=6, messages=HI)
+    info = message.model_extra["segfuse"]
     assert len(info["members"]) == 3 and "".join(s["text"] for s in info["segments"]) == message.content[0].text
 
 
@@ -125,11 +125,11 @@ def test_bad_input_is_refused_in_anthropic_shape(server, client):
 def test_models_say_their_context_length(server):
     listed = httpx.get(f"{server.url}/v1/models", headers={"x-api-key": KEY}).json()["data"]
     cards = {card["id"]: card for card in listed}
-    members = cards["specfuse"]["members"]
-    assert len(members) == 3 and all(cards[m]["parent"] == "specfuse" for m in members)
+    members = cards["segfuse"]["members"]
+    assert len(members) == 3 and all(cards[m]["parent"] == "segfuse" for m in members)
     windows = [cards[m]["context_length"] for m in members]
     assert all(isinstance(n, int) and n > 0 for n in windows)
-    assert cards["specfuse"]["context_length"] == min(windows) == cards["specfuse"]["max_model_len"]
+    assert cards["segfuse"]["context_length"] == min(windows) == cards["segfuse"]["max_model_len"]
     one = httpx.get(f"{server.url}/v1/models/{LEADER}", headers={"x-api-key": KEY}).json()
     assert one["context_length"] == cards[LEADER]["context_length"]
 
@@ -147,7 +147,7 @@ def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, 
     assert anthropic_error(httpx.post(f"{server.url}/v1/messages", content=surrogate, headers=raw, timeout=60),
                            400)["param"] == "messages.0.content"
     cancelled = server.state.worker.snapshot()["cancelled"]
-    body = {"model": "specfuse", "max_tokens": 64, "stream": True, "messages": HI}
+    body = {"model": "segfuse", "max_tokens": 64, "stream": True, "messages": HI}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers=raw, timeout=300) as response:
         for line in response.iter_lines():
             if line == "event: content_block_delta":

@@ -1,7 +1,7 @@
-"""Operating the server: Prometheus metrics at /metrics, and 400 for parameters SpecFuse does not implement.
+"""Operating the server: Prometheus metrics at /metrics, and 400 for parameters segfuse does not implement.
 
 The first tests need no models (the metrics object and the parameter tables alone); the rest
-drive a real `specfuse serve` (tests/helpers.py) with the real `openai` client and raw
+drive a real `segfuse serve` (tests/helpers.py) with the real `openai` client and raw
 HTTP. Only two short completions run (max_tokens 4): refused requests never reach the members.
 """
 
@@ -18,14 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import live_server
-from specfuse import models as catalogue
-from specfuse.backends.base import Occupancy
-from specfuse.server import parsing
-from specfuse.server.app import create_app
-from specfuse.server.completions import COMPLETIONS
-from specfuse.server.config import build_config
-from specfuse.server.metrics import OUTCOMES, ServerMetrics
-from specfuse.types import Departure, Result, Stats
+from segfuse import models as catalogue
+from segfuse.backends.base import Occupancy
+from segfuse.server import parsing
+from segfuse.server.app import create_app
+from segfuse.server.completions import COMPLETIONS
+from segfuse.server.config import build_config
+from segfuse.server.metrics import OUTCOMES, ServerMetrics
+from segfuse.types import Departure, Result, Stats
 
 MEMBERS = list(catalogue.DEFAULT_MODELS)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -72,23 +72,23 @@ def test_metrics_read_the_worker_and_count_results():
     metrics.done(time.time() - 1.0, result)
     got = samples(metrics.render().decode())
     snapshot = StubWorker().snapshot()
-    assert {o: value(got, "specfuse_requests_total", outcome=o) for o in OUTCOMES} == {o: snapshot[o] for o in OUTCOMES}
-    assert value(got, "specfuse_rounds_total") == 40
-    assert value(got, "specfuse_queue_depth") == 2 and value(got, "specfuse_generations_in_flight") == 1
-    assert value(got, "specfuse_max_concurrent") == 3 and value(got, "specfuse_queue_capacity") == 7
-    assert value(got, "specfuse_output_tokens_total") == 7
-    assert value(got, "specfuse_request_latency_seconds_count") == 1
-    assert value(got, "specfuse_request_latency_seconds_sum") == pytest.approx(1.0, abs=0.5)
-    assert value(got, "specfuse_time_to_first_segment_seconds_count") == 1
-    assert value(got, "specfuse_member_faults_total", member="a") == 1
-    assert value(got, "specfuse_member_free_slots", member="a") == 3
-    assert value(got, "specfuse_member_cache_cells", member="a") == 57
-    assert ("specfuse_member_cache_cells", frozenset({("member", "b")})) not in got  # unknown is not 0
-    assert value(got, "specfuse_member_faults_total", member="b") == 0  # started at 0 by members()
-    assert value(got, "specfuse_member_exits_total", member="b") == 1
-    assert value(samples(other.render().decode()), "specfuse_output_tokens_total") == 0
+    assert {o: value(got, "segfuse_requests_total", outcome=o) for o in OUTCOMES} == {o: snapshot[o] for o in OUTCOMES}
+    assert value(got, "segfuse_rounds_total") == 40
+    assert value(got, "segfuse_queue_depth") == 2 and value(got, "segfuse_generations_in_flight") == 1
+    assert value(got, "segfuse_max_concurrent") == 3 and value(got, "segfuse_queue_capacity") == 7
+    assert value(got, "segfuse_output_tokens_total") == 7
+    assert value(got, "segfuse_request_latency_seconds_count") == 1
+    assert value(got, "segfuse_request_latency_seconds_sum") == pytest.approx(1.0, abs=0.5)
+    assert value(got, "segfuse_time_to_first_segment_seconds_count") == 1
+    assert value(got, "segfuse_member_faults_total", member="a") == 1
+    assert value(got, "segfuse_member_free_slots", member="a") == 3
+    assert value(got, "segfuse_member_cache_cells", member="a") == 57
+    assert ("segfuse_member_cache_cells", frozenset({("member", "b")})) not in got  # unknown is not 0
+    assert value(got, "segfuse_member_faults_total", member="b") == 0  # started at 0 by members()
+    assert value(got, "segfuse_member_exits_total", member="b") == 1
+    assert value(samples(other.render().decode()), "segfuse_output_tokens_total") == 0
     apps = [create_app(build_config()) for _ in range(2)]  # two apps in one process: two registries
-    assert apps[0].state.specfuse.metrics.registry is not apps[1].state.specfuse.metrics.registry
+    assert apps[0].state.segfuse.metrics.registry is not apps[1].state.segfuse.metrics.registry
 
 
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "top_logprobs": None,
@@ -103,7 +103,7 @@ REFUSED = {"functions": [{"name": "f"}], "function_call": "auto",
 
 
 def test_parameter_tables():
-    assert parsing.unsupported({"messages": SAY_HI, "max_tokens": 4, "specfuse": {"window": 4}, **NEUTRAL}) == []
+    assert parsing.unsupported({"messages": SAY_HI, "max_tokens": 4, "segfuse": {"window": 4}, **NEUTRAL}) == []
     for name, bad in REFUSED.items():
         assert parsing.unsupported({"messages": SAY_HI, name: bad}) == [name], name
     # strict: a boolean is not a number and a number is not a boolean
@@ -115,15 +115,15 @@ def test_parameter_tables():
     assert parsing.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI},
                                COMPLETIONS) == ["suffix", "best_of", "messages"]
     error = parsing.unsupported_error(["window"])
-    assert error.status == 400 and error.detail.param == "window" and "'specfuse' object" in error.detail.message
+    assert error.status == 400 and error.detail.param == "window" and "'segfuse' object" in error.detail.message
 
 
 def test_request_options_go_over_the_defaults_and_an_explicit_null_is_kept():
-    from specfuse.options import FusionOptions
+    from segfuse.options import FusionOptions
 
     defaults = FusionOptions.build(max_tokens=64, accept_margin=2.0)
     request = parsing.parse_request(json.dumps({"messages": SAY_HI, "max_tokens": 8, "temperature": None,
-                                                "specfuse": {"accept_margin": None, "gate": 0.7}}).encode())
+                                                "segfuse": {"accept_margin": None, "gate": 0.7}}).encode())
     options = parsing.fusion_options(request, defaults)
     assert (options.max_tokens, options.temperature, options.gate) == (8, defaults.temperature, 0.7)
     assert options.accept_margin is None  # null: every proposal goes to the vote, not the server's default
@@ -159,7 +159,7 @@ def scrape(server) -> dict:
 def test_metrics_move_after_a_completion_with_neutral_parameters(server, client):
     before = scrape(server)
     answer = client.chat.completions.create(
-        model="specfuse", messages=SAY_HI, max_tokens=4, temperature=0,
+        model="segfuse", messages=SAY_HI, max_tokens=4, temperature=0,
         # OpenAI parameters at their neutral values, and harmless ones: accepted
         frequency_penalty=0, presence_penalty=0, logprobs=False, n=1, response_format={"type": "text"},
         logit_bias={}, metadata={"test": "ops"}, extra_body={"tools": [], "tool_choice": None})
@@ -170,20 +170,20 @@ def test_metrics_move_after_a_completion_with_neutral_parameters(server, client)
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - before.get((name, frozenset(labels.items())), 0.0)
 
-    assert moved("specfuse_requests_total", outcome="completed") == 1
-    assert all(moved("specfuse_requests_total", outcome=o) == 0 for o in OUTCOMES if o != "completed")
-    assert moved("specfuse_output_tokens_total") == tokens
-    assert moved("specfuse_request_latency_seconds_count") == 1
-    assert moved("specfuse_time_to_first_segment_seconds_count") == 1
-    assert moved("specfuse_rounds_total") >= 1
-    assert value(after, "specfuse_generations_in_flight") == 0 and value(after, "specfuse_queue_depth") == 0
+    assert moved("segfuse_requests_total", outcome="completed") == 1
+    assert all(moved("segfuse_requests_total", outcome=o) == 0 for o in OUTCOMES if o != "completed")
+    assert moved("segfuse_output_tokens_total") == tokens
+    assert moved("segfuse_request_latency_seconds_count") == 1
+    assert moved("segfuse_time_to_first_segment_seconds_count") == 1
+    assert moved("segfuse_rounds_total") >= 1
+    assert value(after, "segfuse_generations_in_flight") == 0 and value(after, "segfuse_queue_depth") == 0
     for member in MEMBERS:  # every member has its series, at 0 unless one left a query
-        value(after, "specfuse_member_faults_total", member=member)
+        value(after, "segfuse_member_faults_total", member=member)
     # the counters are /health's
     health = server.health()
-    assert {o: value(after, "specfuse_requests_total", outcome=o) for o in OUTCOMES} == \
+    assert {o: value(after, "segfuse_requests_total", outcome=o) for o in OUTCOMES} == \
         {o: health["counters"][o] for o in OUTCOMES}
-    assert value(after, "specfuse_max_concurrent") == health["queue"]["max_concurrent"]
+    assert value(after, "segfuse_max_concurrent") == health["queue"]["max_concurrent"]
 
 
 @pytest.mark.models
@@ -198,10 +198,10 @@ def test_a_stream_with_neutral_parameters_is_observed(server):
         frames = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert frames[-1] == "data: [DONE]"
     after = scrape(server)
-    assert value(after, "specfuse_request_latency_seconds_count") == \
-        value(before, "specfuse_request_latency_seconds_count") + 1
-    assert value(after, "specfuse_requests_total", outcome="completed") == \
-        value(before, "specfuse_requests_total", outcome="completed") + 1
+    assert value(after, "segfuse_request_latency_seconds_count") == \
+        value(before, "segfuse_request_latency_seconds_count") + 1
+    assert value(after, "segfuse_requests_total", outcome="completed") == \
+        value(before, "segfuse_requests_total", outcome="completed") + 1
 
 
 RAW_REFUSED = ["functions", "function_call", "logit_bias", "frequency_penalty",
@@ -232,6 +232,6 @@ def test_openai_client_sees_bad_request(client):
     }
     for name, extra in cases.items():
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="specfuse", messages=SAY_HI, max_tokens=4, **extra)
+            client.chat.completions.create(model="segfuse", messages=SAY_HI, max_tokens=4, **extra)
         assert caught.value.code == "unsupported_parameter" and caught.value.param == name, caught.value
-    assert "'specfuse' object" in caught.value.message  # the last case: a fusion option at the top level
+    assert "'segfuse' object" in caught.value.message  # the last case: a fusion option at the top level

@@ -114,7 +114,7 @@ def test_bad_input_is_refused_in_openai_shape(server, client):
 
 def test_a_hangup_mid_stream_frees_the_job(server, client):
     cancelled = server.state.worker.snapshot()["cancelled"]
-    body = {"model": "specfuse", "input": "Tell me a story.", "max_output_tokens": 64, "stream": True}
+    body = {"model": "segfuse", "input": "Tell me a story.", "max_output_tokens": 64, "stream": True}
     with httpx.stream("POST", f"{server.api}/responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=300) as response:
         for line in response.iter_lines():
@@ -126,7 +126,7 @@ def test_a_hangup_mid_stream_frees_the_job(server, client):
 
 
 def test_the_store_is_bounded_in_responses_and_characters():
-    from specfuse.server.response_store import ResponseStore
+    from segfuse.server.response_store import ResponseStore
 
     def turn(chars: int) -> list[dict]:
         return [{"role": "user", "content": "x" * chars}]

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from specfuse import Ensemble
-from specfuse.calls import Call, CallRunner
-from specfuse.types import Message, Sampling
+from segfuse import Ensemble
+from segfuse.calls import Call, CallRunner
+from segfuse.types import Message, Sampling
 
 MEMBERS = ["smollm2-135m", "gemma3-270m"]
 PLAIN = {"gate": None, "accept_margin": None, "exit": False, "hedge": False}  # both members draft and vote

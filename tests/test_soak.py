@@ -1,8 +1,8 @@
-"""The soak (`specfuse bench --serve --soak`): its pure parts, then a short run on the real server.
+"""The soak (`segfuse bench --serve --soak`): its pure parts, then a short run on the real server.
 
 The pure parts need no models: durations, the seeded traffic mix, the accounting that sets the
 client's outcomes against the server's counters, latency tenths, memory growth, targets. The last
-test soaks a real `specfuse serve` with the default members for about 40 s of traffic and checks
+test soaks a real `segfuse serve` with the default members for about 40 s of traffic and checks
 the accounting and the idle state; it never checks timings (the machine may be busy).
 """
 
@@ -17,11 +17,11 @@ from itertools import islice
 
 import pytest
 
-from specfuse.bench import accounting as acc
-from specfuse.bench.accounting import Memory, Record
-from specfuse.bench.duration import format_duration, parse_duration
-from specfuse.bench.soak import held
-from specfuse.bench.traffic import (
+from segfuse.bench import accounting as acc
+from segfuse.bench.accounting import Memory, Record
+from segfuse.bench.duration import format_duration, parse_duration
+from segfuse.bench.soak import held
+from segfuse.bench.traffic import (
     HOSTILE,
     KINDS,
     LEVELS,
@@ -38,7 +38,7 @@ from specfuse.bench.traffic import (
     plan,
     probe,
 )
-from specfuse.errors import SpecFuseError
+from segfuse.errors import SegfuseError
 
 # --------------------------------------------------------------------------- durations
 
@@ -51,7 +51,7 @@ def test_durations_are_read_as_people_write_them(text, seconds):
 
 @pytest.mark.parametrize("text", ["", "m", "30x", "5m1h", "1m1m", "10s5", "-3s", "0s", "1.m", "1h30"])
 def test_a_duration_that_is_not_one_is_refused_with_an_example(text):
-    with pytest.raises(SpecFuseError, match="duration") as error:
+    with pytest.raises(SegfuseError, match="duration") as error:
         parse_duration(text)
     assert "30m" in error.value.hint
 
@@ -137,10 +137,10 @@ def test_malformed_bodies():
 def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None] | None:
     """What the server's own request parsing says of a body, before any member: (status, code, param) of
     its refusal, or None where it would go on to the members."""
-    from specfuse.options import FusionOptions
-    from specfuse.server import parsing
-    from specfuse.server.completions import COMPLETIONS, jobs_of
-    from specfuse.server.serving import APIError
+    from segfuse.options import FusionOptions
+    from segfuse.server import parsing
+    from segfuse.server.completions import COMPLETIONS, jobs_of
+    from segfuse.server.serving import APIError
 
     try:
         if path == TEXT_PATH:
@@ -205,9 +205,9 @@ RECORDS = [rec(0, "stream", "answered", finishes=1), rec(1, "complete", "answere
            rec(5, "over_limit", "invalid"), rec(6, "malformed", "refused")]
 # The server's side of RECORDS: one abandoned request finished before its client left, one was cancelled.
 COUNTERS = {"accepted": 5, "rejected": 1, "started": 5, "completed": 3, "cancelled": 1, "invalid": 1, "failed": 0}
-METRICS = {acc.metric_key("specfuse_requests_total", {"outcome": o}): COUNTERS[o]
+METRICS = {acc.metric_key("segfuse_requests_total", {"outcome": o}): COUNTERS[o]
            for o in ("completed", "cancelled", "invalid", "failed", "rejected")}
-METRICS |= {"specfuse_requests_accepted_total": 5, "specfuse_request_latency_seconds_count": 3}
+METRICS |= {"segfuse_requests_accepted_total": 5, "segfuse_request_latency_seconds_count": 3}
 IDLE = {"waiting": 0, "running": 0}
 
 
@@ -246,11 +246,11 @@ def test_a_wrong_answer_for_its_kind_is_caught():
 
 
 def test_metrics_that_disagree_with_health_are_caught():
-    unobserved = METRICS | {"specfuse_request_latency_seconds_count": 2}  # a completion not observed
+    unobserved = METRICS | {"segfuse_request_latency_seconds_count": 2}  # a completion not observed
     assert failing(acc.agree(COUNTERS, unobserved)) == ["/metrics latency observations = completed"]
-    text = ('# TYPE specfuse_requests counter\nspecfuse_requests_total{outcome="completed"} 3.0\n'
-            "# TYPE specfuse_rounds counter\nspecfuse_rounds_total 7.0\n")
-    assert acc.parse_metrics(text) == {"specfuse_requests_total{outcome=completed}": 3.0, "specfuse_rounds_total": 7.0}
+    text = ('# TYPE segfuse_requests counter\nsegfuse_requests_total{outcome="completed"} 3.0\n'
+            "# TYPE segfuse_rounds counter\nsegfuse_rounds_total 7.0\n")
+    assert acc.parse_metrics(text) == {"segfuse_requests_total{outcome=completed}": 3.0, "segfuse_rounds_total": 7.0}
     assert acc.delta({"a": 1, "b": 2}, {"a": 4, "b": 2, "c": 1}) == {"a": 3, "b": 0, "c": 1}
 
 
@@ -303,7 +303,7 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
     pytest.importorskip("openai")
     from rich.console import Console
 
-    from specfuse.bench import soak, soak_report
+    from segfuse.bench import soak, soak_report
 
     settings = soak.SoakSettings(duration_s=40, seed=0, max_tokens=4, threads=1)
     report = soak.run(settings, out=tmp_path / "soak.json", log=lambda line: None)
@@ -343,7 +343,7 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
     (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
 ])
 def test_soak_options_are_checked_before_anything_starts(args, says):
-    done = subprocess.run([sys.executable, "-m", "specfuse.cli", "bench", *args], input="", capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "segfuse.cli", "bench", *args], input="", capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
@@ -352,7 +352,7 @@ def test_soak_options_are_checked_before_anything_starts(args, says):
 def test_soak_out_may_name_a_folder_or_a_file(tmp_path):
     # A folder (as `bench --out` takes for the other benches) gets soak.json inside it; it used to crash when the
     # run wrote its report, after the whole soak.
-    from specfuse.cli.bench import soak_path
+    from segfuse.cli.bench import soak_path
 
     assert soak_path(str(tmp_path)) == tmp_path / "soak.json"
     assert soak_path(str(tmp_path / "new") + "/") == tmp_path / "new" / "soak.json"

@@ -7,9 +7,9 @@ import json
 import jsonschema
 import pytest
 
-from specfuse import Ensemble
-from specfuse.backends.registry import load_member
-from specfuse.models import CATALOGUE, is_ready
+from segfuse import Ensemble
+from segfuse.backends.registry import load_member
+from segfuse.models import CATALOGUE, is_ready
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

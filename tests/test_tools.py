@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from specfuse.constraints import TextMatcher
-from specfuse.errors import InvalidRequestError
-from specfuse.tools import chosen_tools, parse_tools, read_call, render, tool_constraint
-from specfuse.types import Message
+from segfuse.constraints import TextMatcher
+from segfuse.errors import InvalidRequestError
+from segfuse.tools import chosen_tools, parse_tools, read_call, render, tool_constraint
+from segfuse.types import Message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                             "parameters": {"type": "object", "required": ["city"],

@@ -7,12 +7,12 @@ import threading
 
 from fakes import BlockingSession, ScriptedMember, ScriptedSession
 
-from specfuse import Ensemble
-from specfuse.errors import InvalidRequestError
-from specfuse.backends.base import Occupancy
-from specfuse.options import FusionOptions
-from specfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
-from specfuse.types import DoneEvent, Message
+from segfuse import Ensemble
+from segfuse.errors import InvalidRequestError
+from segfuse.backends.base import Occupancy
+from segfuse.options import FusionOptions
+from segfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
+from segfuse.types import DoneEvent, Message
 
 import pytest
 
@@ -219,7 +219,7 @@ def test_a_completion_nobody_reads_is_still_observed_once():
 
 
 def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on():
-    """Without this, an exception that is not a SpecFuseError (here from a member's tokenizer) ended
+    """Without this, an exception that is not a SegfuseError (here from a member's tokenizer) ended
     the worker thread: every later request was accepted and never answered, while /health said ok."""
 
     class Odd(ScriptedMember):

@@ -1,0 +1,55 @@
+"""`segfuse serve`: the OpenAI-compatible server and its web view."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..extras import require
+from .app import app
+from .flags import ModelOpt, fusion_flags
+
+
+@app.command()
+@fusion_flags(members=True)
+def serve(
+    config: Annotated[Optional[str], typer.Option("--config", "-c", help="TOML config file (see docs/server.md).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default 8000).")] = None,
+    model: ModelOpt = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
+                                                   "(default: $SEGFUSE_API_KEY, else no auth).")] = None,
+    max_concurrent: Annotated[Optional[int], typer.Option(
+        "--max-concurrent", help="Generations in flight at once, their member work batched (default 4; "
+                                 "1 runs one after another).")] = None,
+    queue_size: Annotated[Optional[int], typer.Option(
+        "--queue-size", help="Requests that may wait for a free slot (default 16).")] = None,
+    allowed_hosts: Annotated[Optional[str], typer.Option(
+        "--allowed-hosts", help="Host header names served, comma-separated ('*': any); others get 400 "
+        "(default: the bound host, localhost, 127.0.0.1, ::1). Name the proxy's public name here.")] = None,
+    max_tokens_limit: Annotated[Optional[int], typer.Option(
+        "--max-tokens-limit", min=1, help="The largest max_tokens a request may ask for; more gets 400 "
+        "(default 4096; [limits] max_tokens).")] = None,
+    request_timeout: Annotated[Optional[float], typer.Option(
+        "--request-timeout", min=0, help="Seconds one request may take, queueing included; then its answer "
+        "ends where it is (default 600; 0: no deadline).")] = None,
+    limit_concurrency: Annotated[Optional[int], typer.Option(
+        "--limit-concurrency", min=1, help="Connections and requests served at once; more get 503 "
+        "(default 64).")] = None,
+    fusion: dict[str, Any] | None = None,
+    member_options: dict[str, Any] | None = None,
+) -> None:
+    """Serve the ensemble over an OpenAI-compatible API, with a web view at /.
+
+    Fusion options given here are the defaults of requests that do not set them
+    (over the config file's \\[defaults] table); member options go over its \\[members] table.
+    """
+    require("server", "segfuse serve")
+    from ..server import build_config, run  # FastAPI and uvicorn load only for this command
+
+    hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts is not None else None
+    run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
+                     max_concurrent=max_concurrent, allowed_hosts=hosts, max_tokens=max_tokens_limit,
+                     request_timeout_s=request_timeout, limit_concurrency=limit_concurrency, defaults=fusion or None,
+                     **(member_options or {})))

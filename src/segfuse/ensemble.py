@@ -1,0 +1,228 @@
+"""The public Python API: an Ensemble of loaded members."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from .backends.base import Member
+from .backends.registry import load_member
+from .constraints import Constraint
+from .echo import echo_text
+from .engine import Steps, drive, fusion_steps
+from .errors import InvalidRequestError
+from .likelihood import ItemScores, Rule, score_item, score_items
+from .member_options import MemberOptions
+from .models import DEFAULT_MODELS
+from .options import FusionOptions
+from .prompting import validate_messages
+from .types import DoneEvent, Event, Message, PromptToken, Result
+
+MAX_MEMBERS = 7
+MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
+
+Conversation = str | Sequence[Message | Mapping[str, str]]
+
+
+def to_messages(prompt: Conversation) -> list[Message]:
+    """A prompt string or a list of messages (dicts or Message) -> validated messages."""
+    if isinstance(prompt, str):
+        messages = [Message("user", prompt)]
+    else:
+        messages = []
+        for item in prompt:
+            if isinstance(item, Message):
+                messages.append(item)
+                continue
+            role, content = item.get("role"), item.get("content")
+            if role not in ("system", "user", "assistant", "raw") or not isinstance(content, str):
+                raise InvalidRequestError(
+                    f"bad message {dict(item)!r}",
+                    "each message needs role system/user/assistant (or raw: a text to continue) and string content",
+                )
+            messages.append(Message(role, content))
+    validate_messages(messages)
+    return messages
+
+
+class Ensemble:
+    """Several members answering together, one verified segment at a time.
+
+    >>> with Ensemble() as ens:                       # the embedded default models
+    ...     print(ens.generate("Name three primary colors.", max_tokens=48).text)
+    """
+
+    def __init__(self, members: Sequence[str | Member] | None = None, *, hedge_persist: bool = False,
+                 **member_options: Any) -> None:
+        """`hedge_persist`: every query with Hedge on, over all members and without given weights, starts
+        from the weights the previous such query ended with (state of this object, shared by all its
+        callers: a setting of whoever owns the Ensemble, never of one request). `member_options` go
+        to each member's loader, validated once (:class:`segfuse.member_options.MemberOptions`)."""
+        shared = MemberOptions.build(member_options)
+        specs = list(members) if members else list(DEFAULT_MODELS)
+        if len(specs) > MAX_MEMBERS:
+            raise InvalidRequestError(f"{len(specs)} members given", f"use at most {MAX_MEMBERS}")
+        self.members: list[Member] = []
+        try:
+            for spec in specs:
+                self.members.append(spec if not isinstance(spec, str) else load_member(spec, shared))
+        except BaseException:
+            self.close()
+            raise
+        _make_names_unique(self.members)
+        self.hedge_persist = hedge_persist
+        self.hedge_weights: dict[str, float] = {}  # carried across queries with hedge_persist
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+    def steps(self, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
+              weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
+              top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> Steps:
+        """One generation as the engine's coroutine: the one way every interface starts one.
+
+        `members` picks some members by name (default: all); `constraint`: what the answer must be
+        (structured output, :class:`segfuse.constraints.Constraint`); `deadline`: a ``time.monotonic()``
+        time after which the answer so far ends (finish reason "deadline"); `cache_salt`: members reuse
+        only prompt prefixes cached under the same salt (one client's, kept apart from others').
+        Hedge weights: the given `weights`, else, with the ensemble's ``hedge_persist``, those the
+        previous query on the whole ensemble ended with (and this one's are kept for the next).
+        """
+        chosen = self._chosen(members)
+        persist = options.hedge and self.hedge_persist and members is None and weights is None
+        start = (self.hedge_weights or None) if persist else weights
+        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint,
+                             top_logprobs=top_logprobs, deadline=deadline, cache_salt=cache_salt)
+        return self._carrying(steps) if persist else steps
+
+    def pick(self, names: Sequence[str] | None) -> list[Member]:
+        """The members named (all of them for None); an unknown name is refused with the list."""
+        return self._chosen(names)
+
+    def _chosen(self, names: Sequence[str] | None) -> list[Member]:
+        if names is None:
+            return list(self.members)
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise InvalidRequestError(f"no member named {unknown[0]!r}", f"members: {', '.join(self.names)}")
+        return [m for m in self.members if m.name in names]
+
+    def _carrying(self, steps: Steps) -> Steps:
+        """`steps`, keeping the Hedge weights it ends with for the next query (in memory, on this object)."""
+        reply = None
+        try:
+            while True:
+                item = steps.send(reply)
+                if isinstance(item, DoneEvent):
+                    self.hedge_weights = dict(item.result.weights)
+                reply = yield item
+        except StopIteration:
+            return
+        finally:
+            steps.close()
+
+    def stream(self, prompt: Conversation, *, weights: Mapping[str, float] | None = None,
+               constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
+               json_object: bool = False, top_logprobs: int = 0, **options: Any) -> Iterator[Event]:
+        """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent.
+
+        Structured output: ``json_schema={...}`` (the answer validates against it), ``json_object=True``
+        (any JSON object), or a ``constraint`` built with :class:`segfuse.constraints.Constraint`.
+        ``Result.logprobs()`` gives each answer token's log-probability under its author, with
+        `top_logprobs` alternatives. A prompt ``{"role": "raw", "content": text}`` is continued as it
+        is, with no chat template (a text completion).
+        """
+        opts = options.pop("options", None) or FusionOptions.build(**options)
+        constraint = structured(constraint, json_schema, json_object)
+        return drive(self.steps(prompt, opts, weights=weights, constraint=constraint, top_logprobs=top_logprobs))
+
+    @property
+    def slots(self) -> int:
+        """How many generations the members can hold at once (llama.cpp members are loaded with ``slots``)."""
+        return min((m.slots or MAX_CONCURRENT for m in self.members), default=1)
+
+    def generate_many(self, prompts: Sequence[Conversation], *, max_concurrent: int | None = None,
+                      **options: Any) -> list[Result]:
+        """Answer several prompts at once, batching the members' work across them.
+
+        Up to `max_concurrent` (default: every slot the members have; load with
+        ``Ensemble(..., slots=N)``) run together; the rest wait their turn.
+        Results come in the order of `prompts`; the first failure is raised
+        once every prompt has run.
+        """
+        from .scheduler import run_all
+
+        opts = options.pop("options", None) or FusionOptions.build(**options)
+        generations = [self.steps(p, opts) for p in prompts]
+        outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
+
+    def generate(self, prompt: Conversation, **options: Any) -> Result:
+        """Run to completion and return the result with its provenance."""
+        for event in self.stream(prompt, **options):
+            if isinstance(event, DoneEvent):
+                return event.result
+        raise RuntimeError("the engine ended without a result")
+
+    def echo(self, prompt: str | Sequence[int], *, top_k: int = 0, members: Sequence[str] | None = None,
+             weights: Mapping[str, float] | None = None) -> tuple[Member, list[PromptToken]]:
+        """Every token of `prompt` with its log-probability from the text's start, as every member (or
+        those named) reads it, pooled on the largest member's tokens (``echo.py``); `prompt` may be
+        that member's token ids. Returns the member whose tokens these are, and the tokens."""
+        return echo_text(self._chosen(members), prompt, top_k=top_k, weights=weights)
+
+    def score(self, context: str, continuations: Sequence[str], *, rule: str | Rule = "loglinear-byte",
+              weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None) -> ItemScores:
+        """How likely each continuation of `context` is: every member's summed log-probability, token
+        and byte counts and greedy flag per continuation, and their pool under `rule` (``loglinear-byte``,
+        ``loglinear-whole``, ``mixture-byte``, ``mixture-whole``; uniform `weights` unless given).
+
+        The context is read as it is (no chat template); its trailing whitespace starts each
+        continuation, as lm-eval tokenizes. `members` picks some by name (one: that member alone).
+        """
+        chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
+        return score_item(self._chosen(members), context, continuations, chosen)
+
+    def score_many(self, items: Sequence[tuple[str, Sequence[str]]], *, rule: str | Rule = "loglinear-byte",
+                   weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None
+                   ) -> list[ItemScores | Exception]:
+        """:meth:`score` for several (context, continuations) items, batched where members hold several
+        sessions (``slots``); in order, each item's scores or the error it alone met."""
+        chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
+        return score_items(self._chosen(members), items, chosen)
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()
+        self.members = []
+
+    def __enter__(self) -> "Ensemble":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def structured(constraint: Constraint | None, json_schema: Mapping[str, Any] | None,
+               json_object: bool) -> Constraint | None:
+    """One constraint from the Python API's three ways of asking for one."""
+    asked = [c for c in (constraint, json_schema, json_object or None) if c is not None]
+    if len(asked) > 1:
+        raise InvalidRequestError("give one of constraint, json_schema and json_object", "pick one")
+    if json_schema is not None:
+        return Constraint.json_schema(dict(json_schema), where="json_schema")
+    return Constraint.json_object() if json_object else constraint
+
+
+def _make_names_unique(members: Sequence[Member]) -> None:
+    """Two copies of a model must not share a name (results are keyed by it)."""
+    seen: dict[str, int] = {}
+    for member in members:
+        count = seen.get(member.name, 0) + 1
+        seen[member.name] = count
+        if count > 1:
+            member.name = f"{member.name}#{count}"

@@ -1,0 +1,290 @@
+"""The FastAPI application: status and model routes, error handlers, and one module per API.
+
+The server is cut by endpoint: ``state`` and ``serving`` are the shared part
+(the server's state, jobs and their queueing, errors, request bodies, SSE,
+disconnects), ``parsing`` and ``limits`` read and bound requests, and each API
+module adds its own routes over them: ``chat`` (/v1/chat/completions),
+``completions`` (/v1/completions), ``messages`` (Anthropic's /v1/messages), ``responses``
+(OpenAI's /v1/responses).
+
+``create_app`` is what tests and embedders use; ``run`` is `segfuse serve`.
+Members are loaded before the app starts (``run``) or, when the app is created
+without an ensemble, in a background thread while /health says "loading" and
+completions answer 503. /health and /metrics (Prometheus) need no API key, but
+when the server has one, a request without it sees only /health's status and
+no figure that tells of other clients' prompts (docs/server.md, Privacy).
+
+Client input is read within ``[limits]`` (``limits.py``), and parsed, checked
+and compiled off the event loop (``ServerState.offload``), so that no request
+can hold up the others' streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..ensemble import Ensemble
+from ..errors import SegfuseError
+from . import chat, completions, messages, responses, tokenize
+from .config import WILDCARD_HOSTS, ServerConfig
+from .guards import Gate, h11_protocol, quoted, redact
+from .metrics import ServerMetrics
+from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
+from .serving import APIError, api_error
+from .state import ServerState, key_check
+from .worker import Worker
+
+log = logging.getLogger("segfuse.server")
+STATIC = Path(__file__).with_name("static")
+API_MODULES = (chat, completions, messages, responses, tokenize)  # each adds its routes: one module per API
+
+
+def load_ensemble(config: ServerConfig) -> Ensemble:
+    """Load the configured members (the embedded three when none are named)."""
+    m = config.members
+    options = {**m.load_options().given(), "slots": config.server.max_concurrent}  # one slot per generation in flight
+    return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **options)
+
+
+def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAPI:
+    """The ASGI app. With ``ensemble`` given the caller keeps ownership of it."""
+    worker = Worker(config.server.queue_size, config.server.max_concurrent,
+                    stall_after_s=config.server.stall_after_s)
+    state = ServerState(config, config.fusion_defaults(), worker, ServerMetrics(worker))
+    worker.observer = state.metrics
+    owned: list[Ensemble] = []
+
+    def attach(ens: Ensemble) -> None:
+        if not ens.members:
+            state.status, state.error = "failed", "the ensemble has no members"
+            return
+        state.worker.start(ens)
+        state.metrics.members(ens.names)
+        state.members, state.status = ens.names, "ok"
+        state.placement = {m.name: m.placement or "?" for m in ens.members}
+        state.contexts = {m.name: getattr(m, "n_ctx", None) for m in ens.members}
+        state.loaded = list(ens.members)
+        log.info("serving %s with members %s", state.model_id,
+                 ", ".join(f"{name} ({where})" for name, where in state.placement.items()))
+
+    def load_in_background() -> None:
+        try:
+            ens = load_ensemble(config)
+        except SegfuseError as exc:
+            state.status, state.error = "failed", str(exc)
+            log.error("could not load the members: %s", exc)
+            return
+        except Exception as exc:  # report, keep the server up so /health can say why
+            state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("could not load the members")
+            return
+        owned.append(ens)
+        attach(ens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ensemble is not None:
+            attach(ensemble)
+        else:
+            threading.Thread(target=load_in_background, name="segfuse-loader", daemon=True).start()
+        yield
+        await asyncio.to_thread(state.worker.stop)
+        for ens in owned:
+            ens.close()
+
+    # No /docs or /redoc: their pages load scripts from a CDN, and the server must work offline.
+    # /openapi.json is a route of ours, behind the key (_add_model_routes).
+    app = FastAPI(title="segfuse", summary="OpenAI-compatible API of a segfuse ensemble",
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.segfuse = state
+    app.add_middleware(Gate, allowed=config.server.hosts(), max_header_bytes=config.limits.max_header_bytes)
+    _add_error_handlers(app, state)
+    _add_routes(app, state)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    anthropic = path == messages.PATH or path.startswith(messages.PATH + "/")
+    body = messages.error_body(error) if anthropic else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code), request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first["loc"])
+        return _error_response(APIError(422, f"{where}: {first['msg']}", code="invalid_value"), request.url.path)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", quoted(request.url.path))
+        return _error_response(api_error(exc, state.holds_key(request)), request.url.path)
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    require_key = Depends(key_check(state))
+    _add_status_routes(app, state)
+    _add_model_routes(app, state, require_key)
+    for api in API_MODULES:
+        api.add_routes(app, state, require_key)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """The web view, /health and /metrics: open, no request content; with a key set, what tells of other
+    clients' requests only to requests that hold it."""
+    worker = state.worker
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health", response_model=Health)
+    async def health(request: Request) -> JSONResponse:
+        status, error = state.status, state.error
+        if status == "ok" and worker.fatal is not None:  # the process exits: a supervisor restarts it
+            status, error = "failed", f"the worker stopped: {worker.fatal}"
+        elif status == "ok" and (stall := worker.stalled) is not None:
+            status, error = "stalled", stall
+        code = 200 if status == "ok" else 503
+        if not state.sees_all(request):  # a probe: readiness only
+            return JSONResponse({"status": status}, status_code=code)
+        error = error if error is None or state.holds_key(request) else redact(error)
+        waiting, running = worker.state()
+        body = Health(status=status, model=state.model_id, members=state.members, error=error,
+                      queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
+                                       max_concurrent=worker.max_concurrent),
+                      counters=worker.snapshot(), placement=state.placement,
+                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
+        return JSONResponse(body.model_dump(), status_code=code)
+
+    # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
+    # other clients' prompts (the prefix caches, the cells sessions hold) only with the key, when there is one.
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(private=state.sees_all(request)),
+                        media_type=state.metrics.content_type)
+
+
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    """The fused model, then each member (a member alone is a model of its own: a baseline); each with the
+    context it takes (the fused model: its smallest member's)."""
+    def card(model: str, **more: Any) -> ModelCard:
+        window = state.context_length(model)
+        return ModelCard(id=model, created=state.started, context_length=window, max_model_len=window, **more)
+
+    return [card(state.model_id, members=state.members)] + [card(n, parent=state.model_id) for n in state.members]
+
+
+def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[require_key])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=[require_key])
+    async def list_models() -> ModelList:
+        return ModelList(data=_model_cards(state))
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             dependencies=[require_key])
+    async def get_model(model_id: str) -> ModelCard:
+        for card in _model_cards(state):
+            if card.id == model_id:
+                return card
+        raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")
+
+
+# --------------------------------------------------------------------------- `segfuse serve`
+
+
+def run(config: ServerConfig) -> None:
+    """Load the members (failing fast with a clear error), then serve until interrupted (or until the
+    worker cannot go on: then exit with status 1, for a supervisor to restart the server)."""
+    level = config.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(level)
+    if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it",
+                    config.server.host)
+    hosts = config.server.hosts()
+    if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
+        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
+                    ", ".join(sorted(hosts - {config.server.host})))
+    log.info("loading members…")
+    with load_ensemble(config) as ensemble:
+        app = create_app(config, ensemble)
+        s = config.server
+        log.info("open http://%s:%d/ for the web view; API at /v1%s", s.host, s.port,
+                 " (API key required)" if s.api_key else "")
+        server = _server(app, config)
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down (as uvicorn.run)
+            pass
+        if not server.started:
+            raise SystemExit(3)  # as uvicorn.run: the port could not be bound
+        fatal = app.state.segfuse.worker.fatal
+        if fatal is not None:
+            log.critical("exiting: the worker stopped (%s)", fatal)
+            raise SystemExit(1)
+
+
+def _server(app: FastAPI, config: ServerConfig) -> Any:
+    """uvicorn's Server for `app`: on SIGINT/SIGTERM the jobs in flight stop first, so that their streams
+    end at once (with an error frame) instead of holding the graceful shutdown up; a worker that cannot
+    go on stops it."""
+    import uvicorn
+
+    worker: Worker = app.state.segfuse.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Called as a signal handler: the worker's locks are taken in a thread of its own.
+            threading.Thread(target=worker.begin_shutdown, name="segfuse-shutdown", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, **uvicorn_settings(config)))
+    worker.on_fatal = lambda reason: setattr(server, "should_exit", True)
+    return server
+
+
+def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
+    """How uvicorn serves the app: the address, and the connection limits of ``[limits]``."""
+    s, limits = config.server, config.limits
+    return {"host": s.host, "port": s.port, "log_level": s.log_level, "timeout_graceful_shutdown": 30,
+            "limit_concurrency": limits.limit_concurrency, "timeout_keep_alive": limits.timeout_keep_alive_s,
+            "http": h11_protocol(limits.header_timeout_s), "h11_max_incomplete_event_size": limits.max_header_bytes}
+
+
+__all__ = ["ServerState", "create_app", "load_ensemble", "run", "uvicorn_settings"]

@@ -1,0 +1,216 @@
+"""``POST /v1/completions``: text completions, the legacy OpenAI endpoint.
+
+Every member continues the prompt as it is, with no chat template (a base
+model's natural task); the fusion is the same as for chat. A list of prompts
+is answered one choice each (run side by side, as slots allow); streaming takes
+one prompt. ``logprobs`` (up to 5) reports each answer token as its author
+drafted it; ``echo`` puts the prompt before the answer's text, and with ``logprobs`` its tokens
+too (``echo_completions.py``; ``max_tokens: 0``: the prompt alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..logprobs import TokenLogprob, answer_logprobs
+from ..options import FusionOptions
+from ..types import DoneEvent, Message, PromptToken, Result, SegmentEvent
+from . import parsing
+from .echo_completions import echo_logprobs, joined, prompt_texts, read_prompts
+from .limits import check_text
+from .parsing import Endpoint, fusion_options
+from .protocol import FusionInfo, Usage
+from .serving import (
+    KEEPALIVE_FRAME,
+    KEEPALIVE_S,
+    APIError,
+    disconnected,
+    event_stream,
+    failure_frame,
+    finish_reason_of,
+    finished,
+    result_info,
+    sse,
+    usage_of,
+)
+from .state import ServerState, job_fields, members_for, require_members, submit
+from .text_protocol import (
+    COMPLETION_NEUTRAL,
+    COMPLETION_PARAMETERS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    TextCompletion,
+)
+from .worker import Job, Started
+
+COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL, check_text)
+
+
+def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    @app.post("/v1/completions", dependencies=[require_key])
+    async def text_completions(request: Request) -> Response:
+        return await answer(state, request)
+
+    # One model's own path (its tokens in /m/{model}/tokenize beside it): lm-eval's remote tokenizer
+    # finds the tokenizer next to the completions URL and names no model.
+    @app.post("/m/{model}/v1/completions", dependencies=[require_key])
+    async def model_text_completions(request: Request, model: str) -> Response:
+        return await answer(state, request, model)
+
+
+async def answer(state: ServerState, request: Request, path_model: str | None = None) -> Response:
+    """A text completion (`path_model`: the model its path names; the body may name only that one)."""
+    body = await state.body(request)
+    parsed = await state.offload(parsing.parse_request, body, COMPLETIONS, state.config.limits)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    if path_model is not None and parsed.model not in (None, path_model):
+        raise APIError(400, f"this path serves {path_model!r}, the body asks for {parsed.model!r}",
+                       code="invalid_value", param="model")
+    model = path_model or parsed.model or state.model_id
+    texts = await state.offload(prompt_texts, state, parsed, model)
+    jobs = jobs_of(parsed, texts, state.defaults, members_for(state, model), **job_fields(state, parsed.cache_salt))
+    echoes = None
+    if parsed.echo and parsed.logprobs is not None:
+        echoes = await read_prompts(state, request, parsed, model, detailed)
+        if parsed.max_tokens == 0:
+            return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
+    # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
+    cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
+    if parsed.stream:
+        return event_stream(stream(jobs[0], parsed, texts[0], model, cancel, detailed), cancel)
+    result = await complete(jobs, parsed, texts, model, disconnected(request), state.worker.cancel, detailed, echoes)
+    return JSONResponse(result.model_dump(mode="json"))
+
+
+def jobs_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions, members: list[str] | None,
+            **job: Any) -> list[Job]:
+    """One job per prompt (`texts`: each as text; `job`: more Job fields, the same for each); 400 for what
+    the endpoint cannot do."""
+    if request.stream and len(texts) > 1:
+        raise APIError(400, "a stream answers one prompt: send the prompts one by one, or stream: false",
+                       code="invalid_value", param="prompt")
+    if not all(texts):
+        raise APIError(400, "a prompt is empty: give the text to continue", code="invalid_value", param="prompt")
+    options = fusion_options(request, defaults)
+    name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
+    return [Job([Message("raw", prompt)], options, members, id=name if i == 0 else f"{name}-{i}",
+                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, **job)
+            for i, prompt in enumerate(texts)]
+
+
+def echoed_only(request: CompletionRequest, model: str, texts: Sequence[str],
+                echoes: Sequence[Sequence[PromptToken]]) -> TextCompletion:
+    """``max_tokens: 0``: each prompt with its tokens' log-probabilities, and no answer."""
+    k = request.logprobs or 0
+    choices = [CompletionChoice(index=i, text=text, logprobs=echo_logprobs(echo, k), finish_reason="length")
+               for i, (text, echo) in enumerate(zip(texts, echoes))]
+    count = sum(len(e) for e in echoes)
+    return TextCompletion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, choices=choices,
+                          usage=Usage(prompt_tokens=count, completion_tokens=0, total_tokens=count))
+
+
+def legacy_logprobs(tokens: Sequence[TokenLogprob], k: int, offset: int) -> CompletionLogprobs:
+    """Answer tokens in the completions shape; `offset`: characters before the answer (an echoed prompt)."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    return CompletionLogprobs(
+        tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[_alternatives(t, k) for t in tokens], text_offset=offsets)
+
+
+def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
+    """The author's top `k` as text -> log-probability (two tokens with one text: the likelier)."""
+    table: dict[str, float] = {}
+    for text, _, lp in token.top[:k]:
+        table.setdefault(text, lp)
+    return table
+
+
+def _choice(index: int, prompt: str, result: Result, request: CompletionRequest,
+            echo: Sequence[PromptToken] | None = None) -> CompletionChoice:
+    before = prompt if request.echo else ""
+    logprobs = (legacy_logprobs(result.logprobs(), request.logprobs, len(before))
+                if request.logprobs is not None else None)
+    if echo is not None:
+        logprobs = joined(echo_logprobs(echo, request.logprobs or 0), logprobs)
+    return CompletionChoice(index=index, text=before + result.text, logprobs=logprobs,
+                            finish_reason=finish_reason_of(result))  # type: ignore[arg-type]
+
+
+def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
+    """Every prompt's usage (``serving.usage_of``), summed."""
+    each = [usage_of(result, started) for result, started in outcomes]
+    prompt, answer = sum(u.prompt_tokens for u in each), sum(u.completion_tokens for u in each)
+    return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
+
+
+async def complete(jobs: list[Job], request: CompletionRequest, texts: Sequence[str], model: str,
+                   disconnected: Callable[[], Awaitable[None]], cancel: Callable[[Job], None],
+                   detailed: bool = False, echoes: Sequence[Sequence[PromptToken]] | None = None) -> TextCompletion:
+    """Every prompt's answer (`texts`: the prompts), in order, as one text completion; `cancel` stops one
+    job (client gone, or another prompt's answer failed); `detailed`: internal error texts unredacted;
+    `echoes`: each prompt's echoed tokens, reported before the answer's."""
+    try:
+        outcomes = await asyncio.gather(*(finished(job, disconnected, lambda j=job: cancel(j), detailed)
+                                          for job in jobs))
+    finally:
+        for job in jobs:
+            cancel(job)  # a no-op for those that ended
+    first = outcomes[0][0]
+    choices = [_choice(i, p, r, request, echoes[i] if echoes else None)
+               for i, (p, (r, _)) in enumerate(zip(texts, outcomes))]
+    info = result_info(first, outcomes[0][1], detailed) if len(jobs) == 1 else FusionInfo(members=first.models)
+    return TextCompletion(id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices,
+                          usage=_usage(outcomes), segfuse=info)
+
+
+def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | None = None) -> str:
+    body = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[choice], segfuse=info)
+    return sse(body.model_dump(mode="json", exclude={"usage"}))
+
+
+async def stream(job: Job, request: CompletionRequest, text: str, model: str,
+                 cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:
+    """SSE frames: the echoed prompt `text` (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
+    k, offset = request.logprobs, len(text) if request.echo else 0
+    started: Started | None = None
+    try:
+        if request.echo:
+            yield _chunk(job, model, CompletionChoice(text=text))
+        async for item in job.items(keepalive_s=KEEPALIVE_S):
+            if item is None:
+                yield KEEPALIVE_FRAME
+            elif isinstance(item, Started):
+                started = item
+            elif isinstance(item, SegmentEvent):
+                tokens = answer_logprobs([item.segment])
+                logprobs = legacy_logprobs(tokens, k, offset) if k is not None else None
+                offset += len(item.segment.text)
+                yield _chunk(job, model, CompletionChoice(text=item.segment.text, logprobs=logprobs))
+            elif isinstance(item, DoneEvent):
+                result = item.result
+                yield _chunk(job, model, CompletionChoice(text="", finish_reason=finish_reason_of(result)),  # type: ignore[arg-type]
+                             result_info(result, started, detailed))
+                if request.include_usage:
+                    usage = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[],
+                                           usage=_usage([(result, started)]))
+                    yield sse(usage.model_dump(mode="json", exclude={"segfuse"}))
+            elif (frame := failure_frame(item, detailed)) is not None:
+                yield frame
+        yield sse("[DONE]")
+    finally:
+        cancel()
+
+
+__all__ = ["COMPLETIONS", "add_routes", "complete", "jobs_of", "legacy_logprobs", "stream"]

@@ -1,0 +1,223 @@
+"""A request's generation as the server's handlers and the worker share it: the job, the items it
+hands its handler (started, events, failed, cancelled), the errors a job can end with, and how a
+job's generation is reported as it runs (:func:`flight_of`) and when it ends (:func:`ending`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..backends.base import Member
+from ..constraints import Constraint
+from ..engine import Steps
+from ..ensemble import Ensemble
+from ..errors import InvalidRequestError, SegfuseError
+from ..options import FusionOptions
+from ..scheduler import Cancelled as FlightCancelled
+from ..scheduler import Flight
+from ..tools import Tool
+from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
+
+log = logging.getLogger("segfuse.server")
+
+
+class Observer(Protocol):
+    """What watches each generation as it happens (the server's metrics); `accepted` is the job's
+    ``time.time()`` at acceptance. Called on the worker thread."""
+
+    def first_segment(self, accepted: float) -> None: ...
+
+    def done(self, accepted: float, result: Result) -> None: ...
+
+
+class QueueFullError(SegfuseError):
+    """Every queue slot is taken; the client should retry later."""
+
+
+class ShuttingDownError(SegfuseError):
+    """The server is stopping and takes no new work."""
+
+
+class WorkerFailedError(SegfuseError):
+    """The worker could not go on (a tick failed, or its thread died); the request was not answered."""
+
+
+class DeadlineError(SegfuseError):
+    """The request's deadline passed before its generation could start."""
+
+
+@dataclass(frozen=True)
+class Started:
+    """The worker picked the job up; how long it waited and the prompt sizes."""
+
+    queue_s: float
+    prompt_tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    pass
+
+
+@dataclass(frozen=True)
+class Worked:
+    """A work job's value (see ``Job.work``)."""
+
+    value: object
+
+
+Item = Started | Event | Failed | Cancelled | Worked
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's generation, shared between its HTTP handler and the worker."""
+
+    messages: list[Message]
+    options: FusionOptions
+    members: list[str] | None = None  # None: the whole ensemble
+    constraint: Constraint | None = None  # structured output (response_format, or the tools offered)
+    tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
+    logprobs: bool = False  # the response reports each answer token's log-probability
+    top_logprobs: int = 0  # and this many alternatives per token, as the drafters report them
+    deadline_s: float | None = None  # from acceptance: then the answer so far ends (None: no deadline)
+    cache_salt: str | None = None  # prefix-cache isolation: reuse only prefixes cached under the same salt
+    # Instead of a generation, one call on the worker thread with the ensemble (reading an echoed
+    # prompt: bounded by the members' windows); its value comes back as ``Worked``.
+    work: Callable[[Ensemble], object] | None = None
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: float = field(default_factory=time.time)
+    accepted_at: float = field(default_factory=time.monotonic)  # the deadline counts from here
+    cancel_flag: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: SegfuseError | None = None  # why the server (not the client) cancelled it, if it did
+    _loop: asyncio.AbstractEventLoop | None = None
+    _items: asyncio.Queue[Item] | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        """The ``time.monotonic()`` time its deadline passes, if it has one."""
+        return None if self.deadline_s is None else self.accepted_at + self.deadline_s
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items = asyncio.Queue()
+
+    def emit(self, item: Item) -> None:
+        """Thread-safe: hand an item to the waiting handler (dropped if its loop is gone)."""
+        assert self._loop is not None and self._items is not None, "job not bound to a loop"
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop closed: the server is shutting down
+
+    async def items(self, keepalive_s: float | None = None) -> AsyncIterator[Item | None]:
+        """Items until a terminal one (DoneEvent, Failed, Cancelled).
+
+        With ``keepalive_s``, yields None whenever nothing arrived for that long,
+        so a streaming handler can write a heartbeat.
+        """
+        assert self._items is not None, "job not bound to a loop"
+        while True:
+            try:
+                item = await asyncio.wait_for(self._items.get(), keepalive_s)
+            except TimeoutError:
+                yield None
+                continue
+            yield item
+            if isinstance(item, DoneEvent | Failed | Cancelled | Worked):
+                return
+
+
+def prompt_tokens(members: Sequence[Member], messages: Sequence[Message]) -> dict[str, int]:
+    """Templated prompt length per member, where the backend can tell (for usage)."""
+    counts: dict[str, int] = {}
+    for member in members:
+        try:
+            tokens = member.prompt_tokens(messages)
+        except SegfuseError:
+            continue  # the generation itself reports a bad prompt
+        if tokens is not None:
+            counts[member.name] = len(tokens)
+    return counts
+
+
+def flight_of(job: Job, steps: Steps, count: Callable[[str], None], tell: Callable[[Callable[[Observer], None]], None],
+              end: Callable[[Job, BaseException | None, int], None]) -> Flight:
+    """The scheduler's flight for `job`: its events go to the job's handler as they happen, rounds are
+    counted, the observer hears of the first text and the result; `end` is told how it ended."""
+    rounds = [0]
+    first = [True]
+
+    def on_event(event: Event) -> None:  # on the worker thread, or the thread of a member's call
+        if isinstance(event, RoundEvent):
+            rounds[0] += 1
+            count("rounds")
+        elif isinstance(event, SegmentEvent) and first[0]:
+            first[0] = False
+            tell(lambda o: o.first_segment(job.created))
+        elif isinstance(event, DoneEvent):
+            tell(lambda o: o.done(job.created, event.result))
+        job.emit(event)
+
+    # The leader's text as it decodes it, unless the answer's log-probabilities are asked for: they
+    # come with whole segments (and with tools offered the text is held to the end anyway).
+    return Flight(steps, on_event, lambda why: end(job, why, rounds[0]), job.cancel_flag.is_set,
+                  live=not job.logprobs)
+
+
+def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | None, int], None]) -> None:
+    """Run a work job's call (``Job.work``) and end it: its value as ``Worked``, or its failure to `end`
+    (a text over a window is invalid; anything else failed)."""
+    assert job.work is not None
+    job.emit(Started(time.time() - job.created, {}))
+    try:
+        value = job.work(ensemble)
+    except Exception as exc:
+        end(job, exc, 0)
+        return
+    job.emit(Worked(value))
+    end(job, None, 0)
+
+
+def tell(observer: Observer | None, call: Callable[[Observer], None]) -> None:
+    """Tell the observer (if any) what happened; metrics must never stop a generation."""
+    if observer is None:
+        return
+    try:
+        call(observer)
+    except Exception:
+        log.exception("the observer failed")
+
+
+def ending(job: Job, why: BaseException | None, rounds: int, count: Callable[[str], None]) -> None:
+    """Count how `job` ended and tell its handler (nothing more to tell when it completed: its
+    DoneEvent went out)."""
+    if why is None:
+        count("completed")
+    elif isinstance(why, FlightCancelled):
+        count("cancelled")
+        log.info("%s cancelled after %d rounds", job.id, rounds)
+        job.emit(Cancelled() if job.cancel_reason is None else Failed(job.cancel_reason))
+    elif isinstance(why, InvalidRequestError):
+        count("invalid")
+        log.info("%s rejected: %s", job.id, why)
+        job.emit(Failed(why))
+    elif isinstance(why, SegfuseError):
+        count("failed")
+        log.warning("%s failed: %s", job.id, why)
+        job.emit(Failed(why))
+    else:  # a bug or a backend crash: report it, keep serving
+        count("failed")
+        log.error("%s crashed", job.id, exc_info=why)
+        job.emit(Failed(why))

@@ -1,0 +1,209 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API over the chat job.
+
+The request is translated to the chat request it means (``messages_protocol.to_chat``) and planned as
+chat plans it, so tools, structured output, limits and fusion options behave the same; the answer is
+written back as a Message, or as Anthropic's stream of events. Errors on these paths are in Anthropic's
+shape (``messages_protocol.error_body``), the key may come as ``x-api-key``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..options import FusionOptions
+from ..types import DoneEvent, Message, Result, SegmentEvent
+from . import limits as checks
+from . import parsing
+from .chat import full_info, job_of
+from .config import LimitsSection
+from .messages_protocol import (
+    MESSAGES_NEUTRAL,
+    MESSAGES_PARAMETERS,
+    AnthropicResponse,
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesUsage,
+    error_body,
+    to_chat,
+)
+from .parsing import ChatPlan, Endpoint
+from .serving import (
+    KEEPALIVE_S,
+    APIError,
+    call_of,
+    disconnected,
+    event_stream,
+    failure_of,
+    finished,
+    result_info,
+    sse,
+    usage_of,
+)
+from .state import ServerState, members_for, require_members, submit
+from .worker import Job, Started, prompt_tokens
+
+PATH = "/v1/messages"
+
+
+def check_messages(request: MessagesRequest, limits: LimitsSection) -> None:
+    """The budget and stop strings under their Anthropic names (the rest is checked as chat)."""
+    checks.check_budget(request.max_tokens, "max_tokens", limits)
+    checks.check_stops(request.stop_sequences, "stop_sequences", limits)
+
+
+MESSAGES = Endpoint(MessagesRequest, MESSAGES_PARAMETERS, MESSAGES_NEUTRAL, check_messages)
+COUNT_TOKENS = Endpoint(CountTokensRequest, MESSAGES_PARAMETERS, MESSAGES_NEUTRAL, check_messages)
+
+
+def plan_messages(body: bytes, defaults: FusionOptions, limits: LimitsSection,
+                  endpoint: Endpoint = MESSAGES) -> tuple[MessagesRequest, ChatPlan]:
+    """Body bytes -> the request and the chat plan it means (CPU work: run off the event loop)."""
+    try:
+        request = parsing.parse_request(body, endpoint, limits)
+    except APIError as exc:  # Anthropic answers a bad shape with 400, as any invalid request
+        exc.status = 400 if exc.status == 422 else exc.status
+        raise
+    chat = to_chat(request)
+    checks.check_chat(chat, limits)
+    return request, parsing.plan_of(chat, defaults, limits)
+
+
+def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    @app.post(PATH, dependencies=[require_key])
+    async def messages(request: Request) -> Response:
+        body = await state.body(request)
+        parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits)
+        detailed = state.holds_key(request)
+        require_members(state, detailed)
+        model = parsed.model or state.model_id
+        job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}")
+        cancel = submit(state, [job], detailed, plan.request.user)
+        if parsed.stream:
+            return event_stream(stream(job, model, cancel, detailed), cancel)
+        result, started = await finished(job, disconnected(request), cancel, detailed)
+        return JSONResponse(message_body(job, model, result, started, detailed).model_dump(mode="json"))
+
+    @app.post(f"{PATH}/count_tokens", dependencies=[require_key])
+    async def count_tokens(request: Request) -> JSONResponse:
+        body = await state.body(request)
+        parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits, COUNT_TOKENS)
+        require_members(state, state.holds_key(request))
+        names = members_for(state, parsed.model or state.model_id)
+        counted = await state.offload(_count, state, plan.messages, names)
+        return JSONResponse({"input_tokens": counted})
+
+
+def _count(state: ServerState, messages: list[Message], names: list[str] | None) -> int:
+    """The templated prompt's tokens: the longest among the members that would answer (as usage counts)."""
+    members = [m for m in state.loaded if names is None or m.name in names]
+    return max(prompt_tokens(members, messages).values(), default=0)
+
+
+# --------------------------------------------------------------------------- the answer
+
+
+def stop_reason(job: Job, result: Result) -> str:
+    """Anthropic's stop reason. The engine does not tell a stop sequence from the end of the turn: both
+    are "end_turn"."""
+    if call_of(job, result) is not None:
+        return "tool_use"
+    return "end_turn" if result.stats.finish_reason == "stop" else "max_tokens"
+
+
+def _usage(result: Result, started: Started | None) -> MessagesUsage:
+    usage = usage_of(result, started)
+    return MessagesUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
+
+
+def content_of(job: Job, result: Result) -> list[dict[str, Any]]:
+    """The answer's content blocks: one tool_use, or one text block (none for an empty answer)."""
+    call = call_of(job, result)
+    if call is not None:
+        return [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}]
+    return [{"type": "text", "text": result.text}] if result.text else []
+
+
+def message_body(job: Job, model: str, result: Result, started: Started | None,
+                 detailed: bool = False) -> AnthropicResponse:
+    return AnthropicResponse(id=job.id, model=model, content=content_of(job, result),
+                             stop_reason=stop_reason(job, result), usage=_usage(result, started),  # type: ignore[arg-type]
+                             segfuse=full_info(result, started, detailed))
+
+
+def _event(kind: str, **fields: Any) -> str:
+    return sse({"type": kind, **fields}, event=kind)
+
+
+def _start(job: Job, model: str, started: Started | None) -> str:
+    prompt = max(started.prompt_tokens.values(), default=0) if started else 0
+    message = {"id": job.id, "type": "message", "role": "assistant", "model": model, "content": [],
+               "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}
+    return _event("message_start", message=message)
+
+
+def _held_blocks(job: Job, result: Result, held: list[str], index: int) -> list[str]:
+    """With tools offered, the answer at its end: one tool_use block, or the text held back."""
+    call = call_of(job, result)
+    if call is not None:
+        return [_event("content_block_start", index=index, content_block={
+                    "type": "tool_use", "id": call.id, "name": call.name, "input": {}}),
+                _event("content_block_delta", index=index, delta={
+                    "type": "input_json_delta", "partial_json": call.arguments}),
+                _event("content_block_stop", index=index)]
+    text = "".join(held)
+    if not text:
+        return []
+    return [_event("content_block_start", index=index, content_block={"type": "text", "text": ""}),
+            _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}),
+            _event("content_block_stop", index=index)]
+
+
+def _closing(job: Job, result: Result, started: Started | None, detailed: bool) -> list[str]:
+    usage = _usage(result, started)
+    return [_event("message_delta", delta={"stop_reason": stop_reason(job, result), "stop_sequence": None},
+                   usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+                   segfuse=result_info(result, started, detailed).model_dump(mode="json")),
+            _event("message_stop")]
+
+
+async def stream(job: Job, model: str, cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:
+    """Anthropic's events: message_start (when the worker takes the job), one text block whose deltas are
+    the segments as they come, message_delta (stop reason, usage), message_stop; ping while waiting; an
+    ``error`` event ends a stream whose job failed. With tools, the answer is held to its end (a call or
+    text)."""
+    opened = False  # the text block has started
+    held: list[str] = []
+    started: Started | None = None
+    try:
+        async for item in job.items(keepalive_s=KEEPALIVE_S):
+            if item is None:
+                yield _event("ping")
+            elif isinstance(item, Started):
+                started = item
+                yield _start(job, model, started)
+            elif isinstance(item, SegmentEvent):
+                if job.tools:
+                    held.append(item.segment.text)
+                    continue
+                if not opened:
+                    opened = True
+                    yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": item.segment.text})
+            elif isinstance(item, DoneEvent):
+                frames = [_event("content_block_stop", index=0)] if opened else _held_blocks(job, item.result, held, 0)
+                for frame in frames + _closing(job, item.result, started, detailed):
+                    yield frame
+            elif (error := failure_of(item, detailed)) is not None:
+                yield sse(error_body(error), event="error")
+    finally:
+        cancel()
+
+
+__all__ = ["COUNT_TOKENS", "MESSAGES", "PATH", "add_routes", "error_body", "message_body", "plan_messages",
+           "stream"]

@@ -1,0 +1,233 @@
+"""``POST /v1/responses``: OpenAI's Responses API over the chat job.
+
+The request becomes the chat request it means (``responses_protocol.to_chat``), continued from a stored
+response when it names ``previous_response_id`` (``response_store``: the newest responses, in memory), and
+is planned as chat plans it. The answer is a response object whose output is one message or one
+function call, or the Responses stream of events (``response.created`` ... ``response.completed``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..options import FusionOptions
+from ..types import DoneEvent, Result, SegmentEvent
+from . import limits as checks
+from . import parsing
+from .chat import full_info, job_of
+from .config import LimitsSection
+from .parsing import ChatPlan, Endpoint
+from .response_store import ResponseStore
+from .responses_protocol import (
+    RESPONSES_NEUTRAL,
+    RESPONSES_PARAMETERS,
+    ResponsesRequest,
+    conversation,
+    to_chat,
+)
+from .serving import (
+    KEEPALIVE_FRAME,
+    KEEPALIVE_S,
+    APIError,
+    call_of,
+    disconnected,
+    event_stream,
+    failure_of,
+    finished,
+    result_info,
+    sse,
+    usage_of,
+)
+from .state import ServerState, require_members, submit
+from .worker import Job, Started
+
+
+def check_responses(request: ResponsesRequest, limits: LimitsSection) -> None:
+    checks.check_budget(request.max_output_tokens, "max_output_tokens", limits)
+
+
+RESPONSES = Endpoint(ResponsesRequest, RESPONSES_PARAMETERS, RESPONSES_NEUTRAL, check_responses)
+
+
+@dataclass(frozen=True)
+class ResponsesPlan:
+    request: ResponsesRequest
+    history: list[dict[str, Any]]  # the conversation so far, as chat messages (to store with the answer)
+    chat: ChatPlan
+
+
+def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
+                   store: ResponseStore) -> ResponsesPlan:
+    """Body bytes -> the request, its conversation and its chat plan (CPU work: run off the event loop)."""
+    request = parsing.parse_request(body, RESPONSES, limits)
+    earlier: list[dict[str, Any]] = []
+    if request.previous_response_id is not None:
+        found = store.get(request.previous_response_id)
+        if found is None:
+            raise APIError(400, f"previous response {request.previous_response_id!r} not found: this server "
+                           "keeps the newest responses made with store on, in memory, until it restarts; send "
+                           "the whole input instead", code="previous_response_not_found",
+                           param="previous_response_id")
+        earlier = found
+    chat = to_chat(request, earlier)
+    checks.check_chat(chat, limits)
+    return ResponsesPlan(request, conversation(request, earlier), parsing.plan_of(chat, defaults, limits))
+
+
+def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    store = state.extras["responses"] = ResponseStore()  # one per app: what previous_response_id finds
+
+    @app.post("/v1/responses", dependencies=[require_key])
+    async def responses(request: Request) -> Response:
+        body = await state.body(request)
+        plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, store)
+        detailed = state.holds_key(request)
+        require_members(state, detailed)
+        model = plan.request.model or state.model_id
+        job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
+        cancel = submit(state, [job], detailed, plan.request.user)
+        answer = Answer(job, model, plan, store, detailed)
+        if plan.request.stream:
+            return event_stream(answer.stream(cancel), cancel)
+        result, started = await finished(job, disconnected(request), cancel, detailed)
+        return JSONResponse(answer.body(result, started))
+
+
+class Answer:
+    """One response's wire shapes: its output items, the response object, its stream of events."""
+
+    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: ResponseStore, detailed: bool) -> None:
+        self.job, self.model, self.plan, self.store, self.detailed = job, model, plan, store, detailed
+        self.message_id, self.call_item_id = f"msg_{uuid.uuid4().hex}", f"fc_{uuid.uuid4().hex}"
+        self.sequence = 0
+
+    def output(self, result: Result) -> list[dict[str, Any]]:
+        call = call_of(self.job, result)
+        if call is not None:
+            return [{"type": "function_call", "id": self.call_item_id, "call_id": call.id, "name": call.name,
+                     "arguments": call.arguments, "status": "completed"}]
+        return [self.message(result.text, "completed")]
+
+    def message(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def snapshot(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The response object as it stands (``status``: in_progress, completed, incomplete)."""
+        r = self.plan.request
+        return {"id": self.job.id, "object": "response", "created_at": int(self.job.created), "status": status,
+                "error": None, "incomplete_details": None, "instructions": r.instructions,
+                "max_output_tokens": r.max_output_tokens, "model": self.model, "output": output or [],
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": r.previous_response_id, "store": r.store is not False,
+                "temperature": r.temperature, "top_p": r.top_p, "text": r.text or {"format": {"type": "text"}},
+                "tool_choice": r.tool_choice or "auto", "tools": r.tools or [], "metadata": r.metadata or {},
+                "usage": None}
+
+    def body(self, result: Result, started: Started | None) -> dict[str, Any]:
+        """The finished response (kept in the store, unless the request said store: false)."""
+        output = self.output(result)
+        length = result.stats.finish_reason != "stop"
+        usage = usage_of(result, started)
+        body = self.snapshot("incomplete" if length else "completed", output)
+        body["incomplete_details"] = {"reason": "max_output_tokens"} if length else None
+        body["usage"] = {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                         "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                         "total_tokens": usage.total_tokens}
+        body["segfuse"] = full_info(result, started, self.detailed).model_dump(mode="json")
+        if self.plan.request.store is not False:
+            self.store.put(self.job.id, self.plan.history + [_as_chat(output[0])])
+        return body
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.sequence += 1
+        return sse({"type": kind, "sequence_number": self.sequence - 1, **fields}, event=kind)
+
+    def text_events(self, text: str | None = None) -> list[str]:
+        """A message item opened (``text`` None), or opened, written and closed at once."""
+        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        frames = [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
+                  self.event("response.content_part.added", **ids, part=part)]
+        if text is not None:
+            frames.append(self.event("response.output_text.delta", **ids, delta=text, logprobs=[]))
+        return frames
+
+    def closing_text(self, text: str) -> list[str]:
+        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return [self.event("response.output_text.done", **ids, text=text, logprobs=[]),
+                self.event("response.content_part.done", **ids, part=part),
+                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]
+
+    def call_events(self, item: dict[str, Any]) -> list[str]:
+        ids = {"item_id": item["id"], "output_index": 0}
+        return [self.event("response.output_item.added", output_index=0, item={**item, "arguments": "",
+                                                                               "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", **ids, name=item["name"],
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=0, item=item)]
+
+    def ending(self, result: Result, started: Started | None, opened: bool, held: list[str]) -> list[str]:
+        body = self.body(result, started)
+        item = body["output"][0]
+        if item["type"] == "function_call":
+            frames = self.call_events(item)
+        else:
+            frames = [] if opened else self.text_events("".join(held) or None)
+            frames += self.closing_text(result.text)
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return frames + [self.event(kind, response=body)]
+
+    async def stream(self, cancel: Callable[[], None]) -> AsyncIterator[str]:
+        """response.created at once, response.in_progress when the worker takes the job, the answer's text
+        as output_text deltas as the segments come (with tools: held to the end, a call or text), then
+        the closing events and response.completed (response.incomplete at the budget); an ``error`` event
+        ends a stream whose job failed."""
+        opened, held = False, []
+        started: Started | None = None
+        try:
+            yield self.event("response.created", response=self.snapshot("in_progress"))
+            async for item in self.job.items(keepalive_s=KEEPALIVE_S):
+                if item is None:
+                    yield KEEPALIVE_FRAME
+                elif isinstance(item, Started):
+                    started = item
+                    yield self.event("response.in_progress", response=self.snapshot("in_progress"))
+                elif isinstance(item, SegmentEvent):
+                    if self.job.tools:
+                        held.append(item.segment.text)
+                        continue
+                    frames = [] if opened else self.text_events()
+                    opened = True
+                    frames.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                             content_index=0, delta=item.segment.text, logprobs=[]))
+                    for frame in frames:
+                        yield frame
+                elif isinstance(item, DoneEvent):
+                    for frame in self.ending(item.result, started, opened, held):
+                        yield frame
+                elif (error := failure_of(item, self.detailed)) is not None:
+                    detail = error.detail.model_dump()
+                    yield self.event("error", code=detail["code"], message=detail["message"], param=detail["param"],
+                                     error=detail)
+        finally:
+            cancel()
+
+
+def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as the chat message a later request's conversation holds."""
+    if item["type"] == "function_call":
+        return {"role": "assistant", "content": None, "tool_calls": [{"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}]}
+    return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
+
+
+__all__ = ["RESPONSES", "Answer", "add_routes", "plan_responses", "result_info"]

@@ -1,0 +1,299 @@
+"""What every endpoint shares: errors, reading a job's items, server-sent events, disconnects, bodies.
+
+Each API module (``chat``, ``completions``, ``messages``, ``responses``) turns
+its request into jobs and the jobs' items into its own wire shape; what they
+all need lives here, written once: ``APIError`` (sent in each API's own error
+shape by the app), ``finished`` (the whole answer, cancelled when the client
+hangs up), ``event_stream`` (SSE headers and the cancel-on-hangup), the
+request body within ``[limits]``, and the parts of a result every response
+reports (usage, the ``segfuse`` extension).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from ..errors import (
+    InvalidRequestError,
+    MemberFailedError,
+    MemberLoadError,
+    NoFreeSlotError,
+    SegfuseError,
+    UnknownModelError,
+)
+from ..tools import ToolCall, read_call
+from ..types import DoneEvent, Result, Segment
+from .guards import media_type_error, redact
+from .protocol import (
+    ErrorDetail,
+    ErrorResponse,
+    FusionInfo,
+    FusionStats,
+    SegmentInfo,
+    Usage,
+)
+from .worker import (
+    Cancelled,
+    DeadlineError,
+    Failed,
+    Job,
+    QueueFullError,
+    ShuttingDownError,
+    Started,
+    Worked,
+    WorkerFailedError,
+)
+
+log = logging.getLogger("segfuse.server")
+
+KEEPALIVE_S = 10.0  # an SSE comment this often keeps proxies from closing a queued stream
+DRAIN_FACTOR = 16  # read (and drop) up to this many times the body limit, so the 413 reaches the client
+
+
+class APIError(Exception):
+    """An error to send with this HTTP status, in the shape of the API the request spoke (OpenAI's by
+    default: ``body``; the app picks another API's shape by the request's path)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, code=code, param=param)
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=self.detail).model_dump()
+
+
+def api_error(exc: BaseException, detailed: bool = False) -> APIError:
+    """Map any exception to the APIError a client should see (no internals for bugs). Texts from inside
+    (a member's fault, a load error) lose their paths and URLs unless `detailed` (the request holds the key)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SegfuseError):
+        text = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+        text = text if detailed else redact(text)
+        if isinstance(exc, QueueFullError):
+            return APIError(429, text, "rate_limit_error", "queue_full")
+        if isinstance(exc, ShuttingDownError):
+            return APIError(503, text, "server_error", "shutting_down")
+        if isinstance(exc, DeadlineError):
+            return APIError(504, text, "server_error", "deadline_exceeded")
+        if isinstance(exc, WorkerFailedError):
+            return APIError(503, text, "server_error", "worker_failed")
+        if isinstance(exc, UnknownModelError):
+            return APIError(404, text, "invalid_request_error", "model_not_found", "model")
+        if isinstance(exc, InvalidRequestError):
+            return APIError(400, text, "invalid_request_error", "invalid_request")
+        if isinstance(exc, NoFreeSlotError):  # every slot held past the wait: busy, not broken
+            return APIError(503, text, "server_error", "no_free_slot")
+        if isinstance(exc, MemberFailedError | MemberLoadError):
+            return APIError(500, text, "server_error", "member_failed")
+        return APIError(500, text, "server_error")
+    return APIError(500, "internal error while generating; see the server log", "server_error")
+
+
+CANCELLED = "the generation was cancelled"
+
+
+def failure_of(item: Any, detailed: bool = False) -> APIError | None:
+    """The error a failed or cancelled job ends with (None for other items)."""
+    if isinstance(item, Failed):
+        return api_error(item.error, detailed)
+    if isinstance(item, Cancelled):
+        return APIError(503, CANCELLED, "server_error", "cancelled")
+    return None
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, or 413 once it passes ``limit`` bytes (drained a while so the client sees the 413), or 408
+    when the client takes longer than ``timeout_s`` to send it (a slow client must not hold a connection)."""
+    declared = request.headers.get("content-length", "")
+    too_big = declared.isdigit() and int(declared) > limit
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    too_big = True
+                if too_big:
+                    if size > DRAIN_FACTOR * limit:
+                        break
+                    continue
+                parts.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body took longer than {timeout_s:g} s to arrive ([limits] "
+                       "body_timeout_s)", code="request_timeout") from None
+    if too_big:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    return b"".join(parts)
+
+
+async def json_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """A JSON endpoint's body: 415 unless it is declared JSON (browsers), then read within the limits."""
+    why = media_type_error(request.headers.get("content-type"))
+    if why is not None:
+        raise APIError(415, why, code="unsupported_media_type")
+    return await read_body(request, limit, timeout_s)
+
+
+# --------------------------------------------------------------------------- what every response reports
+
+
+def finish_reason_of(result: Result, call: ToolCall | None = None) -> str:
+    """OpenAI's finish reason: "tool_calls", "stop" or "length" (a context or deadline end is a length limit)."""
+    if call is not None:
+        return "tool_calls"
+    return "stop" if result.stats.finish_reason == "stop" else "length"
+
+
+def call_of(job: Job, result: Result) -> ToolCall | None:
+    """The tool call a finished answer makes, when tools were offered."""
+    return read_call(result.text, job.tools) if job.tools and result.stats.finish_reason == "stop" else None
+
+
+def usage_of(result: Result, started: Started | None) -> Usage:
+    # Members tokenize differently: count the longest prompt, and the winners' answer tokens.
+    prompt = max(started.prompt_tokens.values(), default=0) if started else 0
+    return Usage(prompt_tokens=prompt, completion_tokens=result.stats.tokens,
+                 total_tokens=prompt + result.stats.tokens)
+
+
+def _stats(result: Result, started: Started | None) -> FusionStats:
+    return FusionStats(**result.stats.to_dict(), queue_s=round(started.queue_s, 3) if started else 0.0)
+
+
+def result_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
+    """The parts of a finished result every response carries (members, stats, weights, departures; a
+    departure's reason without paths and URLs unless `detailed`)."""
+    departures = [asdict(d) for d in result.departures]
+    if not detailed:
+        departures = [{**d, "reason": redact(str(d.get("reason") or ""))} for d in departures]
+    return FusionInfo(
+        members=result.models,
+        stats=_stats(result, started),
+        weights=result.weights or None,
+        departures=departures or None,
+    )
+
+
+def segment_info(segment: Segment) -> SegmentInfo:
+    return SegmentInfo(text=segment.text, model=segment.model, round=segment.round)
+
+
+# --------------------------------------------------------------------------- a job's answer
+
+
+async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
+                   cancel: Callable[[], None], detailed: bool = False) -> tuple[Result, Started | None]:
+    """Wait for the whole answer; ``cancel()`` the job if the client goes away first.
+
+    ``disconnected`` returns when the client hangs up; the worker then stops
+    the job within a round and the item stream ends with ``Cancelled``.
+    """
+
+    item, started = await _last_item(job, disconnected, cancel, detailed)
+    assert isinstance(item, DoneEvent)
+    return item.result, started
+
+
+async def worked(job: Job, disconnected: Callable[[], Awaitable[None]],
+                 cancel: Callable[[], None], detailed: bool = False) -> object:
+    """A work job's value (``Job.work``), as :func:`finished` waits for an answer."""
+    item, _ = await _last_item(job, disconnected, cancel, detailed)
+    assert isinstance(item, Worked)
+    return item.value
+
+
+async def _last_item(job: Job, disconnected: Callable[[], Awaitable[None]], cancel: Callable[[], None],
+                     detailed: bool) -> tuple[DoneEvent | Worked, Started | None]:
+    """The job's result item and its Started; its failure raised as an APIError."""
+
+    async def watch() -> None:
+        await disconnected()
+        cancel()
+
+    started: Started | None = None
+    watcher = asyncio.ensure_future(watch())
+    try:
+        async for item in job.items():
+            if isinstance(item, Started):
+                started = item
+            elif isinstance(item, DoneEvent | Worked):
+                return item, started
+            elif (error := failure_of(item, detailed)) is not None:
+                raise error
+        raise APIError(500, "the generation ended without a result", "server_error")
+    finally:
+        watcher.cancel()
+        cancel()  # a no-op when the job already ended
+
+
+def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    """A waiter that returns when the client of a non-streamed request hangs up (its work is then cancelled)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+# --------------------------------------------------------------------------- server-sent events
+
+
+def sse(payload: dict[str, Any] | str, event: str | None = None) -> str:
+    """One SSE frame (``event``: its name, for the APIs that name their events)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
+
+
+KEEPALIVE_FRAME = ": keep-alive\n\n"
+
+
+def failure_frame(item: Any, detailed: bool = False) -> str | None:
+    """The OpenAI SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
+    error = failure_of(item, detailed)
+    return None if error is None else sse(error.body())
+
+
+def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> StreamingResponse:
+    """A request's server-sent events; `cancel` also runs when the client hung up."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(cancel))
+
+
+__all__ = [
+    "worked",
+    "KEEPALIVE_FRAME",
+    "KEEPALIVE_S",
+    "APIError",
+    "api_error",
+    "call_of",
+    "disconnected",
+    "event_stream",
+    "failure_frame",
+    "failure_of",
+    "finish_reason_of",
+    "finished",
+    "json_body",
+    "read_body",
+    "result_info",
+    "segment_info",
+    "sse",
+    "usage_of",
+]

@@ -1,0 +1,321 @@
+// segfuse web view: streams /v1/chat/completions and colours each segment by its author.
+// Plain JS, no build step, no external resources (the page must work offline).
+"use strict";
+
+// Okabe–Ito colours: distinguishable with the common colour-vision deficiencies.
+const PALETTE = ["#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#0072B2", "#D55E00", "#F0E442"];
+
+const $ = (id) => document.getElementById(id);
+const state = { model: "segfuse", members: [], history: [], controller: null };
+
+function colour(name) {
+  const i = state.members.indexOf(name);
+  return PALETTE[(i < 0 ? state.members.length : i) % PALETTE.length];
+}
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props)) {
+    if (key === "style") Object.assign(node.style, value);
+    else if (key.startsWith("--")) node.style.setProperty(key, value);
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    else node[key] = value;
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+function setStatus(text, isError = false) {
+  $("status").textContent = text;
+  $("status").classList.toggle("error", isError);
+}
+
+async function loadModels() {
+  try {
+    const response = await fetch("v1/models", { headers: headers() });
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+    const ensemble = body.data.find((m) => Array.isArray(m.members) && m.members.length);
+    state.model = ensemble ? ensemble.id : body.data[0].id;
+    state.members = ensemble ? ensemble.members : body.data.map((m) => m.id);
+    $("legend").replaceChildren(...state.members.map((name) =>
+      el("span", { className: "member" }, el("span", { className: "swatch", style: { background: colour(name) } }), name)));
+    setStatus(`${state.members.length} members ready`);
+  } catch (err) {
+    setStatus(`cannot list models: ${err.message}`, true);
+  }
+}
+
+// ---------------------------------------------------------------- hover: the round's candidates
+
+function fmt(x) {
+  return typeof x === "number" ? x.toFixed(3) : "–";
+}
+
+function shown(candidate) {
+  if (candidate.text === "") return candidate.finished ? "⏹ (stop here)" : "∅ (no usable draft)";
+  // Newlines as visible marks keep the table compact and show what the member really wrote.
+  return candidate.text.replace(/\n/g, "↵") + (candidate.finished ? " ⏹" : "");
+}
+
+// How a round's winner was decided (RoundRecord.decision).
+const DECISIONS = {
+  confident: "alone: the leader was confident",
+  alone: "alone: the leader answers alone",
+  rejected: "the leader accepted no proposal",
+  vote: "put to a vote",
+};
+
+function showRound(span, round) {
+  const verifiers = Object.keys(round.scores);
+  const head = el("tr", {}, el("th", { textContent: "member" }), el("th", { textContent: "candidate" }),
+    el("th", { textContent: "total" }), ...verifiers.map((v) => el("th", { textContent: `by ${v}`, title: "normalised score from this verifier" })));
+  const rows = round.candidates.map((cand, i) => el("tr", { className: i === round.winner_index ? "won" : "" },
+    el("td", {}, el("span", { className: "swatch", style: { background: colour(cand.model) } }), cand.model, i === round.winner_index ? " ✓" : ""),
+    el("td", { className: "text", textContent: shown(cand) +
+      (round.penalised && round.penalised[cand.model] ? ` (held back: ${round.penalised[cand.model]})` : "") +
+      (round.consulted && round.consulted[cand.model] ? ` (the leader ${round.consulted[cand.model]})` : "") }),
+    el("td", { textContent: fmt(round.aggregate[i]) }),
+    ...verifiers.map((v) => el("td", { textContent: fmt(round.scores[v][i]) }))));
+  // Weights are worth showing only once Hedge has moved them off uniform.
+  const values = round.weights ? Object.values(round.weights) : [];
+  const moved = values.some((w) => Math.abs(w - values[0]) > 1e-9);
+  const weights = moved ? Object.entries(round.weights).map(([m, w]) => `${m} ${w.toFixed(2)}`).join(", ") : "";
+  const tip = $("tip");
+  tip.replaceChildren(
+    el("div", { className: "caption", textContent: `round ${round.index} · won by ${round.winner}` + (weights ? ` · weights: ${weights}` : "") +
+      (round.leader ? ` · ${DECISIONS[round.decision] || round.decision} (leader ${round.leader}, confidence ${fmt(round.confidence)})` : "") }),
+    el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
+  tip.hidden = false;
+  const box = span.getBoundingClientRect();
+  const width = tip.offsetWidth, height = tip.offsetHeight;
+  const left = Math.min(Math.max(8, box.left), window.innerWidth - width - 8);
+  const below = box.bottom + 6 + height < window.innerHeight;
+  tip.style.left = `${left}px`;
+  tip.style.top = `${below ? box.bottom + 6 : Math.max(8, box.top - height - 6)}px`;
+}
+
+function hideRound() {
+  $("tip").hidden = true;
+}
+
+// ---------------------------------------------------------------- one answer
+
+class Answer {
+  constructor() {
+    this.text = "";
+    this.open = null;  // the span of a segment still being written
+    this.wins = new Map();
+    this.body = el("div", { className: "answer waiting" });
+    this.summary = el("div", { className: "summary" });
+    this.meta = el("div", { className: "meta" });
+    this.node = el("section", { className: "turn assistant" }, el("div", { className: "who", textContent: "ensemble" }),
+      this.body, this.summary, this.meta);
+    $("log").append(this.node);
+  }
+
+  // A piece of the answer: a whole segment with its round, or (the leader answering alone) a piece of
+  // a segment still being written, which joins its round's span until the round's record comes.
+  segment(text, model, index, round) {
+    this.body.classList.remove("waiting");
+    this.text += text;
+    const key = String(index || (round ? round.index : ""));
+    let span = this.open;
+    if (!span || !key || span.dataset.round !== key) {
+      this.wins.set(model, (this.wins.get(model) || 0) + 1);
+      span = el("span", { className: "seg", textContent: "", tabIndex: 0, "--c": colour(model),
+        dataset: { model, round: key } });
+      this.body.append(span);
+    }
+    span.textContent += text;
+    this.open = round ? null : span;
+    if (round) this.hover(span, round);
+    this.node.scrollIntoView({ block: "end" });
+  }
+
+  // A round's record that came after its pieces, in a chunk of its own: the open span's hover.
+  round(round) {
+    const span = this.open;
+    if (!span || span.dataset.round !== String(round.index)) return;  // a "stop here" round: no text
+    this.open = null;
+    this.hover(span, round);
+  }
+
+  hover(span, round) {
+    span.addEventListener("mouseenter", () => showRound(span, round));
+    span.addEventListener("focus", () => showRound(span, round));
+    span.addEventListener("mouseleave", hideRound);
+    span.addEventListener("blur", hideRound);
+  }
+
+  // A structured answer, indented, below the segments (which keep showing who wrote what).
+  formatted() {
+    const text = this.text.trim();
+    if (!text.startsWith("{") && !text.startsWith("[")) return;
+    try {
+      const value = JSON.parse(text);
+      this.summary.append(el("pre", { className: "json", textContent: JSON.stringify(value, null, 2) }));
+    } catch (err) {
+      // not (yet) JSON: the segments say it all
+    }
+  }
+
+  bars(title, values, format) {
+    const top = Math.max(...values.map(([, v]) => v), 1e-9);
+    this.summary.append(el("div", { className: "title", textContent: title }));
+    for (const [name, value] of values) {
+      this.summary.append(
+        el("span", { className: "name" }, el("span", { className: "swatch", style: { background: colour(name) } }), name),
+        el("span", { className: "bar-wrap" },
+          el("span", { className: "bar", "--c": colour(name), style: { width: `${(12 * value) / top}rem` } }),
+          el("span", { textContent: format(value) })));
+    }
+  }
+
+  finish(info, finishReason, hedge) {
+    this.body.classList.remove("waiting");
+    const members = (info && info.members) || state.members;
+    this.summary.replaceChildren();
+    this.bars("segments won", members.map((m) => [m, this.wins.get(m) || 0]), (v) => String(v));
+    this.formatted();
+    if (hedge && info && info.weights) this.bars("Hedge weights at the end", members.map((m) => [m, info.weights[m] || 0]), (v) => v.toFixed(2));
+    if (info && info.stats) {
+      const s = info.stats;
+      this.meta.textContent = `${s.rounds} round${s.rounds === 1 ? "" : "s"} · ${s.tokens} tokens · ${s.total_s.toFixed(1)} s` +
+        (s.queue_s > 0.05 ? ` (+${s.queue_s.toFixed(1)} s queued)` : "") + ` · finish: ${finishReason}`;
+    }
+    this.node.scrollIntoView({ block: "end" });
+  }
+
+  usage(usage) {
+    this.meta.textContent += ` · usage: ${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens`;
+  }
+
+  error(message) {
+    this.body.classList.remove("waiting");
+    this.body.append(el("div", { className: "error-text", textContent: `error: ${message}` }));
+  }
+}
+
+// ---------------------------------------------------------------- streaming
+
+async function* sseEvents(response) {
+  // Server-sent events over fetch (EventSource cannot POST): yield each `data:` payload.
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = frame.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart()).join("\n");
+      if (data) yield data;
+    }
+  }
+}
+
+async function ask(question) {
+  state.history.push({ role: "user", content: question });
+  $("log").append(el("section", { className: "turn user" }, el("div", { className: "who", textContent: "you" }), question));
+  const answer = new Answer();
+  const hedge = $("hedge").checked;
+  const body = {
+    model: state.model,
+    messages: state.history,
+    stream: true,
+    stream_options: { include_usage: true },
+    max_tokens: Number($("max-tokens").value) || 96,
+    temperature: Number($("temperature").value),
+  };
+  if (hedge) body.segfuse = { hedge: true };
+  if ($("json").checked) body.response_format = { type: "json_object" };
+  state.controller = new AbortController();
+  busy(true);
+  setStatus("generating…");
+  let finished = false;
+  try {
+    const response = await fetch("v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.controller.signal,
+    });
+    if (!response.ok) {
+      const err = await response.json().catch(() => ({}));
+      throw new Error(err.error ? err.error.message : `${response.status} ${response.statusText}`);
+    }
+    for await (const data of sseEvents(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) answer.usage(chunk.usage);
+      const choice = chunk.choices && chunk.choices[0];
+      if (!choice) continue;
+      const info = chunk.segfuse || {};
+      if (choice.delta && choice.delta.content) {
+        answer.segment(choice.delta.content, info.segment ? info.segment.model : state.model,
+          info.segment ? info.segment.round : null, info.round);
+      } else if (info.round) {
+        answer.round(info.round);
+      }
+      if (choice.finish_reason) {
+        answer.finish(info, choice.finish_reason, hedge);
+        finished = true;
+      }
+    }
+    state.history.push({ role: "assistant", content: answer.text });
+    setStatus(finished ? "done" : "the stream ended early");
+  } catch (err) {
+    state.history.pop();  // the question stays on screen but not in the context
+    if (err.name === "AbortError") {
+      answer.error("stopped");
+      setStatus("stopped");
+    } else {
+      answer.error(err.message);
+      setStatus(err.message, true);
+    }
+  } finally {
+    busy(false);
+    state.controller = null;
+  }
+}
+
+function busy(on) {
+  $("send").disabled = on;
+  $("stop").disabled = !on;
+  document.body.dataset.busy = on ? "1" : "";
+}
+
+$("ask").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const question = $("prompt").value.trim();
+  if (!question || state.controller) return;
+  $("prompt").value = "";
+  ask(question);
+});
+$("prompt").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("ask").requestSubmit();
+  }
+});
+$("stop").addEventListener("click", () => state.controller && state.controller.abort());
+$("clear").addEventListener("click", () => {
+  if (state.controller) state.controller.abort();
+  state.history = [];
+  $("log").replaceChildren();
+  hideRound();
+});
+$("api-key").addEventListener("change", () => {
+  localStorage.setItem("segfuse-api-key", $("api-key").value);
+  loadModels();
+});
+$("api-key").value = localStorage.getItem("segfuse-api-key") || "";
+loadModels();

@@ -1,6 +1,0 @@
-"""OpenAI-compatible HTTP server and web view (`specfuse serve`; needs the `server` extra)."""
-
-from .app import create_app, run
-from .config import ConfigError, ServerConfig, build_config
-
-__all__ = ["ConfigError", "ServerConfig", "build_config", "create_app", "run"]
