@@ -87,10 +87,12 @@ class Ensemble:
         time after which the answer so far ends (finish reason "deadline"); `cache_salt`: members reuse
         only prompt prefixes cached under the same salt (one client's, kept apart from others').
         Hedge weights: the given `weights`, else, with the ensemble's ``hedge_persist``, those the
-        previous query on the whole ensemble ended with (and this one's are kept for the next).
+        previous query on the whole ensemble ended with (and this one's are kept for the next); a
+        deterministic query neither takes nor leaves them (its answer must not depend on earlier ones).
         """
         chosen = self._chosen(members)
-        persist = options.hedge and self.hedge_persist and members is None and weights is None
+        persist = (options.hedge and self.hedge_persist and members is None and weights is None
+                   and not options.deterministic)
         start = (self.hedge_weights or None) if persist else weights
         steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint,
                              top_logprobs=top_logprobs, deadline=deadline, cache_salt=cache_salt)

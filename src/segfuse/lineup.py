@@ -45,7 +45,9 @@ class Lineup:
         self.constraint = constraint
         self.weights = weights
         # Given to members only when set: a member's start() need not know about salts otherwise.
-        self.start_options = {} if cache_salt is None else {"cache_salt": cache_salt}
+        self.start_options: dict[str, object] = {} if cache_salt is None else {"cache_salt": cache_salt}
+        if options.deterministic:
+            self.start_options["deterministic"] = True
         self.lead: str | None = None  # the gate's leader, fixed at its first round
         self.messages: list[Message] = []
 

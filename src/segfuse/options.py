@@ -80,6 +80,10 @@ class FusionOptions(BaseModel):
     accept_margin: float | None = Field(
         0.0, ge=0.0, le=1000.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
         "none = every proposal goes to the vote")
+    # Strict: a request's "yes" must not read as true. Off by default: it costs the prefix cache and batching.
+    deterministic: bool = Field(
+        False, strict=True, description="the same request gives the same text (greedy, or with the same seed) "
+        "whatever the prefix cache holds and whatever else runs: no cached prefix, decodes of its own")
 
     @field_validator(*NULLABLE, mode="before")
     @classmethod

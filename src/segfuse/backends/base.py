@@ -159,13 +159,16 @@ class Member(ABC):
 
     @abstractmethod
     def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
-              cache_salt: str | None = None) -> MemberSession:
+              cache_salt: str | None = None, deterministic: bool = False) -> MemberSession:
         """Open a session on the templated `messages`.
 
         Raises PromptTooLongError if the prompt plus `reserve` tokens does not
         fit the member's context window. `cache_salt`: the session starts only
         from prefixes cached under the same salt, and keeps its own under it
-        (members without a prefix cache ignore it).
+        (members without a prefix cache ignore it). `deterministic`: the
+        session's numbers must not depend on other sessions, earlier or at
+        the same time (no cached prefix, no shared decode); a member that
+        cannot promise it (a remote server) ignores it.
         """
 
     def close(self) -> None:

@@ -4,7 +4,9 @@
 the parts of every session at once: drafting advances each drafting session by one token
 per ``llama_decode``; verifying decodes every session's new candidates in one batch,
 chunked at ``n_batch``. One session alone (``LlamaCppSession.draft``, ``score``) goes
-through the same drivers with a batch of one, so it decodes exactly as before.
+through the same drivers with a batch of one, so it decodes exactly as before. Sessions
+share a decode only when they share a context: a deterministic session, in a context of
+its own (``llama_private.py``), is decoded apart.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class Drafting:
         return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
 
 
+def by_context(items: Sequence[Any], ctx_of: Callable[[Any], Any]) -> list[list[Any]]:
+    """`items` grouped by the context they decode into (in order of first appearance)."""
+    groups: dict[int, list[Any]] = {}
+    for item in items:
+        groups.setdefault(id(ctx_of(item)), []).append(item)
+    return list(groups.values())
+
+
 def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tuple[list[int], list[Any]]:
     """Run each session's own preparation; one that raises gets its exception, the others go on."""
     ready: list[int] = []
@@ -124,10 +134,11 @@ def draft_batch(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
         feeding = [d for d in drafting if d.step(m)]
         if not feeding:
             break
-        rows = m.decode([d.ids[-1] for d in feeding], [d.pos for d in feeding],
-                        [d.session.base for d in feeding], [True] * len(feeding))
-        for d, row in zip(feeding, rows):
-            d.fed(row.copy(), m.softmax.lse(row))
+        for group in by_context(feeding, lambda d: d.session.ctx):
+            rows = group[0].session.ctx.decode([d.ids[-1] for d in group], [d.pos for d in group],
+                                               [d.session.base for d in group], [True] * len(group))
+            for d, row in zip(group, rows):
+                d.fed(row.copy(), m.softmax.lse(row))
     return [d.finish(m) for d in drafting]
 
 
@@ -140,14 +151,15 @@ def score_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
         plans[i] = session.plan_scores(list(texts[i][0]))
 
     ready, out = _prepare(sessions, plan)
-    chunk: list[VerifyPlan] = []
     try:
-        for i in ready:
-            if sum(len(q.tokens) for q in chunk) + len(plans[i].tokens) > m.n_batch:
-                verify_batch(m, chunk)
-                chunk = []
-            chunk.append(plans[i])
-        verify_batch(m, chunk)
+        for group in by_context([plans[i] for i in ready], lambda p: p.session.ctx):
+            chunk: list[VerifyPlan] = []
+            for p in group:
+                if sum(len(q.tokens) for q in chunk) + len(p.tokens) > m.n_batch:
+                    verify_batch(m, chunk)
+                    chunk = []
+                chunk.append(p)
+            verify_batch(m, chunk)
         for i in ready:
             out[i] = plans[i].answer()
     except Exception as exc:
@@ -157,13 +169,13 @@ def score_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
 
 
 def verify_batch(m: LlamaCppMember, plans: Sequence[VerifyPlan]) -> None:
-    """Decode the candidates of several sessions in one batch and hand each its rows."""
+    """Decode the candidates of several sessions of one context in one batch and hand each its rows."""
     plans = [p for p in plans if p.tokens]
     if not plans:
         return
     tokens = [t for p in plans for t in p.tokens]
-    rows = m.decode(tokens, [x for p in plans for x in p.positions], [x for p in plans for x in p.seqs],
-                    [True] * len(tokens))
+    rows = plans[0].session.ctx.decode(tokens, [x for p in plans for x in p.positions],
+                                       [x for p in plans for x in p.seqs], [True] * len(tokens))
     at = 0
     for p in plans:
         p.session.finish_verify(p, rows[at : at + len(p.tokens)])

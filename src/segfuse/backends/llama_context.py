@@ -34,6 +34,7 @@ class LlamaContext:
         self.window = window
         self.n_vocab = n_vocab
         self.n_batch = n_batch
+        self.n_seq = n_seq
         self.max_outputs = max(1, max_outputs)  # logits rows one decode asks for (see decode)
         self.make_room: Callable[[], bool] = _no_room
         self._ctx = _create(model, n_ctx, n_batch, n_seq, threads, shape)
@@ -129,6 +130,10 @@ class LlamaContext:
         """Positions sequence `seq` holds."""
         last = lc.llama_memory_seq_pos_max(self._mem, seq)
         return last - lc.llama_memory_seq_pos_min(self._mem, seq) + 1 if last >= 0 else 0
+
+    def held_cells(self) -> int:
+        """Positions held, summed over the sequences (a cell two sequences share counts twice)."""
+        return sum(self.seq_cells(seq) for seq in range(self.n_seq))
 
     def clear(self) -> None:
         """Empty the whole cache."""

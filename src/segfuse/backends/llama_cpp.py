@@ -28,12 +28,16 @@ more, and each prefix-cache entry (``prefix_cache.py``) is one sequence after
 the sessions'. A closing session's context is copied into an entry (cells are
 shared, not copied); a new session copies the longest matching prefix from an
 entry into its sequence 0 and decodes only the rest of its prompt.
+
+A deterministic session (``deterministic=True``) runs in a context of its own instead
+(``llama_private.py``): it reads no cached prefix, keeps none, and shares no decode.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ from .base import Capabilities, Occupancy
 from .cached import LocalMember
 from .llama_context import LlamaContext
 from .llama_echo import echo_tokens
+from .llama_private import PrivateContexts
 from .llama_runtime import (
     LogSoftmax,
     default_threads,
@@ -124,6 +129,8 @@ class LlamaCppMember(LocalMember):
         self.context.make_room = self.prefix_cache.evict_one  # no room: cached prefixes give way first
         self.softmax = LogSoftmax(self.n_vocab)
         self.context.reserve_outputs(self.n_ctx)
+        self._shape = (n_batch, max_outputs)
+        self.private = PrivateContexts(self._open_private)
 
     def _load(self, gpu_layers: int | None, main_gpu: int, split: str, tensor_split: tuple[float, ...] | None,
               threads: int | None, side_by_side: str | None) -> None:
@@ -149,6 +156,15 @@ class LlamaCppMember(LocalMember):
         except MemberLoadError:
             lc.llama_model_free(self._model)
             raise
+
+    def _open_private(self) -> LlamaContext:
+        """A context for one deterministic session: one window, its sequences, the shared context's batch size."""
+        n_batch, max_outputs = self._shape
+        ctx = LlamaContext(self._model, name=self.name, n_ctx=self.n_ctx, n_batch=n_batch, n_seq=SEQS_PER_SESSION,
+                           threads=self.threads, n_vocab=self.n_vocab, max_outputs=max_outputs, window=self.n_ctx,
+                           shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)")
+        ctx.reserve_outputs(self.n_ctx)
+        return ctx
 
     # --- tokens (the vocabulary's) ----------------------------------------------
     def piece(self, token: int) -> bytes:
@@ -212,13 +228,19 @@ class LlamaCppMember(LocalMember):
         self.context.seq_cp(src, dst, p0, p1)
 
     # --- sessions and slots (the slot table's) ----------------------------------------
-    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None) -> LlamaCppSession:
-        slot = self.table.take()
+    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
+                     deterministic: bool = False) -> LlamaCppSession:
+        slot = self.table.take()  # a deterministic session's too: the slots bound the sessions open at once
+        own = None
         try:
-            session = LlamaCppSession(self, prompt, seed, slot=slot, reencode=self.reencode)
+            own = self.private.take() if deterministic else None
+            session = LlamaCppSession(self, prompt, seed, slot=slot, reencode=self.reencode, own=own)
             session.cache_salt = cache_salt
-            session.n_cached = session.stats.reused = self.table.reuse_prefix(prompt, session.base, cache_salt)
+            if own is None:
+                session.n_cached = session.stats.reused = self.table.reuse_prefix(prompt, session.base, cache_salt)
         except BaseException:
+            if own is not None:
+                self.private.give_back(own)
             self.release(slot)  # the session never opened: its slot is free again, with nothing to keep
             raise
         return session
@@ -256,7 +278,11 @@ class LlamaCppMember(LocalMember):
             self.table.release(slot)
 
     def occupancy(self) -> Occupancy:
-        return self.table.occupancy()
+        seen = self.table.occupancy()
+        if seen.cache_cells is None or seen.stray_cells is None:
+            return seen
+        held, stray = self.private.cells()  # deterministic sessions' own contexts
+        return replace(seen, cache_cells=seen.cache_cells + held, stray_cells=seen.stray_cells + stray)
 
     # --- many sessions at once (llama_batch.py) ------------------------------------------
     def draft_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]
@@ -271,6 +297,7 @@ class LlamaCppMember(LocalMember):
 
     def close(self) -> None:
         if getattr(self, "context", None) is not None and self.context.is_open:
+            self.private.close()
             self.context.close()
             lc.llama_model_free(self._model)
 

@@ -18,6 +18,7 @@ from ..types import DraftTokens, Sampling, TokenScores
 from .base import OnText
 from .cached import CachedSession, DraftState, Verified
 from .llama_batch import VerifyPlan, draft_batch, verify_batch
+from .llama_context import LlamaContext
 from .llama_slots import MAX_CANDIDATES, SEQS_PER_SESSION
 
 if TYPE_CHECKING:
@@ -35,7 +36,9 @@ class LlamaCppSession(CachedSession):
 
     With ``reencode=True`` the session behaves like the paper's reference code
     (every draft and every verification re-encodes the whole context); it
-    exists only so the benchmark can measure what the cache saves.
+    exists only so the benchmark can measure what the cache saves. With a context
+    of its `own` (a deterministic session, ``llama_private.py``) it lives there, from
+    sequence 0, and neither reads nor keeps cached prefixes; `slot` is then only counted.
     """
 
     m: LlamaCppMember
@@ -43,15 +46,18 @@ class LlamaCppSession(CachedSession):
     streams_text = True
 
     def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None,
-                 slot: int = 0, reencode: bool = False) -> None:
+                 slot: int = 0, reencode: bool = False, own: LlamaContext | None = None) -> None:
         super().__init__(member, prompt)
         self.slot = slot
-        self.base = slot * SEQS_PER_SESSION  # this session's sequence 0; its candidates follow
+        self.own = own
+        self.ctx = own or member.context  # the cache it lives in, and decodes into
+        self.base = 0 if own else slot * SEQS_PER_SESSION  # this session's sequence 0; its candidates follow
         self.reencode = reencode
         self._next_lse: float | None = None
         self.rng = np.random.default_rng(seed)
         self._closed = False
-        self._prompt_kept = reencode  # the prompt goes to the prefix cache once decoded (not when re-encoding)
+        # the prompt goes to the prefix cache once decoded (not when re-encoding, nor from a context of its own)
+        self._prompt_kept = reencode or own is not None
 
     def _set_next(self, row: np.ndarray | None) -> None:
         self._next_row, self._next_lse = row, None
@@ -70,7 +76,7 @@ class LlamaCppSession(CachedSession):
         """Decode the context's tokens not yet in the cache, so that the row after it is known."""
         m = self.m
         if self.reencode:  # reference behaviour: forget the cache, encode everything again
-            m.clear_slot(self.slot)
+            self._forget()
             self.n_cached = 0
             self._set_next(None)
             self._draft, self._verified = None, {}  # nothing carries over from drafting to verifying
@@ -79,7 +85,7 @@ class LlamaCppSession(CachedSession):
             chunk = self.tokens[self.n_cached : self.n_cached + m.n_batch]
             pos = list(range(self.n_cached, self.n_cached + len(chunk)))
             last = self.n_cached + len(chunk) == len(self.tokens)
-            rows = m.decode(chunk, pos, [self.base] * len(chunk), [False] * (len(chunk) - 1) + [last])
+            rows = self.ctx.decode(chunk, pos, [self.base] * len(chunk), [False] * (len(chunk) - 1) + [last])
             self.stats.decode_calls += 1
             self.n_cached += len(chunk)
             if last:
@@ -153,7 +159,7 @@ class LlamaCppSession(CachedSession):
             raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
         for i, ids in enumerate(plan.encoded):
             seq = self.base + 1 + len(self._verified) + i
-            m.seq_cp(self.base, seq, 0, n_prefix)
+            self.ctx.seq_cp(self.base, seq, 0, n_prefix)
             plan.tokens += ids
             plan.positions += range(n_prefix, n_prefix + len(ids))
             plan.seqs += [seq] * len(ids)
@@ -179,7 +185,7 @@ class LlamaCppSession(CachedSession):
         try:
             while at < len(tokens) - 1:
                 part = tokens[at : at + chunk]
-                rows = m.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
+                rows = self.ctx.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
                 self.stats.decode_calls += 1
                 for r, row in enumerate(rows):
                     target = at + r + 1  # row r predicts the token after part[r]
@@ -187,7 +193,7 @@ class LlamaCppSession(CachedSession):
                         total += float(row[tokens[target]]) - m.softmax.lse(row)
                 at += len(part)
         finally:
-            m.seq_rm(seq, -1, -1)
+            self.ctx.seq_rm(seq, -1, -1)
         return total, len(b"".join(m.piece(t) for t in ids))
 
     def _end_score(self) -> TokenScores:
@@ -223,18 +229,33 @@ class LlamaCppSession(CachedSession):
             at += len(ids)
 
     def _truncate(self, length: int) -> None:
-        self.m.seq_rm(self.base, length, -1)
+        self.ctx.seq_rm(self.base, length, -1)
 
     def _adopt(self, candidate: Verified, n_prefix: int) -> None:
         assert isinstance(candidate, InSequence)
-        self.m.seq_cp(candidate.seq, self.base, n_prefix, -1)
+        self.ctx.seq_cp(candidate.seq, self.base, n_prefix, -1)
 
     def _drop_candidates(self) -> None:
         for candidate in self._verified.values():
-            self.m.seq_rm(candidate.seq, -1, -1)
+            self.ctx.seq_rm(candidate.seq, -1, -1)
+
+    def _forget(self) -> None:
+        """Drop every cell this session holds."""
+        if self.own is not None:
+            self.own.clear()
+        else:
+            self.m.clear_slot(self.slot)
 
     def close(self) -> None:
-        """Free the slot; the context's cached cells stay in the member's prefix cache."""
-        if not self._closed:
-            self._closed = True
+        """Free the slot; the context's cached cells stay in the member's prefix cache (a context of its
+        own is emptied and kept for the next deterministic session)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.own is None:
             self.m.release(self.slot, None if self.reencode else self.tokens[: self.n_cached], self.cache_salt)
+            return
+        try:
+            self.m.private.give_back(self.own)
+        finally:
+            self.m.release(self.slot)

@@ -233,8 +233,9 @@ class RemoteMember(Member):
             raise shifted(self, "echo a text")
         return echo_remote(self, prompt, top_k)
 
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
-              cache_salt: str | None = None) -> "RemoteSession":  # the server's own cache: no salt to give
+    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int, cache_salt: str | None = None,
+              deterministic: bool = False) -> "RemoteSession":
+        # The server's own cache and batches: no salt to give, and its determinism is its own (docs/server.md).
         if raw_prompt(messages) is not None and not self.capabilities.echo:
             # Its verification reads echoed log-probabilities of the text: shifted by one, they would be wrong.
             raise shifted(self, "score a text completion (chat completions work)")

@@ -334,12 +334,15 @@ class TransformersMember(LocalMember):
         return masks
 
     # --- sessions ----------------------------------------------------------------------------
-    def open_session(self, prompt: list[int], seed: int | None,
-                     cache_salt: str | None = None) -> "TransformersSession":
+    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
+                     deterministic: bool = False) -> "TransformersSession":
         """A session that starts from the longest prefix of `prompt` cached under `cache_salt` (at least
-        its last token is left to run: its logits row starts the answer)."""
+        its last token is left to run: its logits row starts the answer); a `deterministic` one reads the
+        whole prompt itself (its sessions never share a forward pass, so that is all it takes)."""
         session = TransformersSession(self, prompt, seed)
         session.cache_salt = cache_salt
+        if deterministic:
+            return session
         with self.prefix_cache.lock:
             found = self.prefix_cache.lookup(prompt, len(prompt) - 1, cache_salt)
             if found is not None:
