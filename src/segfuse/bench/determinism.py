@@ -126,7 +126,7 @@ def cost(answers: list[Answer]) -> dict[str, float]:
 
 def run(rounds: int, targets: tuple[str, ...], max_tokens: int, threads: int | None, seed: int) -> dict[str, Any]:
     config: dict[str, dict[str, Any]] = {
-        "server": {"api_key": API_KEY, "max_concurrent": 4, "queue_size": 16},
+        "server": {"api_key": API_KEY, "max_concurrent": 4, "queue_size": 64},
         "members": {"threads": threads} if threads else {},
         "defaults": {"max_tokens": max_tokens, "temperature": 0.0},
     }
