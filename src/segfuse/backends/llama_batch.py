@@ -134,7 +134,7 @@ def draft_batch(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
         feeding = [d for d in drafting if d.step(m)]
         if not feeding:
             break
-        for group in by_context(feeding, lambda d: d.session.lane):
+        for group in by_context(feeding, lambda d: d.session.ctx):
             rows = group[0].session.ctx.decode([d.ids[-1] for d in group], [d.pos for d in group],
                                                [d.session.base for d in group], [True] * len(group))
             for d, row in zip(group, rows):
@@ -152,7 +152,7 @@ def score_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
 
     ready, out = _prepare(sessions, plan)
     try:
-        for group in by_context([plans[i] for i in ready], lambda p: p.session.lane):
+        for group in by_context([plans[i] for i in ready], lambda p: p.session.ctx):
             chunk: list[VerifyPlan] = []
             for p in group:
                 if sum(len(q.tokens) for q in chunk) + len(p.tokens) > m.n_batch:

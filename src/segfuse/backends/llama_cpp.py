@@ -232,17 +232,11 @@ class LlamaCppMember(LocalMember):
                      deterministic: bool = False) -> LlamaCppSession:
         slot = self.table.take()  # a deterministic session's too: the slots bound the sessions open at once
         own = None
-        # Measuring which part of the deterministic mode is needed (bench/determinism.py --measure):
-        # "nocache": no prefix reused or kept, in the shared context; "alone": also decoded apart.
-        measure = os.environ.get("SEGFUSE_DETERMINISTIC_MEASURE", "") if deterministic else ""
         try:
-            own = self.private.take() if deterministic and not measure else None
+            own = self.private.take() if deterministic else None
             session = LlamaCppSession(self, prompt, seed, slot=slot, reencode=self.reencode, own=own)
             session.cache_salt = cache_salt
-            if measure:
-                session._prompt_kept, session.keeps = True, False
-                session.lane = session if measure == "alone" else self.context
-            elif own is None:
+            if own is None:
                 session.n_cached = session.stats.reused = self.table.reuse_prefix(prompt, session.base, cache_salt)
         except BaseException:
             if own is not None:

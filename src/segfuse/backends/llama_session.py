@@ -51,8 +51,6 @@ class LlamaCppSession(CachedSession):
         self.slot = slot
         self.own = own
         self.ctx = own or member.context  # the cache it lives in, and decodes into
-        self.lane = self.ctx  # what it shares decodes with (measuring only)
-        self.keeps = True  # measuring only
         self.base = 0 if own else slot * SEQS_PER_SESSION  # this session's sequence 0; its candidates follow
         self.reencode = reencode
         self._next_lse: float | None = None
@@ -255,8 +253,7 @@ class LlamaCppSession(CachedSession):
             return
         self._closed = True
         if self.own is None:
-            self.m.release(self.slot, None if self.reencode or not self.keeps else self.tokens[: self.n_cached],
-                           self.cache_salt)
+            self.m.release(self.slot, None if self.reencode else self.tokens[: self.n_cached], self.cache_salt)
             return
         try:
             self.m.private.give_back(self.own)

@@ -159,14 +159,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads per member (default: the server's)")
     parser.add_argument("--seed", type=int, default=0, help="the order and staggering of each round's requests")
     parser.add_argument("--out", default="runs/determinism.json")
-    parser.add_argument("--measure", choices=("nocache", "alone"), default=None,
-                        help="deterministic requests with only part of the mode, in the shared context: no cached "
-                             "prefix (nocache), and also decoded apart (alone)")
     args = parser.parse_args()
-    if args.measure:
-        import os
-
-        os.environ["SEGFUSE_DETERMINISTIC_MEASURE"] = args.measure  # the server inherits it
     report = run(args.rounds, TARGETS[: args.targets], args.max_tokens, args.threads, args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
