@@ -97,9 +97,11 @@ API_KEY = "test-key"
 
 @contextmanager
 def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, max_concurrent: int = 2,
-                startup_s: float = 180.0, prefix_cache_cells: int | None = None) -> Iterator[SegfuseServer]:
+                startup_s: float = 180.0, prefix_cache_cells: int | None = None,
+                extra_args: tuple[str, ...] = ()) -> Iterator[SegfuseServer]:
     """A real `segfuse serve` with the default members, an API key, a small queue and body limit,
-    running `max_concurrent` generations together (`prefix_cache_cells`: its bound; None, the default)."""
+    running `max_concurrent` generations together (`prefix_cache_cells`: its bound; None, the default;
+    `extra_args`: more `serve` flags)."""
     config = {
         "server": {"api_key": API_KEY, "queue_size": queue_size, "max_concurrent": max_concurrent,
                    "max_body_bytes": max_body_bytes},
@@ -111,7 +113,7 @@ def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, 
     }
     if prefix_cache_cells is not None:
         config["members"]["prefix_cache_cells"] = prefix_cache_cells
-    with segfuse_server(tmp, "server", config, startup_s=startup_s) as server:
+    with segfuse_server(tmp, "server", config, startup_s=startup_s, extra_args=extra_args) as server:
         yield server
 
 
