@@ -40,6 +40,12 @@ def test_file_then_flags(tmp_path, monkeypatch):
     assert build_config(path, api_key="flag").server.api_key == "flag"
 
 
+def test_deterministic_is_a_default_from_the_file_or_the_flag(tmp_path):
+    assert not build_config().fusion_defaults().deterministic
+    assert build_config(write(tmp_path, "[defaults]\ndeterministic = true\n")).fusion_defaults().deterministic
+    assert build_config(defaults={"deterministic": True}).fusion_defaults().deterministic  # serve --deterministic
+
+
 @pytest.mark.parametrize("text, expected", [
     ("[server\nport = 1", "not valid TOML"),
     ("[server]\nprot = 8000", "server.prot: Extra inputs are not permitted"),
@@ -48,6 +54,7 @@ def test_file_then_flags(tmp_path, monkeypatch):
     ("[members]\nn_ctx = 10", "members.n_ctx"),
     ("[defaults]\nwindow = 0", "[defaults]"),
     ("[defaults]\nbogus = 1", "[defaults]"),
+    ('[defaults]\ndeterministic = "yes"', "deterministic"),
     ("[surprise]\nx = 1", "surprise"),
 ])
 def test_bad_config_says_where(tmp_path, text, expected):
