@@ -83,7 +83,7 @@ class FusionOptions(BaseModel):
     # Strict: a request's "yes" must not read as true. Off by default: it costs the prefix cache and batching.
     deterministic: bool = Field(
         False, strict=True, description="the same request gives the same text (greedy, or with the same seed) "
-        "whatever the prefix cache holds and whatever else runs: no cached prefix, decodes of its own")
+        "whatever the prefix cache holds and whatever else runs: no cached prefix, a KV cache and decodes of its own")
 
     @field_validator(*NULLABLE, mode="before")
     @classmethod
