@@ -30,6 +30,7 @@ from ..errors import (
     SegfuseError,
     UnknownModelError,
 )
+from ..prompting import prefill_of
 from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, Segment
 from .guards import media_type_error, redact
@@ -161,8 +162,11 @@ def finish_reason_of(result: Result, call: ToolCall | None = None) -> str:
 
 
 def call_of(job: Job, result: Result) -> ToolCall | None:
-    """The tool call a finished answer makes, when tools were offered."""
-    return read_call(result.text, job.tools) if job.tools and result.stats.finish_reason == "stop" else None
+    """The tool call a finished answer makes (after a prefill, the prefill and the answer), when tools
+    were offered."""
+    if not job.tools or result.stats.finish_reason != "stop":
+        return None
+    return read_call(prefill_of(job.messages) + result.text, job.tools)
 
 
 def usage_of(result: Result, started: Started | None) -> Usage:
