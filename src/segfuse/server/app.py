@@ -182,12 +182,12 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         if not state.sees_all(request):  # a probe: readiness only
             return JSONResponse({"status": status}, status_code=code)
         error = error if error is None or state.holds_key(request) else redact(error)
-        waiting, running = worker.state()
+        waiting, running, occupancy = worker.view()
         body = Health(status=status, model=state.model_id, members=state.members, error=error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
                       counters=worker.snapshot(), placement=state.placement,
-                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
+                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()})
         return JSONResponse(body.model_dump(), status_code=code)
 
     # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
