@@ -447,6 +447,21 @@ def _open_request(server: Live) -> socket.socket:
     return sock
 
 
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(server):
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")  # where uvicorn logs an exception the app let out
+    uvicorn_log.addHandler(handler)
+    try:
+        for _ in range(3):
+            _open_request(server).close()
+        assert_healthy(server)  # answered after the hang-ups were read
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert not errors, [r.getMessage() for r in errors]
+
+
 def test_requests_in_flight_beyond_limit_concurrency_get_503(default_ensemble):
     limit = LIMITS["limit_concurrency"]
     with live(default_ensemble, limits={"header_timeout_s": 60, "body_timeout_s": 60}) as busy:
