@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from ..errors import (
     InvalidRequestError,
@@ -138,6 +139,9 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     except TimeoutError:
         raise APIError(408, f"the request body took longer than {timeout_s:g} s to arrive ([limits] "
                        "body_timeout_s)", code="request_timeout") from None
+    except ClientDisconnect:  # an answer nobody reads, rather than a traceback in the log per hang-up
+        raise APIError(400, "the client closed the connection before its body arrived",
+                       code="client_disconnected") from None
     if too_big:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     return b"".join(parts)
