@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo test bench bench-serve bench-chat bench-followers soak clean
+.PHONY: install models browser demo test dist bench bench-serve bench-chat bench-followers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ test: $(FULL) models browser
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
+# The sdist and the wheel users install (tests/test_packaging.py installs the wheel into a fresh venv).
+dist: $(FULL)
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
 bench: $(FULL) models
 	$(BIN)/segfuse bench
 
@@ -73,4 +78,4 @@ soak: $(FULL) models
 	$(BIN)/segfuse bench --serve --soak $(SOAK) $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build dist src/*.egg-info

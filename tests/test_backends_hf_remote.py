@@ -42,6 +42,7 @@ pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 SMOL = CATALOGUE["smollm2-135m"]
 QWEN = CATALOGUE["qwen2.5-coder-0.5b"]
 QUESTION = [Message("user", "What is the capital of France?")]
+PREFILLED = [*QUESTION, Message("assistant", "The capital")]  # continued: the prompt ends with it, left open
 CANDIDATES = ["The capital of France is Paris.", " Paris is", "It is Lyon, of course", "Paris"]
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,6 +99,7 @@ def _scores(member, texts, *, one_by_one=False):
 def test_transformers_prompt_matches_llama_cpp(hf_member, lc_member):
     """Same chat template and tokenizer metadata -> the very same prompt tokens."""
     assert hf_member.prompt_tokens(QUESTION) == lc_member.prompt_tokens(QUESTION)
+    assert hf_member.prompt_tokens(PREFILLED) == lc_member.prompt_tokens(PREFILLED)
     for text in CANDIDATES:
         assert hf_member.encode_continuation(text) == lc_member.encode_continuation(text)
 
@@ -191,9 +193,10 @@ def test_remote_member_detects_server(remote_member):
     assert "<|im_end|>" in remote_member.source.end_texts
 
 
-def test_remote_draft_matches_local_greedy(remote_member, lc_member):
-    remote = remote_member.start(QUESTION, seed=1, reserve=31)
-    local = lc_member.start(QUESTION, seed=1, reserve=31)
+@pytest.mark.parametrize("messages", [QUESTION, PREFILLED], ids=["question", "prefill"])
+def test_remote_draft_matches_local_greedy(remote_member, lc_member, messages):
+    remote = remote_member.start(messages, seed=1, reserve=31)
+    local = lc_member.start(messages, seed=1, reserve=31)
     try:
         r = remote.draft(8, Sampling(temperature=0.0))
         loc = local.draft(8, Sampling(temperature=0.0))

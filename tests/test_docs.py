@@ -181,6 +181,8 @@ def parse_cli(argv: list[str], reference: bool = False) -> None:
     try:
         ctx = command.make_context(command.name or "", args, parent=parent)
     except Exception as exc:
+        if type(exc).__name__ == "Exit" and getattr(exc, "exit_code", 1) == 0:  # an eager flag: --version
+            return
         if reference and (type(exc).__name__ == "MissingParameter" or "requires an argument" in str(exc)):
             return
         raise

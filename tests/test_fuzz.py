@@ -140,11 +140,13 @@ def message(draw: st.DrawFn, role: Any = None) -> Any:
 
 @st.composite
 def conversations(draw: st.DrawFn) -> Any:
-    """Mostly earlier turns then the user's question; sometimes anything."""
+    """Mostly earlier turns then the user's question, sometimes an assistant's prefill to continue after it;
+    sometimes anything."""
     if draw(st.integers(0, 20)) == 0:
         return draw(json_values)
     earlier = draw(st.lists(message(), max_size=3))
-    return [*earlier, draw(message("user"))]
+    prefill = [draw(message("assistant"))] if draw(st.integers(0, 4)) == 0 else []
+    return [*earlier, draw(message("user")), *prefill]
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -191,6 +193,8 @@ CHAT_FIELDS = {
     "response_format": response_formats,
     "logprobs": st.booleans() | json_values,
     "top_logprobs": st.integers(-1, 25) | json_values,
+    "continue_final_message": st.booleans() | json_values,
+    "add_generation_prompt": st.booleans() | json_values,
 }
 TEXT_FIELDS = {
     **SHARED,

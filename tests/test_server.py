@@ -187,8 +187,11 @@ BAD_REQUESTS = {
     "max_tokens 0": ({"messages": OK_MESSAGES, "max_tokens": 0}, 422, "invalid_value", "max_tokens"),
     "temperature negative": ({"messages": OK_MESSAGES, "temperature": -1}, 422, "invalid_value", "temperature"),
     "n 2": ({"messages": OK_MESSAGES, "n": 2}, 422, "invalid_value", "n"),
-    "last message not from the user": (
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    "last message from the system": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "hello"}]},
+        400, "invalid_messages", "messages"),
+    "a prefill with no question before it": (
+        {"messages": [{"role": "system", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
         400, "invalid_messages", "messages"),
     "blank question": ({"messages": user("   ")}, 400, "invalid_messages", "messages"),
     "bad fusion option": ({"messages": OK_MESSAGES, "segfuse": {"window": 0}}, 400, "invalid_value", None),

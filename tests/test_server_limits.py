@@ -25,7 +25,8 @@ from helpers import wait_for
 from live_app import serve_app
 
 from segfuse.server.app import ServerState, create_app
-from segfuse.server.config import ServerConfig
+from segfuse.server.config import LimitsSection, ServerConfig
+from segfuse.server.connections import PendingConnections
 from segfuse.server.serving import result_info
 from segfuse.types import Departure, Result, Stats
 
@@ -438,14 +439,101 @@ def test_oversized_headers_are_refused(server):
     assert server.get("/health").status_code == 200
 
 
-def test_connections_beyond_limit_concurrency_get_503(server):
-    with ExitStack() as stack:
-        for _ in range(LIMITS["limit_concurrency"]):
-            stack.enter_context(_connect(server))
-        time.sleep(0.2)  # let the server accept them (not a measurement)
-        response = httpx.get(f"{server.url}/health", timeout=30)
-        assert response.status_code == 503, response.text
-    wait_for(lambda: server.get("/health").status_code == 200, 30, what="connections to close")
+def _open_request(server: Live) -> socket.socket:
+    """A connection whose request is in flight: its headers sent, its body still coming."""
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"messages\"")
+    return sock
+
+
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(server):
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")  # where uvicorn logs an exception the app let out
+    uvicorn_log.addHandler(handler)
+    try:
+        for _ in range(3):
+            _open_request(server).close()
+        assert_healthy(server)  # answered after the hang-ups were read
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_requests_in_flight_beyond_limit_concurrency_get_503(default_ensemble):
+    limit = LIMITS["limit_concurrency"]
+    with live(default_ensemble, limits={"header_timeout_s": 60, "body_timeout_s": 60}) as busy:
+        with ExitStack() as stack:
+            for _ in range(2 * limit):  # connections without a request do not count
+                stack.enter_context(_connect(busy))
+            assert busy.get("/health").status_code == 200  # accepted after them: they were all open by then
+            for _ in range(limit):
+                stack.enter_context(_open_request(busy))
+            refused = wait_for(lambda: (r := busy.get("/health")).status_code == 503 and r, 30,
+                               what=f"{limit} requests in flight")
+            error_of(refused, 503, "server_busy")
+            assert f"limit_concurrency {limit}" in refused.json()["error"]["message"]
+            assert refused.headers["connection"] == "close"
+        wait_for(lambda: busy.get("/health").status_code == 200, 30, what="the requests to end")
+        assert_healthy(busy)
+
+
+SLOW_ADDRESS = "127.0.0.5"  # one client's address, apart from the 127.0.0.1 every other request comes from
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed `sock` (non-blocking; nothing else is ever sent on it)."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_slow_sockets_from_one_address_do_not_starve_others(default_ensemble, caplog):
+    # A header deadline far longer than the test: whatever closes the slow sockets, and whatever lets the
+    # request through, is not the deadline.
+    limits = {"header_timeout_s": 120}
+    bound = LimitsSection().max_pending_per_client
+    with live(default_ensemble, limits=limits) as server:
+        with ExitStack() as stack, caplog.at_level(logging.WARNING, logger="segfuse.server"):
+            slow = []
+            for _ in range(200):
+                sock = stack.enter_context(socket.socket())
+                sock.bind((SLOW_ADDRESS, 0))
+                sock.connect(server.address)
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+                sock.setblocking(False)
+                slow.append(sock)
+            began = time.monotonic()
+            response = server.post("/v1/chat/completions", chat(model=LEADER))
+            took = time.monotonic() - began
+            print(f"answered in {took:.2f} s beside 200 slow sockets")
+            assert response.status_code == 200, response.text  # at once: before, 503 until the deadline closed them
+            assert took < limits["header_timeout_s"]
+            closed = wait_for(lambda: (n := sum(map(_closed_by_server, slow))) >= len(slow) - bound and n, 60,
+                              what=f"the server to close all but {bound} of the slow sockets")
+            assert closed >= len(slow) - bound
+            refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused:")]
+            assert 1 <= len(refusals) <= 2, refusals  # one line at once, the rest counted into one more
+            assert "max_pending_per_client" in refusals[0] and SLOW_ADDRESS in refusals[0], refusals
+        assert_healthy(server)  # and it serves on once they are gone
+
+
+def test_pending_connections_close_the_oldest_past_each_bound():
+    pending = PendingConnections(per_client=2, total=3)
+    assert pending.add("a1", "A") == [] and pending.add("a2", "A") == []
+    assert pending.add("a3", "A") == [("a1", "max_pending_per_client")]
+    pending.add("a2", "A")  # pending again (after an answer): now A's newest
+    assert pending.add("a4", "A") == [("a3", "max_pending_per_client")]
+    assert pending.add("b1", "B") == [] and (len(pending), pending.of("A"), pending.of("B")) == (3, 2, 1)
+    assert pending.add("c1", "C") == [("a2", "max_pending_connections")]  # the oldest of all
+    pending.discard("a4")
+    pending.discard("a4")
+    assert (len(pending), pending.of("A")) == (2, 0)
 
 
 # --------------------------------------------------------------------------- the per-request deadline

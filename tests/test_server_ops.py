@@ -52,15 +52,13 @@ class StubWorker:
     max_concurrent = 3
     queue_size = 7
 
-    def state(self) -> tuple[int, int]:
-        return 2, 1
-
     def snapshot(self) -> dict[str, int]:
         return {"accepted": 9, "rejected": 1, "started": 8, "completed": 5, "cancelled": 1, "invalid": 1,
                 "failed": 0, "rounds": 40}
 
-    def occupancy(self) -> dict[str, Occupancy]:
-        return {"a": Occupancy(slots=4, free_slots=3, cache_cells=57), "b": Occupancy()}  # b cannot tell
+    def view(self) -> tuple[int, int, dict[str, Occupancy]]:
+        held = {"a": Occupancy(slots=4, free_slots=3, cache_cells=57), "b": Occupancy()}  # b cannot tell
+        return 2, 1, held
 
 
 def test_metrics_read_the_worker_and_count_results():

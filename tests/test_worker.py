@@ -173,13 +173,37 @@ def test_the_worker_shows_what_members_hold_and_nothing_once_idle():
         worker.start(ensemble)
         assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
         run_jobs(worker, [job("a"), job("b")])
-        for _ in range(100):  # the view is refreshed after the step that ended the jobs
-            if len(member.reads) > 1 and worker.occupancy()["holding"].free_slots == 2:
-                break
-            threading.Event().wait(0.05)
+        idle = worker.view()  # at once: each result went out after its job let its sessions go
         worker.stop()
     assert Occupancy(2, 0, 20) in member.reads  # read while both generations ran, between steps
-    assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
+    assert idle == (0, 0, {"holding": Occupancy(2, 2, 0)})
+
+
+ROUNDS = 100  # a race: the more rounds, the likelier a regression shows
+
+
+def test_a_result_reaches_its_handler_only_once_the_job_is_no_longer_in_flight():
+    """Found by a hostile run: /health, asked the moment the last answer ended, showed a slot held with
+    nothing in flight (the view of what members hold dated from before the job closed its sessions)."""
+    member = Holding()
+    with Ensemble([member]) as ensemble:
+        worker = Worker(queue_size=8, max_concurrent=2)
+        worker.start(ensemble)
+
+        async def main():
+            seen = []
+            for _ in range(ROUNDS):
+                j = job("a")
+                j.bind(asyncio.get_running_loop())
+                worker.submit(j)
+                async for item in j.items():
+                    if isinstance(item, DoneEvent):
+                        seen.append(worker.view())  # what /health reads, as the answer's last frame goes out
+            return seen
+
+        seen = asyncio.run(main())
+        worker.stop()
+    assert seen == [(0, 0, {"holding": Occupancy(2, 2, 0)})] * ROUNDS  # before: 4 in 5 showed it in flight
 
 
 class Watching:

@@ -11,6 +11,10 @@ Two matchers follow an answer under a constraint:
   no longer a prefix of a valid document cannot win, and "stop here" only when it is complete;
 - :class:`TokenMatcher` (a member session's): over that member's own tokens, to mask its logits
   while it drafts, following the shared answer in the member's tokens wherever it came from.
+
+After a prefill (a final assistant message the answer continues) the constraint is on the whole
+message: both matchers read the prefill first (:meth:`Constraint.check_prefill` refuses one the
+constraint does not allow), and the engine checks the prefill and the answer together.
 """
 
 from __future__ import annotations
@@ -76,6 +80,14 @@ class Constraint:
             raise InvalidRequestError(f"{where}: {exc}", "give a valid JSON schema") from None
         _check_grammar(compiled, where)
         return cls(kind, compiled, schema, name)
+
+    def check_prefill(self, prefill: str) -> None:
+        """InvalidRequestError unless `prefill` (the start of the answer's message) may begin a valid answer."""
+        if prefill and not TextMatcher(self).allows("", prefill):
+            raise InvalidRequestError(
+                f"the final assistant message {prefill[:40]!r} cannot begin an answer in the requested format "
+                f"({self.kind if self.kind != 'lark' else 'a tool call or text'})",
+                "make the prefill the start of a valid answer, or drop it")
 
     def check(self, text: str) -> str | None:
         """Why a finished answer does not satisfy the constraint (None: it does)."""
@@ -204,9 +216,14 @@ class TextMatcher:
 class TokenMatcher:
     """The constraint over one member's answer tokens: a mask of the tokens that may come next."""
 
-    def __init__(self, tokenizer: Any, constraint: Constraint, n_vocab: int) -> None:
+    def __init__(self, tokenizer: Any, constraint: Constraint, n_vocab: int, prefill: str = "") -> None:
+        """`prefill`: text the answer continues, read first and never rolled back (in tokens that spell
+        it; the grammar follows bytes, so which tokens does not matter)."""
         ll = _llguidance()
         self._matcher = ll.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        if prefill and not self._matcher.consume_tokens(tokenizer.greedy_tokenize(prefill)):
+            raise InvalidRequestError(f"the prefill left the constraint: {self._matcher.get_error()}",
+                                      "make the prefill the start of a valid answer, or drop it")
         self._consumed: list[int] = []
         self._n_vocab = n_vocab
         self._bitmask = np.full(((tokenizer.vocab_size + 31) // 32,), -1, dtype=np.int32)

@@ -20,6 +20,11 @@ as it decodes it (``live.py``).
 A generation's seats and leader are in ``lineup.py``, the answer so far in
 ``transcript.py``, the voting weights and round records in ``records.py``.
 
+A conversation that ends with an assistant message (a prefill) is continued:
+the members read it left open (``prompting.py``) and the answer is what follows
+it; stop strings, the constraint and the guard read the prefill and the answer
+together (``Transcript.message``).
+
 Members take part while *active* (``seats.py``): a member leaves the query when
 Model Exit finds it lagging or when one of its calls raises (a fault: a dead
 server, a timeout, garbage); the answer completes with the others and the
@@ -45,6 +50,7 @@ from .lineup import SEED_SPACE, Lineup, member_seed
 from .live import LiveCalls
 from .options import FusionOptions
 from .phases import Drafted, Known
+from .prompting import prefill_of
 from .records import Decision, Votes, gated_how, round_record
 from .seats import Seat
 from .transcript import Transcript
@@ -92,6 +98,8 @@ def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options
             "structured output needs a member that can draft under a constraint: "
             + ", ".join(m.name for m in members) + " cannot (remote servers draft freely)",
             "add a llama.cpp or transformers member, or drop response_format")
+    if constraint is not None:
+        constraint.check_prefill(prefill_of(messages))
     generation = Generation(members, options, weights, constraint, top_logprobs, deadline, cache_salt)
     try:
         yield from generation.run(messages)
@@ -172,6 +180,7 @@ class Generation:
         """Seat the members, run rounds until the answer stops, then report."""
         o, answer = self.options, self.answer
         answer.started = time.perf_counter()
+        answer.prefill = prefill_of(messages)
         yield from self.lineup.start(messages)
         if o.prior == "prompt":
             prior = yield from phases.prompt_prior(self.seats, messages, o.prior_temperature)
@@ -217,7 +226,7 @@ class Generation:
 
     def _round(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
         """Gate, draft, consult, verify, rank: how the round's winner (not yet broadcast) was chosen."""
-        o, seats, text = self.options, self.seats, self.answer.text
+        o, seats, text = self.options, self.seats, self.answer.message
         seats.new_round()
         calls_before = seats.calls
         budget = o.max_tokens - self.answer.stats.tokens
@@ -269,8 +278,8 @@ class Generation:
         if not any(d.eligible for _, d in drafted):
             return Stop("length")
         weights = self.votes.normalised([seat.name for seat, _ in drafted])
-        ranking = phases.rank([d for _, d in drafted], known, weights, o, round_no=round_no, answer=self.answer.text,
-                              last=self.answer.last)
+        ranking = phases.rank([d for _, d in drafted], known, weights, o, round_no=round_no,
+                              answer=self.answer.message, last=self.answer.last)
         self.votes.learn(drafted, ranking, o)
         return Decision("vote", drafted, ranking, leader, confidence, calls_before, consulted)
 
@@ -297,7 +306,7 @@ class Generation:
         stats.model_calls = self.seats.calls
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
-        invalid = self.constraint.check(answer.text) if self.constraint is not None and reason == "stop" else None
+        invalid = self.constraint.check(answer.message) if self.constraint is not None and reason == "stop" else None
         yield DoneEvent(Result(
             valid=None if self.constraint is None or reason != "stop" else invalid is None, invalid_reason=invalid,
             text=answer.text, segments=answer.segments, rounds=answer.rounds, stats=stats,

@@ -15,7 +15,7 @@ from .likelihood import ItemScores, Rule, score_item, score_items
 from .member_options import MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
-from .prompting import validate_messages
+from .prompting import validate_messages, without_empty_prefill
 from .types import DoneEvent, Event, Message, PromptToken, Result
 
 MAX_MEMBERS = 7
@@ -25,7 +25,8 @@ Conversation = str | Sequence[Message | Mapping[str, str]]
 
 
 def to_messages(prompt: Conversation) -> list[Message]:
-    """A prompt string or a list of messages (dicts or Message) -> validated messages."""
+    """A prompt string or a list of messages (dicts or Message) -> validated messages. A final assistant
+    message is a prefill: the answer continues it (an empty one is dropped)."""
     if isinstance(prompt, str):
         messages = [Message("user", prompt)]
     else:
@@ -41,6 +42,7 @@ def to_messages(prompt: Conversation) -> list[Message]:
                     "each message needs role system/user/assistant (or raw: a text to continue) and string content",
                 )
             messages.append(Message(role, content))
+    messages = without_empty_prefill(messages)
     validate_messages(messages)
     return messages
 

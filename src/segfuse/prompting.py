@@ -4,6 +4,9 @@ Chat templates come from the model's own metadata (GGUF ``tokenizer.chat_templat
 and are rendered the way Hugging Face and llama.cpp do: a sandboxed Jinja
 environment with ``trim_blocks``/``lstrip_blocks``. Base models without a
 template use the plain ``Question: ... Answer:`` format.
+
+A conversation that ends with an assistant message (a *prefill*) is continued: the members read it left
+open, with no end of turn after it and no new generation prompt, and the answer is the continuation.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: Sequence[Message], bos_token: str, eos_token: str) -> str:
-    """Render a chat template with the generation prompt for the assistant turn."""
+def render_chat(template: str, messages: Sequence[Message], bos_token: str, eos_token: str,
+                add_generation_prompt: bool = True) -> str:
+    """Render a chat template (by default with the generation prompt for the assistant turn)."""
     try:
         return _compile(template).render(
             messages=[{"role": m.role, "content": m.content} for m in messages],
             bos_token=bos_token,
             eos_token=eos_token,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
         )
     except TemplateError as exc:
         raise InvalidRequestError(
@@ -53,6 +57,46 @@ def render_chat(template: str, messages: Sequence[Message], bos_token: str, eos_
         ) from None
     except Exception as exc:  # a template that cannot even compile is the model's fault
         raise MemberLoadError(f"the model's chat template failed: {exc}", "use another model file") from None
+
+
+# A chat template as a backend renders it: (messages, add_generation_prompt) -> text.
+TemplateRender = Callable[[Sequence[Message], bool], str]
+
+
+def prefill_of(messages: Sequence[Message]) -> str:
+    """The final assistant message the answer continues ("" when the conversation ends otherwise)."""
+    return messages[-1].content if messages and messages[-1].role == "assistant" else ""
+
+
+def chat_prompt(render: TemplateRender, messages: Sequence[Message], member: str) -> str:
+    """`messages` through a chat template, ready for the answer: with the template's generation prompt,
+    or, after a prefill, up to the end of its content (every backend's members read it so)."""
+    if not prefill_of(messages):
+        return render(messages, True)
+    return _left_open(render, messages, member)
+
+
+def _left_open(render: TemplateRender, messages: Sequence[Message], member: str) -> str:
+    """The conversation rendered without a generation prompt and cut right after the prefill's content.
+
+    Where the content lies comes from rendering once more with a unique placeholder in its place: the
+    placeholder must appear once, and the real rendering must be the text before it then the content
+    (as it is, or trimmed: templates often ``| trim``). A template that drops, repeats or rewrites the
+    content, or whose markup before it depends on it, cannot leave the message open: refused.
+    """
+    content = messages[-1].content
+    mark = f"\ue000{secrets.randbelow(10**12):012d}\ue001"
+    skeleton = render([*messages[:-1], Message("assistant", mark)], False)
+    text = render(messages, False)
+    if skeleton.count(mark) == 1:
+        head = skeleton.split(mark)[0]
+        for filled in (content, content.strip()):
+            if filled and text.startswith(head + filled):
+                return head + filled
+    raise InvalidRequestError(
+        f"the chat template of {member} cannot leave an assistant message open for the answer to continue: "
+        "it drops, repeats or rewrites the message's content",
+        "end the conversation with a user message, or leave this member out")
 
 
 def content_spans(render: Callable[[Sequence[Message]], str], messages: Sequence[Message],
@@ -87,7 +131,8 @@ def content_spans(render: Callable[[Sequence[Message]], str], messages: Sequence
 
 
 def render_plain(messages: Sequence[Message]) -> str:
-    """Question/Answer format for base models; system text goes first."""
+    """Question/Answer format for base models; system text goes first. A prefill is left open (no blank
+    line after it)."""
     parts: list[str] = []
     for message in messages:
         if message.role == "system":
@@ -96,6 +141,8 @@ def render_plain(messages: Sequence[Message]) -> str:
             parts.append(f"Question: {message.content.strip()}\nAnswer:")
         else:
             parts.append(f" {message.content.strip()}\n\n")
+    if prefill_of(messages):
+        parts[-1] = parts[-1].removesuffix("\n\n")
     return "".join(parts)
 
 
@@ -105,7 +152,8 @@ def raw_prompt(messages: Sequence[Message]) -> str | None:
 
 
 def validate_messages(messages: Sequence[Message]) -> None:
-    """The conversation must end with a non-empty user turn (or be one non-empty raw prompt)."""
+    """The conversation must end with a non-empty user turn, or one and a prefill to continue (or be one
+    non-empty raw prompt)."""
     if not messages:
         raise InvalidRequestError("no messages given", "pass a prompt or at least one user message")
     if any(m.role == "raw" for m in messages):
@@ -115,10 +163,33 @@ def validate_messages(messages: Sequence[Message]) -> None:
             raise InvalidRequestError("the prompt is empty", "write the text to continue")
         return
     last = messages[-1]
+    if last.role == "assistant":
+        _check_prefill(last.content)
+        if len(messages) < 2 or messages[-2].role != "user":
+            raise InvalidRequestError("an assistant message to continue (a prefill) must follow a user message",
+                                      "put the question before it")
+        last = messages[-2]
     if last.role != "user":
-        raise InvalidRequestError("the last message must be from the user", "end the conversation with a question")
+        raise InvalidRequestError("the last message must be from the user, or from the assistant (a prefill "
+                                  "to continue) after the user's", "end the conversation with a question")
     if not last.content.strip():
         raise InvalidRequestError("the prompt is empty", "write a question")
+
+
+def _check_prefill(content: str) -> None:
+    """A prefill ending in whitespace is refused, as Anthropic refuses it: templates that trim contents
+    would drop it for some members and not others, and a word's token carries its leading space."""
+    if content[-1:].isspace():
+        raise InvalidRequestError("the final assistant message (a prefill to continue) ends with whitespace",
+                                  "remove the trailing whitespace: the answer may begin with it")
+
+
+def without_empty_prefill(messages: Sequence[Message]) -> list[Message]:
+    """`messages` less a final empty assistant message: nothing to continue, the answer starts afresh
+    (Anthropic accepts an empty final assistant message)."""
+    if len(messages) > 1 and messages[-1] == Message("assistant", ""):
+        return list(messages[:-1])
+    return list(messages)
 
 
 def choose_format(declared: PromptFormat | None, chat_template: str | None, name: str) -> PromptFormat:

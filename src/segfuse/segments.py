@@ -82,8 +82,8 @@ def cut_draft(pieces: Sequence[bytes], finished: bool) -> Cut:
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
-    """Index of the earliest stop string in `text` at or after `start`, or -1."""
-    hits = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+    """Index of the earliest stop string in `text` that ends past `start` (it may begin before), or -1."""
+    hits = [i for s in stops if s and (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
     return min(hits) if hits else -1
 
 
@@ -91,14 +91,16 @@ def apply_stops(answer: str, candidate: str, stops: Sequence[str]) -> tuple[str,
     """Truncate `candidate` where a stop string appears in `answer + candidate`.
 
     Only stops that end inside the candidate count (earlier text was already
-    checked). Returns the kept candidate text and whether a stop was hit.
+    checked, or is a prefill, whose own stop strings do not end the answer); one that
+    begins in `answer` keeps nothing of the candidate. Returns the kept candidate text
+    and whether a stop was hit.
     """
     if not stops or not candidate:
         return candidate, False
     longest = max(len(s) for s in stops)
     tail = answer[-(longest - 1):] if longest > 1 else ""
     joined = tail + candidate
-    at = find_stop(joined, stops)
+    at = find_stop(joined, stops, len(tail))
     if at < 0:
         return candidate, False
     return joined[:at][len(tail):] if at >= len(tail) else "", True

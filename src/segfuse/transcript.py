@@ -18,9 +18,10 @@ log = logging.getLogger("segfuse.engine")
 
 
 class Transcript:
-    """The answer as the rounds write it."""
+    """The answer as the rounds write it, after the prefill it continues (a final assistant message)."""
 
     def __init__(self, names: Sequence[str]) -> None:
+        self.prefill = ""  # set when the generation starts: the final assistant message, or ""
         self.text = ""
         self.segments: list[Segment] = []
         self.rounds: list[RoundRecord] = []
@@ -29,13 +30,19 @@ class Transcript:
         self.started = time.perf_counter()
 
     @property
+    def message(self) -> str:
+        """The whole assistant message so far: the prefill and the answer (what stop strings, the
+        constraint and the guard read)."""
+        return self.prefill + self.text
+
+    @property
     def last(self) -> str:
         """The last segment's text ("" before the first)."""
         return self.segments[-1].text if self.segments else ""
 
     def stream(self, leader: str, round_no: int, stops: tuple[str, ...]) -> LeaderStream:
         """This round's segment as the leader writes it (it answers alone)."""
-        self.live = LeaderStream(leader, round_no, self.text, stops)
+        self.live = LeaderStream(leader, round_no, self.message, stops)
         return self.live
 
     def keep_streamed(self, round_no: int) -> None:

@@ -194,7 +194,8 @@ class Stats:
 
 @dataclass
 class Result:
-    """The fused answer with its provenance."""
+    """The fused answer with its provenance. After a prefill (a final assistant message), `text` is the
+    continuation alone."""
 
     text: str
     segments: list[Segment]
@@ -205,8 +206,8 @@ class Result:
     weights: dict[str, float] = field(default_factory=dict)  # voting weights at the end
     counters: dict[str, dict[str, int]] = field(default_factory=dict)  # backend work per member
     prompt_bpb: dict[str, float] = field(default_factory=dict)  # members' bits per byte on the prompt
-    # Under a constraint (structured output): whether the finished answer satisfies it (None: no
-    # constraint, or the answer was cut short and is not claimed valid), and why not.
+    # Under a constraint (structured output): whether the finished answer (after a prefill, the prefill
+    # and the answer) satisfies it (None: no constraint, or the answer was cut short), and why not.
     valid: bool | None = None
     invalid_reason: str | None = None
 

@@ -32,7 +32,7 @@ import numpy as np
 from ..constraints import Constraint, TokenMatcher, tokenizer_for
 from ..errors import InvalidRequestError, PromptTooLongError
 from ..models import PromptFormat
-from ..prompting import raw_prompt
+from ..prompting import prefill_of, raw_prompt
 from ..segments import tokens_spelling
 from ..types import Alternatives, Message, TokenScores
 from .base import Member, MemberSession
@@ -134,14 +134,15 @@ class LocalMember(Member):
         self.check_ids(tokens)
         return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", "replace")
 
-    def token_matcher(self, constraint: Constraint) -> TokenMatcher:
-        """A matcher of `constraint` over this member's tokens (its vocabulary is read once, ~1 s)."""
+    def token_matcher(self, constraint: Constraint, prefill: str = "") -> TokenMatcher:
+        """A matcher of `constraint` over this member's tokens, after `prefill` (its vocabulary is read
+        once, ~1 s)."""
         tokenizer = getattr(self, "_constraint_tokenizer", None)
         if tokenizer is None:
             pieces = [_piece_or_empty(self, t) for t in range(self.vocab_size)]
             tokenizer = self._constraint_tokenizer = tokenizer_for(pieces, [int(t) for t in self.eog_ids],
                                                                    self.tokenize_plain)
-        return TokenMatcher(tokenizer, constraint, self.vocab_size)
+        return TokenMatcher(tokenizer, constraint, self.vocab_size, prefill)
 
     @abstractmethod
     def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
@@ -155,6 +156,7 @@ class LocalMember(Member):
         check_prompt_fits(self.name, len(prompt), reserve, self.n_ctx)
         session = self.open_session(prompt, seed, cache_salt, deterministic)
         session.raw = raw_prompt(messages) is not None
+        session.prefill = prefill_of(messages)
         return session
 
     def spells(self, ids: Sequence[int], text: str) -> bool:
@@ -191,6 +193,7 @@ class CachedSession(MemberSession):
         self._matcher: TokenMatcher | None = None  # under a constraint: what may be drafted next
 
     raw = False  # a text completion: the prompt format's stop strings do not apply
+    prefill = ""  # the final assistant message the answer continues: a constraint reads it first
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -201,7 +204,7 @@ class CachedSession(MemberSession):
         return self.m.n_ctx - len(self.tokens)
 
     def constrain(self, constraint: Constraint) -> None:
-        self._matcher = self.m.token_matcher(constraint)
+        self._matcher = self.m.token_matcher(constraint, self.prefill)
 
     def allowed_next(self, drafted: Sequence[int]) -> np.ndarray | None:
         """Under a constraint, the tokens that may follow the answer and the tokens `drafted` so far

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import MemberLoadError
 from ..models import PromptFormat
-from ..prompting import choose_format, raw_prompt, render_chat, render_plain
+from ..prompting import chat_prompt, choose_format, raw_prompt, render_chat, render_plain
 from ..types import Message
 from .special_text import Special, SpecialTexts, protected_pieces
 
@@ -111,9 +111,11 @@ class LlamaVocab:
         return self.protected_tokens(messages, text, add_special=not has_bos)
 
     def render(self, messages: Sequence[Message]) -> str:
-        """`messages` through the model's chat template."""
-        assert self.chat_template is not None
-        return render_chat(self.chat_template, messages, self.bos_text, self.eos_text)
+        """`messages` through the model's chat template, ready for the answer (a prefill left open)."""
+        template = self.chat_template
+        assert template is not None
+        return chat_prompt(lambda ms, gen: render_chat(template, ms, self.bos_text, self.eos_text, gen),
+                           messages, self.name)
 
     def protected_tokens(self, messages: Sequence[Message], text: str, *, add_special: bool) -> list[int]:
         """`text` (the templated `messages`) tokenized with the template's special tokens, and the

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import MemberLoadError, ModelFileError
 from ..models import CATALOGUE, QUESTION_ANSWER, PromptFormat, is_gguf
-from ..prompting import raw_prompt, render_chat, render_plain
+from ..prompting import chat_prompt, raw_prompt, render_chat, render_plain
 from ..sources import is_sourced
 from ..types import Message
 
@@ -42,14 +42,16 @@ class PromptSource:
     origin: str = ""
 
     def render(self, messages: Sequence[Message]) -> str:
-        """The templated prompt, ready for the assistant's answer (a raw prompt as it is)."""
+        """The templated prompt, ready for the assistant's answer (a prefill left open; a raw prompt as it is)."""
         if (raw := raw_prompt(messages)) is not None:
             return raw
         if self.prompt.style == "plain":
             return render_plain(messages)  # the server adds BOS where the model wants one
         if not self.template:
             raise MemberLoadError(f"no chat template known ({self.origin})", "give template=PATH or format=plain")
-        text = render_chat(self.template, messages, self.bos_text, self.eos_text)
+        template = self.template
+        text = chat_prompt(lambda ms, gen: render_chat(template, ms, self.bos_text, self.eos_text, gen),
+                           messages, self.origin)
         if self.add_bos and self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text) :]  # the server adds it; twice would change the prompt
         return text

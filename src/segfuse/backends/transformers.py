@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from ..errors import MemberLoadError, ModelFileError
 from ..models import PromptFormat, is_gguf
 from ..models import cache_dir as default_cache_dir
-from ..prompting import choose_format, raw_prompt, render_plain
+from ..prompting import chat_prompt, choose_format, raw_prompt, render_plain
 from ..types import Message, PromptToken
 from .base import Capabilities, Occupancy
 from .cached import LocalMember
@@ -264,8 +264,10 @@ class TransformersMember(LocalMember):
         return self.protected_tokens(messages, text, add_special=not has_bos)
 
     def _render(self, messages: Sequence[Message]) -> str:
-        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
-                                                  tokenize=False, add_generation_prompt=True)
+        """`messages` through the tokenizer's chat template, ready for the answer (a prefill left open)."""
+        return chat_prompt(lambda ms, gen: self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in ms], tokenize=False, add_generation_prompt=gen),
+            messages, self.name)
 
     def protected_tokens(self, messages: Sequence[Message], text: str, *, add_special: bool) -> list[int]:
         """`text` (the templated `messages`) tokenized with the template's special tokens, and the

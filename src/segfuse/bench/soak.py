@@ -173,8 +173,8 @@ class Soak:
     def _checkpoint(self, label: str, send_probe: bool = True) -> dict[str, Any]:
         """Wait for the server to go idle; note what it holds, its memory; then send the probe."""
         t_wait = time.monotonic()
+        # With nothing in flight, /health's view was read after the last request let its slots go.
         health = self._poll(lambda h: not h["queue"]["waiting"] and not h["queue"]["running"], IDLE_TIMEOUT_S)
-        health = self._poll(lambda h: not held(h), 5.0, health)  # the view is refreshed after the last step
         entry = {"t_s": self.now(), "label": label, "idle_wait_s": time.monotonic() - t_wait,
                  "waiting": health["queue"]["waiting"], "running": health["queue"]["running"],
                  "accepted": health["counters"]["accepted"], "occupancy": health.get("occupancy", {}),
@@ -188,10 +188,9 @@ class Soak:
                  f"held: {', '.join(entry['held']) or 'nothing'}; cached: {entry['cached_cells']} cells")
         return entry
 
-    def _poll(self, ok: Callable[[dict[str, Any]], bool], timeout: float,
-              health: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _poll(self, ok: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
-        health = health or self.server.health()
+        health = self.server.health()
         while not ok(health) and time.monotonic() < deadline:
             time.sleep(0.2)
             health = self.server.health()

@@ -35,8 +35,8 @@ def serve(
         "--request-timeout", min=0, help="Seconds one request may take, queueing included; then its answer "
         "ends where it is (default 600; 0: no deadline).")] = None,
     limit_concurrency: Annotated[Optional[int], typer.Option(
-        "--limit-concurrency", min=1, help="Connections and requests served at once; more get 503 "
-        "(default 64).")] = None,
+        "--limit-concurrency", min=1, help="Requests in flight at once, from their headers to the end "
+        "of their answer; more get 503 (default 64). Connections without a request do not count.")] = None,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,
 ) -> None:

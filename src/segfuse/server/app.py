@@ -40,7 +40,8 @@ from ..ensemble import Ensemble
 from ..errors import SegfuseError
 from . import chat, completions, messages, responses, tokenize
 from .config import WILDCARD_HOSTS, ServerConfig
-from .guards import Gate, h11_protocol, quoted, redact
+from .connections import h11_protocol
+from .guards import Gate, quoted, redact
 from .metrics import ServerMetrics
 from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .serving import APIError, api_error
@@ -181,12 +182,12 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         if not state.sees_all(request):  # a probe: readiness only
             return JSONResponse({"status": status}, status_code=code)
         error = error if error is None or state.holds_key(request) else redact(error)
-        waiting, running = worker.state()
+        waiting, running, occupancy = worker.view()
         body = Health(status=status, model=state.model_id, members=state.members, error=error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
                       counters=worker.snapshot(), placement=state.placement,
-                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in worker.occupancy().items()})
+                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()})
         return JSONResponse(body.model_dump(), status_code=code)
 
     # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
@@ -280,11 +281,12 @@ def _server(app: FastAPI, config: ServerConfig) -> Any:
 
 
 def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
-    """How uvicorn serves the app: the address, and the connection limits of ``[limits]``."""
+    """How uvicorn serves the app: the address, and the connection limits of ``[limits]`` (uvicorn's own
+    ``limit_concurrency`` counts idle connections too: ours, in the protocol class, counts requests only)."""
     s, limits = config.server, config.limits
     return {"host": s.host, "port": s.port, "log_level": s.log_level, "timeout_graceful_shutdown": 30,
-            "limit_concurrency": limits.limit_concurrency, "timeout_keep_alive": limits.timeout_keep_alive_s,
-            "http": h11_protocol(limits.header_timeout_s), "h11_max_incomplete_event_size": limits.max_header_bytes}
+            "timeout_keep_alive": limits.timeout_keep_alive_s, "http": h11_protocol(limits),
+            "h11_max_incomplete_event_size": limits.max_header_bytes}
 
 
 __all__ = ["ServerState", "create_app", "load_ensemble", "run", "uvicorn_settings"]

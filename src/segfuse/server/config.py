@@ -111,7 +111,13 @@ class LimitsSection(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0, description="how long a client may take to send a request's "
                                     "line and headers")
     body_timeout_s: float = Field(30.0, gt=0, description="how long a client may take to send a request body")
-    limit_concurrency: int = Field(64, ge=1, description="open connections (and requests) at once; more get 503")
+    limit_concurrency: int = Field(64, ge=1, description="requests in flight at once, from their headers to the "
+                                   "end of their answer (a stream holds one throughout); more get 503")
+    max_pending_connections: int = Field(256, ge=1, description="connections waiting for a request (sending "
+                                         "their headers, or idle between requests) that count, from all "
+                                         "addresses; past it the oldest is closed")
+    max_pending_per_client: int = Field(16, ge=1, description="the same from one client address; past it that "
+                                        "address's oldest is closed")
     timeout_keep_alive_s: int = Field(5, ge=1, description="idle seconds before a kept-alive connection closes")
     max_header_bytes: int = Field(16_384, ge=1024, description="bytes of a request line and headers")
 

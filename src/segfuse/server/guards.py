@@ -7,9 +7,9 @@
   anywhere without asking, but ``application/json`` makes the browser ask first, and we say no);
 - ``redact`` takes file paths, URLs and tracebacks out of texts that came from inside (load errors,
   member faults) before they reach a client that does not hold the API key;
-- ``quoted`` writes a client's string into the log safely (``repr``, cut short);
-- ``h11_protocol`` is uvicorn's HTTP/1.1 protocol with a deadline on a request's line and headers
-  (uvicorn has none: a client sending a header byte a minute would hold its connection for ever).
+- ``quoted`` writes a client's string into the log safely (``repr``, cut short).
+
+How long a connection may take to send its request, and how many may wait, is ``connections.py``'s.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def host_name(header: str) -> str:
     return name if colon and port.isdigit() and ":" not in name else value
 
 
-def _error_body(code: str, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+def error_body(code: str, message: str,
+               kind: str = "invalid_request_error") -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """An OpenAI-shaped error's headers and JSON body, for the answers sent before any route."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body
 
 
@@ -59,7 +60,7 @@ class Gate:
             await send({"type": "websocket.close", "code": 1008})
             return
         status, code, message = refusal
-        headers, body = _error_body(code, message)
+        headers, body = error_body(code, message)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -76,50 +77,6 @@ class Gate:
                 return (400, "invalid_host", "this server does not answer to that Host header; an operator can "
                         "add the name to allowed_hosts (docs/server.md, Behind a proxy)")
         return None
-
-
-def h11_protocol(header_timeout_s: float) -> type:
-    """uvicorn's h11 protocol class, closing a connection whose request line and headers take longer than
-    `header_timeout_s` (counted from the connection, or from the previous response)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderDeadline(H11Protocol):
-        _header_timer: Any = None
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _too_slow(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no request yet
-                self.transport.close()
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the headers are in: the app's body deadline takes over
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return HeaderDeadline
 
 
 def media_type_error(content_type: str | None) -> str | None:
@@ -148,4 +105,4 @@ def quoted(value: str, limit: int = 64) -> str:
     return repr(value[:limit]) + ("…" if len(value) > limit else "")
 
 
-__all__ = ["Gate", "h11_protocol", "host_name", "media_type_error", "quoted", "redact"]
+__all__ = ["Gate", "error_body", "host_name", "media_type_error", "quoted", "redact"]

@@ -101,6 +101,9 @@ class Job:
     accepted_at: float = field(default_factory=time.monotonic)  # the deadline counts from here
     cancel_flag: threading.Event = field(default_factory=threading.Event)
     cancel_reason: SegfuseError | None = None  # why the server (not the client) cancelled it, if it did
+    # Its result (the DoneEvent, or a work job's Worked), held back until the worker has let the job go
+    # (``ending``): a client that has its whole answer finds the job no longer in flight, its slots free.
+    result: Item | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _items: asyncio.Queue[Item] | None = None
 
@@ -168,6 +171,8 @@ def flight_of(job: Job, steps: Steps, count: Callable[[str], None], tell: Callab
             tell(lambda o: o.first_segment(job.created))
         elif isinstance(event, DoneEvent):
             tell(lambda o: o.done(job.created, event.result))
+            job.result = event  # handed over when the job ends
+            return
         job.emit(event)
 
     # The leader's text as it decodes it, unless the answer's log-probabilities are asked for: they
@@ -186,7 +191,7 @@ def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | N
     except Exception as exc:
         end(job, exc, 0)
         return
-    job.emit(Worked(value))
+    job.result = Worked(value)
     end(job, None, 0)
 
 
@@ -201,23 +206,27 @@ def tell(observer: Observer | None, call: Callable[[Observer], None]) -> None:
 
 
 def ending(job: Job, why: BaseException | None, rounds: int, count: Callable[[str], None]) -> None:
-    """Count how `job` ended and tell its handler (nothing more to tell when it completed: its
-    DoneEvent went out)."""
+    """Count how `job` ended, then tell its handler: its result, or why it has none. Called once the job
+    holds nothing and counts in flight no more."""
+    told: Item | None = None
     if why is None:
         count("completed")
     elif isinstance(why, FlightCancelled):
         count("cancelled")
         log.info("%s cancelled after %d rounds", job.id, rounds)
-        job.emit(Cancelled() if job.cancel_reason is None else Failed(job.cancel_reason))
+        told = Cancelled() if job.cancel_reason is None else Failed(job.cancel_reason)
     elif isinstance(why, InvalidRequestError):
         count("invalid")
         log.info("%s rejected: %s", job.id, why)
-        job.emit(Failed(why))
+        told = Failed(why)
     elif isinstance(why, SegfuseError):
         count("failed")
         log.warning("%s failed: %s", job.id, why)
-        job.emit(Failed(why))
+        told = Failed(why)
     else:  # a bug or a backend crash: report it, keep serving
         count("failed")
         log.error("%s crashed", job.id, exc_info=why)
-        job.emit(Failed(why))
+        told = Failed(why)
+    for item in (job.result, told):  # a failure after the result (closing its sessions) does not take it back
+        if item is not None:
+            job.emit(item)

@@ -41,11 +41,9 @@ class WorkerView(Protocol):
     max_concurrent: int
     queue_size: int
 
-    def state(self) -> tuple[int, int]: ...
-
     def snapshot(self) -> dict[str, int]: ...
 
-    def occupancy(self) -> Mapping[str, Occupancy]: ...
+    def view(self) -> tuple[int, int, Mapping[str, Occupancy]]: ...
 
 
 class _WorkerCollector(Collector):
@@ -56,7 +54,7 @@ class _WorkerCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         counters = self.worker.snapshot()
-        waiting, running = self.worker.state()
+        waiting, running, held = self.worker.view()
         requests = CounterMetricFamily(
             "segfuse_requests", "Requests that reached the worker, by how they ended "
             "(rejected: the queue was full, 429; invalid: the members found the input bad)", labels=["outcome"])
@@ -73,7 +71,7 @@ class _WorkerCollector(Collector):
                                 value=self.worker.queue_size)
         yield GaugeMetricFamily("segfuse_max_concurrent", "Generations run together at most",
                                 value=self.worker.max_concurrent)
-        yield from _occupancy(self.worker.occupancy())
+        yield from _occupancy(held)
 
 
 def _occupancy(held: Mapping[str, Occupancy]) -> Iterable[Metric]:

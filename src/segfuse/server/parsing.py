@@ -18,6 +18,7 @@ from ..constraints import Constraint
 from ..ensemble import to_messages
 from ..errors import InvalidRequestError
 from ..options import FusionOptions
+from ..prompting import prefill_of
 from ..tools import (
     Tool,
     call_text,
@@ -237,10 +238,33 @@ def constraint_of(request: ChatCompletionRequest, tools: list[Tool] | None = Non
                    code="invalid_value", param="response_format")
 
 
+def check_continuation(request: ChatCompletionRequest) -> None:
+    """vLLM's ``continue_final_message`` and ``add_generation_prompt``, where given, must say what segfuse
+    does anyway: continue a final assistant message, and answer any other last message with a new turn."""
+    last = request.messages[-1]
+    if last.role == "assistant" and last.tool_calls:
+        raise APIError(400, "the conversation ends with the assistant's tool call: send its result (a tool "
+                       "message) or a user message after it", code="invalid_messages", param="messages")
+    ends_open = last.role == "assistant"
+    wrong = {"continue_final_message": request.continue_final_message not in (None, ends_open),
+             "add_generation_prompt": request.add_generation_prompt not in (None, not ends_open)}
+    for field, contradicts in wrong.items():
+        said = f"{field} {str(getattr(request, field)).lower()}"
+        if contradicts and ends_open:
+            raise APIError(400, f"{said} asks for a new assistant turn after the final assistant message, which "
+                           "segfuse continues (a prefill): drop the field, or end with a user message",
+                           code="invalid_value", param=field)
+        if contradicts:
+            raise APIError(400, f"{said} asks to continue the final message, which is from the {last.role}; "
+                           "segfuse continues only an assistant's: drop the field, or end with the start of "
+                           "the assistant's answer", code="invalid_value", param=field)
+
+
 def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None = None,
                        mode: str = "none") -> list[Message]:
     """The conversation as the members read it: earlier tool calls and results in plain text, the tools
-    offered noted in the system message (tools.py)."""
+    offered noted in the system message (tools.py); a final assistant message is continued."""
+    check_continuation(request)
     messages: list[Message] = []
     names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn is
     results: list[str] = []  # consecutive tool turns: the results of one turn's calls, sent as one user turn
@@ -303,6 +327,11 @@ def plan_of(request: ChatCompletionRequest, defaults: FusionOptions,
     except RecursionError:
         raise checks.exceeded("response_format", "the schema nests too deeply to check", limits.max_schema_depth,
                               "max_schema_depth") from None
+    if constraint is not None:
+        try:
+            constraint.check_prefill(prefill_of(messages))
+        except InvalidRequestError as exc:
+            raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
     return ChatPlan(request, messages, options, constraint, tools if mode != "none" else [], top)
 
 
@@ -310,6 +339,7 @@ __all__ = [
     "CHAT",
     "ChatPlan",
     "Endpoint",
+    "check_continuation",
     "constraint_of",
     "fusion_options",
     "offered_tools",

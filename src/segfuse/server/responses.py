@@ -142,7 +142,7 @@ class Answer:
                          "total_tokens": usage.total_tokens}
         body["segfuse"] = full_info(result, started, self.detailed).model_dump(mode="json")
         if self.plan.request.store is not False:
-            self.store.put(self.job.id, self.plan.history + [_as_chat(output[0])])
+            self.store.put(self.job.id, answered(self.plan.history, _as_chat(output[0])))
         return body
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -220,6 +220,17 @@ class Answer:
                                      error=detail)
         finally:
             cancel()
+
+
+def answered(history: list[dict[str, Any]], turn: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation with the answer's turn. After a prefill (an input that ends with an assistant
+    message) the answer continues that message: one turn, the prefill and the answer (a call replaces it:
+    the call was written from it)."""
+    if not history or history[-1]["role"] != "assistant":
+        return [*history, turn]
+    if turn.get("tool_calls"):
+        return [*history[:-1], turn]
+    return [*history[:-1], {"role": "assistant", "content": (history[-1].get("content") or "") + turn["content"]}]
 
 
 def _as_chat(item: dict[str, Any]) -> dict[str, Any]:

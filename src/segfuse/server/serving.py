@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from ..errors import (
     InvalidRequestError,
@@ -30,6 +31,7 @@ from ..errors import (
     SegfuseError,
     UnknownModelError,
 )
+from ..prompting import prefill_of
 from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, Segment
 from .guards import media_type_error, redact
@@ -137,6 +139,9 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     except TimeoutError:
         raise APIError(408, f"the request body took longer than {timeout_s:g} s to arrive ([limits] "
                        "body_timeout_s)", code="request_timeout") from None
+    except ClientDisconnect:  # an answer nobody reads, rather than a traceback in the log per hang-up
+        raise APIError(400, "the client closed the connection before its body arrived",
+                       code="client_disconnected") from None
     if too_big:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     return b"".join(parts)
@@ -161,8 +166,11 @@ def finish_reason_of(result: Result, call: ToolCall | None = None) -> str:
 
 
 def call_of(job: Job, result: Result) -> ToolCall | None:
-    """The tool call a finished answer makes, when tools were offered."""
-    return read_call(result.text, job.tools) if job.tools and result.stats.finish_reason == "stop" else None
+    """The tool call a finished answer makes (after a prefill, the prefill and the answer), when tools
+    were offered."""
+    if not job.tools or result.stats.finish_reason != "stop":
+        return None
+    return read_call(prefill_of(job.messages) + result.text, job.tools)
 
 
 def usage_of(result: Result, started: Started | None) -> Usage:

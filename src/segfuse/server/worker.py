@@ -10,6 +10,10 @@ at its next tick (within a round), and closing its coroutine closes its member
 sessions. ``max_concurrent = 1`` is the serial worker: one job at a time.
 After every tick the thread also notes what each member holds (free slots, KV
 cells): only it may read a llama.cpp cache, which must not be read mid-decode.
+A job that ends leaves the count of jobs in flight together with a fresh note
+(its sessions are closed by then), and only then does its handler get its
+result: a client that has its whole answer, asking /health at once, never sees
+its request still in flight, nor the slot it held.
 The job and what it hands its handler are in ``jobs.py``; the watchdog is in ``watchdog.py``.
 
 The worker is never silent about its own faults: an exception that escapes a
@@ -130,6 +134,12 @@ class Worker:
         """What each member held after the worker's last step (all slots free and no cells when idle)."""
         with self._cond:
             return dict(self._occupancy)
+
+    def view(self) -> tuple[int, int, dict[str, Occupancy]]:
+        """Jobs waiting, jobs in flight and what members hold, read together: with none in flight, what
+        members hold was noted after the last job closed its sessions."""
+        with self._cond:
+            return len(self._waiting), len(self._running), dict(self._occupancy)
 
     def submit(self, job: Job) -> None:
         """Queue a bound job, or raise QueueFullError when every slot is taken."""
@@ -276,6 +286,12 @@ class Worker:
                     log.exception("on_fatal failed")
 
     def _observe(self) -> None:
+        seen = self._read_occupancy()
+        with self._cond:
+            self._occupancy = seen
+
+    def _read_occupancy(self) -> dict[str, Occupancy]:
+        """What each member holds now; on the worker thread, between decodes (or before it starts)."""
         assert self._ensemble is not None
         seen = {}
         for member in self._ensemble.members:
@@ -284,8 +300,7 @@ class Worker:
             except Exception:  # a view for operators must never stop the worker
                 log.exception("could not read what %s holds", member.name)
                 seen[member.name] = Occupancy(member.slots)
-        with self._cond:
-            self._occupancy = seen
+        return seen
 
     def _admit(self, job: Job) -> None:
         self._count("started")
@@ -311,8 +326,13 @@ class Worker:
         self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
+        """`job` is over and its sessions closed: it leaves the jobs in flight together with a fresh note of
+        what members hold, and only then is its handler told (its result goes out)."""
+        seen = self._read_occupancy() if threading.current_thread() is self._thread else None
         with self._cond:
             self._running.discard(job)
+            if seen is not None:  # elsewhere (the thread died) the cache is not ours to read
+                self._occupancy = seen
         self._finished(job, why, rounds)
 
     def _finished(self, job: Job, why: BaseException | None, rounds: int) -> None:
