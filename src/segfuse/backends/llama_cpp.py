@@ -129,7 +129,6 @@ class LlamaCppMember(LocalMember):
         self.context.make_room = self.prefix_cache.evict_one  # no room: cached prefixes give way first
         self.softmax = LogSoftmax(self.n_vocab)
         self.context.reserve_outputs(self.n_ctx)
-        self._shape = (n_batch, max_outputs)
         self.private = PrivateContexts(self._open_private)
 
     def _load(self, gpu_layers: int | None, main_gpu: int, split: str, tensor_split: tuple[float, ...] | None,
@@ -158,10 +157,11 @@ class LlamaCppMember(LocalMember):
             raise
 
     def _open_private(self) -> LlamaContext:
-        """A context for one deterministic session: one window, its sequences, the shared context's batch size."""
-        n_batch, max_outputs = self._shape
-        ctx = LlamaContext(self._model, name=self.name, n_ctx=self.n_ctx, n_batch=n_batch, n_seq=SEQS_PER_SESSION,
-                           threads=self.threads, n_vocab=self.n_vocab, max_outputs=max_outputs, window=self.n_ctx,
+        """A context for one deterministic session: its sequences, the shared context's batch size, and one
+        window plus a batch of cells (a round's candidates, at most a batch, sit beside the context)."""
+        ctx = LlamaContext(self._model, name=self.name, n_ctx=self.n_ctx + self.n_batch, n_batch=self.n_batch,
+                           n_seq=SEQS_PER_SESSION,
+                           threads=self.threads, n_vocab=self.n_vocab, max_outputs=self.max_outputs, window=self.n_ctx,
                            shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)")
         ctx.reserve_outputs(self.n_ctx)
         return ctx
