@@ -39,11 +39,11 @@ def client(server):
     return OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300)
 
 
-def ask(client: OpenAI, messages: list[dict[str, str]], deterministic: bool | None) -> str:
-    """A greedy chat completion's text; `deterministic` None: the request does not say."""
+def ask(client: OpenAI, messages: list[dict[str, str]], deterministic: bool | None, **sampling: Any) -> str:
+    """A chat completion's text, greedy unless `sampling` says; `deterministic` None: the request does not say."""
     extra = {"segfuse": {"deterministic": deterministic}} if deterministic is not None else None
     reply = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=MAX_TOKENS,
-                                           temperature=0, extra_body=extra)
+                                           **{"temperature": 0, **sampling}, extra_body=extra)
     return reply.choices[0].message.content or ""
 
 
@@ -83,6 +83,16 @@ def test_the_server_default_applies_to_a_request_that_does_not_say(server, clien
     ask(client, TARGET, False)
     assert prefix_lookups(server) > before  # one that opts out does
     assert ask(client, TARGET, True) == unsaid
+
+
+def test_the_same_seed_gives_the_same_text_when_sampling(client):
+    seeded = {"temperature": 0.9, "seed": 7}
+    jobs = [(TARGET, True, seeded), (TARGET, False, seeded), (TARGET, True, seeded),
+            ([SYSTEM, {"role": "user", "content": "Describe a forest."}], False, {}), (TARGET, True, seeded)]
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda job: ask(client, job[0], job[1], **job[2]), jobs))
+    sampled = [texts[0], texts[2], texts[4]]
+    assert sampled[0].strip() and len(set(sampled)) == 1, sampled
 
 
 @pytest.mark.parametrize(("path", "body"), [
