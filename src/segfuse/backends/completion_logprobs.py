@@ -66,7 +66,21 @@ def pieces_of(text: str, entries: Sequence[Entry]) -> list[str]:
     bounds = [min(max(e.offset - base, 0), len(text)) for e in entries] + [len(text)]
     pieces = [text[bounds[i] : max(bounds[i], bounds[i + 1])] for i in range(len(entries))]
     if "".join(pieces) != text:  # offsets unusable: align the token texts on the text
-        pieces = _align([e.token for e in entries], text)
+        return _align([e.token for e in entries], text)
+    return _carry_split_characters(entries, pieces)
+
+
+def _carry_split_characters(entries: Sequence[Entry], pieces: list[str]) -> list[str]:
+    """Move each character a token only starts to the token that completes it.
+
+    vLLM spells a token that ends inside a character with a trailing U+FFFD and counts it as one
+    character in its offsets, which would give the whole character to the token that starts it.
+    """
+    for i in range(len(pieces) - 1):
+        token = entries[i].token
+        k = min(len(token) - len(token.rstrip("\ufffd")), len(pieces[i]))
+        if k and "\ufffd" not in pieces[i][-k:]:  # a U+FFFD the text holds is a whole character
+            pieces[i], pieces[i + 1] = pieces[i][:-k], pieces[i][-k:] + pieces[i + 1]
     return pieces
 
 
