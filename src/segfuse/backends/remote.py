@@ -200,13 +200,15 @@ class RemoteMember(Member):
         return choice
 
     def _no_end(self) -> dict[str, Any]:
-        """Request fields that keep the server from ending the text (Sampling.ignore_eos)."""
+        """Request fields that keep the server from ending the text (Sampling.ignore_eos): the end-of-generation
+        tokens banned, as the llama.cpp backend bans them (vLLM's `ignore_eos` alone only goes on after one)."""
+        ban = {"logit_bias": {str(i): -100.0 for i in self.source.end_ids}} if self.source.end_ids else {}
         if self.kind.name in ("vllm", "sglang"):
-            return {"ignore_eos": True}
-        if not self.source.end_ids:
+            return {"ignore_eos": True, **ban}
+        if not ban:
             raise InvalidRequestError(f"{self.name}: cannot ban end-of-generation tokens on this server",
                                       "their ids are unknown: give template=PATH with the model's tokenizer")
-        return {"logit_bias": {str(i): -100.0 for i in self.source.end_ids}}
+        return ban
 
     def _echo(self, prompts: Sequence[str]) -> list["_Echo"]:
         """Prompt log-probs of each prompt, batched where the server allows."""
@@ -320,7 +322,7 @@ class RemoteSession(MemberSession):
         raw = choice.get("logprobs")
         entries = entries_of(raw) if text or (raw and raw.get("tokens")) else []
         finished = choice.get("finish_reason") == "stop"  # no stop strings are sent: "stop" is EOS
-        pieces = pieces_of(text, entries)
+        pieces = pieces_of(text, entries, generated=True)
         logprobs = [e.logprob if e.logprob is not None else 0.0 for e in entries]
         listed_end = bool(entries) and pieces[-1] == "" and entries[-1].token in ("", *self.m.source.end_texts)
         if finished and not listed_end:
