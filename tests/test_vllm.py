@@ -143,14 +143,28 @@ def test_greedy_draft_ends_and_its_echo_agrees(remote):
     assert abs(stop.logprobs[0] - drafted.logprobs[-1]) < SELF_ECHO
 
 
-def test_longer_echo_agrees_with_generation(remote):
-    drafted = draft(remote, 48, Sampling(temperature=0.0, ignore_eos=True),
-                    messages=[Message("user", "Write a haiku about the sea.")])
-    assert len(drafted.pieces) == 48 and not drafted.finished
-    echoed = scores(remote, [text_of(drafted)], [Message("user", "Write a haiku about the sea.")])[0]
-    assert len(echoed.logprobs) == 48
+def test_echo_of_an_answer_run_past_its_end_agrees(remote):
+    """With ignore_eos the end tokens are banned, as llama.cpp's members ban them: vLLM's own ignore_eos goes
+    on after an end token, which its text leaves out, so the text would no longer be the tokens drafted."""
+    prompt = [Message("user", "Write a haiku about the sea.")]  # ends after ~50 tokens
+    drafted = draft(remote, 64, Sampling(temperature=0.0, ignore_eos=True), messages=prompt)
+    assert len(drafted.pieces) == 64 and not drafted.finished
+    echoed = scores(remote, [text_of(drafted)], prompt)[0]
+    assert len(echoed.logprobs) == 64
     gaps = [abs(a - b) for a, b in zip(echoed.logprobs, drafted.logprobs)]
     assert max(gaps) < SELF_ECHO and statistics.median(gaps) < 0.05, gaps
+
+
+def test_a_generated_special_token_is_an_empty_piece(remote, url):
+    """A special token vLLM writes is listed in the log-probabilities but left out of the text (its offsets
+    still count it): an empty piece, as llama.cpp's members give control tokens, and the pieces spell the text."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n"  # greedy: <|im_start|> first
+    reply = httpx.post(f"{url}/completions", json={"model": SERVED, "prompt": prompt, "max_tokens": 8,
+                                                   "temperature": 0, "logprobs": 1}, timeout=60).json()["choices"][0]
+    assert reply["logprobs"]["tokens"][0] == "<|im_start|>" and not reply["text"].startswith("<|im_start|>")
+    drafted = draft(remote, 8, messages=[Message("raw", prompt)])
+    assert drafted.pieces[0] == b"" and all(drafted.pieces[1:3])
+    assert text_of(drafted) == reply["text"]
 
 
 def test_ignore_eos_runs_to_the_window(remote):
