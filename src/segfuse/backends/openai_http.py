@@ -67,7 +67,7 @@ class CompletionClient:
         return self._request("POST", path, body)
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        url = f"{self.base_url}{path}"
+        url = path if "://" in path else f"{self.base_url}{path}"  # a full URL: beside the base (vLLM's /tokenize)
         last: str = ""
         for attempt in range(self.retry.retries + 1):
             if attempt:

@@ -60,10 +60,11 @@ class ServerKind:
     echo: bool  # prompt log-probs through echo + logprobs
     extras: dict[str, Any] = field(default_factory=dict)
     echo_max_tokens: int = 1  # 0 where the server echoes without generating (vLLM)
+    tokenize: bool = False  # POST /tokenize beside /v1 counts a prompt's tokens (vLLM)
 
 
 KINDS: dict[str, ServerKind] = {
-    "vllm": ServerKind("vllm", True, True, {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}, 0),
+    "vllm": ServerKind("vllm", True, True, {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}, 0, True),
     "sglang": ServerKind("sglang", True, True, {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}),
     "llama-cpp-python": ServerKind("llama-cpp-python", False, True, {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}),
     "llama.cpp": ServerKind("llama.cpp", False, False, {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}),
@@ -116,7 +117,7 @@ class RemoteMember(Member):
             self.kind = KINDS[_detect(options.server, reported)]
             self.batch = self.kind.batch if options.batch is None else options.batch
             self.n_ctx = options.n_ctx or _int(reported.get("max_model_len")) or fallback_n_ctx or 4096
-            self.source = self._prompt_source()
+            self.source = self._prompt_source(reported)
             base = os.path.basename(self.model.rstrip("/"))
             self.name = options.name or (base[: -len(".gguf")] if base.endswith(".gguf") else base) or self.url
             if not self.kind.echo:
@@ -142,12 +143,15 @@ class RemoteMember(Member):
             raise RemoteServerError(f"{self.url}/models lists no model", "is this an OpenAI-compatible /v1 URL?")
         return listed
 
-    def _prompt_source(self) -> PromptSource:
-        """The template from the options, else from the served model's id when it is a local path."""
+    def _prompt_source(self, listed: dict[str, Any]) -> PromptSource:
+        """The template from the options, else from the served model's id or root when it is a local path."""
         plain = {"plain": True, "chat": False}.get(self.options.format)
         source = self.options.template
+        root = str(listed.get("root") or "")  # vLLM: the model folder it serves, whatever name it serves it as
         if source is None and (os.path.exists(os.path.expanduser(self.model)) or _is_catalogued(self.model)):
             source = self.model  # e.g. llama-cpp-python lists the GGUF path it serves
+        elif source is None and root and os.path.exists(os.path.expanduser(root)):
+            source = root
         if source is None:
             raise MemberLoadError(
                 f"no prompt format known for remote member {self.model!r}",
@@ -196,13 +200,15 @@ class RemoteMember(Member):
         return choice
 
     def _no_end(self) -> dict[str, Any]:
-        """Request fields that keep the server from ending the text (Sampling.ignore_eos)."""
+        """Request fields that keep the server from ending the text (Sampling.ignore_eos): the end-of-generation
+        tokens banned, as the llama.cpp backend bans them (vLLM's `ignore_eos` alone only goes on after one)."""
+        ban = {"logit_bias": {str(i): -100.0 for i in self.source.end_ids}} if self.source.end_ids else {}
         if self.kind.name in ("vllm", "sglang"):
-            return {"ignore_eos": True}
-        if not self.source.end_ids:
+            return {"ignore_eos": True, **ban}
+        if not ban:
             raise InvalidRequestError(f"{self.name}: cannot ban end-of-generation tokens on this server",
                                       "their ids are unknown: give template=PATH with the model's tokenizer")
-        return {"logit_bias": {str(i): -100.0 for i in self.source.end_ids}}
+        return ban
 
     def _echo(self, prompts: Sequence[str]) -> list["_Echo"]:
         """Prompt log-probs of each prompt, batched where the server allows."""
@@ -240,11 +246,27 @@ class RemoteMember(Member):
             # Its verification reads echoed log-probabilities of the text: shifted by one, they would be wrong.
             raise shifted(self, "score a text completion (chat completions work)")
         prompt = self.source.render(messages)
-        estimate = len(prompt.encode("utf-8")) // 4  # refined by the first draft's usage
-        check_prompt_fits(self.name, estimate, reserve, self.n_ctx, approximate=True)
+        n_bytes = len(prompt.encode("utf-8"))
+        # A token spells at least one byte (2 spare: a BOS and a leading space the tokenizer may add), so a
+        # prompt of fewer bytes than the window holds fits; a longer one is counted by the server if it can.
+        exact = self._count_tokens(prompt) if n_bytes + 2 + reserve > self.n_ctx else None
+        check_prompt_fits(self.name, n_bytes // 4 if exact is None else exact, reserve, self.n_ctx,
+                          approximate=exact is None)
         session = RemoteSession(self, prompt, seed)
+        if exact is not None:
+            session.n_tokens = exact
         session.raw = raw_prompt(messages) is not None
         return session
+
+    def _count_tokens(self, prompt: str) -> int | None:
+        """The server's count of `prompt`'s tokens; None where it cannot say (the estimate then stands)."""
+        if not self.kind.tokenize or not self.url.endswith("/v1"):
+            return None
+        try:
+            data = self.client.post(f"{self.url[: -len('/v1')]}/tokenize", {"model": self.model, "prompt": prompt})
+        except RemoteServerError:
+            return None
+        return _int(data.get("count")) if isinstance(data, dict) else None
 
     def close(self) -> None:
         self.client.close()
@@ -301,7 +323,7 @@ class RemoteSession(MemberSession):
         raw = choice.get("logprobs")
         entries = entries_of(raw) if text or (raw and raw.get("tokens")) else []
         finished = choice.get("finish_reason") == "stop"  # no stop strings are sent: "stop" is EOS
-        pieces = pieces_of(text, entries)
+        pieces = pieces_of(text, entries, generated=True)
         logprobs = [e.logprob if e.logprob is not None else 0.0 for e in entries]
         listed_end = bool(entries) and pieces[-1] == "" and entries[-1].token in ("", *self.m.source.end_texts)
         if finished and not listed_end:

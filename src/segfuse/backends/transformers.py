@@ -97,8 +97,10 @@ def converted_dir(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] 
     return default_cache_dir(cache) / "transformers" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] | None) -> Path | None:
-    """Dequantize a GGUF file once into a checkpoint directory; return the directory.
+def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] | None,
+                 target: Path | None = None) -> Path | None:
+    """Dequantize a GGUF file once into a checkpoint directory (`target`, else one in the cache);
+    return the directory.
 
     None when transformers keeps this file's weights in GGUF blocks instead of
     dequantizing them: then there is nothing to cache and the file is loaded as is.
@@ -106,7 +108,7 @@ def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] |
     Written to a temporary directory and renamed into place, so a crash never
     leaves a half-written checkpoint behind.
     """
-    target = converted_dir(gguf, dtype, cache)
+    target = target or converted_dir(gguf, dtype, cache)
     with _CONVERT_LOCK:
         if (target / "config.json").is_file():
             return target

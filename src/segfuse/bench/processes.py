@@ -76,35 +76,53 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return set_pdeathsig
 
 
-def stop(process: subprocess.Popen, first: int, grace: float) -> None:
-    """`first` (uvicorn's graceful shutdown), again after `grace` s (uvicorn then exits at once), then SIGKILL."""
+def stop(process: subprocess.Popen, first: int, grace: float, *, group: bool = False) -> None:
+    """`first` (uvicorn's graceful shutdown), again after `grace` s (uvicorn then exits at once), then SIGKILL;
+    with `group`, to the process group the process leads (a server's workers too)."""
+
+    def send(signum: int) -> None:
+        if group:
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+
     for _ in range(2):
         if process.poll() is not None:
-            return
+            break
         try:
-            process.send_signal(first)
+            send(first)
             process.wait(grace)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
         except ProcessLookupError:
             return
-    process.kill()
-    process.wait()
+    else:
+        try:
+            send(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    if group:  # workers the leader left behind
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @contextmanager
 def running(args: list[str], log: Path, first_signal: int, grace: float,
-            env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """`args` in a subprocess, its output in `log`, stopped when the block ends."""
+            env: Mapping[str, str] | None = None, *, group: bool = False) -> Iterator[subprocess.Popen]:
+    """`args` in a subprocess, its output in `log`, stopped when the block ends; with `group`, in a
+    process group of its own, stopped with every process in it."""
     env = dict(env if env is not None else {k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"})
     with log.open("wb") as sink:
         process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   preexec_fn=_parent_death_signal())
+                                   preexec_fn=_parent_death_signal(), start_new_session=group)
     try:
         yield process
     finally:
-        stop(process, first_signal, grace)
+        stop(process, first_signal, grace, group=group)
 
 
 def toml_text(sections: Mapping[str, Mapping[str, Any]]) -> str:
