@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import json
 import random
+import threading
 from dataclasses import replace
 
 import pytest
 
 from segfuse.engine import drive
+from segfuse.live import Handoff
 from segfuse.options import FusionOptions
 from segfuse.segments import apply_stops, before_stops, cut_draft, sure_prefix
 from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
@@ -43,6 +45,38 @@ def test_sure_prefix_is_always_kept_however_the_draft_goes_on(seed):
             if k > 1 and draft[1][:1] not in (" ", "\t", "\n", "\r"):
                 merged = ["".join(draft[:2]), *draft[2:k]]
                 assert kept.startswith(sure_prefix(merged, answer, stops))
+
+
+def test_a_handoff_never_lets_the_calling_thread_run_while_the_consumer_works():
+    """The thread that decodes waits while each event is consumed: their work never overlaps."""
+    handoff, timeline = Handoff(), []
+
+    def decode() -> None:
+        for i in range(5):
+            timeline.append(("decode", i))
+            handoff.give(i)  # type: ignore[arg-type]  (any object stands for an event here)
+        handoff.end()
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    while (event := handoff.take()) is not None:
+        timeline.append(("consume start", event))
+        threading.Event().wait(0.01)  # the decoding thread would run on during this, without the handoff
+        timeline.append(("consume end", event))
+        handoff.taken()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert timeline == [step for i in range(5) for step in (("decode", i), ("consume start", i), ("consume end", i))]
+
+
+def test_a_handoff_the_consumer_left_lets_the_calling_thread_finish():
+    handoff = Handoff()
+    thread = threading.Thread(target=lambda: [handoff.give(i) for i in range(3)])  # type: ignore[func-returns-value]
+    thread.start()
+    assert handoff.take() == 0
+    handoff.close()  # the consumer leaves without saying taken
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 def test_sure_prefix_holds_back_the_last_word_and_a_stop_strings_start():

@@ -35,7 +35,6 @@ for the defaults.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,7 @@ from .calls import CallRunner, Calls, Reply
 from .constraints import Constraint, TextMatcher
 from .errors import InvalidRequestError
 from .lineup import SEED_SPACE, Lineup, member_seed
-from .live import LiveCalls
+from .live import Handoff, LiveCalls
 from .options import FusionOptions
 from .phases import Drafted, Known
 from .prompting import prefill_of
@@ -135,16 +134,21 @@ def drive(steps: Steps, live: bool = True) -> Iterator[Event]:
 
 
 def _run_live(runner: CallRunner, item: LiveCalls, helper: ThreadPoolExecutor) -> Generator[Event, None, list[Reply]]:
-    """Run `item`'s calls on the helper thread, yielding the events their hooks emit meanwhile."""
-    events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
-    item.outlet.listen(events.put)
+    """Run `item`'s calls on the helper thread, yielding the events their hooks emit meanwhile; the helper
+    waits while each event is consumed (:class:`~segfuse.live.Handoff`), so the two never run at once."""
+    handoff = Handoff()
+    item.outlet.listen(handoff.give)
     future = helper.submit(runner.run, item.calls)
-    future.add_done_callback(lambda _: events.put(None))  # after every event of the calls
+    future.add_done_callback(lambda _: handoff.end())  # after every event of the calls
     try:
-        while (event := events.get()) is not None:
-            yield event
+        while (event := handoff.take()) is not None:
+            try:
+                yield event
+            finally:
+                handoff.taken()
     finally:
         item.outlet.listen(None)
+        handoff.close()
     return future.result()
 
 
