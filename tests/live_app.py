@@ -13,7 +13,7 @@ import uvicorn
 from helpers import wait_for
 
 from segfuse.server.app import create_app, uvicorn_settings
-from segfuse.server.config import ServerConfig
+from segfuse.config import ServerConfig
 from segfuse.server.state import ServerState
 
 KEY = "apis-key"

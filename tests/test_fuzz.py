@@ -42,7 +42,7 @@ from helpers import API_KEY, wait_for  # noqa: E402
 from segfuse import models as catalogue  # noqa: E402
 from segfuse.bench.processes import SegfuseServer, segfuse_server  # noqa: E402
 from segfuse.options import FusionOptions  # noqa: E402
-from segfuse.server.protocol import (  # noqa: E402
+from segfuse.server.chat.protocol import (  # noqa: E402
     NEUTRAL_PARAMETERS,
     TOLERATED_PARAMETERS,
     ChatCompletion,
@@ -51,7 +51,7 @@ from segfuse.server.protocol import (  # noqa: E402
     ChatMessage,
     ErrorResponse,
 )
-from segfuse.server.text_protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
+from segfuse.server.completions.protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 

@@ -33,7 +33,7 @@ from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
 from segfuse.scoring import hedge_update
 from segfuse.server import app as server_app
-from segfuse.server.config import build_config
+from segfuse.config import build_config
 from segfuse.server.worker import Failed, Job, ShuttingDownError, Worker, WorkerFailedError, DeadlineError
 from segfuse.types import DoneEvent, Message
 

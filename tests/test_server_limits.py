@@ -25,7 +25,7 @@ from helpers import wait_for
 from live_app import serve_app
 
 from segfuse.server.app import ServerState, create_app
-from segfuse.server.config import LimitsSection, ServerConfig
+from segfuse.config import LimitsSection, ServerConfig
 from segfuse.server.connections import PendingConnections
 from segfuse.server.serving import result_info
 from segfuse.types import Departure, Result, Stats
@@ -203,7 +203,7 @@ def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, de
     error_of(server.post("/v1/chat/completions", body), 400, "limit_exceeded", "messages")
     # Within a raised limit they are one user turn, in order (joined once, not by repeated concatenation).
     from segfuse.server import parsing
-    from segfuse.server.config import LimitsSection
+    from segfuse.config import LimitsSection
 
     plan = parsing.plan_chat(json.dumps(body).encode(), server.state.defaults,
                              LimitsSection(max_messages=30_000, max_content_chars=1_000_000))

@@ -22,8 +22,8 @@ from segfuse import models as catalogue
 from segfuse.backends.base import Occupancy
 from segfuse.server import parsing
 from segfuse.server.app import create_app
-from segfuse.server.completions import COMPLETIONS
-from segfuse.server.config import build_config
+from segfuse.server.completions.serving import COMPLETIONS
+from segfuse.config import build_config
 from segfuse.server.metrics import OUTCOMES, ServerMetrics
 from segfuse.types import Departure, Result, Stats
 

@@ -139,7 +139,7 @@ def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None]
     its refusal, or None where it would go on to the members."""
     from segfuse.options import FusionOptions
     from segfuse.server import parsing
-    from segfuse.server.completions import COMPLETIONS, jobs_of
+    from segfuse.server.completions.serving import COMPLETIONS, jobs_of
     from segfuse.server.serving import APIError
 
     try:

@@ -36,10 +36,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..ensemble import MAX_CONCURRENT
-from ..errors import SegfuseError
-from ..member_options import MemberOptions
-from ..options import FusionOptions
+from .ensemble import MAX_CONCURRENT
+from .errors import SegfuseError
+from .member_options import MemberOptions
+from .options import FusionOptions
 
 
 class ConfigError(SegfuseError):

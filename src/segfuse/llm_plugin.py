@@ -23,7 +23,7 @@ from pydantic import Field, create_model, field_validator
 
 from .ensemble import Ensemble
 from .member_options import MemberOptions, flag_fields
-from .server.config import build_config
+from .config import build_config
 from .types import DoneEvent, Message, SegmentEvent
 
 CONFIG_NAME = "segfuse.toml"

@@ -36,14 +36,18 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import WILDCARD_HOSTS, ServerConfig
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
-from . import chat, completions, messages, responses, tokenize
-from .config import WILDCARD_HOSTS, ServerConfig
+from .chat import serving as chat
+from .chat.protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
+from .completions import serving as completions
+from .completions import tokenize
 from .connections import h11_protocol
 from .guards import Gate, quoted, redact
+from .messages import serving as messages
 from .metrics import ServerMetrics
-from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
+from .responses import serving as responses
 from .serving import APIError, api_error
 from .state import ServerState, key_check
 from .worker import Worker

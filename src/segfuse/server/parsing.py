@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ..config import LimitsSection
 from ..constraints import Constraint
 from ..ensemble import to_messages
 from ..errors import InvalidRequestError
@@ -30,8 +31,7 @@ from ..tools import (
 )
 from ..types import Message
 from . import limits as checks
-from .config import LimitsSection
-from .protocol import (
+from .chat.protocol import (
     NEUTRAL_PARAMETERS,
     SUPPORTED_PARAMETERS,
     TOLERATED_PARAMETERS,

@@ -34,8 +34,7 @@ from ..errors import (
 from ..prompting import prefill_of
 from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, Segment
-from .guards import media_type_error, redact
-from .protocol import (
+from .chat.protocol import (
     ErrorDetail,
     ErrorResponse,
     FusionInfo,
@@ -43,6 +42,7 @@ from .protocol import (
     SegmentInfo,
     Usage,
 )
+from .guards import media_type_error, redact
 from .worker import (
     Cancelled,
     DeadlineError,

@@ -19,9 +19,9 @@ from typing import Any, Literal
 from fastapi import Request
 
 from ..backends.base import Member
+from ..config import ServerConfig
 from ..errors import SegfuseError
 from ..options import FusionOptions
-from .config import ServerConfig
 from .guards import quoted, redact
 from .metrics import ServerMetrics
 from .serving import APIError, api_error, json_body

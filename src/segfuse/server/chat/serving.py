@@ -13,25 +13,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..logprobs import TokenLogprob, answer_logprobs
-from ..tools import ToolCall
-from ..types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
-from . import parsing
-from .parsing import ChatPlan
-from .protocol import (
-    AssistantMessage,
-    ChatCompletion,
-    ChatCompletionChunk,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-    Delta,
-    FusionInfo,
-    RoundInfo,
-    TokenLogprobInfo,
-    TopLogprob,
-)
-from .serving import (
+from ...logprobs import TokenLogprob, answer_logprobs
+from ...tools import ToolCall
+from ...types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
+from .. import parsing
+from ..parsing import ChatPlan
+from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     call_of,
@@ -45,8 +32,21 @@ from .serving import (
     sse,
     usage_of,
 )
-from .state import ServerState, job_fields, members_for, require_members, submit
-from .worker import Job, Started
+from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..worker import Job, Started
+from .protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    FusionInfo,
+    RoundInfo,
+    TokenLogprobInfo,
+    TopLogprob,
+)
 
 
 def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job:

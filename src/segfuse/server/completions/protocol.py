@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .protocol import FusionInfo, GenerationRequest, Usage
+from ..chat.protocol import FusionInfo, GenerationRequest, Usage
 
 
 class CompletionRequest(GenerationRequest):

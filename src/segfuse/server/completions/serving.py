@@ -19,15 +19,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..logprobs import TokenLogprob, answer_logprobs
-from ..options import FusionOptions
-from ..types import DoneEvent, Message, PromptToken, Result, SegmentEvent
-from . import parsing
-from .echo_completions import echo_logprobs, joined, prompt_texts, read_prompts
-from .limits import check_text
-from .parsing import Endpoint, fusion_options
-from .protocol import FusionInfo, Usage
-from .serving import (
+from ...logprobs import TokenLogprob, answer_logprobs
+from ...options import FusionOptions
+from ...types import DoneEvent, Message, PromptToken, Result, SegmentEvent
+from .. import parsing
+from ..chat.protocol import FusionInfo, Usage
+from ..limits import check_text
+from ..parsing import Endpoint, fusion_options
+from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     APIError,
@@ -40,8 +39,10 @@ from .serving import (
     sse,
     usage_of,
 )
-from .state import ServerState, job_fields, members_for, require_members, submit
-from .text_protocol import (
+from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..worker import Job, Started
+from .echo import echo_logprobs, joined, prompt_texts, read_prompts
+from .protocol import (
     COMPLETION_NEUTRAL,
     COMPLETION_PARAMETERS,
     CompletionChoice,
@@ -49,7 +50,6 @@ from .text_protocol import (
     CompletionRequest,
     TextCompletion,
 )
-from .worker import Job, Started
 
 COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL, check_text)
 

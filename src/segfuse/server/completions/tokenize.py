@@ -13,13 +13,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..backends.base import Member
-from . import parsing
-from .echo_completions import reader_for, spelled
-from .limits import exceeded
-from .parsing import Endpoint
-from .serving import APIError
-from .state import ServerState, require_members
+from ...backends.base import Member
+from .. import parsing
+from ..limits import exceeded
+from ..parsing import Endpoint
+from ..serving import APIError
+from ..state import ServerState, require_members
+from .echo import reader_for, spelled
 
 
 class TokenizeRequest(BaseModel):

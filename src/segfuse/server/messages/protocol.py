@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from .protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, FusionInfo
-from .serving import APIError
+from ..chat.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, FusionInfo
+from ..serving import APIError
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 

@@ -16,24 +16,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..options import FusionOptions
-from ..types import DoneEvent, Message, Result, SegmentEvent
-from . import limits as checks
-from . import parsing
-from .chat import full_info, job_of
-from .config import LimitsSection
-from .messages_protocol import (
-    MESSAGES_NEUTRAL,
-    MESSAGES_PARAMETERS,
-    AnthropicResponse,
-    CountTokensRequest,
-    MessagesRequest,
-    MessagesUsage,
-    error_body,
-    to_chat,
-)
-from .parsing import ChatPlan, Endpoint
-from .serving import (
+from ...config import LimitsSection
+from ...options import FusionOptions
+from ...types import DoneEvent, Message, Result, SegmentEvent
+from .. import limits as checks
+from .. import parsing
+from ..chat.serving import full_info, job_of
+from ..parsing import ChatPlan, Endpoint
+from ..serving import (
     KEEPALIVE_S,
     APIError,
     call_of,
@@ -45,8 +35,18 @@ from .serving import (
     sse,
     usage_of,
 )
-from .state import ServerState, members_for, require_members, submit
-from .worker import Job, Started, prompt_tokens
+from ..state import ServerState, members_for, require_members, submit
+from ..worker import Job, Started, prompt_tokens
+from .protocol import (
+    MESSAGES_NEUTRAL,
+    MESSAGES_PARAMETERS,
+    AnthropicResponse,
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesUsage,
+    error_body,
+    to_chat,
+)
 
 PATH = "/v1/messages"
 

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest
-from .serving import APIError
+from ..chat.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest
+from ..serving import APIError
 
 
 class TextPart(BaseModel):

@@ -16,22 +16,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..options import FusionOptions
-from ..types import DoneEvent, Result, SegmentEvent
-from . import limits as checks
-from . import parsing
-from .chat import full_info, job_of
-from .config import LimitsSection
-from .parsing import ChatPlan, Endpoint
-from .response_store import ResponseStore
-from .responses_protocol import (
-    RESPONSES_NEUTRAL,
-    RESPONSES_PARAMETERS,
-    ResponsesRequest,
-    conversation,
-    to_chat,
-)
-from .serving import (
+from ...config import LimitsSection
+from ...options import FusionOptions
+from ...types import DoneEvent, Result, SegmentEvent
+from .. import limits as checks
+from .. import parsing
+from ..chat.serving import full_info, job_of
+from ..parsing import ChatPlan, Endpoint
+from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     APIError,
@@ -44,8 +36,16 @@ from .serving import (
     sse,
     usage_of,
 )
-from .state import ServerState, require_members, submit
-from .worker import Job, Started
+from ..state import ServerState, require_members, submit
+from ..worker import Job, Started
+from .protocol import (
+    RESPONSES_NEUTRAL,
+    RESPONSES_PARAMETERS,
+    ResponsesRequest,
+    conversation,
+    to_chat,
+)
+from .store import ResponseStore
 
 
 def check_responses(request: ResponsesRequest, limits: LimitsSection) -> None:
