@@ -44,14 +44,13 @@ from segfuse.bench.processes import SegfuseServer, segfuse_server  # noqa: E402
 from segfuse.options import FusionOptions  # noqa: E402
 from segfuse.server.chat.protocol import (  # noqa: E402
     NEUTRAL_PARAMETERS,
-    TOLERATED_PARAMETERS,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
-    ErrorResponse,
 )
 from segfuse.server.completions.protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
+from segfuse.server.wire import TOLERATED_PARAMETERS, ErrorResponse  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 

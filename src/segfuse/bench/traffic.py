@@ -208,8 +208,9 @@ def refused_parameters() -> tuple[Malformed, ...]:
     the server's contract refuses it, so a parameter it comes to serve drops out of this list by itself
     (as ``logprobs`` should have)."""
     from ..options import FusionOptions
-    from ..server.chat.protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS, TOLERATED_PARAMETERS
+    from ..server.chat.protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
     from ..server.completions.protocol import COMPLETION_NEUTRAL, COMPLETION_PARAMETERS
+    from ..server.wire import TOLERATED_PARAMETERS
 
     known = {*SUPPORTED_PARAMETERS, *TOLERATED_PARAMETERS, *NEUTRAL_PARAMETERS}
     unknown = next(n for n in ("reasoning_budget", "x_unknown_parameter") if n not in known)

@@ -40,7 +40,6 @@ from ..config import WILDCARD_HOSTS, ServerConfig
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
 from .chat import serving as chat
-from .chat.protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .completions import serving as completions
 from .completions import tokenize
 from .connections import h11_protocol
@@ -50,6 +49,7 @@ from .metrics import ServerMetrics
 from .responses import serving as responses
 from .serving import APIError, api_error
 from .state import ServerState, key_check
+from .wire import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker import Worker
 
 log = logging.getLogger("segfuse.server")

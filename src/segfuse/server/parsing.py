@@ -34,10 +34,10 @@ from . import limits as checks
 from .chat.protocol import (
     NEUTRAL_PARAMETERS,
     SUPPORTED_PARAMETERS,
-    TOLERATED_PARAMETERS,
     ChatCompletionRequest,
 )
 from .serving import APIError
+from .wire import TOLERATED_PARAMETERS
 
 log = logging.getLogger("segfuse.server")
 

@@ -34,7 +34,8 @@ from ..errors import (
 from ..prompting import prefill_of
 from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, Segment
-from .chat.protocol import (
+from .guards import media_type_error, redact
+from .wire import (
     ErrorDetail,
     ErrorResponse,
     FusionInfo,
@@ -42,7 +43,6 @@ from .chat.protocol import (
     SegmentInfo,
     Usage,
 )
-from .guards import media_type_error, redact
 from .worker import (
     Cancelled,
     DeadlineError,

@@ -1,22 +1,18 @@
-"""OpenAI chat-completions wire types (pydantic only, no behaviour; text completions: ``text_protocol``).
+"""OpenAI chat-completions wire types (pydantic only, no behaviour; what every API shares: ``wire``).
 
-Requests are parsed strictly ("16" is not an int) so a client bug shows up as a
-422 instead of a silently coerced value. A request field segfuse does not
-implement is refused (400 ``unsupported_parameter``) rather than ignored, unless
-it cannot change the answer: see ``TOLERATED_PARAMETERS`` and
-``NEUTRAL_PARAMETERS`` below. ``segfuse`` is our extension, in requests (fusion
-knobs) and in responses (who wrote what).
+Parsed strictly, as ``wire`` says; a request field segfuse does not implement is refused unless
+it is tolerated (``wire.TOLERATED_PARAMETERS``) or neutral (``NEUTRAL_PARAMETERS`` below).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from ..wire import FusionInfo, GenerationRequest, Usage
 
 # --------------------------------------------------------------------------- requests
-
-MAX_CACHE_SALT_CHARS = 256
 
 
 class TextPart(BaseModel):
@@ -65,50 +61,6 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    include_usage: bool = False
-
-
-class GenerationRequest(BaseModel):
-    """What chat and text completions share: the model, the answer's budget and sampling, streaming."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    n: int | None = None
-    cache_salt: str | None = Field(
-        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
-        description="requests share prefix-cache entries only with requests of the same salt (docs/server.md)")
-    segfuse: dict[str, Any] | None = Field(
-        None, description="segfuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
-    )
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("segfuse returns exactly one choice; n must be 1")
-        return value
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def answer_budget(self) -> int | None:
-        return self.max_tokens
-
-
 class ChatCompletionRequest(GenerationRequest):
     """The body of ``POST /v1/chat/completions``.
 
@@ -140,13 +92,10 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-# Which request fields mean what. Everything else gets 400 unsupported_parameter (parsing.unsupported).
+# Which request fields mean what. Everything else, but the tolerated ones (wire.TOLERATED_PARAMETERS), gets
+# 400 unsupported_parameter (parsing.unsupported).
 # Implemented: the fields of ChatCompletionRequest above.
 SUPPORTED_PARAMETERS: tuple[str, ...] = tuple(ChatCompletionRequest.model_fields)
-# Accepted with any value and ignored: bookkeeping that cannot change the answer.
-TOLERATED_PARAMETERS: frozenset[str] = frozenset({
-    "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
-})
 # OpenAI parameters segfuse does not implement, accepted only at a value that asks for nothing
 # (their default); null is neutral for every one of them. Compared strictly: `false` is not `0`.
 NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
@@ -164,80 +113,7 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
 }
 
 
-# --------------------------------------------------------------------------- segfuse extension
-
-
-class CandidateInfo(BaseModel):
-    model: str
-    text: str
-    finished: bool
-    n_tokens: int
-
-
-class RoundInfo(BaseModel):
-    """One round's record: every candidate and every verifier's scores.
-
-    Extra fields the engine adds later (weights, exited members) pass through.
-    """
-
-    model_config = ConfigDict(extra="allow")
-
-    index: int
-    winner: str
-    winner_index: int
-    candidates: list[CandidateInfo]
-    scores: dict[str, list[float]] = Field(description="normalised score of each candidate, per verifier")
-    raw_scores: dict[str, list[float | None]] = Field(description="raw score of each candidate, per verifier")
-    aggregate: list[float]
-    active: list[str] = []
-    total_s: float = 0.0
-
-
-class SegmentInfo(BaseModel):
-    text: str
-    model: str
-    round: int
-
-
-class FusionStats(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    rounds: int
-    model_calls: int
-    tokens: int
-    wins: dict[str, int]
-    time_to_first_segment_s: float | None
-    total_s: float
-    tokens_per_s: float
-    finish_reason: str
-    queue_s: float = Field(0.0, description="time the request waited for the worker")
-
-
-class FusionInfo(BaseModel):
-    """The ``segfuse`` field of a response or stream chunk; absent parts are omitted."""
-
-    members: list[str] | None = None
-    segment: SegmentInfo | None = None
-    round: RoundInfo | None = None
-    segments: list[SegmentInfo] | None = None
-    rounds: list[RoundInfo] | None = None
-    stats: FusionStats | None = None
-    prompt_tokens: dict[str, int] | None = Field(None, description="templated prompt length per member")
-    weights: dict[str, float] | None = Field(None, description="voting weights at the end (Hedge)")
-    departures: list[dict[str, Any]] | None = Field(None, description="members that left the query, and why")
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
 # --------------------------------------------------------------------------- responses
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 class AssistantMessage(BaseModel):
@@ -311,77 +187,3 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     segfuse: FusionInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "segfuse"
-    parent: str | None = Field(None, description="for a member: the ensemble it belongs to")
-    members: list[str] | None = Field(None, description="for the ensemble: its members, in order")
-    context_length: int | None = Field(None, description="tokens of prompt and answer it takes (the ensemble: "
-                                       "its smallest member's window); null where a member cannot tell")
-    max_model_len: int | None = Field(None, description="the same, by the name vLLM gives it")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class QueueState(BaseModel):
-    waiting: int = Field(description="requests queued for a free slot")
-    running: int = Field(description="generations in flight")
-    capacity: int = Field(description="how many may wait (queue_size)")
-    max_concurrent: int = Field(1, description="generations run together")
-
-
-class PrefixCacheState(BaseModel):
-    """A member's prefix cache: what it holds now (within ``bound``) and what it has done."""
-
-    bound: int = Field(description="cells it may hold (0: off)")
-    entries: int = Field(description="cached prefixes")
-    cells: int = Field(description="tokens held, summed over entries (at most bound)")
-    hits: int = Field(description="sessions that started from a cached prefix")
-    misses: int = Field(description="sessions that found none")
-    reused_tokens: int = Field(description="prompt tokens not decoded thanks to a hit")
-    evictions: int = Field(description="entries dropped to make room")
-
-
-class MemberOccupancy(BaseModel):
-    """What one member held after the worker's last step; null where the member cannot tell."""
-
-    slots: int | None = Field(None, description="sessions it can hold at once")
-    free_slots: int | None = Field(None, description="slots no open session takes")
-    cache_cells: int | None = Field(None, description="KV-cache positions open sessions hold, summed over "
-                                    "their sequences (0 when idle)")
-    stray_cells: int | None = Field(None, description="positions held by no session and no prefix-cache "
-                                    "entry: a leak (always 0)")
-    prefix: PrefixCacheState | None = Field(None, description="the prefix cache kept between requests")
-
-
-class Health(BaseModel):
-    """``GET /health``: readiness plus the work counters tests and operators read."""
-
-    status: Literal["ok", "loading", "failed", "stalled"]
-    model: str
-    members: list[str]
-    error: str | None = None
-    queue: QueueState
-    counters: dict[str, int]
-    occupancy: dict[str, MemberOccupancy] = Field(default_factory=dict,
-                                                  description="per member: slots free, cache cells held")
-    placement: dict[str, str] = Field(default_factory=dict, description="per member: where it runs (CPU, "
-                                      "GPU: n/N layers, a device, a remote server)")

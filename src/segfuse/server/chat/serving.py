@@ -33,6 +33,7 @@ from ..serving import (
     usage_of,
 )
 from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..wire import FusionInfo, RoundInfo
 from ..worker import Job, Started
 from .protocol import (
     AssistantMessage,
@@ -42,8 +43,6 @@ from .protocol import (
     ChoiceLogprobs,
     ChunkChoice,
     Delta,
-    FusionInfo,
-    RoundInfo,
     TokenLogprobInfo,
     TopLogprob,
 )

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from ..chat.protocol import FusionInfo, GenerationRequest, Usage
+from ..wire import FusionInfo, GenerationRequest, Usage
 
 
 class CompletionRequest(GenerationRequest):

@@ -23,7 +23,6 @@ from ...logprobs import TokenLogprob, answer_logprobs
 from ...options import FusionOptions
 from ...types import DoneEvent, Message, PromptToken, Result, SegmentEvent
 from .. import parsing
-from ..chat.protocol import FusionInfo, Usage
 from ..limits import check_text
 from ..parsing import Endpoint, fusion_options
 from ..serving import (
@@ -40,6 +39,7 @@ from ..serving import (
     usage_of,
 )
 from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..wire import FusionInfo, Usage
 from ..worker import Job, Started
 from .echo import echo_logprobs, joined, prompt_texts, read_prompts
 from .protocol import (

@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..chat.protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, FusionInfo
+from ..chat.protocol import ChatCompletionRequest
 from ..serving import APIError
+from ..wire import MAX_CACHE_SALT_CHARS, FusionInfo
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 
