@@ -97,8 +97,8 @@ def test_server_config_members_section_reaches_the_member(tmp_path):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from segfuse.server.app import create_app, load_ensemble
     from segfuse.config import build_config
+    from segfuse.server.app import create_app, load_ensemble
 
     toml = tmp_path / "segfuse.toml"
     toml.write_text(f'[server]\nmax_concurrent = 1\n\n[members]\nmodels = ["{MODEL}"]\nn_ctx = 512\nthreads = 1\n'
