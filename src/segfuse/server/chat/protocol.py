@@ -81,7 +81,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the author's most likely "
                                      "tokens at each position (up to 20)")
     # vLLM's names for continuing a final assistant message, which segfuse does whenever there is one:
-    # accepted where they say the same (parsing.check_continuation).
+    # accepted where they say the same (planning.check_continuation).
     continue_final_message: bool | None = Field(None, description="true: the final message is the assistant's, "
                                                 "continued (segfuse continues one anyway)")
     add_generation_prompt: bool | None = Field(None, description="false: the final message is the assistant's, "

@@ -2,7 +2,7 @@
 
 Streaming and non-streaming read the same item iterator (``Job.items``), so the
 two can only differ in framing. The Messages and Responses APIs plan the same
-chat job (``parsing.plan_of``) and answer it in their own shapes.
+chat job (``planning.plan_of``) and answer it in their own shapes.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from fastapi.responses import JSONResponse, Response
 from ...logprobs import TokenLogprob, answer_logprobs
 from ...tools import ToolCall
 from ...types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
-from .. import parsing
-from ..parsing import ChatPlan
 from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
@@ -35,6 +33,8 @@ from ..serving import (
 from ..state import ServerState, job_fields, members_for, require_members, submit
 from ..wire import FusionInfo, RoundInfo
 from ..worker import Job, Started
+from . import planning
+from .planning import ChatPlan
 from .protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -56,11 +56,11 @@ def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job
 
 
 def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    # The body is parsed by hand (parsing.plan_chat) to tell bad JSON (400) from a bad shape (422).
+    # The body is parsed by hand (planning.plan_chat) to tell bad JSON (400) from a bad shape (422).
     @app.post("/v1/chat/completions", dependencies=[require_key])
     async def chat_completions(request: Request) -> Response:
         body = await state.body(request)
-        plan = await state.offload(parsing.plan_chat, body, state.defaults, state.config.limits)
+        plan = await state.offload(planning.plan_chat, body, state.defaults, state.config.limits)
         detailed = state.holds_key(request)
         require_members(state, detailed)
         model = plan.request.model or state.model_id

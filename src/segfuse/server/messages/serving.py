@@ -21,8 +21,9 @@ from ...options import FusionOptions
 from ...types import DoneEvent, Message, Result, SegmentEvent
 from .. import limits as checks
 from .. import parsing
+from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import full_info, job_of
-from ..parsing import ChatPlan, Endpoint
+from ..parsing import Endpoint
 from ..serving import (
     KEEPALIVE_S,
     APIError,
@@ -71,7 +72,7 @@ def plan_messages(body: bytes, defaults: FusionOptions, limits: LimitsSection,
         raise
     chat = to_chat(request)
     checks.check_chat(chat, limits)
-    return request, parsing.plan_of(chat, defaults, limits)
+    return request, plan_of(chat, defaults, limits)
 
 
 def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:

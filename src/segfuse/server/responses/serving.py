@@ -21,8 +21,9 @@ from ...options import FusionOptions
 from ...types import DoneEvent, Result, SegmentEvent
 from .. import limits as checks
 from .. import parsing
+from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import full_info, job_of
-from ..parsing import ChatPlan, Endpoint
+from ..parsing import Endpoint
 from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
@@ -77,7 +78,7 @@ def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
         earlier = found
     chat = to_chat(request, earlier)
     checks.check_chat(chat, limits)
-    return ResponsesPlan(request, conversation(request, earlier), parsing.plan_of(chat, defaults, limits))
+    return ResponsesPlan(request, conversation(request, earlier), plan_of(chat, defaults, limits))
 
 
 def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
