@@ -204,7 +204,7 @@ class Malformed:
 
 def refused_parameters() -> tuple[Malformed, ...]:
     """Requests with a parameter the server refuses (400 ``unsupported_parameter`` naming it), chosen from
-    the server's own tables (``protocol``, ``text_protocol``): a parameter counts as malformed only if
+    the server's own tables (``chat.protocol``, ``completions.protocol``, ``wire``): a parameter counts as malformed only if
     the server's contract refuses it, so a parameter it comes to serve drops out of this list by itself
     (as ``logprobs`` should have)."""
     from ..options import FusionOptions

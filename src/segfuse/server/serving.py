@@ -1,6 +1,6 @@
 """What every endpoint shares: errors, reading a job's items, server-sent events, disconnects, bodies.
 
-Each API module (``chat``, ``completions``, ``messages``, ``responses``) turns
+Each API's serving (``chat``, ``completions``, ``messages``, ``responses``) turns
 its request into jobs and the jobs' items into its own wire shape; what they
 all need lives here, written once: ``APIError`` (sent in each API's own error
 shape by the app), ``finished`` (the whole answer, cancelled when the client

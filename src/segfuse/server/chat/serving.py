@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``: a chat job, answered as a chat completion or as its chunks.
+"""``POST /v1/chat/completions``: a request's chat job, answered as a chat completion or as its chunks.
 
 Streaming and non-streaming read the same item iterator (``Job.items``), so the
 two can only differ in framing. The Messages and Responses APIs plan the same
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ...logprobs import TokenLogprob, answer_logprobs
@@ -55,21 +55,22 @@ def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job
                **job_fields(state, plan.request.cache_salt), **fields)
 
 
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    # The body is parsed by hand (planning.plan_chat) to tell bad JSON (400) from a bad shape (422).
-    @app.post("/v1/chat/completions", dependencies=[require_key])
-    async def chat_completions(request: Request) -> Response:
-        body = await state.body(request)
-        plan = await state.offload(planning.plan_chat, body, state.defaults, state.config.limits)
-        detailed = state.holds_key(request)
-        require_members(state, detailed)
-        model = plan.request.model or state.model_id
-        job = job_of(state, plan, model)
-        cancel = submit(state, [job], detailed, plan.request.user)
-        if plan.request.stream:
-            return event_stream(stream(job, model, plan.request.include_usage, cancel, detailed), cancel)
-        result = await complete(job, model, disconnected(request), cancel, detailed)
-        return JSONResponse(result.model_dump(mode="json"))
+async def answer(state: ServerState, request: Request) -> Response:
+    """A chat completion: the request's body planned, its job queued, the answer whole or streamed.
+
+    The body is parsed by hand (``planning.plan_chat``) to tell bad JSON (400) from a bad shape (422).
+    """
+    body = await state.body(request)
+    plan = await state.offload(planning.plan_chat, body, state.defaults, state.config.limits)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    model = plan.request.model or state.model_id
+    job = job_of(state, plan, model)
+    cancel = submit(state, [job], detailed, plan.request.user)
+    if plan.request.stream:
+        return event_stream(stream(job, model, plan.request.include_usage, cancel, detailed), cancel)
+    result = await complete(job, model, disconnected(request), cancel, detailed)
+    return JSONResponse(result.model_dump(mode="json"))
 
 
 # --------------------------------------------------------------------------- the whole answer
@@ -213,4 +214,4 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
         cancel()  # a no-op when the job already ended
 
 
-__all__ = ["add_routes", "chat_logprobs", "complete", "completion_body", "full_info", "job_of", "stream"]
+__all__ = ["answer", "chat_logprobs", "complete", "completion_body", "full_info", "job_of", "stream"]

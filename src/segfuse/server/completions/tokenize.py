@@ -1,7 +1,7 @@
 """``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, as vLLM and llama.cpp's server offer them.
 
 A model's tokens: a member model's own; ``segfuse``'s are its largest member's, the member whose
-tokens an echoed prompt is written on (``echo_completions.py``). lm-eval's ``local-completions``
+tokens an echoed prompt is written on (``echo.py``). lm-eval's ``local-completions``
 finds these routes beside ``/v1/completions`` (its ``remote`` tokenizer) and sends token-array prompts
 in them, so that its context/continuation split is the server's. Bodies are bounded like the others'.
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
 
 from ...backends.base import Member
 from .. import parsing
@@ -20,21 +19,7 @@ from ..parsing import Endpoint
 from ..serving import APIError
 from ..state import ServerState, require_members
 from .echo import reader_for, spelled
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str
-    model: str | None = None
-    add_special_tokens: bool = Field(True, description="the BOS the model reads first, where it uses one")
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    tokens: list[int]
-    model: str | None = None
+from .protocol import DetokenizeRequest, TokenizeRequest
 
 
 def _check_tokenize(request: TokenizeRequest, limits: Any) -> None:
@@ -59,39 +44,36 @@ def _tokens(member: Member, request: TokenizeRequest) -> list[int]:
     return member.lead_tokens() + ids if request.add_special_tokens else ids
 
 
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    def reader(model: str | None, detailed: bool) -> Member:
-        require_members(state, detailed)
-        return reader_for(state, model or state.model_id)
-
-    async def tokenize(request: Request, path_model: str | None = None) -> dict[str, Any]:
-        body = await state.body(request)
-        parsed = await state.offload(parsing.parse_request, body, TOKENIZE, state.config.limits)
-        member = reader(path_model or parsed.model, state.holds_key(request))
-        tokens = await state.offload(_tokens, member, parsed)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.contexts.get(member.name)}
-
-    async def detokenize(request: Request, path_model: str | None = None) -> dict[str, Any]:
-        body = await state.body(request)
-        parsed = await state.offload(parsing.parse_request, body, DETOKENIZE, state.config.limits)
-        member = reader(path_model or parsed.model, state.holds_key(request))
-        return {"prompt": await state.offload(spelled, member, parsed.tokens, "tokens")}
-
-    async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
-        member = reader(model, state.holds_key(request))
-        return {"model": model or state.model_id, "tokenizer_of": member.name,
-                "bos_token": (getattr(member, "bos_text", None) or None) if member.lead_tokens() else None,
-                "eos_token": getattr(member, "eos_text", None) or None, "pad_token": None,
-                "chat_template": getattr(member, "chat_template", None),
-                "model_max_length": state.contexts.get(member.name)}
-
-    # The server's own model's tokens, and one model's beside its /m/{model}/v1/completions.
-    app.post("/tokenize", dependencies=[require_key])(tokenize)
-    app.post("/detokenize", dependencies=[require_key])(detokenize)
-    app.get("/tokenizer_info", dependencies=[require_key])(tokenizer_info)
-    app.post("/m/{path_model}/tokenize", dependencies=[require_key])(tokenize)
-    app.post("/m/{path_model}/detokenize", dependencies=[require_key])(detokenize)
-    app.get("/m/{model}/tokenizer_info", dependencies=[require_key])(tokenizer_info)
+def _reader(state: ServerState, model: str | None, detailed: bool) -> Member:
+    require_members(state, detailed)
+    return reader_for(state, model or state.model_id)
 
 
-__all__ = ["add_routes"]
+async def tokenize(state: ServerState, request: Request, path_model: str | None = None) -> dict[str, Any]:
+    """``/tokenize``: the prompt's token ids (`path_model`: the model its path names)."""
+    body = await state.body(request)
+    parsed = await state.offload(parsing.parse_request, body, TOKENIZE, state.config.limits)
+    member = _reader(state, path_model or parsed.model, state.holds_key(request))
+    tokens = await state.offload(_tokens, member, parsed)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.contexts.get(member.name)}
+
+
+async def detokenize(state: ServerState, request: Request, path_model: str | None = None) -> dict[str, Any]:
+    """``/detokenize``: the text token ids spell."""
+    body = await state.body(request)
+    parsed = await state.offload(parsing.parse_request, body, DETOKENIZE, state.config.limits)
+    member = _reader(state, path_model or parsed.model, state.holds_key(request))
+    return {"prompt": await state.offload(spelled, member, parsed.tokens, "tokens")}
+
+
+def tokenizer_info(state: ServerState, request: Request, model: str | None = None) -> dict[str, Any]:
+    """``/tokenizer_info``: whose tokens a model's are, its special tokens, template and window."""
+    member = _reader(state, model, state.holds_key(request))
+    return {"model": model or state.model_id, "tokenizer_of": member.name,
+            "bos_token": (getattr(member, "bos_text", None) or None) if member.lead_tokens() else None,
+            "eos_token": getattr(member, "eos_text", None) or None, "pad_token": None,
+            "chat_template": getattr(member, "chat_template", None),
+            "model_max_length": state.contexts.get(member.name)}
+
+
+__all__ = ["DETOKENIZE", "TOKENIZE", "detokenize", "tokenize", "tokenizer_info"]

@@ -1,8 +1,8 @@
 """``POST /v1/responses``: OpenAI's Responses API over the chat job.
 
-The request becomes the chat request it means (``responses_protocol.to_chat``), continued from a stored
-response when it names ``previous_response_id`` (``response_store``: the newest responses, in memory), and
-is planned as chat plans it. The answer is a response object whose output is one message or one
+The request becomes the chat request it means (``protocol.to_chat``), continued from a stored response
+when it names ``previous_response_id`` (``store``: the newest responses, in memory), and is planned as
+chat plans it. The answer is a response object whose output is one message or one
 function call, or the Responses stream of events (``response.created`` ... ``response.completed``).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ...config import LimitsSection
@@ -33,7 +33,6 @@ from ..serving import (
     event_stream,
     failure_of,
     finished,
-    result_info,
     sse,
     usage_of,
 )
@@ -81,23 +80,21 @@ def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
     return ResponsesPlan(request, conversation(request, earlier), plan_of(chat, defaults, limits))
 
 
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    store = state.extras["responses"] = ResponseStore()  # one per app: what previous_response_id finds
-
-    @app.post("/v1/responses", dependencies=[require_key])
-    async def responses(request: Request) -> Response:
-        body = await state.body(request)
-        plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, store)
-        detailed = state.holds_key(request)
-        require_members(state, detailed)
-        model = plan.request.model or state.model_id
-        job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
-        cancel = submit(state, [job], detailed, plan.request.user)
-        answer = Answer(job, model, plan, store, detailed)
-        if plan.request.stream:
-            return event_stream(answer.stream(cancel), cancel)
-        result, started = await finished(job, disconnected(request), cancel, detailed)
-        return JSONResponse(answer.body(result, started))
+async def answer(state: ServerState, store: ResponseStore, request: Request) -> Response:
+    """``/v1/responses``: a response object, or its stream of events (`store`: what previous_response_id
+    finds, and where the answer is kept)."""
+    body = await state.body(request)
+    plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, store)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    model = plan.request.model or state.model_id
+    job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
+    cancel = submit(state, [job], detailed, plan.request.user)
+    reply = Answer(job, model, plan, store, detailed)
+    if plan.request.stream:
+        return event_stream(reply.stream(cancel), cancel)
+    result, started = await finished(job, disconnected(request), cancel, detailed)
+    return JSONResponse(reply.body(result, started))
 
 
 class Answer:
@@ -242,4 +239,4 @@ def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
-__all__ = ["RESPONSES", "Answer", "add_routes", "plan_responses", "result_info"]
+__all__ = ["RESPONSES", "Answer", "answer", "plan_responses"]
