@@ -25,6 +25,7 @@ from ..serving import (
     failure_frame,
     finish_reason_of,
     finished,
+    full_info,
     result_info,
     segment_info,
     sse,
@@ -91,15 +92,6 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
         usage=usage_of(result, started),
         segfuse=full_info(result, started, detailed),
     )
-
-
-def full_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
-    """The ``segfuse`` object of a whole answer: who wrote each segment, every round, the prompt sizes."""
-    return result_info(result, started, detailed).model_copy(update={
-        "segments": [segment_info(s) for s in result.segments],
-        "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
-        "prompt_tokens": started.prompt_tokens if started else None,
-    })
 
 
 def _choice(job: Job, result: Result) -> Choice:
@@ -214,4 +206,4 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
         cancel()  # a no-op when the job already ended
 
 
-__all__ = ["answer", "chat_logprobs", "complete", "completion_body", "full_info", "job_of", "stream"]
+__all__ = ["answer", "chat_logprobs", "complete", "completion_body", "job_of", "stream"]

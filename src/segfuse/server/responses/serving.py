@@ -22,7 +22,7 @@ from ...types import DoneEvent, Result, SegmentEvent
 from .. import limits as checks
 from .. import parsing
 from ..chat.planning import ChatPlan, plan_of
-from ..chat.serving import full_info, job_of
+from ..chat.serving import job_of
 from ..parsing import Endpoint
 from ..serving import (
     KEEPALIVE_FRAME,
@@ -33,6 +33,7 @@ from ..serving import (
     event_stream,
     failure_of,
     finished,
+    full_info,
     sse,
     usage_of,
 )
