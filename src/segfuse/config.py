@@ -1,5 +1,8 @@
 """Server configuration: a TOML file, command-line flags on top, validated by pydantic.
 
+Plain data under the package root, so that whatever reads it (`segfuse serve`, the `llm` plugin, the
+benchmarks) needs neither the server nor its extra.
+
 Example ``segfuse.toml``::
 
     [server]
@@ -36,9 +39,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .ensemble import MAX_CONCURRENT
 from .errors import SegfuseError
-from .member_options import MemberOptions
+from .member_options import MAX_CONCURRENT, MemberOptions
 from .options import FusionOptions
 
 
