@@ -1,7 +1,7 @@
 """A property-based fuzz of the server's requests: thousands of generated requests against one live server.
 
-Strategies (hypothesis) are built over the request models in ``server/protocol.py`` and
-``server/text_protocol.py``, field by field (a test checks that every field of those models has a
+Strategies (hypothesis) are built over the request models in ``server/chat/protocol.py`` and
+``server/completions/protocol.py``, field by field (a test checks that every field of those models has a
 strategy, so a new field is fuzzed as soon as it exists), plus the server's tables of tolerated and
 neutral parameters, the fusion options, and deliberately broken variants: wrong types, non-finite
 numbers, lone surrogates, bad tools and schemas, raw bytes, other methods, paths, headers and keys.
