@@ -25,8 +25,8 @@ import httpx
 import uvicorn
 
 from segfuse import Ensemble
+from segfuse.config import ServerConfig
 from segfuse.server.app import create_app, uvicorn_settings
-from segfuse.server.config import ServerConfig
 
 PROMPTS = ["Name a primary colour.", "What is the capital of France?", "Say hello in Spanish.",
            "Name a large planet.", "What is two plus two?", "Name a fruit that is yellow."]

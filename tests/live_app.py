@@ -12,8 +12,8 @@ from typing import Any
 import uvicorn
 from helpers import wait_for
 
+from segfuse.config import ServerConfig
 from segfuse.server.app import create_app, uvicorn_settings
-from segfuse.server.config import ServerConfig
 from segfuse.server.state import ServerState
 
 KEY = "apis-key"

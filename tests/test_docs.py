@@ -528,7 +528,7 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
                      env={"LLM_USER_PATH": str(tmp_path)})
         assert answer.strip()
     elif block.lang == "toml" and "[server]" in block.text:  # `segfuse serve --config` reads it
-        from segfuse.server.config import build_config
+        from segfuse.config import build_config
 
         (tmp_path / "segfuse.toml").write_text(block.text)
         build_config(tmp_path / "segfuse.toml")
@@ -592,7 +592,7 @@ def test_help_tells_the_truth():
 
 
 def test_none_is_a_value_in_toml_and_llm_options(tmp_path):
-    from segfuse.server.config import build_config
+    from segfuse.config import build_config
 
     (tmp_path / "segfuse.toml").write_text('[defaults]\ngate = "none"\naccept_margin = "None"\n')
     defaults = build_config(tmp_path / "segfuse.toml").fusion_defaults()

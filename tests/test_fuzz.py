@@ -1,7 +1,7 @@
 """A property-based fuzz of the server's requests: thousands of generated requests against one live server.
 
-Strategies (hypothesis) are built over the request models in ``server/protocol.py`` and
-``server/text_protocol.py``, field by field (a test checks that every field of those models has a
+Strategies (hypothesis) are built over the request models in ``server/chat/protocol.py`` and
+``server/completions/protocol.py``, field by field (a test checks that every field of those models has a
 strategy, so a new field is fuzzed as soon as it exists), plus the server's tables of tolerated and
 neutral parameters, the fusion options, and deliberately broken variants: wrong types, non-finite
 numbers, lone surrogates, bad tools and schemas, raw bytes, other methods, paths, headers and keys.
@@ -42,16 +42,15 @@ from helpers import API_KEY, wait_for  # noqa: E402
 from segfuse import models as catalogue  # noqa: E402
 from segfuse.bench.processes import SegfuseServer, segfuse_server  # noqa: E402
 from segfuse.options import FusionOptions  # noqa: E402
-from segfuse.server.protocol import (  # noqa: E402
+from segfuse.server.chat.protocol import (  # noqa: E402
     NEUTRAL_PARAMETERS,
-    TOLERATED_PARAMETERS,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
-    ErrorResponse,
 )
-from segfuse.server.text_protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
+from segfuse.server.completions.protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
+from segfuse.server.wire import TOLERATED_PARAMETERS, ErrorResponse  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 

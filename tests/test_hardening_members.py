@@ -27,13 +27,13 @@ from segfuse import Ensemble
 from segfuse import models as catalogue
 from segfuse.backends.registry import load_member
 from segfuse.backends.special_text import Special, SpecialTexts, partition
+from segfuse.config import build_config
 from segfuse.engine import SEED_SPACE, member_seed
 from segfuse.errors import InvalidRequestError, NoFreeSlotError
 from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
 from segfuse.scoring import hedge_update
 from segfuse.server import app as server_app
-from segfuse.server.config import build_config
 from segfuse.server.worker import Failed, Job, ShuttingDownError, Worker, WorkerFailedError, DeadlineError
 from segfuse.types import DoneEvent, Message
 

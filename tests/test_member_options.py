@@ -97,8 +97,8 @@ def test_server_config_members_section_reaches_the_member(tmp_path):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
+    from segfuse.config import build_config
     from segfuse.server.app import create_app, load_ensemble
-    from segfuse.server.config import build_config
 
     toml = tmp_path / "segfuse.toml"
     toml.write_text(f'[server]\nmax_concurrent = 1\n\n[members]\nmodels = ["{MODEL}"]\nn_ctx = 512\nthreads = 1\n'
@@ -115,7 +115,7 @@ def test_server_config_members_section_reaches_the_member(tmp_path):
 
 
 def test_server_flags_go_over_the_members_section(tmp_path):
-    from segfuse.server.config import ConfigError, build_config
+    from segfuse.config import ConfigError, build_config
 
     toml = tmp_path / "segfuse.toml"
     toml.write_text("[members]\ngpu_layers = 3\nthreads = 2\n")

@@ -12,7 +12,8 @@ import pytest
 import uvicorn
 
 from segfuse.bench.processes import free_port
-from segfuse.server import ConfigError, build_config, create_app
+from segfuse.config import ConfigError, build_config
+from segfuse.server import create_app
 
 
 def write(tmp_path, text: str):

@@ -24,8 +24,8 @@ import pytest
 from helpers import wait_for
 from live_app import serve_app
 
+from segfuse.config import LimitsSection, ServerConfig
 from segfuse.server.app import ServerState, create_app
-from segfuse.server.config import LimitsSection, ServerConfig
 from segfuse.server.connections import PendingConnections
 from segfuse.server.serving import result_info
 from segfuse.types import Departure, Result, Stats
@@ -202,11 +202,11 @@ def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, de
         {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *results, *SAY_HI])
     error_of(server.post("/v1/chat/completions", body), 400, "limit_exceeded", "messages")
     # Within a raised limit they are one user turn, in order (joined once, not by repeated concatenation).
-    from segfuse.server import parsing
-    from segfuse.server.config import LimitsSection
+    from segfuse.config import LimitsSection
+    from segfuse.server.chat import planning
 
-    plan = parsing.plan_chat(json.dumps(body).encode(), server.state.defaults,
-                             LimitsSection(max_messages=30_000, max_content_chars=1_000_000))
+    plan = planning.plan_chat(json.dumps(body).encode(), server.state.defaults,
+                              LimitsSection(max_messages=30_000, max_content_chars=1_000_000))
     merged = [m for m in plan.messages if m.role == "user" and m.content.startswith("Result of f (c0)")]
     assert len(merged) == 1 and merged[0].content.count("Result of ") == 20_000
     assert merged[0].content.index("Result of c19999:") > merged[0].content.index("Result of c9999:")
@@ -215,6 +215,7 @@ def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, de
 def test_requests_are_parsed_off_the_event_loop(server, monkeypatch):
     """Parsing, limits, tools and schema compilation run in a worker thread, not on uvicorn's loop."""
     from segfuse.server import parsing
+    from segfuse.server.chat import planning
 
     seen: list[str] = []
 
@@ -224,7 +225,7 @@ def test_requests_are_parsed_off_the_event_loop(server, monkeypatch):
             return original(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(parsing, "plan_chat", spy(parsing.plan_chat))
+    monkeypatch.setattr(planning, "plan_chat", spy(planning.plan_chat))
     monkeypatch.setattr(parsing, "parse_request", spy(parsing.parse_request))
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     response = server.post("/v1/chat/completions", chat(model=LEADER, max_tokens=8, response_format={

@@ -20,10 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import live_server
 from segfuse import models as catalogue
 from segfuse.backends.base import Occupancy
+from segfuse.config import build_config
 from segfuse.server import parsing
 from segfuse.server.app import create_app
-from segfuse.server.completions import COMPLETIONS
-from segfuse.server.config import build_config
+from segfuse.server.chat.planning import CHAT
+from segfuse.server.completions.serving import COMPLETIONS
 from segfuse.server.metrics import OUTCOMES, ServerMetrics
 from segfuse.types import Departure, Result, Stats
 
@@ -101,18 +102,18 @@ REFUSED = {"functions": [{"name": "f"}], "function_call": "auto",
 
 
 def test_parameter_tables():
-    assert parsing.unsupported({"messages": SAY_HI, "max_tokens": 4, "segfuse": {"window": 4}, **NEUTRAL}) == []
+    assert parsing.unsupported({"messages": SAY_HI, "max_tokens": 4, "segfuse": {"window": 4}, **NEUTRAL}, CHAT) == []
     for name, bad in REFUSED.items():
-        assert parsing.unsupported({"messages": SAY_HI, name: bad}) == [name], name
+        assert parsing.unsupported({"messages": SAY_HI, name: bad}, CHAT) == [name], name
     # strict: a boolean is not a number and a number is not a boolean
-    assert parsing.unsupported({"presence_penalty": False, "frequency_penalty": False}) == \
+    assert parsing.unsupported({"presence_penalty": False, "frequency_penalty": False}, CHAT) == \
         ["presence_penalty", "frequency_penalty"]
     # /v1/completions has its own table: suffix and best_of pass only at their neutral values
     text = {"prompt": "Once", "echo": False, "logprobs": 2, "suffix": "", "best_of": 1, "frequency_penalty": 0}
     assert parsing.unsupported(text, COMPLETIONS) == []
     assert parsing.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI},
                                COMPLETIONS) == ["suffix", "best_of", "messages"]
-    error = parsing.unsupported_error(["window"])
+    error = parsing.unsupported_error(["window"], CHAT)
     assert error.status == 400 and error.detail.param == "window" and "'segfuse' object" in error.detail.message
 
 
@@ -121,7 +122,7 @@ def test_request_options_go_over_the_defaults_and_an_explicit_null_is_kept():
 
     defaults = FusionOptions.build(max_tokens=64, accept_margin=2.0)
     request = parsing.parse_request(json.dumps({"messages": SAY_HI, "max_tokens": 8, "temperature": None,
-                                                "segfuse": {"accept_margin": None, "gate": 0.7}}).encode())
+                                                "segfuse": {"accept_margin": None, "gate": 0.7}}).encode(), CHAT)
     options = parsing.fusion_options(request, defaults)
     assert (options.max_tokens, options.temperature, options.gate) == (8, defaults.temperature, 0.7)
     assert options.accept_margin is None  # null: every proposal goes to the vote, not the server's default

@@ -126,7 +126,7 @@ def test_a_hangup_mid_stream_frees_the_job(server, client):
 
 
 def test_the_store_is_bounded_in_responses_and_characters():
-    from segfuse.server.response_store import ResponseStore
+    from segfuse.server.responses.store import ResponseStore
 
     def turn(chars: int) -> list[dict]:
         return [{"role": "user", "content": "x" * chars}]

@@ -139,7 +139,8 @@ def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None]
     its refusal, or None where it would go on to the members."""
     from segfuse.options import FusionOptions
     from segfuse.server import parsing
-    from segfuse.server.completions import COMPLETIONS, jobs_of
+    from segfuse.server.chat import planning
+    from segfuse.server.completions.serving import COMPLETIONS, jobs_of
     from segfuse.server.serving import APIError
 
     try:
@@ -147,11 +148,11 @@ def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None]
             parsed = parsing.parse_request(body, COMPLETIONS)
             jobs_of(parsed, [p if isinstance(p, str) else "ids" for p in parsed.prompts], FusionOptions(), None)
             return None
-        request = parsing.parse_request(body)
-        tools, mode = parsing.offered_tools(request)
-        parsing.top_logprobs(request)
-        parsing.constraint_of(request, tools, mode)
-        parsing.to_engine_messages(request, tools, mode)
+        request = parsing.parse_request(body, planning.CHAT)
+        tools, mode = planning.offered_tools(request)
+        planning.top_logprobs(request)
+        planning.constraint_of(request, tools, mode)
+        planning.to_engine_messages(request, tools, mode)
         parsing.fusion_options(request, FusionOptions())
     except APIError as exc:
         return exc.status, exc.detail.code, exc.detail.param

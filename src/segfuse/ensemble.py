@@ -12,14 +12,13 @@ from .echo import echo_text
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
 from .likelihood import ItemScores, Rule, score_item, score_items
-from .member_options import MemberOptions
+from .member_options import MAX_CONCURRENT, MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
 from .prompting import validate_messages, without_empty_prefill
 from .types import DoneEvent, Event, Message, PromptToken, Result
 
 MAX_MEMBERS = 7
-MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
 
 Conversation = str | Sequence[Message | Mapping[str, str]]
 

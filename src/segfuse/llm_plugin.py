@@ -21,9 +21,9 @@ from typing import Annotated, Any, Literal
 import llm
 from pydantic import Field, create_model, field_validator
 
+from .config import build_config
 from .ensemble import Ensemble
 from .member_options import MemberOptions, flag_fields
-from .server.config import build_config
 from .types import DoneEvent, Message, SegmentEvent
 
 CONFIG_NAME = "segfuse.toml"

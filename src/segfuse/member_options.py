@@ -19,6 +19,7 @@ from .backends.spec import FALSE, TRUE
 from .errors import InvalidRequestError
 
 SPLIT_MODES = ("layer", "row", "none")
+MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
 
 
 class MemberOptions(BaseModel):

@@ -172,7 +172,7 @@ def segfuse_server(workdir: Path, name: str, config: Mapping[str, Mapping[str, A
     ``config["server"]["api_key"]`` is the key clients must send. A bad setting
     fails before a subprocess is started.
     """
-    from ..server.config import build_config
+    from ..config import build_config
 
     path = workdir / f"{name}.toml"
     path.write_text(toml_text(config))

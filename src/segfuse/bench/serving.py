@@ -187,7 +187,7 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         "max_concurrent": {"serial": 1, "concurrent": widest},
         "queue_size": max(16, levels[-1]),
     }
-    from ..server.config import build_config
+    from ..config import build_config
 
     for mc in (1, widest):  # a bad setting fails here, before anything is started
         build_config(None, max_concurrent=mc, queue_size=settings["queue_size"], models=list(models or []),

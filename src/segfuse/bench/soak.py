@@ -302,7 +302,7 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
     import httpx  # noqa: F401  (before anything starts: fail at once when the client libraries are missing)
     import openai  # noqa: F401
 
-    from ..server.config import build_config
+    from ..config import build_config
 
     settings.validate()
     build_config(None, max_concurrent=settings.max_concurrent, queue_size=settings.queue_size,

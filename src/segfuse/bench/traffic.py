@@ -204,12 +204,13 @@ class Malformed:
 
 def refused_parameters() -> tuple[Malformed, ...]:
     """Requests with a parameter the server refuses (400 ``unsupported_parameter`` naming it), chosen from
-    the server's own tables (``protocol``, ``text_protocol``): a parameter counts as malformed only if
+    the server's own tables (``chat.protocol``, ``completions.protocol``, ``wire``): a parameter counts as malformed only if
     the server's contract refuses it, so a parameter it comes to serve drops out of this list by itself
     (as ``logprobs`` should have)."""
     from ..options import FusionOptions
-    from ..server.protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS, TOLERATED_PARAMETERS
-    from ..server.text_protocol import COMPLETION_NEUTRAL, COMPLETION_PARAMETERS
+    from ..server.chat.protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
+    from ..server.completions.protocol import COMPLETION_NEUTRAL, COMPLETION_PARAMETERS
+    from ..server.wire import TOLERATED_PARAMETERS
 
     known = {*SUPPORTED_PARAMETERS, *TOLERATED_PARAMETERS, *NEUTRAL_PARAMETERS}
     unknown = next(n for n in ("reasoning_budget", "x_unknown_parameter") if n not in known)

@@ -46,7 +46,8 @@ def serve(
     (over the config file's \\[defaults] table); member options go over its \\[members] table.
     """
     require("server", "segfuse serve")
-    from ..server import build_config, run  # FastAPI and uvicorn load only for this command
+    from ..config import build_config
+    from ..server import run  # FastAPI and uvicorn load only for this command
 
     hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts is not None else None
     run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,

@@ -1,11 +1,13 @@
-"""The FastAPI application: status and model routes, error handlers, and one module per API.
+"""The FastAPI application: status and model routes, error handlers, and one router per API.
 
-The server is cut by endpoint: ``state`` and ``serving`` are the shared part
-(the server's state, jobs and their queueing, errors, request bodies, SSE,
-disconnects), ``parsing`` and ``limits`` read and bound requests, and each API
-module adds its own routes over them: ``chat`` (/v1/chat/completions),
-``completions`` (/v1/completions), ``messages`` (Anthropic's /v1/messages), ``responses``
-(OpenAI's /v1/responses).
+The server is cut by API, one folder each with its router (``routes``), wire
+types (``protocol``) and answers (``serving``): ``chat`` (/v1/chat/completions),
+``completions`` (/v1/completions, and the tokenizer routes beside it),
+``messages`` (Anthropic's /v1/messages), ``responses`` (OpenAI's /v1/responses).
+Under them, the shared part at this folder's root: ``state`` and ``serving``
+(the server's state, a request's way to the worker, errors, request bodies,
+SSE, disconnects), ``wire`` (the shapes every API shares), ``parsing`` and
+``limits`` (reading and bounding requests), ``jobs`` and ``worker``.
 
 ``create_app`` is what tests and embedders use; ``run`` is `segfuse serve`.
 Members are loaded before the app starts (``run``) or, when the app is created
@@ -36,21 +38,26 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import WILDCARD_HOSTS, ServerConfig
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
-from . import chat, completions, messages, responses, tokenize
-from .config import WILDCARD_HOSTS, ServerConfig
+from .chat import routes as chat
+from .completions import routes as completions
 from .connections import h11_protocol
 from .guards import Gate, quoted, redact
+from .messages import routes as messages
+from .messages.protocol import PATH as MESSAGES_PATH
+from .messages.protocol import error_body as anthropic_error
 from .metrics import ServerMetrics
-from .protocol import Health, MemberOccupancy, ModelCard, ModelList, QueueState
+from .responses import routes as responses
 from .serving import APIError, api_error
 from .state import ServerState, key_check
+from .wire import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker import Worker
 
 log = logging.getLogger("segfuse.server")
 STATIC = Path(__file__).with_name("static")
-API_MODULES = (chat, completions, messages, responses, tokenize)  # each adds its routes: one module per API
+API_ROUTERS = (chat.api_router, completions.api_router, messages.api_router, responses.api_router)  # one per API
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:
@@ -124,8 +131,8 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAP
 def _error_response(error: APIError, path: str = "") -> JSONResponse:
     """The error in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    anthropic = path == messages.PATH or path.startswith(messages.PATH + "/")
-    body = messages.error_body(error) if anthropic else error.body()
+    anthropic = path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+    body = anthropic_error(error) if anthropic else error.body()
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
@@ -158,8 +165,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     require_key = Depends(key_check(state))
     _add_status_routes(app, state)
     _add_model_routes(app, state, require_key)
-    for api in API_MODULES:
-        api.add_routes(app, state, require_key)
+    for api_router in API_ROUTERS:
+        app.include_router(api_router(state), dependencies=[require_key])
 
 
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
-from .config import LimitsSection
+from ..config import LimitsSection
 from .guards import error_body
 
 log = logging.getLogger("segfuse.server")

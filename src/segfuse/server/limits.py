@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .config import LimitsSection
+from ..config import LimitsSection
 from .serving import APIError
 
 

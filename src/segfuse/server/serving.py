@@ -1,6 +1,6 @@
 """What every endpoint shares: errors, reading a job's items, server-sent events, disconnects, bodies.
 
-Each API module (``chat``, ``completions``, ``messages``, ``responses``) turns
+Each API's serving (``chat``, ``completions``, ``messages``, ``responses``) turns
 its request into jobs and the jobs' items into its own wire shape; what they
 all need lives here, written once: ``APIError`` (sent in each API's own error
 shape by the app), ``finished`` (the whole answer, cancelled when the client
@@ -35,11 +35,12 @@ from ..prompting import prefill_of
 from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, Segment
 from .guards import media_type_error, redact
-from .protocol import (
+from .wire import (
     ErrorDetail,
     ErrorResponse,
     FusionInfo,
     FusionStats,
+    RoundInfo,
     SegmentInfo,
     Usage,
 )
@@ -202,6 +203,15 @@ def segment_info(segment: Segment) -> SegmentInfo:
     return SegmentInfo(text=segment.text, model=segment.model, round=segment.round)
 
 
+def full_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
+    """The ``segfuse`` object of a whole answer: who wrote each segment, every round, the prompt sizes."""
+    return result_info(result, started, detailed).model_copy(update={
+        "segments": [segment_info(s) for s in result.segments],
+        "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
+        "prompt_tokens": started.prompt_tokens if started else None,
+    })
+
+
 # --------------------------------------------------------------------------- a job's answer
 
 
@@ -298,6 +308,7 @@ __all__ = [
     "failure_of",
     "finish_reason_of",
     "finished",
+    "full_info",
     "json_body",
     "read_body",
     "result_info",

@@ -1,6 +1,6 @@
 """What the routes share: the server's state, and a request's way to the worker (members, jobs, room).
 
-Every API module runs the same steps: read the body (``serving.json_body``),
+Every API's ``serving`` runs the same steps: read the body (``serving.json_body``),
 parse it off the event loop (``ServerState.offload``), check the members are
 ready and which answer (``require_members``, ``members_for``), then ``submit``
 its jobs; the answer comes back through ``serving.finished`` or a stream.
@@ -19,9 +19,9 @@ from typing import Any, Literal
 from fastapi import Request
 
 from ..backends.base import Member
+from ..config import ServerConfig
 from ..errors import SegfuseError
 from ..options import FusionOptions
-from .config import ServerConfig
 from .guards import quoted, redact
 from .metrics import ServerMetrics
 from .serving import APIError, api_error, json_body

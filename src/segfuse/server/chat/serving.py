@@ -1,8 +1,8 @@
-"""``POST /v1/chat/completions``: a chat job, answered as a chat completion or as its chunks.
+"""``POST /v1/chat/completions``: a request's chat job, answered as a chat completion or as its chunks.
 
 Streaming and non-streaming read the same item iterator (``Job.items``), so the
 two can only differ in framing. The Messages and Responses APIs plan the same
-chat job (``parsing.plan_of``) and answer it in their own shapes.
+chat job (``planning.plan_of``) and answer it in their own shapes.
 """
 
 from __future__ import annotations
@@ -10,28 +10,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..logprobs import TokenLogprob, answer_logprobs
-from ..tools import ToolCall
-from ..types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
-from . import parsing
-from .parsing import ChatPlan
-from .protocol import (
-    AssistantMessage,
-    ChatCompletion,
-    ChatCompletionChunk,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-    Delta,
-    FusionInfo,
-    RoundInfo,
-    TokenLogprobInfo,
-    TopLogprob,
-)
-from .serving import (
+from ...logprobs import TokenLogprob, answer_logprobs
+from ...tools import ToolCall
+from ...types import DoneEvent, Result, RoundEvent, Segment, SegmentEvent
+from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     call_of,
@@ -40,13 +25,28 @@ from .serving import (
     failure_frame,
     finish_reason_of,
     finished,
+    full_info,
     result_info,
     segment_info,
     sse,
     usage_of,
 )
-from .state import ServerState, job_fields, members_for, require_members, submit
-from .worker import Job, Started
+from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..wire import FusionInfo, RoundInfo
+from ..worker import Job, Started
+from . import planning
+from .planning import ChatPlan
+from .protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    TokenLogprobInfo,
+    TopLogprob,
+)
 
 
 def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job:
@@ -56,21 +56,22 @@ def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job
                **job_fields(state, plan.request.cache_salt), **fields)
 
 
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    # The body is parsed by hand (parsing.plan_chat) to tell bad JSON (400) from a bad shape (422).
-    @app.post("/v1/chat/completions", dependencies=[require_key])
-    async def chat_completions(request: Request) -> Response:
-        body = await state.body(request)
-        plan = await state.offload(parsing.plan_chat, body, state.defaults, state.config.limits)
-        detailed = state.holds_key(request)
-        require_members(state, detailed)
-        model = plan.request.model or state.model_id
-        job = job_of(state, plan, model)
-        cancel = submit(state, [job], detailed, plan.request.user)
-        if plan.request.stream:
-            return event_stream(stream(job, model, plan.request.include_usage, cancel, detailed), cancel)
-        result = await complete(job, model, disconnected(request), cancel, detailed)
-        return JSONResponse(result.model_dump(mode="json"))
+async def answer(state: ServerState, request: Request) -> Response:
+    """A chat completion: the request's body planned, its job queued, the answer whole or streamed.
+
+    The body is parsed by hand (``planning.plan_chat``) to tell bad JSON (400) from a bad shape (422).
+    """
+    body = await state.body(request)
+    plan = await state.offload(planning.plan_chat, body, state.defaults, state.config.limits)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    model = plan.request.model or state.model_id
+    job = job_of(state, plan, model)
+    cancel = submit(state, [job], detailed, plan.request.user)
+    if plan.request.stream:
+        return event_stream(stream(job, model, plan.request.include_usage, cancel, detailed), cancel)
+    result = await complete(job, model, disconnected(request), cancel, detailed)
+    return JSONResponse(result.model_dump(mode="json"))
 
 
 # --------------------------------------------------------------------------- the whole answer
@@ -91,15 +92,6 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
         usage=usage_of(result, started),
         segfuse=full_info(result, started, detailed),
     )
-
-
-def full_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
-    """The ``segfuse`` object of a whole answer: who wrote each segment, every round, the prompt sizes."""
-    return result_info(result, started, detailed).model_copy(update={
-        "segments": [segment_info(s) for s in result.segments],
-        "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
-        "prompt_tokens": started.prompt_tokens if started else None,
-    })
 
 
 def _choice(job: Job, result: Result) -> Choice:
@@ -214,4 +206,4 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
         cancel()  # a no-op when the job already ended
 
 
-__all__ = ["add_routes", "chat_logprobs", "complete", "completion_body", "full_info", "job_of", "stream"]
+__all__ = ["answer", "chat_logprobs", "complete", "completion_body", "job_of", "stream"]

@@ -1,12 +1,13 @@
-"""``/v1/completions`` wire types (pydantic only, no behaviour): the legacy text-completions shapes."""
+"""``/v1/completions`` wire types (pydantic only, no behaviour): the legacy text-completions shapes, and the
+tokenizer routes' requests."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .protocol import FusionInfo, GenerationRequest, Usage
+from ..wire import FusionInfo, GenerationRequest, Usage
 
 
 class CompletionRequest(GenerationRequest):
@@ -92,3 +93,21 @@ class TextCompletion(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     segfuse: FusionInfo | None = None
+
+
+# --------------------------------------------------------------------------- the tokenizer routes
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = Field(True, description="the BOS the model reads first, where it uses one")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokens: list[int]
+    model: str | None = None

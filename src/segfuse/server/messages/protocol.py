@@ -15,9 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from .protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest, FusionInfo
-from .serving import APIError
+from ..chat.protocol import ChatCompletionRequest
+from ..serving import APIError
+from ..wire import MAX_CACHE_SALT_CHARS, FusionInfo
 
+PATH = "/v1/messages"  # its errors, and those of the paths under it, are in Anthropic's shape
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 
 
@@ -225,5 +227,5 @@ def error_body(error: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {k: v for k, v in detail.items() if v is not None}}
 
 
-__all__ = ["MESSAGES_NEUTRAL", "MESSAGES_PARAMETERS", "AnthropicResponse", "CountTokensRequest",
+__all__ = ["MESSAGES_NEUTRAL", "MESSAGES_PARAMETERS", "PATH", "AnthropicResponse", "CountTokensRequest",
            "MessagesRequest", "MessagesUsage", "error_body", "to_chat"]

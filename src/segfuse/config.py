@@ -1,5 +1,8 @@
 """Server configuration: a TOML file, command-line flags on top, validated by pydantic.
 
+Plain data under the package root, so that whatever reads it (`segfuse serve`, the `llm` plugin, the
+benchmarks) needs neither the server nor its extra.
+
 Example ``segfuse.toml``::
 
     [server]
@@ -36,10 +39,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..ensemble import MAX_CONCURRENT
-from ..errors import SegfuseError
-from ..member_options import MemberOptions
-from ..options import FusionOptions
+from .errors import SegfuseError
+from .member_options import MAX_CONCURRENT, MemberOptions
+from .options import FusionOptions
 
 
 class ConfigError(SegfuseError):

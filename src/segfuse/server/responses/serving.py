@@ -1,8 +1,8 @@
 """``POST /v1/responses``: OpenAI's Responses API over the chat job.
 
-The request becomes the chat request it means (``responses_protocol.to_chat``), continued from a stored
-response when it names ``previous_response_id`` (``response_store``: the newest responses, in memory), and
-is planned as chat plans it. The answer is a response object whose output is one message or one
+The request becomes the chat request it means (``protocol.to_chat``), continued from a stored response
+when it names ``previous_response_id`` (``store``: the newest responses, in memory), and is planned as
+chat plans it. The answer is a response object whose output is one message or one
 function call, or the Responses stream of events (``response.created`` ... ``response.completed``).
 """
 
@@ -13,25 +13,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..options import FusionOptions
-from ..types import DoneEvent, Result, SegmentEvent
-from . import limits as checks
-from . import parsing
-from .chat import full_info, job_of
-from .config import LimitsSection
-from .parsing import ChatPlan, Endpoint
-from .response_store import ResponseStore
-from .responses_protocol import (
-    RESPONSES_NEUTRAL,
-    RESPONSES_PARAMETERS,
-    ResponsesRequest,
-    conversation,
-    to_chat,
-)
-from .serving import (
+from ...config import LimitsSection
+from ...options import FusionOptions
+from ...types import DoneEvent, Result, SegmentEvent
+from .. import limits as checks
+from .. import parsing
+from ..chat.planning import ChatPlan, plan_of
+from ..chat.serving import job_of
+from ..parsing import Endpoint
+from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     APIError,
@@ -40,12 +33,20 @@ from .serving import (
     event_stream,
     failure_of,
     finished,
-    result_info,
+    full_info,
     sse,
     usage_of,
 )
-from .state import ServerState, require_members, submit
-from .worker import Job, Started
+from ..state import ServerState, require_members, submit
+from ..worker import Job, Started
+from .protocol import (
+    RESPONSES_NEUTRAL,
+    RESPONSES_PARAMETERS,
+    ResponsesRequest,
+    conversation,
+    to_chat,
+)
+from .store import ResponseStore
 
 
 def check_responses(request: ResponsesRequest, limits: LimitsSection) -> None:
@@ -77,26 +78,24 @@ def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
         earlier = found
     chat = to_chat(request, earlier)
     checks.check_chat(chat, limits)
-    return ResponsesPlan(request, conversation(request, earlier), parsing.plan_of(chat, defaults, limits))
+    return ResponsesPlan(request, conversation(request, earlier), plan_of(chat, defaults, limits))
 
 
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    store = state.extras["responses"] = ResponseStore()  # one per app: what previous_response_id finds
-
-    @app.post("/v1/responses", dependencies=[require_key])
-    async def responses(request: Request) -> Response:
-        body = await state.body(request)
-        plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, store)
-        detailed = state.holds_key(request)
-        require_members(state, detailed)
-        model = plan.request.model or state.model_id
-        job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
-        cancel = submit(state, [job], detailed, plan.request.user)
-        answer = Answer(job, model, plan, store, detailed)
-        if plan.request.stream:
-            return event_stream(answer.stream(cancel), cancel)
-        result, started = await finished(job, disconnected(request), cancel, detailed)
-        return JSONResponse(answer.body(result, started))
+async def answer(state: ServerState, store: ResponseStore, request: Request) -> Response:
+    """``/v1/responses``: a response object, or its stream of events (`store`: what previous_response_id
+    finds, and where the answer is kept)."""
+    body = await state.body(request)
+    plan = await state.offload(plan_responses, body, state.defaults, state.config.limits, store)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    model = plan.request.model or state.model_id
+    job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
+    cancel = submit(state, [job], detailed, plan.request.user)
+    reply = Answer(job, model, plan, store, detailed)
+    if plan.request.stream:
+        return event_stream(reply.stream(cancel), cancel)
+    result, started = await finished(job, disconnected(request), cancel, detailed)
+    return JSONResponse(reply.body(result, started))
 
 
 class Answer:
@@ -241,4 +240,4 @@ def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
-__all__ = ["RESPONSES", "Answer", "add_routes", "plan_responses", "result_info"]
+__all__ = ["RESPONSES", "Answer", "answer", "plan_responses"]

@@ -1,11 +1,13 @@
-"""OpenAI chat-completions wire types (pydantic only, no behaviour; text completions: ``text_protocol``).
+"""The wire types every API shares (pydantic only, no behaviour), and those of the server's own routes.
 
 Requests are parsed strictly ("16" is not an int) so a client bug shows up as a
 422 instead of a silently coerced value. A request field segfuse does not
 implement is refused (400 ``unsupported_parameter``) rather than ignored, unless
-it cannot change the answer: see ``TOLERATED_PARAMETERS`` and
-``NEUTRAL_PARAMETERS`` below. ``segfuse`` is our extension, in requests (fusion
-knobs) and in responses (who wrote what).
+it cannot change the answer: ``TOLERATED_PARAMETERS`` below on every API, and
+each API's own table of neutral values (``chat.protocol``, ``completions.protocol``,
+...). ``segfuse`` is our extension, in requests (fusion knobs) and in responses
+(who wrote what): ``FusionInfo``. Each API's own shapes are in its folder's
+``protocol.py``.
 """
 
 from __future__ import annotations
@@ -17,52 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 # --------------------------------------------------------------------------- requests
 
 MAX_CACHE_SALT_CHARS = 256
-
-
-class TextPart(BaseModel):
-    """One part of an array-valued message content; only text is supported."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(BaseModel):
-    """The function an earlier tool call named, and its arguments as JSON text (as OpenAI sends them)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: str
-    arguments: str = "{}"
-
-
-class ToolCallIn(BaseModel):
-    """One call of an earlier assistant turn (``messages[i].tool_calls[j]``)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    # "developer" is OpenAI's newer name for "system".
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # null only for an assistant turn that called tools
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class StreamOptions(BaseModel):
@@ -109,59 +65,12 @@ class GenerationRequest(BaseModel):
         return self.max_tokens
 
 
-class ChatCompletionRequest(GenerationRequest):
-    """The body of ``POST /v1/chat/completions``.
-
-    Other fields are kept in ``model_extra``; ``parsing.parse_request`` refuses
-    them unless they are tolerated or neutral (the tables below).
-    """
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[dict[str, Any]] | None = Field(None, description="function tools the answer may call")
-    tool_choice: str | dict[str, Any] | None = Field(
-        None, description='"none", "auto" (default with tools), "required", or {"type": "function", "function": '
-                          '{"name": ...}}')
-    response_format: dict[str, Any] | None = Field(
-        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                          '{"name": ..., "schema": {...}, "strict": true}}')
-    logprobs: bool | None = Field(None, description="each answer token's log-probability under its author")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the author's most likely "
-                                     "tokens at each position (up to 20)")
-    # vLLM's names for continuing a final assistant message, which segfuse does whenever there is one:
-    # accepted where they say the same (parsing.check_continuation).
-    continue_final_message: bool | None = Field(None, description="true: the final message is the assistant's, "
-                                                "continued (segfuse continues one anyway)")
-    add_generation_prompt: bool | None = Field(None, description="false: the final message is the assistant's, "
-                                               "continued (segfuse continues one anyway)")
-
-    @property
-    def answer_budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-# Which request fields mean what. Everything else gets 400 unsupported_parameter (parsing.unsupported).
-# Implemented: the fields of ChatCompletionRequest above.
-SUPPORTED_PARAMETERS: tuple[str, ...] = tuple(ChatCompletionRequest.model_fields)
-# Accepted with any value and ignored: bookkeeping that cannot change the answer.
+# Accepted with any value and ignored on every API: bookkeeping that cannot change the answer. What else a
+# request may hold is each API's own (its protocol module); anything more gets 400 unsupported_parameter
+# (parsing.unsupported).
 TOLERATED_PARAMETERS: frozenset[str] = frozenset({
     "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
 })
-# OpenAI parameters segfuse does not implement, accepted only at a value that asks for nothing
-# (their default); null is neutral for every one of them. Compared strictly: `false` is not `0`.
-NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-    "functions": ([],),
-    "function_call": ("none",),
-    "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
-    "web_search_options": (),
-    "reasoning_effort": (),
-    "verbosity": (),
-}
 
 
 # --------------------------------------------------------------------------- segfuse extension
@@ -240,77 +149,18 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @model_serializer(mode="wrap")
-    def _no_empty_calls(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
 
 
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
 
 
-class TokenLogprobInfo(TopLogprob):
-    """One answer token, as its author (``model``, our extension) drafted it."""
-
-    top_logprobs: list[TopLogprob]
-    model: str | None = None
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprobInfo] | None
-    refusal: None = None
-
-
-class Choice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    segfuse: FusionInfo
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    segfuse: FusionInfo | None = None
+# --------------------------------------------------------------------------- the server's own routes
 
 
 class ModelCard(BaseModel):
@@ -328,17 +178,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
 
 
 class QueueState(BaseModel):

@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import MAX_CACHE_SALT_CHARS, ChatCompletionRequest
-from .serving import APIError
+from ..chat.protocol import ChatCompletionRequest
+from ..serving import APIError
+from ..wire import MAX_CACHE_SALT_CHARS
 
 
 class TextPart(BaseModel):

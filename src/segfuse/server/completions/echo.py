@@ -17,15 +17,15 @@ from functools import partial
 
 from fastapi import Request
 
-from ..backends.base import Member
-from ..echo import reader_of
-from ..ensemble import Ensemble
-from ..errors import InvalidRequestError
-from ..types import PromptToken
-from .serving import APIError, disconnected, worked
-from .state import ServerState, job_fields, members_for, submit
-from .text_protocol import CompletionLogprobs, CompletionRequest
-from .worker import Job
+from ...backends.base import Member
+from ...echo import reader_of
+from ...ensemble import Ensemble
+from ...errors import InvalidRequestError
+from ...types import PromptToken
+from ..serving import APIError, disconnected, worked
+from ..state import ServerState, job_fields, members_for, submit
+from ..worker import Job
+from .protocol import CompletionLogprobs, CompletionRequest
 
 
 def reader_for(state: ServerState, model: str) -> Member:

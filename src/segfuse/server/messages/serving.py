@@ -1,9 +1,9 @@
 """``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API over the chat job.
 
-The request is translated to the chat request it means (``messages_protocol.to_chat``) and planned as
-chat plans it, so tools, structured output, limits and fusion options behave the same; the answer is
-written back as a Message, or as Anthropic's stream of events. Errors on these paths are in Anthropic's
-shape (``messages_protocol.error_body``), the key may come as ``x-api-key``.
+The request is translated to the chat request it means (``protocol.to_chat``) and planned as chat plans
+it, so tools, structured output, limits and fusion options behave the same; the answer is written back as
+a Message, or as Anthropic's stream of events. Errors on these paths are in Anthropic's shape
+(``protocol.error_body``), the key may come as ``x-api-key``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,33 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..options import FusionOptions
-from ..types import DoneEvent, Message, Result, SegmentEvent
-from . import limits as checks
-from . import parsing
-from .chat import full_info, job_of
-from .config import LimitsSection
-from .messages_protocol import (
+from ...config import LimitsSection
+from ...options import FusionOptions
+from ...types import DoneEvent, Message, Result, SegmentEvent
+from .. import limits as checks
+from .. import parsing
+from ..chat.planning import ChatPlan, plan_of
+from ..chat.serving import job_of
+from ..parsing import Endpoint
+from ..serving import (
+    KEEPALIVE_S,
+    APIError,
+    call_of,
+    disconnected,
+    event_stream,
+    failure_of,
+    finished,
+    full_info,
+    result_info,
+    sse,
+    usage_of,
+)
+from ..state import ServerState, members_for, require_members, submit
+from ..worker import Job, Started, prompt_tokens
+from .protocol import (
     MESSAGES_NEUTRAL,
     MESSAGES_PARAMETERS,
     AnthropicResponse,
@@ -32,23 +49,6 @@ from .messages_protocol import (
     error_body,
     to_chat,
 )
-from .parsing import ChatPlan, Endpoint
-from .serving import (
-    KEEPALIVE_S,
-    APIError,
-    call_of,
-    disconnected,
-    event_stream,
-    failure_of,
-    finished,
-    result_info,
-    sse,
-    usage_of,
-)
-from .state import ServerState, members_for, require_members, submit
-from .worker import Job, Started, prompt_tokens
-
-PATH = "/v1/messages"
 
 
 def check_messages(request: MessagesRequest, limits: LimitsSection) -> None:
@@ -71,32 +71,32 @@ def plan_messages(body: bytes, defaults: FusionOptions, limits: LimitsSection,
         raise
     chat = to_chat(request)
     checks.check_chat(chat, limits)
-    return request, parsing.plan_of(chat, defaults, limits)
+    return request, plan_of(chat, defaults, limits)
 
 
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    @app.post(PATH, dependencies=[require_key])
-    async def messages(request: Request) -> Response:
-        body = await state.body(request)
-        parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits)
-        detailed = state.holds_key(request)
-        require_members(state, detailed)
-        model = parsed.model or state.model_id
-        job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}")
-        cancel = submit(state, [job], detailed, plan.request.user)
-        if parsed.stream:
-            return event_stream(stream(job, model, cancel, detailed), cancel)
-        result, started = await finished(job, disconnected(request), cancel, detailed)
-        return JSONResponse(message_body(job, model, result, started, detailed).model_dump(mode="json"))
+async def answer(state: ServerState, request: Request) -> Response:
+    """``/v1/messages``: a Message, or its stream of events."""
+    body = await state.body(request)
+    parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits)
+    detailed = state.holds_key(request)
+    require_members(state, detailed)
+    model = parsed.model or state.model_id
+    job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}")
+    cancel = submit(state, [job], detailed, plan.request.user)
+    if parsed.stream:
+        return event_stream(stream(job, model, cancel, detailed), cancel)
+    result, started = await finished(job, disconnected(request), cancel, detailed)
+    return JSONResponse(message_body(job, model, result, started, detailed).model_dump(mode="json"))
 
-    @app.post(f"{PATH}/count_tokens", dependencies=[require_key])
-    async def count_tokens(request: Request) -> JSONResponse:
-        body = await state.body(request)
-        parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits, COUNT_TOKENS)
-        require_members(state, state.holds_key(request))
-        names = members_for(state, parsed.model or state.model_id)
-        counted = await state.offload(_count, state, plan.messages, names)
-        return JSONResponse({"input_tokens": counted})
+
+async def count_tokens(state: ServerState, request: Request) -> JSONResponse:
+    """``/v1/messages/count_tokens``: the prompt's tokens, as the answer's usage would count them."""
+    body = await state.body(request)
+    parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits, COUNT_TOKENS)
+    require_members(state, state.holds_key(request))
+    names = members_for(state, parsed.model or state.model_id)
+    counted = await state.offload(_count, state, plan.messages, names)
+    return JSONResponse({"input_tokens": counted})
 
 
 def _count(state: ServerState, messages: list[Message], names: list[str] | None) -> int:
@@ -205,5 +205,4 @@ async def stream(job: Job, model: str, cancel: Callable[[], None], detailed: boo
         cancel()
 
 
-__all__ = ["COUNT_TOKENS", "MESSAGES", "PATH", "add_routes", "error_body", "message_body", "plan_messages",
-           "stream"]
+__all__ = ["COUNT_TOKENS", "MESSAGES", "answer", "count_tokens", "message_body", "plan_messages", "stream"]

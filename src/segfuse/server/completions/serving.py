@@ -5,7 +5,7 @@ model's natural task); the fusion is the same as for chat. A list of prompts
 is answered one choice each (run side by side, as slots allow); streaming takes
 one prompt. ``logprobs`` (up to 5) reports each answer token as its author
 drafted it; ``echo`` puts the prompt before the answer's text, and with ``logprobs`` its tokens
-too (``echo_completions.py``; ``max_tokens: 0``: the prompt alone).
+too (``echo.py``; ``max_tokens: 0``: the prompt alone).
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..logprobs import TokenLogprob, answer_logprobs
-from ..options import FusionOptions
-from ..types import DoneEvent, Message, PromptToken, Result, SegmentEvent
-from . import parsing
-from .echo_completions import echo_logprobs, joined, prompt_texts, read_prompts
-from .limits import check_text
-from .parsing import Endpoint, fusion_options
-from .protocol import FusionInfo, Usage
-from .serving import (
+from ...logprobs import TokenLogprob, answer_logprobs
+from ...options import FusionOptions
+from ...types import DoneEvent, Message, PromptToken, Result, SegmentEvent
+from .. import parsing
+from ..limits import check_text
+from ..parsing import Endpoint, fusion_options
+from ..serving import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     APIError,
@@ -40,8 +38,11 @@ from .serving import (
     sse,
     usage_of,
 )
-from .state import ServerState, job_fields, members_for, require_members, submit
-from .text_protocol import (
+from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..wire import FusionInfo, Usage
+from ..worker import Job, Started
+from .echo import echo_logprobs, joined, prompt_texts, read_prompts
+from .protocol import (
     COMPLETION_NEUTRAL,
     COMPLETION_PARAMETERS,
     CompletionChoice,
@@ -49,21 +50,8 @@ from .text_protocol import (
     CompletionRequest,
     TextCompletion,
 )
-from .worker import Job, Started
 
 COMPLETIONS = Endpoint(CompletionRequest, COMPLETION_PARAMETERS, COMPLETION_NEUTRAL, check_text)
-
-
-def add_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
-    @app.post("/v1/completions", dependencies=[require_key])
-    async def text_completions(request: Request) -> Response:
-        return await answer(state, request)
-
-    # One model's own path (its tokens in /m/{model}/tokenize beside it): lm-eval's remote tokenizer
-    # finds the tokenizer next to the completions URL and names no model.
-    @app.post("/m/{model}/v1/completions", dependencies=[require_key])
-    async def model_text_completions(request: Request, model: str) -> Response:
-        return await answer(state, request, model)
 
 
 async def answer(state: ServerState, request: Request, path_model: str | None = None) -> Response:
@@ -213,4 +201,4 @@ async def stream(job: Job, request: CompletionRequest, text: str, model: str,
         cancel()
 
 
-__all__ = ["COMPLETIONS", "add_routes", "complete", "jobs_of", "legacy_logprobs", "stream"]
+__all__ = ["COMPLETIONS", "answer", "complete", "jobs_of", "legacy_logprobs", "stream"]

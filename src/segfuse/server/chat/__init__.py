@@ -1,0 +1,1 @@
+"""``/v1/chat/completions``: its wire types, its planning and its answers."""
