@@ -252,7 +252,7 @@ def test_remote_refuses_off_by_one_echo(tmp_path):
 
 
 def test_remote_unreachable_server_fails_fast():
-    from segfuse.backends.openai_http import RemoteServerError
+    from segfuse.backends.remote.http import RemoteServerError
 
     port = free_port()  # nothing listens there
     started = time.monotonic()
@@ -262,7 +262,7 @@ def test_remote_unreachable_server_fails_fast():
 
 
 def test_remote_spec_options():
-    from segfuse.backends.remote import parse_target
+    from segfuse.backends.remote.member import parse_target
 
     url, opts = parse_target("http://h:8000/v1#big,model=Qwen/Qwen2.5-72B-Instruct,batch=false,n_ctx=8192")
     assert url == "http://h:8000/v1"

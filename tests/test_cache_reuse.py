@@ -21,7 +21,7 @@ import math
 import pytest
 
 from segfuse import Ensemble
-from segfuse.backends.llama_cpp import load
+from segfuse.backends.llama_cpp.member import load
 from segfuse.member_options import MemberOptions
 from segfuse.types import Message
 

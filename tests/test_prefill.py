@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from segfuse import Ensemble
-from segfuse.backends.prompt_source import load_prompt_source
+from segfuse.backends.remote.prompt_source import load_prompt_source
 from segfuse.backends.registry import load_member
 from segfuse.constraints import Constraint
 from segfuse.engine import drive

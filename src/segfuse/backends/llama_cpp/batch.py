@@ -6,7 +6,7 @@ per ``llama_decode``; verifying decodes every session's new candidates in one ba
 chunked at ``n_batch``. One session alone (``LlamaCppSession.draft``, ``score``) goes
 through the same drivers with a batch of one, so it decodes exactly as before. Sessions
 share a decode only when they share a context: a deterministic session, in a context of
-its own (``llama_private.py``), is decoded apart.
+its own (``private.py``), is decoded apart.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText, TextSoFar
-from .cached import DraftState, top_alternatives
+from ...types import DraftTokens, Sampling, TokenScores
+from ..base import OnText, TextSoFar
+from ..cached import DraftState, top_alternatives
 
 if TYPE_CHECKING:
-    from .llama_cpp import LlamaCppMember
-    from .llama_session import LlamaCppSession
+    from .member import LlamaCppMember
+    from .session import LlamaCppSession
 
 
 @dataclass

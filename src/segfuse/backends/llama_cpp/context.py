@@ -1,7 +1,7 @@
 """One llama.cpp context: its unified KV cache's sequences and the batched decodes into it.
 
-Nothing here knows which session holds which sequence; ``llama_slots.py`` keeps that
-book and ``llama_cpp.py`` (the member) puts the two together.
+Nothing here knows which session holds which sequence; ``slots.py`` keeps that
+book and ``member.py`` (the member) puts the two together.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError, PromptTooLongError
-from .llama_runtime import log_excerpt
+from ...errors import MemberLoadError, PromptTooLongError
+from .runtime import log_excerpt
 
 
 def _no_room() -> bool:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import PromptTooLongError
-from ..types import PromptToken
-from .echo_rows import Alternatives, echoed, top_of
+from ...errors import PromptTooLongError
+from ...types import PromptToken
+from ..echo_rows import Alternatives, echoed, top_of
 
 if TYPE_CHECKING:
-    from .llama_cpp import LlamaCppMember
+    from .member import LlamaCppMember
 
 
 def echo_tokens(m: LlamaCppMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:

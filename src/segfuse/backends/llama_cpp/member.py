@@ -11,11 +11,11 @@ KV-cache layout per session (docs/design.md#prefix-caching):
 So no round re-encodes the prompt or earlier accepted text; the only extra
 decode is the last token of a fully kept own draft, fed next round.
 
-The member puts together one job per module: ``llama_runtime.py`` loads the
-weights, ``llama_vocab.py`` tokenizes, ``llama_context.py`` decodes into the
-cache's sequences, ``llama_slots.py`` keeps the book of slots and cached
-prefixes, ``llama_batch.py`` runs several sessions' drafts and verifications in
-shared decodes, and ``llama_session.py`` is one request's context.
+The member puts together one job per module: ``runtime.py`` loads the
+weights, ``vocab.py`` tokenizes, ``context.py`` decodes into the
+cache's sequences, ``slots.py`` keeps the book of slots and cached
+prefixes, ``batch.py`` runs several sessions' drafts and verifications in
+shared decodes, and ``session.py`` is one request's context.
 
 Several sessions at once (``slots``): the context holds ``slots`` windows of
 ``n_ctx`` tokens, and session k owns sequences 8k..8k+7 of the unified cache.
@@ -30,7 +30,7 @@ shared, not copied); a new session copies the longest matching prefix from an
 entry into its sequence 0 and decodes only the rest of its prompt.
 
 A deterministic session (``deterministic=True``) runs in a context of its own instead
-(``llama_private.py``): it reads no cached prefix, keeps none, and shares no decode.
+(``private.py``): it reads no cached prefix, keeps none, and shares no decode.
 """
 
 from __future__ import annotations
@@ -45,17 +45,18 @@ import llama_cpp as lc
 import numpy as np
 from pydantic import Field
 
-from ..errors import MemberLoadError
-from ..member_options import MemberOptions
-from ..models import PromptFormat, check_gguf
-from ..types import DraftTokens, Message, PromptToken, TokenScores
-from . import llama_batch
-from .base import Capabilities, Occupancy
-from .cached import LocalMember
-from .llama_context import LlamaContext
-from .llama_echo import echo_tokens
-from .llama_private import PrivateContexts
-from .llama_runtime import (
+from ...errors import MemberLoadError
+from ...member_options import MemberOptions
+from ...models import PromptFormat, check_gguf
+from ...types import DraftTokens, Message, PromptToken, TokenScores
+from ..base import Capabilities, Occupancy
+from ..cached import LocalMember
+from ..spec import split_target
+from . import batch
+from .context import LlamaContext
+from .echo import echo_tokens
+from .private import PrivateContexts
+from .runtime import (
     LogSoftmax,
     default_threads,
     gpu_layers_for,
@@ -66,10 +67,9 @@ from .llama_runtime import (
     side_by_side_for,
     threads_for,
 )
-from .llama_session import LlamaCppSession
-from .llama_slots import SEQS_PER_SESSION, SlotTable, prefix_entries
-from .llama_vocab import LlamaVocab
-from .spec import split_target
+from .session import LlamaCppSession
+from .slots import SEQS_PER_SESSION, SlotTable, prefix_entries
+from .vocab import LlamaVocab
 
 __all__ = ["LlamaCppMember", "LlamaCppSession", "default_threads", "load"]
 
@@ -284,16 +284,16 @@ class LlamaCppMember(LocalMember):
         held, stray = self.private.cells()  # deterministic sessions' own contexts
         return replace(seen, cache_cells=seen.cache_cells + held, stray_cells=seen.stray_cells + stray)
 
-    # --- many sessions at once (llama_batch.py) ------------------------------------------
+    # --- many sessions at once (batch.py) ------------------------------------------
     def draft_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]
                    requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
         """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
-        return llama_batch.draft_many(self, sessions, requests)
+        return batch.draft_many(self, sessions, requests)
 
     def score_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]
                    texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
         """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
-        return llama_batch.score_many(self, sessions, texts)
+        return batch.score_many(self, sessions, texts)
 
     def close(self) -> None:
         if getattr(self, "context", None) is not None and self.context.is_open:
@@ -319,7 +319,7 @@ class LlamaCppOptions(MemberOptions):
 def load(target: str, shared: MemberOptions | None = None) -> LlamaCppMember:
     """Registry entry: a known model name or a GGUF path, optionally followed by
     ``#NAME,KEY=VALUE,...`` (LlamaCppOptions' fields, over the ensemble's `shared` options)."""
-    from ..models import resolve
+    from ...models import resolve
 
     head, spec = split_target(target, LlamaCppOptions.model_fields, "llama_cpp")
     options = (shared or MemberOptions()).merged(LlamaCppOptions, spec, where=f"member {target!r}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from .llama_context import LlamaContext
+from .context import LlamaContext
 
 
 class PrivateContexts:

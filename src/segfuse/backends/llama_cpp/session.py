@@ -1,8 +1,8 @@
-"""One request's context in a llama.cpp member's cache (the layout is in ``llama_cpp.py``'s docstring).
+"""One request's context in a llama.cpp member's cache (the layout is in ``member.py``'s docstring).
 
 ``LlamaCppSession`` syncs its context, samples, lays out its candidates and
 reads their scores; its drafts and verifications run through the batch drivers
-of ``llama_batch.py``, as one session's part of a batch that may hold several.
+of ``batch.py``, as one session's part of a batch that may hold several.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import PromptTooLongError
-from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText
-from .cached import CachedSession, DraftState, Verified
-from .llama_batch import VerifyPlan, draft_batch, verify_batch
-from .llama_context import LlamaContext
-from .llama_slots import MAX_CANDIDATES, SEQS_PER_SESSION
+from ...errors import PromptTooLongError
+from ...types import DraftTokens, Sampling, TokenScores
+from ..base import OnText
+from ..cached import CachedSession, DraftState, Verified
+from .batch import VerifyPlan, draft_batch, verify_batch
+from .context import LlamaContext
+from .slots import MAX_CANDIDATES, SEQS_PER_SESSION
 
 if TYPE_CHECKING:
-    from .llama_cpp import LlamaCppMember
+    from .member import LlamaCppMember
 
 
 @dataclass
@@ -37,7 +37,7 @@ class LlamaCppSession(CachedSession):
     With ``reencode=True`` the session behaves like the paper's reference code
     (every draft and every verification re-encodes the whole context); it
     exists only so the benchmark can measure what the cache saves. With a context
-    of its `own` (a deterministic session, ``llama_private.py``) it lives there, from
+    of its `own` (a deterministic session, ``private.py``) it lives there, from
     sequence 0, and neither reads nor keeps cached prefixes; `slot` is then only counted.
     """
 

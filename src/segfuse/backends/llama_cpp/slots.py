@@ -1,19 +1,19 @@
 """Which session holds which part of a llama.cpp member's cache, and the prefixes kept between requests
-(the layout is in ``llama_cpp.py``'s docstring).
+(the layout is in ``member.py``'s docstring).
 
 Slot k owns sequences 8k..8k+7 of the unified cache; each prefix-cache entry is one
 sequence after the slots'. Nothing here decodes: it copies and drops cells through the
-member's :class:`~segfuse.backends.llama_context.LlamaContext`.
+member's :class:`~segfuse.backends.llama_cpp.context.LlamaContext`.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..errors import NoFreeSlotError
-from .base import Occupancy
-from .llama_context import LlamaContext
-from .prefix_cache import PrefixCache
+from ...errors import NoFreeSlotError
+from ..base import Occupancy
+from ..prefix_cache import PrefixCache
+from .context import LlamaContext
 
 MAX_CANDIDATES = 7  # sequences 1..7 of a session hold one distinct candidate each per round
 SEQS_PER_SESSION = MAX_CANDIDATES + 1

@@ -1,7 +1,7 @@
 """A llama.cpp model's vocabulary: tokenizing, token pieces, the special and end-of-generation tokens, and
 the templated prompt's tokens (docs/design.md#token-boundaries).
 
-Nothing here decodes; ``llama_cpp.py`` (the member) reads its tokens through it.
+Nothing here decodes; ``member.py`` (the member) reads its tokens through it.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError
-from ..models import PromptFormat
-from ..prompting import chat_prompt, choose_format, raw_prompt, render_chat, render_plain
-from ..types import Message
-from .special_text import Special, SpecialTexts, protected_pieces
+from ...errors import MemberLoadError
+from ...models import PromptFormat
+from ...prompting import chat_prompt, choose_format, raw_prompt, render_chat, render_plain
+from ...types import Message
+from ..special_text import Special, SpecialTexts, protected_pieces
 
 # Special parsing makes a token of these attributes' texts (user-defined ones are matched either way).
 SPECIAL_ATTRS = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidRequestError, PromptTooLongError
-from ..types import PromptToken
-from .completion_logprobs import Entry, choices_of, entries_of, pieces_of
-from .openai_http import RemoteServerError
+from ...errors import InvalidRequestError, PromptTooLongError
+from ...types import PromptToken
+from .http import RemoteServerError
+from .logprobs import Entry, choices_of, entries_of, pieces_of
 
 if TYPE_CHECKING:
-    from .remote import RemoteMember
+    from .member import RemoteMember
 
 PROBE_TEXT = "The capital of France is"
 """A plain text (no BOS, no template) whose greedy continuation the load-time probe echoes back."""

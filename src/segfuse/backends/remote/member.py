@@ -18,7 +18,7 @@ How the protocol maps onto the API:
   (e.g. ``<|im_end|>``) after the context.
 - ``echo`` (a whole text's tokens, ``Member.echo``): the server's echo of the
   text alone, offered only where a load-time probe shows it echoes a plain text
-  right (``remote_echo.py``); ``tokenize_text``/``detokenize`` stay None.
+  right (``echo.py``); ``tokenize_text``/``detokenize`` stay None.
 Servers expose log-probabilities, not raw logits, so TokenScores.logits holds
 the log-probabilities too (``mean_logit`` then ranks like ``mean_logprob``).
 Caching is left to the server (vLLM's prefix caching, llama-cpp-python's
@@ -33,19 +33,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import InvalidRequestError, MemberLoadError
-from ..prompting import raw_prompt
-from ..types import DraftTokens, Message, PromptToken, Sampling, TokenScores
-from .base import Capabilities, Member, MemberSession, OnText
-from .cached import check_prompt_fits
-from .completion_logprobs import Entry, choices_of, entries_of, logsumexp, pieces_of, scores_of, tail
-from .openai_http import CompletionClient, RemoteServerError, RetryPolicy
+from ...errors import InvalidRequestError, MemberLoadError
+from ...prompting import raw_prompt
+from ...types import DraftTokens, Message, PromptToken, Sampling, TokenScores
+from ..base import Capabilities, Member, MemberSession, OnText
+from ..cached import check_prompt_fits
+from ..spec import split_target
+from .echo import echo_probe, echo_remote, raw_echo_agrees, refuse_ids, same_logprobs, shifted
+from .http import CompletionClient, RemoteServerError, RetryPolicy
+from .logprobs import Entry, choices_of, entries_of, logsumexp, pieces_of, scores_of, tail
 from .prompt_source import PromptSource, load_prompt_source
-from .remote_echo import echo_probe, echo_remote, raw_echo_agrees, refuse_ids, same_logprobs, shifted
-from .spec import split_target
 
 if TYPE_CHECKING:
-    from ..member_options import MemberOptions
+    from ...member_options import MemberOptions
 
 ServerName = Literal["auto", "vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai"]
 
@@ -231,7 +231,7 @@ class RemoteMember(Member):
         return out
 
     def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
-        """The server's echo of a text (remote_echo.py); token ids are refused (the server's tokenizer
+        """The server's echo of a text (echo.py); token ids are refused (the server's tokenizer
         is not known here)."""
         if not isinstance(prompt, str):
             raise refuse_ids(self)
@@ -378,7 +378,7 @@ def _detect(requested: str, listed: dict[str, Any]) -> str:
 
 
 def _is_catalogued(model: str) -> bool:
-    from ..models import CATALOGUE
+    from ...models import CATALOGUE
 
     return model in CATALOGUE
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from ..errors import PromptTooLongError
-from ..types import PromptToken
-from .echo_rows import Alternatives, echoed, top_of
+from ...errors import PromptTooLongError
+from ...types import PromptToken
+from ..echo_rows import Alternatives, echoed, top_of
 
 if TYPE_CHECKING:
-    from .transformers import TransformersMember
+    from .member import TransformersMember
 
 ROW_FLOATS = 2**25
 """Logits floats held at once (128 MiB in float32): a chunk has ROW_FLOATS // vocabulary rows."""

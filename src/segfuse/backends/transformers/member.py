@@ -23,7 +23,7 @@ Per session (docs/design.md#prefix-caching), mirroring the llama.cpp backend:
 - ``score("")`` is the probability of any end-of-generation token.
 
 ``echo`` (a whole text's tokens with their log-probabilities, ``Member.echo``) runs the text from
-its start on a cache of its own, in chunks of bounded logits (``hf_echo.py``).
+its start on a cache of its own, in chunks of bounded logits (``echo.py``).
 
 Between requests (``prefix_cache_cells``, default one context window; 0 off), a
 closed session's keys and values (prompt plus accepted answer) are copied into
@@ -46,22 +46,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from ..errors import MemberLoadError, ModelFileError
-from ..models import PromptFormat, is_gguf
-from ..models import cache_dir as default_cache_dir
-from ..prompting import chat_prompt, choose_format, raw_prompt, render_plain
-from ..types import Message, PromptToken
-from .base import Capabilities, Occupancy
-from .cached import LocalMember
-from .hf_echo import echo_tokens, text_frame
-from .hf_tokens import piece_function
-from .prefix_cache import PrefixCache
-from .special_text import Special, SpecialTexts, protected_pieces
-from .spec import split_target
+from ...errors import MemberLoadError, ModelFileError
+from ...models import PromptFormat, is_gguf
+from ...models import cache_dir as default_cache_dir
+from ...prompting import chat_prompt, choose_format, raw_prompt, render_plain
+from ...types import Message, PromptToken
+from ..base import Capabilities, Occupancy
+from ..cached import LocalMember
+from ..prefix_cache import PrefixCache
+from ..spec import split_target
+from ..special_text import Special, SpecialTexts, protected_pieces
+from .echo import echo_tokens, text_frame
+from .tokens import piece_function
 
 if TYPE_CHECKING:
-    from ..member_options import MemberOptions
-from .transformers_session import TransformersSession
+    from ...member_options import MemberOptions
+from .session import TransformersSession
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -281,7 +281,7 @@ class TransformersMember(LocalMember):
                                                               split_special_tokens=True)["input_ids"]
         return self.text_prefix + ids + self._text_suffix if add_special else ids
 
-    # --- echo (hf_echo.py) ---------------------------------------------------------------------
+    # --- echo (echo.py) ---------------------------------------------------------------------
     def lead_tokens(self) -> list[int]:
         return list(self.text_prefix)
 
@@ -392,9 +392,9 @@ def load(target: str, shared: "MemberOptions | None" = None) -> TransformersMemb
     prefix_cache_cells and threads (torch's CPU threads, process-wide); every session keeps its
     own cache, so slots do not apply, nor do llama.cpp's GPU options (see `device`).
     """
-    from ..member_options import MemberOptions
-    from ..models import CATALOGUE, resolve
-    from ..sources import is_sourced
+    from ...member_options import MemberOptions
+    from ...models import CATALOGUE, resolve
+    from ...sources import is_sourced
 
     shared = shared or MemberOptions()
     target, options = parse_target(target)

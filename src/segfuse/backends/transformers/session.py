@@ -1,5 +1,5 @@
 """One request's context on a transformers member: one ``DynamicCache`` (the layout is in
-``transformers.py``'s docstring), drafting with temperature + nucleus sampling, verifying every
+``member.py``'s docstring), drafting with temperature + nucleus sampling, verifying every
 candidate in one forward pass.
 """
 
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from ..errors import PromptTooLongError
-from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText, TextSoFar
-from .cached import CachedSession, DraftState, Verified, top_alternatives
+from ...errors import PromptTooLongError
+from ...types import DraftTokens, Sampling, TokenScores
+from ..base import OnText, TextSoFar
+from ..cached import CachedSession, DraftState, Verified, top_alternatives
 
 if TYPE_CHECKING:
-    from .transformers import TransformersMember
+    from .member import TransformersMember
 
 
 def sample(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
