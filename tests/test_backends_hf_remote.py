@@ -101,7 +101,7 @@ def test_transformers_prompt_matches_llama_cpp(hf_member, lc_member):
     assert hf_member.prompt_tokens(QUESTION) == lc_member.prompt_tokens(QUESTION)
     assert hf_member.prompt_tokens(PREFILLED) == lc_member.prompt_tokens(PREFILLED)
     for text in CANDIDATES:
-        assert hf_member.encode_continuation(text) == lc_member.encode_continuation(text)
+        assert hf_member.vocab.encode_continuation(text) == lc_member.vocab.encode_continuation(text)
 
 
 def test_transformers_batched_scores_match_one_by_one(hf_member):

@@ -482,7 +482,7 @@ def test_a_cached_checkpoint_is_a_transformers_member(home):
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     from segfuse import Ensemble
     from segfuse.backends.registry import load_member
-    from segfuse.backends.transformers.member import convert_gguf, pick_dtype
+    from segfuse.backends.transformers.load import convert_gguf, pick_dtype
 
     checkpoint = convert_gguf(SMOL, pick_dtype("auto", "cpu"), None)  # SmolLM2 as a plain checkpoint (cached)
     hf_repo(home / ".cache" / "huggingface" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -9,46 +9,48 @@ numbers do not depend on what other requests left cached. Rows are read a few at
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ...errors import PromptTooLongError
 from ...types import PromptToken
 from ..echo_rows import Alternatives, echoed, top_of
+from .context import Context
+from .runtime import LogSoftmax
+from .slots import Slots
+from .vocab import Vocabulary
 
-if TYPE_CHECKING:
-    from .member import LlamaCppMember
 
-
-def echo_tokens(m: LlamaCppMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:
-    """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
+def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, ctx: Context, table: Slots,
+                softmax: LogSoftmax) -> list[PromptToken]:
+    """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives,
+    decoded into a slot of `table` in `ctx`."""
     ids = [int(t) for t in ids]
-    m.check_ids(ids)
-    lead = m.lead_tokens()
+    vocab.check_ids(ids)
+    lead = vocab.lead_tokens()
     bos = lead if lead and list(ids[: len(lead)]) != lead else []
     tokens = bos + list(ids)
-    if len(tokens) > m.n_ctx:
-        raise PromptTooLongError(f"{m.name}: the text is {len(tokens)} tokens, over its context window "
-                                 f"({m.n_ctx})", "shorten the text")
+    if len(tokens) > ctx.window:
+        raise PromptTooLongError(f"{vocab.name}: the text is {len(tokens)} tokens, over its context window "
+                                 f"({ctx.window})", "shorten the text")
     logprobs: list[float | None] = [None] * len(ids)
     tops: list[Alternatives] = [()] * len(ids)
-    slot = m.table.take()
-    seq = m.table.base(slot)
+    slot = table.take()
+    seq = table.base(slot)
     try:
-        step = max(1, min(m.n_batch, m.max_outputs))
+        step = max(1, min(ctx.n_batch, ctx.max_outputs))
         for at in range(0, len(tokens) - 1, step):
             part = tokens[at : at + step]
-            rows = m.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
+            rows = ctx.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
             for r, row in enumerate(rows):
                 target = at + r + 1  # row r predicts the token after part[r]
                 if target >= len(tokens):
                     break
-                lse = m.softmax.lse(row)
+                lse = softmax.lse(row)
                 i = target - len(bos)
                 logprobs[i] = float(row[tokens[target]]) - lse
-                tops[i] = top_of(row, lse, top_k, m.piece)
+                tops[i] = top_of(row, lse, top_k, vocab.piece)
     finally:
-        m.release(slot)
-    return echoed(ids, [m.piece(t) for t in ids], logprobs, tops)
+        table.release(slot)
+    return echoed(ids, [vocab.piece(t) for t in ids], logprobs, tops)
 
 
 __all__ = ["echo_tokens"]
