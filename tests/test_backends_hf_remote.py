@@ -187,8 +187,8 @@ def test_transformers_prefix_cache_serves_the_next_turn(hf_member):
 
 
 def test_remote_member_detects_server(remote_member):
-    assert remote_member.kind.name == "llama-cpp-python"
-    assert remote_member.batch is False  # its server takes one prompt per request
+    assert remote_member.server.kind.name == "llama-cpp-python"
+    assert remote_member.server.batch is False  # its server takes one prompt per request
     assert remote_member.source.prompt.style == "chat"  # template read from the served GGUF
     assert "<|im_end|>" in remote_member.source.end_texts
 

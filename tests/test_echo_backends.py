@@ -126,7 +126,7 @@ def test_hf_echo_refuses_bad_input(hf_member):  # noqa: F811
 
 
 def test_remote_echo_spells_the_text_and_equals_its_score(gemma_remote):
-    assert raw_echo_agrees(gemma_remote)  # Gemma's texts start with its BOS: the server echoes them right
+    assert raw_echo_agrees(gemma_remote.server)  # Gemma's texts start with its BOS: the server echoes them right
     tokens = gemma_remote.echo(CONTEXT + SHORT, top_k=3)
     assert "".join(t.text for t in tokens) == CONTEXT + SHORT
     assert tokens[0].logprob is None  # the server hides the BOS and reports nothing for the first token
