@@ -48,7 +48,7 @@ def test_cached_path_gives_the_reencoding_answer_with_less_work(default_ensemble
             break
     # Round 1 drafts on the same prompt batch in both; from round 2 the contexts' cells come from other
     # batch shapes, and without llama.cpp's repacked weight layouts (off where the CPU advertises AMX,
-    # llama_runtime.use_extra_buffer_types) a draft can already part there.
+    # backends.llama_cpp.runtime.use_extra_buffer_types) a draft can already part there.
     assert same >= 1, (fast.text, slow.text)
     if same == len(fast.rounds) == len(slow.rounds):
         assert fast.text == slow.text
