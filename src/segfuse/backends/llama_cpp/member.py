@@ -80,6 +80,7 @@ class LlamaCppMember(LocalMember):
     """A GGUF model loaded once; serves up to ``slots`` sessions at a time."""
 
     capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True)
+    vocab: Vocabulary
 
     def __init__(
         self,

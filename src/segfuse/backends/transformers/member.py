@@ -69,6 +69,7 @@ class TransformersMember(LocalMember):
     forwards only contend: not parallel_safe)."""
 
     capabilities = Capabilities(constrained=True, echo=True)
+    vocab: Vocabulary
 
     def __init__(
         self,
