@@ -101,7 +101,7 @@ def test_transformers_prompt_matches_llama_cpp(hf_member, lc_member):
     assert hf_member.prompt_tokens(QUESTION) == lc_member.prompt_tokens(QUESTION)
     assert hf_member.prompt_tokens(PREFILLED) == lc_member.prompt_tokens(PREFILLED)
     for text in CANDIDATES:
-        assert hf_member.encode_continuation(text) == lc_member.encode_continuation(text)
+        assert hf_member.vocab.encode_continuation(text) == lc_member.vocab.encode_continuation(text)
 
 
 def test_transformers_batched_scores_match_one_by_one(hf_member):
@@ -187,8 +187,8 @@ def test_transformers_prefix_cache_serves_the_next_turn(hf_member):
 
 
 def test_remote_member_detects_server(remote_member):
-    assert remote_member.kind.name == "llama-cpp-python"
-    assert remote_member.batch is False  # its server takes one prompt per request
+    assert remote_member.server.kind.name == "llama-cpp-python"
+    assert remote_member.server.batch is False  # its server takes one prompt per request
     assert remote_member.source.prompt.style == "chat"  # template read from the served GGUF
     assert "<|im_end|>" in remote_member.source.end_texts
 
@@ -252,7 +252,7 @@ def test_remote_refuses_off_by_one_echo(tmp_path):
 
 
 def test_remote_unreachable_server_fails_fast():
-    from segfuse.backends.openai_http import RemoteServerError
+    from segfuse.backends.remote.http import RemoteServerError
 
     port = free_port()  # nothing listens there
     started = time.monotonic()
@@ -262,7 +262,7 @@ def test_remote_unreachable_server_fails_fast():
 
 
 def test_remote_spec_options():
-    from segfuse.backends.remote import parse_target
+    from segfuse.backends.remote.member import parse_target
 
     url, opts = parse_target("http://h:8000/v1#big,model=Qwen/Qwen2.5-72B-Instruct,batch=false,n_ctx=8192")
     assert url == "http://h:8000/v1"

@@ -21,7 +21,7 @@ import math
 import pytest
 
 from segfuse import Ensemble
-from segfuse.backends.llama_cpp import load
+from segfuse.backends.llama_cpp.member import load
 from segfuse.member_options import MemberOptions
 from segfuse.types import Message
 
@@ -48,7 +48,7 @@ def test_cached_path_gives_the_reencoding_answer_with_less_work(default_ensemble
             break
     # Round 1 drafts on the same prompt batch in both; from round 2 the contexts' cells come from other
     # batch shapes, and without llama.cpp's repacked weight layouts (off where the CPU advertises AMX,
-    # llama_runtime.use_extra_buffer_types) a draft can already part there.
+    # backends.llama_cpp.runtime.use_extra_buffer_types) a draft can already part there.
     assert same >= 1, (fast.text, slow.text)
     if same == len(fast.rounds) == len(slow.rounds):
         assert fast.text == slow.text
@@ -102,22 +102,22 @@ def test_a_batch_asking_for_more_rows_than_max_outputs_is_decoded_in_parts(defau
     import numpy as np
 
     member = next(m for m in default_ensemble.members if m.name == "smollm2-135m")
-    tokens = member.tokenize("The quick brown fox jumps over the lazy dog. " * 12, add_special=True,
-                             parse_special=False)[: 2 * member.max_outputs + 10]
+    tokens = member.vocab.tokenize("The quick brown fox jumps over the lazy dog. " * 12, add_special=True,
+                             parse_special=False)[: 2 * member.context.max_outputs + 10]
     n, wanted = len(tokens), np.array(tokens[1:])
 
     def logprobs(max_outputs):
-        member.max_outputs = max_outputs
+        member.context.max_outputs = max_outputs
         try:
-            rows = member.decode(tokens, list(range(n)), [0] * n, [True] * n).copy()
+            rows = member.context.decode(tokens, list(range(n)), [0] * n, [True] * n).copy()
         finally:
-            member.max_outputs = 64
-            member.seq_rm(0, -1, -1)
+            member.context.max_outputs = 64
+            member.context.seq_rm(0, -1, -1)
         top = rows.max(axis=1, keepdims=True)
         lse = top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
         return (rows - lse)[np.arange(n - 1), wanted], rows.argmax(axis=1)
 
-    whole, whole_top = logprobs(member.n_batch)
+    whole, whole_top = logprobs(member.context.n_batch)
     parts, parts_top = logprobs(64)
     assert parts.shape == whole.shape == (n - 1,)
     assert np.abs(parts - whole).max() < 0.25 and (whole_top == parts_top).mean() > 0.95

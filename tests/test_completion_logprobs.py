@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from segfuse.backends.completion_logprobs import entries_of, pieces_of
+from segfuse.backends.remote.logprobs import entries_of, pieces_of
 
 
 def _pieces(text: str, tokens: list[str], offsets: list[int]) -> list[str]:

@@ -21,10 +21,10 @@ import pytest
 # The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
 from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  (fixtures)
 
-from segfuse.backends import hf_echo
+from segfuse.backends.transformers import echo as hf_echo
 from segfuse.backends.likelihood import score_continuations
 from segfuse.backends.registry import load_member
-from segfuse.backends.remote_echo import raw_echo_agrees
+from segfuse.backends.remote.echo import raw_echo_agrees
 from segfuse.errors import InvalidRequestError, PromptTooLongError
 from segfuse.models import CATALOGUE, is_ready, model_path
 from segfuse.types import Message, PromptToken
@@ -83,7 +83,7 @@ def test_hf_echo_spells_the_text_and_equals_its_score(hf_member):  # noqa: F811
     tokens = hf_member.echo(CONTEXT + CONTINUATION, top_k=3)
     assert "".join(t.text for t in tokens) == CONTEXT + CONTINUATION
     assert [t.id for t in tokens] == hf_member.tokenize_text(CONTEXT + CONTINUATION)
-    assert hf_member.text_prefix == []  # SmolLM2 reads no BOS: nothing predicts the first token
+    assert hf_member.vocab.text_prefix == []  # SmolLM2 reads no BOS: nothing predicts the first token
     assert tokens[0].logprob is None and all(t.logprob is not None for t in tokens[1:])
     _check_alternatives(tokens, 3)
     scored = score_continuations(hf_member, CONTEXT, [CONTINUATION])[0]
@@ -114,8 +114,8 @@ def test_hf_echo_in_small_chunks_equals_one_pass(hf_member, monkeypatch):  # noq
 def test_hf_echo_refuses_bad_input(hf_member):  # noqa: F811
     with pytest.raises(PromptTooLongError, match="context window"):
         hf_member.echo("a " * (hf_member.n_ctx + 10))
-    with pytest.raises(InvalidRequestError, match=str(hf_member.n_vocab + 5)):
-        hf_member.echo([1, hf_member.n_vocab + 5])
+    with pytest.raises(InvalidRequestError, match=str(hf_member.vocab.n_vocab + 5)):
+        hf_member.echo([1, hf_member.vocab.n_vocab + 5])
     with pytest.raises(InvalidRequestError, match="-1"):
         hf_member.detokenize([-1])
 
@@ -126,7 +126,7 @@ def test_hf_echo_refuses_bad_input(hf_member):  # noqa: F811
 
 
 def test_remote_echo_spells_the_text_and_equals_its_score(gemma_remote):
-    assert raw_echo_agrees(gemma_remote)  # Gemma's texts start with its BOS: the server echoes them right
+    assert raw_echo_agrees(gemma_remote.server)  # Gemma's texts start with its BOS: the server echoes them right
     tokens = gemma_remote.echo(CONTEXT + SHORT, top_k=3)
     assert "".join(t.text for t in tokens) == CONTEXT + SHORT
     assert tokens[0].logprob is None  # the server hides the BOS and reports nothing for the first token

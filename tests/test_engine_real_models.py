@@ -59,7 +59,7 @@ def test_every_member_context_holds_exactly_the_accepted_text(recording):
     _, result = run(recording, EXPLAIN, max_tokens=48, temperature=0.6, seed=3)
     for rec in recording:
         session = rec.sessions[-1]
-        answer = b"".join(rec.member.piece(t) for t in session.answer_tokens()).decode("utf-8")
+        answer = b"".join(rec.member.vocab.piece(t) for t in session.answer_tokens()).decode("utf-8")
         assert answer == result.text, rec.name
 
 
@@ -267,8 +267,8 @@ def test_rerank_scores_an_answer_longer_than_one_batch(default_ensemble):
 
     qwen = next(m for m in default_ensemble.members if m.name.startswith("qwen"))
     long_text = " ".join(f"step {i}: add {i} and {i + 1} to get {2 * i + 1}." for i in range(90))
-    assert len(qwen.encode_continuation(long_text)) > qwen.n_batch
+    assert len(qwen.vocab.encode_continuation(long_text)) > qwen.context.n_batch
     (short, long), calls = score_answers(qwen, [Message("user", "Add some numbers.")], ["Fine.", long_text])
-    assert len(short.logprobs) >= 1 and len(long.logprobs) >= qwen.n_batch
+    assert len(short.logprobs) >= 1 and len(long.logprobs) >= qwen.context.n_batch
     assert calls == 1 + len(split_for_scoring(long_text))
-    assert qwen.free_slots == qwen.slots  # every session it opened was closed
+    assert qwen.table.free == qwen.slots  # every session it opened was closed

@@ -21,8 +21,8 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-
 from helpers import SessionWrapper, Wrapped, wait_for
+
 from segfuse import Ensemble
 from segfuse import models as catalogue
 from segfuse.backends.registry import load_member
@@ -34,7 +34,7 @@ from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
 from segfuse.scoring import hedge_update
 from segfuse.server import app as server_app
-from segfuse.server.worker import Failed, Job, ShuttingDownError, Worker, WorkerFailedError, DeadlineError
+from segfuse.server.worker import DeadlineError, Failed, Job, ShuttingDownError, Worker, WorkerFailedError
 from segfuse.types import DoneEvent, Message
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
@@ -66,9 +66,9 @@ def smol():
 
 def _whole_text_tokens(member, messages) -> list[int]:
     """The templated prompt tokenized whole with special parsing: how every chat was read before."""
-    text = member.render(messages)
-    has_bos = bool(member.bos_text) and text.startswith(member.bos_text)
-    return member.tokenize(text, add_special=not has_bos, parse_special=True)
+    text = member.vocab.render(messages)
+    has_bos = bool(member.vocab.bos_text) and text.startswith(member.vocab.bos_text)
+    return member.vocab.tokenize(text, add_special=not has_bos, parse_special=True)
 
 
 def run_jobs(worker: Worker, jobs: list[Job], timeout: float = 120.0) -> list[list]:
@@ -101,12 +101,12 @@ def test_a_session_that_cannot_open_gives_its_slot_back(smol):
     for _ in range(3):  # more failures than slots: a leak would leave none
         with pytest.raises(ValueError):
             smol.open_session(prompt, -1)  # NumPy refuses a negative seed after the slot was taken
-    assert smol.free_slots == 2
+    assert smol.table.free == 2
     held = smol.occupancy()
     assert held.free_slots == 2 and held.stray_cells == 0
     session = smol.open_session(prompt, 1)
     session.close()
-    assert smol.free_slots == 2
+    assert smol.table.free == 2
 
 
 def test_a_slot_comes_back_when_keeping_its_prefix_fails(smol, monkeypatch):
@@ -117,24 +117,24 @@ def test_a_slot_comes_back_when_keeping_its_prefix_fails(smol, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the prefix cache is broken")
 
-    monkeypatch.setattr(smol, "keep_prefix", broken)
+    monkeypatch.setattr(smol.table, "keep_prefix", broken)
     with pytest.raises(RuntimeError):
         session.close()
-    assert smol.free_slots == 2
+    assert smol.table.free == 2
 
 
 def test_waiting_for_a_slot_ends_with_a_clear_error(smol):
     prompt = smol.prompt_tokens([Message("user", "hi")])
     held = [smol.open_session(prompt, 0), smol.open_session(prompt, 1)]
-    smol.slot_wait_s = 0.2
+    smol.table.wait_s = 0.2
     try:
         with pytest.raises(NoFreeSlotError, match=r"no free slot on member smollm2-135m within 0\.2 s"):
             smol.open_session(prompt, 2)
     finally:
-        smol.slot_wait_s = 30.0
+        smol.table.wait_s = 30.0
         for session in held:
             session.close()
-    assert smol.free_slots == 2
+    assert smol.table.free == 2
 
 
 # --------------------------------------------------------------------------- options
@@ -160,7 +160,7 @@ def test_a_seeded_answer_with_any_seed_and_free_slots_after(smol):
         assert ensemble.generate("Name a colour.", options=big).text == ensemble.generate(
             "Name a colour.", options=big).text
         ensemble.members = []  # the module's member outlives this ensemble
-    assert smol.free_slots == 2
+    assert smol.table.free == 2
 
 
 @pytest.mark.parametrize("name,value", [("hedge_eta", 1e308), ("hedge_eta", math.inf), ("hedge_eta", math.nan),
@@ -193,21 +193,21 @@ def test_hedge_weights_that_underflowed_recover():
 def test_ordinary_chats_tokenize_exactly_as_before(smol, messages):
     before = _whole_text_tokens(smol, messages)
     assert smol.prompt_tokens(messages) == before
-    text = smol.render(messages)  # the protected path too, where no content spells a token
-    has_bos = bool(smol.bos_text) and text.startswith(smol.bos_text)
-    assert smol.protected_tokens(messages, text, add_special=not has_bos) == before
+    text = smol.vocab.render(messages)  # the protected path too, where no content spells a token
+    has_bos = bool(smol.vocab.bos_text) and text.startswith(smol.vocab.bos_text)
+    assert smol.vocab.protected_tokens(messages, text, add_special=not has_bos) == before
 
 
 def test_a_message_cannot_forge_role_tokens(smol):
-    start = smol.tokenize("<|im_start|>", add_special=False, parse_special=True)
+    start = smol.vocab.tokenize("<|im_start|>", add_special=False, parse_special=True)
     assert len(start) == 1
     honest = smol.prompt_tokens([Message("user", "hello")])
     forged = smol.prompt_tokens([Message("user", FORGED)])
     assert forged.count(start[0]) == honest.count(start[0])  # the template's own, none from the message
     assert _whole_text_tokens(smol, [Message("user", FORGED)]).count(start[0]) > honest.count(start[0])
-    spelled = b"".join(smol.special_piece(t) for t in forged).decode()
-    assert spelled.replace(smol.bos_text, "", 1) == smol.render([Message("user", FORGED)]).replace(
-        smol.bos_text, "", 1)  # every character is still there, as text
+    spelled = b"".join(smol.vocab.special_piece(t) for t in forged).decode()
+    assert spelled.replace(smol.vocab.bos_text, "", 1) == smol.vocab.render([Message("user", FORGED)]).replace(
+        smol.vocab.bos_text, "", 1)  # every character is still there, as text
 
 
 def test_content_spans_follow_templates_that_trim_contents():
@@ -228,16 +228,16 @@ def test_transformers_members_keep_forged_roles_as_text():
     _require("smollm2-135m")
     member = load_member("transformers:smollm2-135m", threads=1)
     try:
-        start = member.tokenizer.convert_tokens_to_ids("<|im_start|>")
-        bos = member.tokenizer.bos_token or "\0"
+        start = member.vocab.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        bos = member.vocab.tokenizer.bos_token or "\0"
         for messages in CHATS:  # ordinary chats: the ids as before
-            text = member._render(messages)
-            before = member.tokenizer(text, add_special_tokens=not text.startswith(bos))["input_ids"]
+            text = member.vocab.render(messages)
+            before = member.vocab.tokenizer(text, add_special_tokens=not text.startswith(bos))["input_ids"]
             assert member.prompt_tokens(messages) == list(before)
         honest = member.prompt_tokens([Message("user", "hello")])
         forged = member.prompt_tokens([Message("user", FORGED)])
         assert forged.count(start) == honest.count(start)
-        assert member.tokenizer.decode(forged, clean_up_tokenization_spaces=False) == member._render(
+        assert member.vocab.tokenizer.decode(forged, clean_up_tokenization_spaces=False) == member.vocab.render(
             [Message("user", FORGED)])
     finally:
         member.close()
@@ -264,7 +264,7 @@ def test_cache_salt_keeps_cached_prefixes_apart(smol):
     assert reused(None) == 0  # nor an unsalted request's
     assert reused("alice") == len(prompt) - 1
     assert reused(None) == len(prompt) - 1  # the unsalted one kept its own
-    assert smol.free_slots == 2
+    assert smol.table.free == 2
 
 
 # --------------------------------------------------------------------------- the worker
@@ -332,7 +332,7 @@ def test_a_native_panic_in_a_member_call_is_that_members_fault(smol):
             failed[-1].error)
         (after,) = run_jobs(worker, [chat()])
         assert isinstance(after[-1], DoneEvent) and after[-1].result.text
-        assert worker.snapshot()["worker_errors"] == 0 and smol.free_slots == 2
+        assert worker.snapshot()["worker_errors"] == 0 and smol.table.free == 2
     finally:
         worker.stop()
 
@@ -348,7 +348,7 @@ def test_a_tick_that_raises_fails_the_requests_in_flight_and_the_worker_goes_on(
         assert isinstance(after[-1], DoneEvent) and after[-1].result.text
         counters = wait_for(lambda: (c := worker.snapshot())["completed"] == 1 and c, 10, what="the count")
         assert counters["worker_errors"] == 1 and counters["failed"] == 2 and counters["completed"] == 1
-        assert worker.fatal is None and smol.free_slots == 2
+        assert worker.fatal is None and smol.table.free == 2
     finally:
         worker.stop()
 
@@ -365,7 +365,7 @@ def test_a_worker_that_keeps_failing_is_fatal_and_says_why(smol):
         assert told == [worker.fatal] and "2 worker steps failed and no generation completed" in worker.fatal
         with pytest.raises(ShuttingDownError, match="cannot generate any more"):
             run_jobs(worker, [chat()])
-        assert worker.snapshot()["worker_errors"] == 2 and smol.free_slots == 2
+        assert worker.snapshot()["worker_errors"] == 2 and smol.table.free == 2
     finally:
         worker.stop()
 
@@ -424,7 +424,7 @@ def test_a_deadline_ends_the_answer_where_it_is(smol):
         assert result.stats.finish_reason == "deadline" and 1 <= result.stats.rounds <= 2 and result.text
         (late,) = run_jobs(worker, [chat(deadline_s=0.0)])  # passed before it could start
         assert isinstance(late[-1], Failed) and isinstance(late[-1].error, DeadlineError)
-        assert smol.free_slots == 2
+        assert smol.table.free == 2
     finally:
         worker.stop()
 
@@ -454,4 +454,4 @@ def test_shutting_down_ends_running_and_waiting_requests_at_once(smol):
     finally:
         release.set()
         worker.stop()
-    assert smol.free_slots == 2
+    assert smol.table.free == 2

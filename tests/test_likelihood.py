@@ -35,15 +35,15 @@ def member(request):
 def full_decode(member, context: str, text: str) -> float:
     """The member's summed log-probability of `text` from one decode of context and text together."""
     prompt = member.prompt_tokens([Message("raw", context)])
-    cont = member.encode_continuation(text)
+    cont = member.vocab.encode_continuation(text)
     tokens = prompt + cont
-    member.seq_rm(0, -1, -1)
+    member.context.seq_rm(0, -1, -1)
     try:
-        rows = member.decode(tokens, list(range(len(tokens))), [0] * len(tokens), [True] * len(tokens))
+        rows = member.context.decode(tokens, list(range(len(tokens))), [0] * len(tokens), [True] * len(tokens))
         return sum(float(rows[len(prompt) + i - 1][t]) - member.softmax.lse(rows[len(prompt) + i - 1])
                    for i, t in enumerate(cont))
     finally:
-        member.seq_rm(0, -1, -1)
+        member.context.seq_rm(0, -1, -1)
 
 
 def test_summed_logprob_equals_the_members_full_sequence_decode(member):
@@ -52,7 +52,7 @@ def test_summed_logprob_equals_the_members_full_sequence_decode(member):
     for text, score in zip(scored.choices, scored.members[member.name]):
         reference = full_decode(member, scored.context, text)
         assert score.logprob == pytest.approx(reference, abs=2e-3)
-        assert score.tokens == len(member.encode_continuation(text))
+        assert score.tokens == len(member.vocab.encode_continuation(text))
         assert score.bytes == len(text.encode("utf-8"))
     assert scored.seconds[member.name] > 0
 

@@ -61,7 +61,7 @@ def slotted():
 def test_real_items_batched_score_as_one_at_a_time(slotted, monkeypatch):
     chosen = [(i.context, list(i.choices)) for i in items("arithmetic-2_digit_addition", 100, 103)]
     for m in slotted.members:
-        monkeypatch.setattr(m, "max_outputs", SMALL)
+        monkeypatch.setattr(m.context, "max_outputs", SMALL)
     sizes = spy_batches(slotted.members[0], monkeypatch)
     batched = slotted.score_many(chosen, rule="loglinear-byte")
     assert sizes and max(sizes) == SLOTS  # the three items' choices went to the member together

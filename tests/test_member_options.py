@@ -12,9 +12,9 @@ import llama_cpp as lc
 import pytest
 from typer.testing import CliRunner
 
-from segfuse.backends import llama_cpp as llama_backend
+from segfuse.backends.llama_cpp import member as llama_backend
 from segfuse.backends.llama_cpp import LlamaCppMember
-from segfuse.backends.llama_runtime import can_offload, gpu_layers_for, threads_for
+from segfuse.backends.llama_cpp.runtime import can_offload, gpu_layers_for, threads_for
 from segfuse.ensemble import Ensemble
 from segfuse.errors import InvalidRequestError
 
@@ -239,7 +239,7 @@ def test_threads_follow_what_stays_on_the_cpu(monkeypatch):
 
 
 def test_side_by_side_reads_on_off_and_auto_follows_the_layers_on_a_gpu():
-    from segfuse.backends.llama_runtime import side_by_side_for
+    from segfuse.backends.llama_cpp.runtime import side_by_side_for
     from segfuse.member_options import MemberOptions
 
     read = {v: MemberOptions.build({"side_by_side": v}).side_by_side for v in (True, False, "yes", "0", "auto")}

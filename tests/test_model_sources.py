@@ -18,7 +18,7 @@ import pytest
 
 from segfuse import models as catalogue
 from segfuse.models import check_gguf
-from segfuse.backends.prompt_source import load_prompt_source
+from segfuse.backends.remote.prompt_source import load_prompt_source
 from segfuse.errors import ModelFileError, SegfuseError, UnknownModelError
 from segfuse.models import resolve
 from segfuse.sources.listing import list_models
@@ -482,7 +482,7 @@ def test_a_cached_checkpoint_is_a_transformers_member(home):
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     from segfuse import Ensemble
     from segfuse.backends.registry import load_member
-    from segfuse.backends.transformers import convert_gguf, pick_dtype
+    from segfuse.backends.transformers.load import convert_gguf, pick_dtype
 
     checkpoint = convert_gguf(SMOL, pick_dtype("auto", "cpu"), None)  # SmolLM2 as a plain checkpoint (cached)
     hf_repo(home / ".cache" / "huggingface" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -40,12 +40,12 @@ def test_one_member_holds_sessions_in_separate_slots(ensemble):
     qwen = _qwen(ensemble)
     sessions = [qwen.start([Message("user", p)], seed=0, reserve=31) for p in PROMPTS]
     try:
-        assert sorted(s.slot for s in sessions) == [0, 1, 2] and qwen.free_slots == 0
+        assert sorted(s.slot for s in sessions) == [0, 1, 2] and qwen.table.free == 0
         assert qwen.n_ctx >= 4096  # every session gets the whole window it asked for
     finally:
         for s in sessions:
             s.close()
-    assert qwen.free_slots == 3
+    assert qwen.table.free == 3
 
 
 def _sessions_hold(occupancy: Occupancy) -> tuple:
@@ -122,11 +122,11 @@ def test_batched_greedy_answers_equal_lone_ones_up_to_a_near_tie(ensemble):
         if k is None:
             assert a.text == b.text
             continue
-        common = b"".join(qwen.piece(t) for t in sa.answer_tokens()[:k]).decode("utf-8", "replace")
+        common = b"".join(qwen.vocab.piece(t) for t in sa.answer_tokens()[:k]).decode("utf-8", "replace")
         probe = qwen.start([Message("user", prompt)], seed=0, reserve=31)
         try:
             probe.accept(common)
-            first = [qwen.piece(sa.answer_tokens()[k]), qwen.piece(sb.answer_tokens()[k])]
+            first = [qwen.vocab.piece(sa.answer_tokens()[k]), qwen.vocab.piece(sb.answer_tokens()[k])]
             scores = probe.score([t.decode("utf-8", "replace") for t in first])
         finally:
             probe.close()
@@ -143,9 +143,9 @@ def test_concurrent_contexts_never_mix(ensemble):
         assert len(member.sessions) == len(PROMPTS)
         for session, result in zip(member.sessions, together):
             # Each session's context holds its own prompt and exactly its own accepted answer.
-            answer = b"".join(member.member.piece(t) for t in session.answer_tokens()).decode("utf-8")
+            answer = b"".join(member.member.vocab.piece(t) for t in session.answer_tokens()).decode("utf-8")
             assert answer == result.text
-    assert all(m.free_slots == 3 for m in ensemble.members)
+    assert all(m.table.free == 3 for m in ensemble.members)
 
 
 def _flight(members, prompt, options, results, ends):
@@ -176,7 +176,7 @@ def test_cancelling_one_generation_leaves_the_others_intact(ensemble):
     for p in (PROMPTS[0], PROMPTS[2]):
         assert ends[p] is None and results[p].stats.finish_reason in ("stop", "length")
     assert "84" in results[PROMPTS[0]].text
-    assert all(m.free_slots == 3 for m in ensemble.members)  # the cancelled sessions were closed
+    assert all(m.table.free == 3 for m in ensemble.members)  # the cancelled sessions were closed
 
 
 class BrokenScoring(SessionWrapper):
@@ -212,7 +212,7 @@ def test_a_member_fault_in_one_request_does_not_break_the_others(ensemble):
         healthy, broken = faulty.generate_many(PROMPTS[:2], **options)
     assert "84" in healthy.text and not healthy.departures
     assert broken.text and [(d.model, d.kind) for d in broken.departures] == [(gemma.name, "fault")]
-    assert gemma.free_slots == 3
+    assert gemma.table.free == 3
 
 
 def test_a_member_loaded_for_more_sessions_than_llama_cpp_allows_gets_a_clear_error(ensemble):

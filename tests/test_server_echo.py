@@ -165,7 +165,7 @@ def test_token_ids_outside_a_vocabulary_are_refused_before_any_decode(uncached_e
     from segfuse.errors import InvalidRequestError
 
     leader = next(m for m in uncached_ensemble.members if m.name == LEADER)
-    for ids in ([10**7], [-1], [1, 2, leader.n_vocab]):
+    for ids in ([10**7], [-1], [1, 2, leader.vocab.n_vocab]):
         with pytest.raises(InvalidRequestError, match="is not in"):
             uncached_ensemble.echo(ids)
         with pytest.raises(InvalidRequestError, match="is not in"):

@@ -111,7 +111,7 @@ def text_of(drafted) -> str:
 
 
 def test_vllm_is_detected_and_its_echo_trusted(remote, url):
-    assert remote.kind.name == "vllm" and remote.batch  # a list of prompts per request
+    assert remote.server.kind.name == "vllm" and remote.server.batch  # a list of prompts per request
     assert remote.n_ctx == 2048  # its max_model_len
     root = httpx.get(f"{url}/models", timeout=10).json()["data"][0]["root"]
     assert remote.source.origin == root  # the served name is no path: the template comes from its root

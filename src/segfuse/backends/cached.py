@@ -14,28 +14,30 @@ cache, the pending draft and the candidates verified this round. Its template:
   next sync.
 
 A backend supplies only its own cache operations and decode: ``draft``,
-``_sync`` (decode accepted tokens not yet cached), ``_end_score``, ``_verify``,
+``sync`` (decode accepted tokens not yet cached), ``_end_score``, ``_verify``,
 ``_truncate`` (drop cells from a position on), ``_adopt`` (keep a verified
-candidate's cells) and ``_drop_candidates``.
+candidate's cells) and ``_drop_candidates``. A session works with its member's parts
+(the vocabulary, a cache), never with the member.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from ..constraints import Constraint, TokenMatcher, tokenizer_for
-from ..errors import InvalidRequestError, PromptTooLongError
+from ..constraints import Constraint, TokenMatcher
+from ..errors import PromptTooLongError
 from ..models import PromptFormat
 from ..prompting import prefill_of, raw_prompt
 from ..segments import tokens_spelling
 from ..types import Alternatives, Message, TokenScores
 from .base import Member, MemberSession
+from .vocabulary import LocalVocabulary
 
 
 def check_prompt_fits(name: str, n_prompt: int, reserve: int, n_ctx: int, *, approximate: bool = False) -> None:
@@ -90,59 +92,24 @@ class Verified:
     last_row: Any
 
 
-def _piece_or_empty(member: "LocalMember", token: int) -> bytes:
-    try:
-        return member.piece(token)
-    except (IndexError, KeyError, ValueError, TypeError):  # padding rows past the tokenizer's own tokens
-        return b""
-
-
 class LocalMember(Member):
     """A member whose tokenizer and weights are here; it opens :class:`CachedSession` s."""
 
-    n_ctx: int
+    n_ctx: int  # one session's context window, in tokens
     prompt: PromptFormat
+    vocab: LocalVocabulary
 
-    @abstractmethod
-    def tokenize_plain(self, text: str) -> list[int]:
-        """Ids of plain text: no special tokens added, special-token markup taken literally."""
-
-    @abstractmethod
-    def piece(self, token: int) -> bytes:
-        """Text bytes of a token as it appears in an answer (control tokens are empty)."""
-
-    @abstractmethod
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
-        """The templated prompt's tokens."""
-
-    vocab_size: int  # rows of its logits
-    n_vocab: int  # ids with a text (logits rows past it, where there are any, are padding)
-    eog_ids: Sequence[int]  # its end-of-generation tokens
-
-    def check_ids(self, ids: Sequence[int]) -> None:
-        """InvalidRequestError naming the first id outside the vocabulary (a native tokenizer given one
-        may abort the process)."""
-        bad = next((t for t in ids if not 0 <= int(t) < self.n_vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is not in {self.name}'s vocabulary (0 to {self.n_vocab - 1})",
-                                      "give ids of this member's tokenizer (see /tokenize)", field="prompt")
+        return self.vocab.prompt_tokens(messages)
 
     def tokenize_text(self, text: str) -> list[int]:
-        return self.tokenize_plain(text)
+        return self.vocab.tokenize_plain(text)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        self.check_ids(tokens)
-        return b"".join(self.piece(int(t)) for t in tokens).decode("utf-8", "replace")
+        return self.vocab.detokenize(tokens)
 
-    def token_matcher(self, constraint: Constraint, prefill: str = "") -> TokenMatcher:
-        """A matcher of `constraint` over this member's tokens, after `prefill` (its vocabulary is read
-        once, ~1 s)."""
-        tokenizer = getattr(self, "_constraint_tokenizer", None)
-        if tokenizer is None:
-            pieces = [_piece_or_empty(self, t) for t in range(self.vocab_size)]
-            tokenizer = self._constraint_tokenizer = tokenizer_for(pieces, [int(t) for t in self.eog_ids],
-                                                                   self.tokenize_plain)
-        return TokenMatcher(tokenizer, constraint, self.vocab_size, prefill)
+    def lead_tokens(self) -> list[int]:
+        return self.vocab.lead_tokens()
 
     @abstractmethod
     def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
@@ -159,37 +126,24 @@ class LocalMember(Member):
         session.prefill = prefill_of(messages)
         return session
 
-    def spells(self, ids: Sequence[int], text: str) -> bool:
-        return b"".join(self.piece(t) for t in ids) == text.encode("utf-8")
-
-    def encode_continuation(self, text: str) -> list[int]:
-        """Tokens that spell exactly `text` when appended to a context.
-
-        SentencePiece-style vocabularies may add a leading-space marker to a
-        text tokenized alone; anchoring on a newline avoids it.
-        """
-        ids = self.tokenize_plain(text)
-        if self.spells(ids, text):
-            return ids
-        anchor, joined = self.tokenize_plain("\n"), self.tokenize_plain("\n" + text)
-        if joined[: len(anchor)] == anchor and self.spells(joined[len(anchor) :], text):
-            return joined[len(anchor) :]
-        return ids
-
 
 class CachedSession(MemberSession):
-    """One request's context on a LocalMember; see the module docstring."""
+    """One request's context on a LocalMember; see the module docstring.
 
-    def __init__(self, member: LocalMember, prompt: list[int]) -> None:
-        self.m = member
+    `vocab`: the member's tokens; `n_ctx`: the context window; `stops`: the prompt format's stop strings."""
+
+    def __init__(self, vocab: LocalVocabulary, prompt: list[int], *, n_ctx: int, stops: tuple[str, ...]) -> None:
+        self.vocab = vocab
+        self.n_ctx = n_ctx
+        self.format_stops = stops
         self.cache_salt: str | None = None  # prefixes it reuses and keeps are under this salt only
         self.prompt_len = len(prompt)
         self.tokens: list[int] = list(prompt)
         self.n_cached = 0  # tokens[:n_cached] are in the cache
-        self._next_row: Any = None  # logits after tokens, once cached
+        self.next_logits: Any = None  # logits after tokens, once cached
         self.stats = Counters()
-        self._draft: DraftState | None = None
-        self._verified: dict[str, Verified] = {}
+        self.pending: DraftState | None = None  # this round's own draft, until accept says what was kept
+        self.verified: dict[str, Verified] = {}  # this round's candidates decoded so far
         self._matcher: TokenMatcher | None = None  # under a constraint: what may be drafted next
 
     raw = False  # a text completion: the prompt format's stop strings do not apply
@@ -197,14 +151,14 @@ class CachedSession(MemberSession):
 
     @property
     def stops(self) -> tuple[str, ...]:
-        return () if self.raw else self.m.prompt.stops
+        return () if self.raw else self.format_stops
 
     @property
     def room(self) -> int:
-        return self.m.n_ctx - len(self.tokens)
+        return self.n_ctx - len(self.tokens)
 
     def constrain(self, constraint: Constraint) -> None:
-        self._matcher = self.m.token_matcher(constraint, self.prefill)
+        self._matcher = self.vocab.matcher(constraint, self.prefill)
 
     def allowed_next(self, drafted: Sequence[int]) -> np.ndarray | None:
         """Under a constraint, the tokens that may follow the answer and the tokens `drafted` so far
@@ -214,7 +168,7 @@ class CachedSession(MemberSession):
         self._matcher.follow([*self.answer_tokens(), *drafted])
         mask = self._matcher.allowed()
         if not mask.any():  # the answer is complete (or the grammar is stuck): only the end may come
-            mask[np.asarray(self.m.eog_ids, dtype=np.int64)] = True
+            mask[np.asarray(self.vocab.eog_ids, dtype=np.int64)] = True
         return mask
 
     def counters(self) -> dict[str, int]:
@@ -225,22 +179,22 @@ class CachedSession(MemberSession):
 
     # --- the template -------------------------------------------------------------
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
-        known, pending = self._known(texts)
+        known, pending = self.known_scores(texts)
         if pending:
             known.update(self._verify(pending))
         return [known[t] for t in texts]
 
-    def _known(self, texts: Sequence[str]) -> tuple[dict[str, TokenScores], list[str]]:
+    def known_scores(self, texts: Sequence[str]) -> tuple[dict[str, TokenScores], list[str]]:
         """Scores known without decoding, and the distinct texts still to verify (after a sync)."""
-        self._sync()
-        known = {t: v.scores for t, v in self._verified.items()}
+        self.sync()
+        known = {t: v.scores for t, v in self.verified.items()}
         if "" in texts:
             known[""] = self._end_score()
         return known, [t for t in dict.fromkeys(texts) if t not in known]
 
     def accept(self, text: str) -> None:
         n_prefix = len(self.tokens)
-        draft = self._draft
+        draft = self.pending
         kept = draft.kept_tokens(text) if (draft and text) else None
         if draft is not None and kept is not None:
             # Our own draft won: its tokens are already cached.
@@ -248,29 +202,30 @@ class CachedSession(MemberSession):
             self._truncate(n_prefix + decoded)
             self.tokens += draft.ids[:kept]
             self.n_cached = n_prefix + decoded
-            self._set_next(draft.rows[kept] if decoded == kept else None)
-        elif text and text in self._verified:
+            self.set_next(draft.rows[kept] if decoded == kept else None)
+        elif text and text in self.verified:
             # Another member's candidate won: its cells were computed while verifying.
-            candidate = self._verified[text]
+            candidate = self.verified[text]
             self._truncate(n_prefix)
             self._adopt(candidate, n_prefix)
             self.tokens += candidate.ids
             self.n_cached = len(self.tokens)
-            self._set_next(candidate.last_row)
+            self.set_next(candidate.last_row)
         else:
             self._truncate(n_prefix)
             if text:
-                self.tokens += self.m.encode_continuation(text)
+                self.tokens += self.vocab.encode_continuation(text)
                 self.n_cached = min(self.n_cached, n_prefix)  # the new tokens are decoded at the next sync
-                self._set_next(None)
+                self.set_next(None)
         self._drop_candidates()
-        self._draft = None
-        self._verified = {}
+        self.pending = None
+        self.verified = {}
 
-    def _set_next(self, row: Any) -> None:
-        self._next_row = row
+    def set_next(self, row: Any) -> None:
+        """The logits row after the context (None: not known until the next sync)."""
+        self.next_logits = row
 
-    def _count_synced(self, start: int) -> None:
+    def count_synced(self, start: int) -> None:
         """Count tokens decoded by a sync from `start`: prompt tokens, or accepted text caught up."""
         in_prompt = max(0, min(self.n_cached, self.prompt_len) - start)
         self.stats.prompt += in_prompt
@@ -278,7 +233,7 @@ class CachedSession(MemberSession):
 
     # --- what each backend does its own way ---------------------------------------------
     @abstractmethod
-    def _sync(self) -> None:
+    def sync(self) -> None:
         """Decode accepted tokens not yet cached, so that the row after the context is known."""
 
     @abstractmethod
@@ -287,7 +242,7 @@ class CachedSession(MemberSession):
 
     @abstractmethod
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
-        """Decode new candidates on the cached prefix; record them in ``_verified``."""
+        """Decode new candidates on the cached prefix; record them in ``verified``."""
 
     @abstractmethod
     def _truncate(self, length: int) -> None:

@@ -31,9 +31,9 @@ from ..member_options import MemberOptions
 from .base import Member
 
 BACKENDS: dict[str, str] = {
-    "llama_cpp": "segfuse.backends.llama_cpp:load",
-    "transformers": "segfuse.backends.transformers:load",
-    "remote": "segfuse.backends.remote:load",
+    "llama_cpp": "segfuse.backends.llama_cpp.member:load",
+    "transformers": "segfuse.backends.transformers.member:load",
+    "remote": "segfuse.backends.remote.member:load",
 }
 
 

@@ -1,7 +1,7 @@
 """`python -m segfuse.bench.llama_server ARGS`: llama-cpp-python's own server (``llama_cpp.server``),
 with llama.cpp's extra CPU buffer types decided as for segfuse's own llama.cpp members.
 
-Where the CPU advertises AMX but faults on it (``llama_runtime.use_extra_buffer_types``), the
+Where the CPU advertises AMX but faults on it (``backends.llama_cpp.runtime.use_extra_buffer_types``), the
 stock server would crash on its first batched decode; this starts the same server with the same
 arguments, only loading its model as our members load theirs.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import llama_cpp.llama_cpp as native
 
-from ..backends.llama_runtime import use_extra_buffer_types
+from ..backends.llama_cpp.runtime import use_extra_buffer_types
 
 
 def _with_our_buffer_types() -> None:

@@ -78,31 +78,32 @@ def member_speeds(member: LlamaCppMember, messages: Sequence[Message], context: 
                   repeats: int = 5) -> dict[str, float]:
     """Seconds per prompt token (one batch), per decoded token, and per batched token.
 
-    Raw llama.cpp decodes through the member's own decode call, at a context
+    Raw llama.cpp decodes through the member's own context, at a context
     as long as the mid-answer context, with nothing else done per token.
     """
+    ctx = member.context
     session = member.start(messages, seed=0, reserve=1)
     try:
         prompt_len = len(session.tokens)
-        t_prompt, _ = _time(session._sync)
+        t_prompt, _ = _time(session.sync)
         filler = [session.tokens[-1]] * max(0, context - prompt_len)
         pos = prompt_len
-        for start in range(0, len(filler), member.n_batch):  # grow the context to `context`
-            chunk = filler[start:start + member.n_batch]
-            member.decode(chunk, range(pos, pos + len(chunk)), [0] * len(chunk), [False] * len(chunk))
+        for start in range(0, len(filler), ctx.n_batch):  # grow the context to `context`
+            chunk = filler[start:start + ctx.n_batch]
+            ctx.decode(chunk, range(pos, pos + len(chunk)), [0] * len(chunk), [False] * len(chunk))
             pos += len(chunk)
         decode_times = []
         for i in range(16):
-            dt, _ = _time(lambda: member.decode([filler[0] if filler else 0], [pos + i], [0], [True]))
+            dt, _ = _time(lambda: ctx.decode([filler[0] if filler else 0], [pos + i], [0], [True]))
             decode_times.append(dt)
-        member.seq_rm(0, pos, -1)
+        ctx.seq_rm(0, pos, -1)
         batch_times = []
         for _ in range(repeats):
-            member.seq_cp(0, 1, 0, pos)
+            ctx.seq_cp(0, 1, 0, pos)
             ids = [session.tokens[-1]] * batch
-            dt, _ = _time(lambda: member.decode(ids, range(pos, pos + batch), [1] * batch, [True] * batch))
+            dt, _ = _time(lambda: ctx.decode(ids, range(pos, pos + batch), [1] * batch, [True] * batch))
             batch_times.append(dt)
-            member.seq_rm(1, -1, -1)
+            ctx.seq_rm(1, -1, -1)
     finally:
         session.close()
     return {

@@ -37,7 +37,7 @@ def export_checkpoint(name: str, out: Path) -> Path:
     import torch
 
     from .. import models
-    from ..backends.transformers import convert_gguf
+    from ..backends.transformers.load import convert_gguf
 
     spec = models.get_spec(name)
     if not models.is_ready(spec):

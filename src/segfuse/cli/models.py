@@ -72,7 +72,7 @@ def models_list(
 
 def runs_on() -> str:
     """Where a llama.cpp member runs by default with the installed llama-cpp-python."""
-    from ..backends.llama_runtime import can_offload  # imports llama.cpp: only for the table
+    from ..backends.llama_cpp.runtime import can_offload  # imports llama.cpp: only for the table
 
     if can_offload():
         return "the GPU, every layer (--gpu-layers N keeps the rest on the CPU; 0: all on the CPU)"

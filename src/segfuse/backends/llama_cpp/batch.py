@@ -6,31 +6,50 @@ per ``llama_decode``; verifying decodes every session's new candidates in one ba
 chunked at ``n_batch``. One session alone (``LlamaCppSession.draft``, ``score``) goes
 through the same drivers with a batch of one, so it decodes exactly as before. Sessions
 share a decode only when they share a context: a deterministic session, in a context of
-its own (``llama_private.py``), is decoded apart.
+its own (``private.py``), is decoded apart. The drivers see a session only as
+:class:`BatchSession`: its context, vocabulary and log-softmax, and its part of a batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText, TextSoFar
-from .cached import DraftState, top_alternatives
+from ...types import DraftTokens, Sampling, TokenScores
+from ..base import OnText, TextSoFar
+from ..cached import Counters, DraftState, top_alternatives
+from .context import Context
+from .runtime import LogSoftmax
+from .vocab import Vocabulary
 
-if TYPE_CHECKING:
-    from .llama_cpp import LlamaCppMember
-    from .llama_session import LlamaCppSession
+
+class BatchSession(Protocol):
+    """What the drivers use of a session (``LlamaCppSession``)."""
+
+    ctx: Context  # the context it decodes into
+    base: int  # its context's sequence
+    tokens: list[int]
+    stats: Counters
+    vocab: Vocabulary
+    softmax: LogSoftmax
+
+    def sync(self) -> None: ...
+    def next_row(self) -> tuple[np.ndarray, float]: ...
+    def allowed_next(self, drafted: Sequence[int]) -> np.ndarray | None: ...
+    def sample(self, row: np.ndarray, sampling: Sampling) -> int: ...
+    def hold_draft(self, draft: DraftState) -> None: ...
+    def plan_scores(self, texts: list[str]) -> VerifyPlan: ...
+    def finish_verify(self, plan: VerifyPlan, rows: np.ndarray) -> None: ...
 
 
 @dataclass
 class VerifyPlan:
     """One session's part of a verification batch."""
 
-    session: LlamaCppSession
+    session: BatchSession
     texts: list[str]
     results: dict[str, TokenScores]  # known already (verified this round, or the end token)
     pending: list[str] = field(default_factory=list)
@@ -46,7 +65,7 @@ class VerifyPlan:
 class Drafting:
     """One session's draft in progress: sample from the current row, feed the token, repeat."""
 
-    def __init__(self, session: LlamaCppSession, n: int, sampling: Sampling, row: np.ndarray,
+    def __init__(self, session: BatchSession, n: int, sampling: Sampling, row: np.ndarray,
                  lse: float, on_text: OnText | None = None) -> None:
         self.session, self.n, self.sampling = session, n, sampling
         self.text = TextSoFar(on_text)
@@ -59,7 +78,7 @@ class Drafting:
         self.finished = False
         self.done = n <= 0
 
-    def step(self, m: LlamaCppMember) -> bool:
+    def step(self) -> bool:
         """Sample the next token; True when it must be decoded for the draft to go on."""
         if self.done:
             return False
@@ -70,9 +89,10 @@ class Drafting:
         self.ids.append(token)
         self.logits.append(float(self.row[token]))
         self.logprobs.append(self.logits[-1] - self.lse)
-        self.finished = m.is_eog(token)
+        vocab = self.session.vocab
+        self.finished = vocab.is_eog(token)
         self.done = self.finished or len(self.ids) >= self.n
-        self.text.add(m.piece(token))
+        self.text.add(vocab.piece(token))
         return not self.done
 
     def fed(self, row: np.ndarray, lse: float) -> None:
@@ -81,11 +101,12 @@ class Drafting:
         self.session.stats.draft += 1
         self.session.stats.decode_calls += 1
 
-    def finish(self, m: LlamaCppMember) -> DraftTokens:
-        pieces = [m.piece(t) for t in self.ids]
+    def finish(self) -> DraftTokens:
+        piece = self.session.vocab.piece
+        pieces = [piece(t) for t in self.ids]
         self.session.hold_draft(DraftState(self.ids, pieces, self.rows))
         k = self.sampling.top_logprobs
-        tops = top_alternatives(self.rows, k, m.piece) if k else ()
+        tops = top_alternatives(self.rows, k, piece) if k else ()
         return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
 
 
@@ -111,12 +132,12 @@ def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tu
     return ready, out
 
 
-def draft_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
+def draft_many(sessions: Sequence[BatchSession],
                requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
     """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
     ready, out = _prepare(sessions, lambda i, s: s.sync())
     try:
-        drafts = draft_batch(m, [sessions[i] for i in ready], [requests[i] for i in ready])
+        drafts = draft_batch([sessions[i] for i in ready], [requests[i] for i in ready])
     except Exception as exc:  # the decode failed for all of them
         drafts = [exc] * len(ready)
     for i, draft in zip(ready, drafts):
@@ -124,42 +145,42 @@ def draft_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
     return out
 
 
-def draft_batch(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
-                requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens]:
+def draft_batch(sessions: Sequence[BatchSession], requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens]:
     """Draft for synced sessions; a request is draft's positional arguments: (n, sampling) or
     (n, sampling, on_text)."""
     drafting = [Drafting(s, n, sampling, *s.next_row(), *hook)
                 for s, (n, sampling, *hook) in zip(sessions, requests)]
     while True:
-        feeding = [d for d in drafting if d.step(m)]
+        feeding = [d for d in drafting if d.step()]
         if not feeding:
             break
         for group in by_context(feeding, lambda d: d.session.ctx):
             rows = group[0].session.ctx.decode([d.ids[-1] for d in group], [d.pos for d in group],
                                                [d.session.base for d in group], [True] * len(group))
             for d, row in zip(group, rows):
-                d.fed(row.copy(), m.softmax.lse(row))
-    return [d.finish(m) for d in drafting]
+                d.fed(row.copy(), d.session.softmax.lse(row))
+    return [d.finish() for d in drafting]
 
 
-def score_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
+def score_many(sessions: Sequence[BatchSession],
                texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
     """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
     plans: dict[int, VerifyPlan] = {}
 
-    def plan(i: int, session: LlamaCppSession) -> None:
+    def plan(i: int, session: BatchSession) -> None:
         plans[i] = session.plan_scores(list(texts[i][0]))
 
     ready, out = _prepare(sessions, plan)
     try:
         for group in by_context([plans[i] for i in ready], lambda p: p.session.ctx):
             chunk: list[VerifyPlan] = []
+            n_batch = group[0].session.ctx.n_batch
             for p in group:
-                if sum(len(q.tokens) for q in chunk) + len(p.tokens) > m.n_batch:
-                    verify_batch(m, chunk)
+                if sum(len(q.tokens) for q in chunk) + len(p.tokens) > n_batch:
+                    verify_batch(chunk)
                     chunk = []
                 chunk.append(p)
-            verify_batch(m, chunk)
+            verify_batch(chunk)
         for i in ready:
             out[i] = plans[i].answer()
     except Exception as exc:
@@ -168,7 +189,7 @@ def score_many(m: LlamaCppMember, sessions: Sequence[LlamaCppSession],
     return out
 
 
-def verify_batch(m: LlamaCppMember, plans: Sequence[VerifyPlan]) -> None:
+def verify_batch(plans: Sequence[VerifyPlan]) -> None:
     """Decode the candidates of several sessions of one context in one batch and hand each its rows."""
     plans = [p for p in plans if p.tokens]
     if not plans:

@@ -1,28 +1,29 @@
-"""One request's context in a llama.cpp member's cache (the layout is in ``llama_cpp.py``'s docstring).
+"""One request's context in a llama.cpp member's cache (the layout is in ``member.py``'s docstring).
 
 ``LlamaCppSession`` syncs its context, samples, lays out its candidates and
 reads their scores; its drafts and verifications run through the batch drivers
-of ``llama_batch.py``, as one session's part of a batch that may hold several.
+of ``batch.py``, as one session's part of a batch that may hold several. It works
+with the member's parts: the vocabulary, the context it decodes into, the slots
+(its own, the prefix cache), and the log-softmax.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import PromptTooLongError
-from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText
-from .cached import CachedSession, DraftState, Verified
-from .llama_batch import VerifyPlan, draft_batch, verify_batch
-from .llama_context import LlamaContext
-from .llama_slots import MAX_CANDIDATES, SEQS_PER_SESSION
-
-if TYPE_CHECKING:
-    from .llama_cpp import LlamaCppMember
+from ...errors import PromptTooLongError
+from ...types import DraftTokens, Sampling, TokenScores
+from ..base import OnText
+from ..cached import CachedSession, DraftState, Verified
+from .batch import VerifyPlan, draft_batch, verify_batch
+from .context import Context
+from .private import PrivateContexts
+from .runtime import LogSoftmax
+from .slots import MAX_CANDIDATES, Slots
+from .vocab import Vocabulary
 
 
 @dataclass
@@ -31,85 +32,85 @@ class InSequence(Verified):
 
 
 class LlamaCppSession(CachedSession):
-    """One request's context on a LlamaCppMember: sequence ``base`` of the cache and the
-    candidate sequences after it. See the module docstring.
+    """One request's context on a LlamaCppMember: sequence ``base`` of `ctx` and the candidate
+    sequences after it, in slot `slot` of `table`. See the module docstring.
 
     With ``reencode=True`` the session behaves like the paper's reference code
     (every draft and every verification re-encodes the whole context); it
-    exists only so the benchmark can measure what the cache saves. With a context
-    of its `own` (a deterministic session, ``llama_private.py``) it lives there, from
-    sequence 0, and neither reads nor keeps cached prefixes; `slot` is then only counted.
+    exists only so the benchmark can measure what the cache saves. Given `private`,
+    `ctx` is a context of its own taken from them (a deterministic session, ``private.py``):
+    it lives there, from sequence 0, and neither reads nor keeps cached prefixes; `slot` is
+    then only counted.
     """
 
-    m: LlamaCppMember
-    _verified: dict[str, InSequence]  # type: ignore[assignment]
+    verified: dict[str, InSequence]  # type: ignore[assignment]
     streams_text = True
 
-    def __init__(self, member: LlamaCppMember, prompt: list[int], seed: int | None,
-                 slot: int = 0, reencode: bool = False, own: LlamaContext | None = None) -> None:
-        super().__init__(member, prompt)
-        self.slot = slot
-        self.own = own
-        self.ctx = own or member.context  # the cache it lives in, and decodes into
-        self.base = 0 if own else slot * SEQS_PER_SESSION  # this session's sequence 0; its candidates follow
+    def __init__(self, prompt: list[int], seed: int | None, *, vocab: Vocabulary, softmax: LogSoftmax,
+                 ctx: Context, table: Slots, slot: int = 0, private: PrivateContexts | None = None,
+                 reencode: bool = False) -> None:
+        super().__init__(vocab, prompt, n_ctx=ctx.window, stops=vocab.prompt.stops)
+        self.vocab: Vocabulary = vocab
+        self.softmax = softmax
+        self.table, self.slot = table, slot
+        self.private = private
+        self.ctx = ctx  # the cache it lives in, and decodes into
+        self.base = 0 if private else table.base(slot)  # this session's sequence 0; its candidates follow
         self.reencode = reencode
         self._next_lse: float | None = None
         self.rng = np.random.default_rng(seed)
         self._closed = False
         # the prompt goes to the prefix cache once decoded (not when re-encoding, nor from a context of its own)
-        self._prompt_kept = reencode or own is not None
+        self._prompt_kept = reencode or private is not None
 
-    def _set_next(self, row: np.ndarray | None) -> None:
-        self._next_row, self._next_lse = row, None
+    def set_next(self, row: np.ndarray | None) -> None:
+        self.next_logits, self._next_lse = row, None
 
     def next_row(self) -> tuple[np.ndarray, float]:
         """Logits after the cached context and their log-sum-exp (computed once)."""
-        assert self._next_row is not None
+        assert self.next_logits is not None
         if self._next_lse is None:
-            self._next_lse = self.m.softmax.lse(self._next_row)
-        return self._next_row, self._next_lse
-
-    def _sync(self) -> None:
-        self.sync()
+            self._next_lse = self.softmax.lse(self.next_logits)
+        return self.next_logits, self._next_lse
 
     def sync(self) -> None:
         """Decode the context's tokens not yet in the cache, so that the row after it is known."""
-        m = self.m
         if self.reencode:  # reference behaviour: forget the cache, encode everything again
             self._forget()
             self.n_cached = 0
-            self._set_next(None)
-            self._draft, self._verified = None, {}  # nothing carries over from drafting to verifying
+            self.set_next(None)
+            self.pending, self.verified = None, {}  # nothing carries over from drafting to verifying
         start = self.n_cached
+        n_batch = self.ctx.n_batch
         while self.n_cached < len(self.tokens):
-            chunk = self.tokens[self.n_cached : self.n_cached + m.n_batch]
+            chunk = self.tokens[self.n_cached : self.n_cached + n_batch]
             pos = list(range(self.n_cached, self.n_cached + len(chunk)))
             last = self.n_cached + len(chunk) == len(self.tokens)
             rows = self.ctx.decode(chunk, pos, [self.base] * len(chunk), [False] * (len(chunk) - 1) + [last])
             self.stats.decode_calls += 1
             self.n_cached += len(chunk)
             if last:
-                self._set_next(rows[0].copy())
-        self._count_synced(start)
-        if self._next_row is None:
+                self.set_next(rows[0].copy())
+        self.count_synced(start)
+        if self.next_logits is None:
             raise RuntimeError("context is empty")
         if not self._prompt_kept:
             # Requests that arrive while this one runs may start from its prompt (a shared system prompt).
             self._prompt_kept = True
-            m.keep_prefix(self.base, self.tokens[: self.prompt_len], self.cache_salt)
+            self.table.keep_prefix(self.base, self.tokens[: self.prompt_len], self.cache_salt)
 
     def sample(self, row: np.ndarray, sampling: Sampling) -> int:
         """A token from `row` under `sampling` (greedy: the top one), with this session's generator."""
         if sampling.greedy:
             token = int(row.argmax())
-            if sampling.ignore_eos and self.m.is_eog(token):
+            if sampling.ignore_eos and self.vocab.is_eog(token):
                 masked = row.copy()
-                masked[self.m.eog_ids] = -np.inf
+                masked[self.vocab.eog_ids] = -np.inf
                 token = int(masked.argmax())
             return token
-        p = self.m.softmax.probs(row, sampling.temperature)
+        p = self.softmax.probs(row, sampling.temperature)
         if sampling.ignore_eos:
-            p[self.m.eog_ids] = 0.0
+            p[self.vocab.eog_ids] = 0.0
         if sampling.top_p >= 1.0:
             idx = None
         else:
@@ -129,36 +130,36 @@ class LlamaCppSession(CachedSession):
 
     def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
         self.sync()
-        return draft_batch(self.m, [self], [(max_tokens, sampling, on_text)])[0]
+        return draft_batch([self], [(max_tokens, sampling, on_text)])[0]
 
     def hold_draft(self, draft: DraftState) -> None:
         """Keep a finished draft's tokens pending until ``accept`` says what was kept."""
-        self._draft = draft
+        self.pending = draft
 
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
         plan = VerifyPlan(self, texts, {}, texts)
         self._lay_out(plan)
-        verify_batch(self.m, [plan])
+        verify_batch([plan])
         return plan.results
 
     def plan_scores(self, texts: list[str]) -> VerifyPlan:
         """What verifying `texts` needs (for a batch of sessions): known scores, the new candidates laid out."""
-        known, pending = self._known(texts)
+        known, pending = self.known_scores(texts)
         plan = VerifyPlan(self, texts, known, pending)
         self._lay_out(plan)
         return plan
 
     def _lay_out(self, plan: VerifyPlan) -> None:
         """Each pending candidate in a sequence of its own, after a copy of the context's cells."""
-        if len(plan.pending) + len(self._verified) > MAX_CANDIDATES:
+        if len(plan.pending) + len(self.verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
-        m, n_prefix = self.m, len(self.tokens)
-        plan.encoded = [m.encode_continuation(t) for t in plan.pending]
+        n_prefix = len(self.tokens)
+        plan.encoded = [self.vocab.encode_continuation(t) for t in plan.pending]
         total = sum(len(ids) for ids in plan.encoded)
-        if total > m.n_batch or n_prefix + total > m.n_ctx:
-            raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
+        if total > self.ctx.n_batch or n_prefix + total > self.n_ctx:
+            raise PromptTooLongError(f"{self.vocab.name}: the candidates do not fit the context", "lower --window")
         for i, ids in enumerate(plan.encoded):
-            seq = self.base + 1 + len(self._verified) + i
+            seq = self.base + 1 + len(self.verified) + i
             self.ctx.seq_cp(self.base, seq, 0, n_prefix)
             plan.tokens += ids
             plan.positions += range(n_prefix, n_prefix + len(ids))
@@ -173,11 +174,11 @@ class LlamaCppSession(CachedSession):
         cache, before any candidate is verified; the session's context is
         untouched.
         """
-        m = self.m
-        if self._verified:
+        vocab = self.vocab
+        if self.verified:
             raise RuntimeError("text_logprob must run before candidates are verified")
-        anchor = m.tokenize("\n", add_special=True, parse_special=False)
-        ids = m.encode_continuation(text)[:max_tokens]
+        anchor = vocab.tokenize("\n", add_special=True, parse_special=False)
+        ids = vocab.encode_continuation(text)[:max_tokens]
         if not ids:
             return 0.0, 0
         seq, tokens = self.base + 1, anchor + ids
@@ -190,23 +191,22 @@ class LlamaCppSession(CachedSession):
                 for r, row in enumerate(rows):
                     target = at + r + 1  # row r predicts the token after part[r]
                     if len(anchor) <= target < len(tokens):
-                        total += float(row[tokens[target]]) - m.softmax.lse(row)
+                        total += float(row[tokens[target]]) - self.softmax.lse(row)
                 at += len(part)
         finally:
             self.ctx.seq_rm(seq, -1, -1)
-        return total, len(b"".join(m.piece(t) for t in ids))
+        return total, len(b"".join(vocab.piece(t) for t in ids))
 
     def _end_score(self) -> TokenScores:
         """The candidate "stop here": probability of any end-of-generation token."""
         row, lse = self.next_row()
-        eog = row[self.m.eog_ids]
+        eog = row[self.vocab.eog_ids]
         top = float(eog.max())
         logprob = top + math.log(float(np.exp(eog - top).sum())) - lse
         return TokenScores((logprob,), (top,), (float(row.max()) - lse,))
 
     def finish_verify(self, plan: VerifyPlan, rows: np.ndarray) -> None:
         """Scores of the planned candidates from their decoded rows (row r predicts the token after r)."""
-        m = self.m
         prefix_row, prefix_lse = self.next_row()
         self.stats.verify += len(plan.tokens)
         self.stats.verify_calls += 1
@@ -217,14 +217,14 @@ class LlamaCppSession(CachedSession):
             logprobs, logits, tops = [], [], []
             for i, token in enumerate(ids):
                 row, lse = (prefix_row, prefix_lse) if i == 0 else (rows[at + i - 1], None)
-                lse = lse if lse is not None else m.softmax.lse(row)
+                lse = lse if lse is not None else self.softmax.lse(row)
                 logit = float(row[token])
                 logits.append(logit)
                 logprobs.append(logit - lse)
                 tops.append(float(row.max()) - lse)
             scores = TokenScores(tuple(logprobs), tuple(logits), tuple(tops))
             seq = plan.seqs[at]
-            self._verified[text] = InSequence(ids, scores, rows[at + len(ids) - 1].copy(), seq)
+            self.verified[text] = InSequence(ids, scores, rows[at + len(ids) - 1].copy(), seq)
             plan.results[text] = scores
             at += len(ids)
 
@@ -236,15 +236,15 @@ class LlamaCppSession(CachedSession):
         self.ctx.seq_cp(candidate.seq, self.base, n_prefix, -1)
 
     def _drop_candidates(self) -> None:
-        for candidate in self._verified.values():
+        for candidate in self.verified.values():
             self.ctx.seq_rm(candidate.seq, -1, -1)
 
     def _forget(self) -> None:
         """Drop every cell this session holds."""
-        if self.own is not None:
-            self.own.clear()
+        if self.private is not None:
+            self.ctx.clear()
         else:
-            self.m.clear_slot(self.slot)
+            self.table.clear(self.slot)
 
     def close(self) -> None:
         """Free the slot; the context's cached cells stay in the member's prefix cache (a context of its
@@ -252,10 +252,10 @@ class LlamaCppSession(CachedSession):
         if self._closed:
             return
         self._closed = True
-        if self.own is None:
-            self.m.release(self.slot, None if self.reencode else self.tokens[: self.n_cached], self.cache_salt)
+        if self.private is None:
+            self.table.release(self.slot, None if self.reencode else self.tokens[: self.n_cached], self.cache_salt)
             return
         try:
-            self.m.private.give_back(self.own)
+            self.private.give_back(self.ctx)
         finally:
-            self.m.release(self.slot)
+            self.table.release(self.slot)

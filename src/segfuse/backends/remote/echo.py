@@ -13,15 +13,13 @@ echoed log-probability by one token when the text does not start with its BOS
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import InvalidRequestError, PromptTooLongError
-from ..types import PromptToken
-from .completion_logprobs import Entry, choices_of, entries_of, pieces_of
-from .openai_http import RemoteServerError
-
-if TYPE_CHECKING:
-    from .remote import RemoteMember
+from ...errors import InvalidRequestError, PromptTooLongError
+from ...types import PromptToken
+from .http import RemoteServerError
+from .logprobs import Entry, choices_of, entries_of, pieces_of
+from .server import Server
 
 PROBE_TEXT = "The capital of France is"
 """A plain text (no BOS, no template) whose greedy continuation the load-time probe echoes back."""
@@ -43,45 +41,45 @@ def echoed_match(echoed: list[Entry], generated: list[Entry]) -> list[float] | N
     return [float(e.logprob) for e in echoed[at : at + len(tokens)]]  # type: ignore[arg-type]
 
 
-def echo_probe(m: RemoteMember, prompt: str) -> tuple[list[float], list[float]] | None:
+def echo_probe(server: Server, prompt: str) -> tuple[list[float], list[float]] | None:
     """Three greedy tokens after `prompt`, then the echo of prompt and tokens: (echoed, generated)
     log-probabilities of those tokens; None when there is nothing to compare (no tokens, or the echo
     re-tokenized them differently)."""
-    gen = m._complete(prompt, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
+    gen = server.complete(prompt, max_tokens=3, temperature=0.0, top_p=1.0, seed=0)
     text = gen.get("text") or ""
     generated = [e for e in entries_of(gen.get("logprobs")) if e.logprob is not None] if text else []
     if not generated:
         return None
-    got = echoed_match(m._echo([prompt + text])[0].entries, generated)
+    got = echoed_match(server.echo([prompt + text])[0].entries, generated)
     return None if got is None else (got, [float(e.logprob) for e in generated])  # type: ignore[arg-type]
 
 
-def raw_echo_agrees(m: RemoteMember) -> bool:
+def raw_echo_agrees(server: Server) -> bool:
     """Whether the server's echo of a plain text gives the log-probabilities it generated with (nothing
     to compare, or a failed probe: not shown to work)."""
     try:
-        found = echo_probe(m, PROBE_TEXT)
+        found = echo_probe(server, PROBE_TEXT)
     except RemoteServerError:
         return False
     return found is not None and same_logprobs(*found)
 
 
-def shifted(m: RemoteMember, what: str) -> InvalidRequestError:
+def shifted(server: Server, what: str) -> InvalidRequestError:
     """The error for what a server that shifts a plain text's echo (#1983) cannot do right."""
-    return InvalidRequestError(f"{m.name}: {m.url} shifts the log-probabilities of a text it reads with no BOS "
-                               f"first (abetlen/llama-cpp-python#1983), so it cannot {what}",
+    return InvalidRequestError(f"{server.name}: {server.url} shifts the log-probabilities of a text it reads with "
+                               f"no BOS first (abetlen/llama-cpp-python#1983), so it cannot {what}",
                                "serve this model with vLLM or a fixed llama-cpp-python")
 
 
-def _request(m: RemoteMember, text: str, top_k: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": m.model, "prompt": text, "max_tokens": m.kind.echo_max_tokens,
+def _request(server: Server, text: str, top_k: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": server.model, "prompt": text, "max_tokens": server.kind.echo_max_tokens,
                             "temperature": 0.0, "logprobs": max(top_k, 1), "echo": True, "stream": False}
     try:
-        data = m.client.post("/completions", body)
+        data = server.client.post("/completions", body)
     except RemoteServerError as exc:
-        if len(text.encode("utf-8")) + m.kind.echo_max_tokens > m.n_ctx:  # it may well be over the window
-            raise PromptTooLongError(f"{m.name} could not read the text, which may be over its context window "
-                                     f"({m.n_ctx} tokens): {exc}", "shorten the text") from None
+        if len(text.encode("utf-8")) + server.kind.echo_max_tokens > server.n_ctx:  # it may well be over the window
+            raise PromptTooLongError(f"{server.name} could not read the text, which may be over its context window "
+                                     f"({server.n_ctx} tokens): {exc}", "shorten the text") from None
         raise
     choice = choices_of(data, 1)[0]
     choice["_usage"] = data.get("usage") or {}
@@ -96,30 +94,30 @@ def _alternatives(listed: Any, k: int) -> tuple[tuple[str, float], ...]:
     return tuple(ranked[:k])
 
 
-def echo_remote(m: RemoteMember, text: str, top_k: int) -> list[PromptToken]:
-    """`text`'s tokens as `m`'s server reads them, with their log-probabilities and `top_k` alternatives."""
+def echo_remote(server: Server, text: str, top_k: int, bos: str = "") -> list[PromptToken]:
+    """`text`'s tokens as `server` reads them, with their log-probabilities and `top_k` alternatives (`bos`: the
+    text of the BOS the server may read first)."""
     if not text:
         return []
-    choice = _request(m, text, top_k)
+    choice = _request(server, text, top_k)
     entries = entries_of(choice.get("logprobs"))
     tops = list((choice.get("logprobs") or {}).get("top_logprobs") or [None] * len(entries))
-    n_gen = m.kind.echo_max_tokens
+    n_gen = server.kind.echo_max_tokens
     completed = choice["_usage"].get("completion_tokens")
     if isinstance(completed, int):
         n_gen = min(completed, n_gen)  # llama-cpp-python lists no end-of-generation token
     entries, tops = entries[: len(entries) - n_gen], tops[: len(entries) - n_gen]
-    bos = m.source.bos_text
     if len(entries) > 1 and bos and entries[0].token == bos and not text.startswith(bos):
         entries, tops = entries[1:], tops[1:]  # the BOS the server read first (not echoed)
-    if len(entries) + n_gen > m.n_ctx:
-        raise PromptTooLongError(f"{m.name}: the text is {len(entries)} tokens, over its context window "
-                                 f"({m.n_ctx})", "shorten the text")
+    if len(entries) + n_gen > server.n_ctx:
+        raise PromptTooLongError(f"{server.name}: the text is {len(entries)} tokens, over its context window "
+                                 f"({server.n_ctx})", "shorten the text")
     try:
         pieces = pieces_of(text, entries)
     except RemoteServerError:
         pieces = []
     if "".join(pieces) != text:
-        raise RemoteServerError(f"{m.name}: the server's echoed tokens do not spell the text",
+        raise RemoteServerError(f"{server.name}: the server's echoed tokens do not spell the text",
                                 "its echo cannot be attributed to the text; ask another member")
     out: list[PromptToken] = []
     at = 0
@@ -130,9 +128,9 @@ def echo_remote(m: RemoteMember, text: str, top_k: int) -> list[PromptToken]:
     return out
 
 
-def refuse_ids(m: RemoteMember) -> InvalidRequestError:
-    """The error for token ids given to a member whose tokenizer is the server's."""
-    return InvalidRequestError(f"{m.name} reads text only: its server's token ids are unknown here",
+def refuse_ids(name: str) -> InvalidRequestError:
+    """The error for token ids given to member `name`, whose tokenizer is the server's."""
+    return InvalidRequestError(f"{name} reads text only: its server's token ids are unknown here",
                                "give the prompt as text", field="prompt")
 
 

@@ -1,24 +1,24 @@
 """One request's context on a transformers member: one ``DynamicCache`` (the layout is in
-``transformers.py``'s docstring), drafting with temperature + nucleus sampling, verifying every
-candidate in one forward pass.
+``member.py``'s docstring), drafting with temperature + nucleus sampling, verifying every
+candidate in one forward pass. It works with the member's parts: the vocabulary, the weights,
+and the prefixes kept between requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
-from ..errors import PromptTooLongError
-from ..types import DraftTokens, Sampling, TokenScores
-from .base import OnText, TextSoFar
-from .cached import CachedSession, DraftState, Verified, top_alternatives
-
-if TYPE_CHECKING:
-    from .transformers import TransformersMember
+from ...errors import PromptTooLongError
+from ...types import DraftTokens, Sampling, TokenScores
+from ..base import OnText, TextSoFar
+from ..cached import CachedSession, DraftState, Verified, top_alternatives
+from .prefixes import StoredPrefixes
+from .tokens import Vocabulary
+from .weights import Weights
 
 
 def sample(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
@@ -62,44 +62,50 @@ def _scores_at(rows: torch.Tensor, targets: Sequence[int]) -> TokenScores:
 
 
 class TransformersSession(CachedSession):
-    """One request's context on a TransformersMember: one DynamicCache. See the module docstring."""
+    """One request's context on a TransformersMember: one DynamicCache, run by `weights`; on closing, its
+    keys and values go to `prefixes`. See the module docstring."""
 
     streams_text = True  # its draft calls on_text as it samples
 
-    m: TransformersMember
-
-    def __init__(self, member: TransformersMember, prompt: list[int], seed: int | None) -> None:
-        super().__init__(member, prompt)
+    def __init__(self, prompt: list[int], seed: int | None, *, vocab: Vocabulary, weights: Weights,
+                 prefixes: StoredPrefixes) -> None:
+        super().__init__(vocab, prompt, n_ctx=weights.n_ctx, stops=vocab.prompt.stops)
+        self.vocab: Vocabulary = vocab
+        self.weights = weights
+        self.prefixes = prefixes
+        self.eog = torch.tensor(vocab.eog_ids, device=weights.input_device)
         self.cache = DynamicCache()  # full layers: sliding windows are enforced by the masks, and cropping works
         self.generator: torch.Generator | None = None
         if seed is not None:
-            gen_device = "cpu" if member.input_device.type == "cpu" else member.input_device
-            self.generator = torch.Generator(device=gen_device).manual_seed(seed)
+            device = weights.input_device
+            self.generator = torch.Generator(device="cpu" if device.type == "cpu" else device).manual_seed(seed)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         start = self.n_cached
         if start < len(self.tokens):
-            rows = self.m.forward(self.cache, self.tokens[start:], range(start, len(self.tokens)), last_only=True)
+            rows = self.weights.forward(self.cache, self.tokens[start:], range(start, len(self.tokens)),
+                                        last_only=True)
             self.stats.decode_calls += 1
             self.n_cached = len(self.tokens)
-            self._next_row = rows[-1]
-            self._count_synced(start)
-        if self._next_row is None:
+            self.next_logits = rows[-1]
+            self.count_synced(start)
+        if self.next_logits is None:
             raise RuntimeError("context is empty")
 
     def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
-        if self._draft is not None:  # an earlier draft was never accepted: drop its tokens
+        if self.pending is not None:  # an earlier draft was never accepted: drop its tokens
             _crop(self.cache, len(self.tokens))
-            self._draft, self._verified = None, {}
-        self._sync()
-        row = self._next_row
+            self.pending, self.verified = None, {}
+        self.sync()
+        row = self.next_logits
         ids: list[int] = []
         rows: list[torch.Tensor] = []
         logprobs: list[float] = []
         logits: list[float] = []
         finished = False
         pos = len(self.tokens)
-        banned = self.m._eog if sampling.ignore_eos else None
+        banned = self.eog if sampling.ignore_eos else None
+        vocab = self.vocab
         text = TextSoFar(on_text)
         for step in range(max_tokens):
             rows.append(row)
@@ -111,41 +117,41 @@ class TransformersSession(CachedSession):
             logit = float(row[token])
             logits.append(logit)
             logprobs.append(logit - float(torch.logsumexp(row, dim=-1)))
-            text.add(b"" if self.m.is_eog(token) else self.m.piece(token))
-            if self.m.is_eog(token):
+            text.add(b"" if vocab.is_eog(token) else vocab.piece(token))
+            if vocab.is_eog(token):
                 finished = True
                 break
             if step == max_tokens - 1:
                 break
-            row = self.m.forward(self.cache, [token], [pos])[-1]
+            row = self.weights.forward(self.cache, [token], [pos])[-1]
             self.stats.draft += 1
             self.stats.decode_calls += 1
             pos += 1
-        pieces = [self.m.piece(t) if not self.m.is_eog(t) else b"" for t in ids]
-        self._draft = DraftState(ids, pieces, rows)
+        pieces = [vocab.piece(t) if not vocab.is_eog(t) else b"" for t in ids]
+        self.pending = DraftState(ids, pieces, rows)
         k = sampling.top_logprobs
         tops = top_alternatives([r.float().cpu().numpy() for r in rows], k,
-                                lambda t: b"" if self.m.is_eog(t) else self.m.piece(t)) if k else ()
+                                lambda t: b"" if vocab.is_eog(t) else vocab.piece(t)) if k else ()
         return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished, tops)
 
     def _end_score(self) -> TokenScores:
-        row = self._next_row
-        eog = row[self.m._eog.to(row.device)]
+        row = self.next_logits
+        eog = row[self.eog.to(row.device)]
         lse = torch.logsumexp(row, 0)
         lp = float(torch.logsumexp(eog, 0) - lse)
         return TokenScores((lp,), (float(eog.max()),), (float(row.max() - lse),))
 
     def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
         """All candidates in one forward pass; their keys/values are kept aside for accept."""
-        m, n_prefix, prefix_row = self.m, len(self.tokens), self._next_row
-        encoded = [m.encode_continuation(t) for t in texts]
+        weights, n_prefix, prefix_row = self.weights, len(self.tokens), self.next_logits
+        encoded = [self.vocab.encode_continuation(t) for t in texts]
         lengths = [len(ids) for ids in encoded]
-        if n_prefix + sum(lengths) > m.n_ctx:
-            raise PromptTooLongError(f"{m.name}: the candidates do not fit the context", "lower --window")
+        if n_prefix + sum(lengths) > self.n_ctx:
+            raise PromptTooLongError(f"{self.vocab.name}: the candidates do not fit the context", "lower --window")
         n_cache = self.cache.get_seq_length()  # prefix + this round's pending draft tokens
-        mask = m.block_mask(n_prefix, n_cache - n_prefix, lengths)
+        mask = weights.block_mask(n_prefix, n_cache - n_prefix, lengths)
         positions = [n_prefix + i for n in lengths for i in range(n)]
-        rows = m.forward(self.cache, [t for ids in encoded for t in ids], positions, mask=mask)
+        rows = weights.forward(self.cache, [t for ids in encoded for t in ids], positions, mask=mask)
         self.stats.verify += sum(lengths)
         self.stats.verify_calls += 1
         self.stats.decode_calls += 1
@@ -158,10 +164,10 @@ class TransformersSession(CachedSession):
             block = rows[at : at + len(ids)]
             predictors = torch.cat([prefix_row[None, :], block[:-1]])
             span = slice(at, at + len(ids))
-            self._verified[text] = _KeysValues(ids, _scores_at(predictors, ids), block[-1],
+            self.verified[text] = _KeysValues(ids, _scores_at(predictors, ids), block[-1],
                                                [k[..., span, :] for k in keys], [v[..., span, :] for v in values])
             at += len(ids)
-        return {t: self._verified[t].scores for t in texts}
+        return {t: self.verified[t].scores for t in texts}
 
     def _truncate(self, length: int) -> None:
         _crop(self.cache, length)
@@ -175,7 +181,7 @@ class TransformersSession(CachedSession):
     def close(self) -> None:
         """Drop the context; its first ``n_cached`` positions stay in the member's prefix cache."""
         if self.n_cached and self.cache.get_seq_length() >= self.n_cached:
-            self.m.keep_prefix(self.cache, self.tokens[: self.n_cached], self.cache_salt)
+            self.prefixes.keep(self.cache, self.tokens[: self.n_cached], self.cache_salt)
         self.cache = DynamicCache()
         self.n_cached = 0
-        self._verified = {}
+        self.verified = {}

@@ -1,7 +1,7 @@
 """A llama.cpp model's vocabulary: tokenizing, token pieces, the special and end-of-generation tokens, and
 the templated prompt's tokens (docs/design.md#token-boundaries).
 
-Nothing here decodes; ``llama_cpp.py`` (the member) reads its tokens through it.
+Nothing here decodes; the member, its sessions and its echo read their tokens through it.
 """
 
 from __future__ import annotations
@@ -14,23 +14,24 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError
-from ..models import PromptFormat
-from ..prompting import chat_prompt, choose_format, raw_prompt, render_chat, render_plain
-from ..types import Message
-from .special_text import Special, SpecialTexts, protected_pieces
+from ...errors import MemberLoadError
+from ...models import PromptFormat
+from ...prompting import chat_prompt, choose_format, raw_prompt, render_chat, render_plain
+from ...types import Message
+from ..special_text import Special, SpecialTexts, protected_pieces
+from ..vocabulary import LocalVocabulary
 
 # Special parsing makes a token of these attributes' texts (user-defined ones are matched either way).
 SPECIAL_ATTRS = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
-class LlamaVocab:
+class Vocabulary(LocalVocabulary):
     """The vocabulary of a loaded model, its chat template and prompt format."""
 
     def __init__(self, model: Any, name: str, path: Path, prompt: PromptFormat | None) -> None:
         self.name = name
         self._vocab = lc.llama_model_get_vocab(model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_vocab = self.vocab_size = lc.llama_vocab_n_tokens(self._vocab)
         template = lc.llama_model_chat_template(model, None)
         self.chat_template = template.decode("utf-8") if template else None
         self.prompt = choose_format(prompt, self.chat_template, path.name)
@@ -96,6 +97,12 @@ class LlamaVocab:
             buf = (lc.llama_token * capacity)()
             n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
         return list(buf[:n])
+
+    def tokenize_plain(self, text: str) -> list[int]:
+        return self.tokenize(text, add_special=False, parse_special=False)
+
+    def lead_tokens(self) -> list[int]:
+        return [self.bos] if self.add_bos and self.bos >= 0 else []
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
         """The templated prompt's tokens; a message's content never becomes a special token."""

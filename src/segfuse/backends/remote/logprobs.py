@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..types import TokenScores
-from .openai_http import RemoteServerError
+from ...types import TokenScores
+from .http import RemoteServerError
 
 
 @dataclass(frozen=True)

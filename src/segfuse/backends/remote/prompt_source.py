@@ -21,11 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemberLoadError, ModelFileError
-from ..models import CATALOGUE, QUESTION_ANSWER, PromptFormat, is_gguf
-from ..prompting import chat_prompt, raw_prompt, render_chat, render_plain
-from ..sources import is_sourced
-from ..types import Message
+from ...errors import MemberLoadError, ModelFileError
+from ...models import CATALOGUE, QUESTION_ANSWER, PromptFormat, is_gguf
+from ...prompting import chat_prompt, raw_prompt, render_chat, render_plain
+from ...sources import is_sourced
+from ...types import Message
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | Non
     """Read a prompt format from an embedded model name, a GGUF file, an HF directory or a Jinja file."""
     prompt: PromptFormat | None = None
     if source in CATALOGUE or is_sourced(source):
-        from ..models import resolve
+        from ...models import resolve
 
         _, path, prompt = resolve(source, checkpoint=True)  # hf:ORG/REPO may be a tokenizer folder
     else:
@@ -90,7 +90,7 @@ def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | Non
 def _from_gguf(path: Path) -> PromptSource:
     import llama_cpp as lc
 
-    from .llama_runtime import init_backend  # also routes llama.cpp's log away from the terminal
+    from ..llama_cpp.runtime import init_backend  # also routes llama.cpp's log away from the terminal
 
     init_backend()
     params = lc.llama_model_default_params()

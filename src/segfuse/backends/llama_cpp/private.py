@@ -20,19 +20,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from .llama_context import LlamaContext
+from .context import Context
 
 
 class PrivateContexts:
     """Contexts of one session window each, opened when first needed and kept when given back."""
 
-    def __init__(self, open_context: Callable[[], LlamaContext]) -> None:
+    def __init__(self, open_context: Callable[[], Context]) -> None:
         self._open = open_context
-        self._idle: list[LlamaContext] = []
-        self._busy: list[LlamaContext] = []
+        self._idle: list[Context] = []
+        self._busy: list[Context] = []
         self._lock = threading.Lock()
 
-    def take(self) -> LlamaContext:
+    def take(self) -> Context:
         """An empty context: a kept one, else a new one."""
         with self._lock:
             ctx = self._idle.pop() if self._idle else None
@@ -43,7 +43,7 @@ class PrivateContexts:
             self._busy.append(ctx)
         return ctx
 
-    def give_back(self, ctx: LlamaContext) -> None:
+    def give_back(self, ctx: Context) -> None:
         """`ctx`'s session ended: empty it and keep it for the next one."""
         with self._lock:
             self._busy.remove(ctx)

@@ -1,7 +1,7 @@
 """llama.cpp's process-wide side: its log, the backend, loading weights, threads, log-softmax.
 
-Nothing here knows about sessions or members; ``llama_cpp.py`` (the member) and
-``llama_session.py`` (one request's cache) build on it.
+Nothing here knows about sessions or members; ``member.py`` (the member) and
+``session.py`` (one request's cache) build on it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError
+from ...errors import MemberLoadError
 
 # llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
 # SEGFUSE_LLAMA_LOG=1 prints it as it comes.

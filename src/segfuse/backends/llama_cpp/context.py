@@ -1,7 +1,7 @@
 """One llama.cpp context: its unified KV cache's sequences and the batched decodes into it.
 
-Nothing here knows which session holds which sequence; ``llama_slots.py`` keeps that
-book and ``llama_cpp.py`` (the member) puts the two together.
+Nothing here knows which session holds which sequence; ``slots.py`` keeps that
+book and ``member.py`` (the member) puts the two together.
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from ..errors import MemberLoadError, PromptTooLongError
-from .llama_runtime import log_excerpt
+from ...errors import MemberLoadError, PromptTooLongError
+from .runtime import log_excerpt
 
 
 def _no_room() -> bool:
     return False
 
 
-class LlamaContext:
+class Context:
     """A context of `n_ctx` cells in `n_seq` sequences over a loaded model, and one reused batch.
 
     `window`: the tokens one session may hold, as errors quote it; `shape`: the context in words
-    (for the error when llama.cpp cannot make it). `make_room`: called when a decode finds no free cell; True if it freed some (the prefix
-    cache gives way first), so that the decode is tried again.
+    (for the error when llama.cpp cannot make it). `make_room`: called when a decode finds no free cell;
+    True if it freed some (the prefix cache gives way first), so that the decode is tried again.
     """
 
     def __init__(self, model: Any, *, name: str, n_ctx: int, n_batch: int, n_seq: int, threads: int,

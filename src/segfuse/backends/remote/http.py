@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from ..errors import SegfuseError
+from ...errors import SegfuseError
 
 TRANSIENT_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 

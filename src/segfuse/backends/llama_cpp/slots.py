@@ -1,19 +1,19 @@
 """Which session holds which part of a llama.cpp member's cache, and the prefixes kept between requests
-(the layout is in ``llama_cpp.py``'s docstring).
+(the layout is in ``member.py``'s docstring).
 
 Slot k owns sequences 8k..8k+7 of the unified cache; each prefix-cache entry is one
 sequence after the slots'. Nothing here decodes: it copies and drops cells through the
-member's :class:`~segfuse.backends.llama_context.LlamaContext`.
+member's :class:`~segfuse.backends.llama_cpp.context.Context`.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..errors import NoFreeSlotError
-from .base import Occupancy
-from .llama_context import LlamaContext
-from .prefix_cache import PrefixCache
+from ...errors import NoFreeSlotError
+from ..base import Occupancy
+from ..prefix_cache import PrefixCache
+from .context import Context
 
 MAX_CANDIDATES = 7  # sequences 1..7 of a session hold one distinct candidate each per round
 SEQS_PER_SESSION = MAX_CANDIDATES + 1
@@ -28,10 +28,10 @@ def prefix_entries(slots: int, cells: int, reencode: bool) -> int:
     return min(max(4, 2 * slots), MAX_SEQUENCES - SEQS_PER_SESSION * slots) if cells and not reencode else 0
 
 
-class SlotTable:
+class Slots:
     """`slots` session windows of a context and the prefix cache in `entries` sequences after them."""
 
-    def __init__(self, ctx: LlamaContext, *, name: str, slots: int, cells: int, entries: int) -> None:
+    def __init__(self, ctx: Context, *, name: str, slots: int, cells: int, entries: int) -> None:
         self.ctx, self.name, self.slots = ctx, name, slots
         first = SEQS_PER_SESSION * slots
         self.entry_seqs = range(first, first + entries)
@@ -72,16 +72,25 @@ class SlotTable:
         for seq in range(self.base(slot), self.base(slot + 1)):
             self.ctx.seq_drop(seq)
 
-    def release(self, slot: int) -> None:
-        """Free `slot`: its cells dropped, and back among the free ones whatever fails on the way."""
+    def release(self, slot: int, keep: list[int] | None = None, salt: str | None = None) -> None:
+        """Free `slot`: `keep`, the tokens its first sequence holds from position 0, kept in the prefix cache
+        (under `salt`), its cells dropped, and the slot back among the free ones whatever fails on the way
+        (keeping the prefix is a favour to later requests)."""
         try:
-            self.clear(slot)
+            if keep:
+                self.keep_prefix(self.base(slot), keep, salt)
         finally:
-            with self._slot_free:
-                if slot not in self._free:
-                    self._free.append(slot)
-                    self._free.sort()
-                self._slot_free.notify()
+            try:
+                self.clear(slot)
+            finally:
+                self._free_again(slot)
+
+    def _free_again(self, slot: int) -> None:
+        with self._slot_free:
+            if slot not in self._free:
+                self._free.append(slot)
+                self._free.sort()
+            self._slot_free.notify()
 
     def reuse_prefix(self, prompt: list[int], seq: int, salt: str | None = None) -> int:
         """Copy the longest prefix of `prompt` cached under `salt` into sequence `seq`; how many tokens

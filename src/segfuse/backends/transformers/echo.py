@@ -10,17 +10,15 @@ sessions, an echo owns its cache and shares only the weights, so it needs no loc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
-from ..errors import PromptTooLongError
-from ..types import PromptToken
-from .echo_rows import Alternatives, echoed, top_of
-
-if TYPE_CHECKING:
-    from .transformers import TransformersMember
+from ...errors import PromptTooLongError
+from ...types import PromptToken
+from ..echo_rows import Alternatives, echoed, top_of
+from .tokens import Vocabulary
+from .weights import Weights
 
 ROW_FLOATS = 2**25
 """Logits floats held at once (128 MiB in float32): a chunk has ROW_FLOATS // vocabulary rows."""
@@ -28,35 +26,27 @@ ROW_FLOATS = 2**25
 MAX_CHUNK = 512  # tokens per forward at most, however small the vocabulary
 
 
-def text_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The tokens `tokenizer` puts before and after a text (BOS, EOS), read off a one-word text."""
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    framed = tokenizer("a", add_special_tokens=True)["input_ids"]
-    at = next((i for i in range(len(framed)) if framed[i : i + len(bare)] == bare), 0)
-    return list(framed[:at]), list(framed[at + len(bare) :])
-
-
-def echo_tokens(m: TransformersMember, ids: Sequence[int], top_k: int) -> list[PromptToken]:
+def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, weights: Weights) -> list[PromptToken]:
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
     ids = [int(t) for t in ids]
-    m.check_ids(ids)
+    vocab.check_ids(ids)
 
     def spelled(token: int) -> bytes:  # a logits row's token; b"" past the tokenizer's vocabulary (padding rows)
-        return m.piece(token) if token < m.n_vocab else b""
+        return vocab.piece(token) if token < vocab.n_vocab else b""
 
-    lead = list(m.text_prefix)
+    lead = vocab.lead_tokens()
     bos = lead if lead and ids[: len(lead)] != lead else []
     tokens = bos + ids
-    if len(tokens) > m.n_ctx:
-        raise PromptTooLongError(f"{m.name}: the text is {len(tokens)} tokens, over its context window "
-                                 f"({m.n_ctx})", "shorten the text")
+    if len(tokens) > weights.n_ctx:
+        raise PromptTooLongError(f"{vocab.name}: the text is {len(tokens)} tokens, over its context window "
+                                 f"({weights.n_ctx})", "shorten the text")
     logprobs: list[float | None] = [None] * len(ids)
     tops: list[Alternatives] = [()] * len(ids)
-    step = max(1, min(MAX_CHUNK, ROW_FLOATS // max(m.vocab_size, 1)))
+    step = max(1, min(MAX_CHUNK, ROW_FLOATS // max(weights.vocab_size, 1)))
     cache = DynamicCache()
     for at in range(0, len(tokens) - 1, step):  # the last token predicts nothing echoed
         part = tokens[at : at + step]
-        rows = m.forward(cache, part, range(at, at + len(part)))
+        rows = weights.forward(cache, part, range(at, at + len(part)))
         targets = tokens[at + 1 : at + 1 + len(part)]  # row r predicts the token after part[r]
         rows = rows[: len(targets)]
         lse = torch.logsumexp(rows, dim=-1)
@@ -68,7 +58,7 @@ def echo_tokens(m: TransformersMember, ids: Sequence[int], top_k: int) -> list[P
             if table is not None:
                 tops[i] = top_of(table[r], float(lse[r]), top_k, spelled)
         del rows, table
-    return echoed(ids, [m.piece(t) for t in ids], logprobs, tops)
+    return echoed(ids, [vocab.piece(t) for t in ids], logprobs, tops)
 
 
-__all__ = ["MAX_CHUNK", "ROW_FLOATS", "echo_tokens", "text_frame"]
+__all__ = ["MAX_CHUNK", "ROW_FLOATS", "echo_tokens"]
