@@ -118,12 +118,10 @@ class MemberHost:
                                                                           len(book), [None])))
 
     async def held(self) -> Done:
-        """What the copy holds now (read on the member's thread, between its calls): a :class:`Held`."""
-        def work(member: Member, book: SessionBook) -> Done:
-            held = Held(member.occupancy(), len(book), dict(self.loop.stats), self.about)
-            return Done([held], len(book), [None])
-
-        return await self._run(Job("call", work=work))
+        """What the copy held after its last batch (read there, on the member's thread, before the batch's
+        replies went out): a :class:`Held`, at once, however busy the member is."""
+        seen = self.loop.seen
+        return Done([Held(seen.occupancy, seen.sessions, seen.stats, self.about)], seen.sessions, [None])
 
     async def _run(self, job: Job) -> Done:
         return await asyncio.wrap_future(self.loop.submit(job))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...types import DraftTokens
-from ..base import Member, MemberSession
+from ..base import Member, MemberSession, Occupancy
 from .wire import Done, SessionLost, portable
 
 log = logging.getLogger("segfuse.backends.ray")
@@ -43,6 +43,15 @@ GATHER_ROUNDS = 4  # a batch waits at most this many times gather_s in all
 
 Kind = Literal["draft", "score", "call"]
 Work = Callable[[Member, "SessionBook"], Done]  # a call job: what it does on the member thread
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the member held after the thread's last batch, and the thread's work so far."""
+
+    occupancy: Occupancy
+    sessions: int
+    stats: dict[str, int]
 
 
 @dataclass(eq=False)
@@ -121,6 +130,7 @@ class MemberLoop:
         self.expire_s, self.gather_s = expire_s, gather_s
         self.stats: Counter[str] = Counter()
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.seen = Seen(member.occupancy(), 0, {})  # nothing decodes yet: safe to read here
         self._tick = min(1.0, expire_s / 4)  # how often an idle thread looks for expired sessions
         self._thread = threading.Thread(target=self._serve, name="segfuse-ray-member", daemon=True)
         self._thread.start()
@@ -141,10 +151,23 @@ class MemberLoop:
         while True:
             jobs = self._take()
             stop = None in jobs
-            self._run([j for j in jobs if j is not None])
-            self._expire(time.monotonic() - (0.0 if stop else self.expire_s))
+            self._settle(self._run([j for j in jobs if j is not None]))
+            if self._expire(time.monotonic() - (0.0 if stop else self.expire_s)):
+                self._settle([])
             if stop:
                 return
+
+    def _settle(self, replies: list[tuple[Job, Done]]) -> None:
+        """Note what the member holds now, then hand the replies out: a caller that has its reply reads
+        a view at least as new (``seen``)."""
+        try:
+            seen = self.member.occupancy()
+        except Exception:  # a view for operators must never stop the thread
+            log.exception("could not read what the member holds")
+            seen = Occupancy(self.member.slots)
+        self.seen = Seen(seen, len(self.book), dict(self.stats))
+        for job, done in replies:
+            job.future.set_result(done)
 
     def _take(self) -> list[Job | None]:
         try:
@@ -178,34 +201,33 @@ class MemberLoop:
                 self._queue.put(None)  # stopping: served after this batch
                 return
             if job.kind == "call":
-                self._call(job)
+                self._settle([self._call(job)])
                 continue
             jobs.append(job)
             awaited -= job.sids
             self.stats["gathered"] += 1
 
-    def _run(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            if job.kind == "call":
-                self._call(job)
+    def _run(self, jobs: list[Job]) -> list[tuple[Job, Done]]:
+        replies = [self._call(job) for job in jobs if job.kind == "call"]
         drafts = [job for job in jobs if job.kind == "draft"]
         if drafts:
-            self._batch(drafts, "draft", self.member.draft_many)
+            replies += self._batch(drafts, "draft", self.member.draft_many)
         scores = [job for job in jobs if job.kind == "score"]
         if scores:
-            self._batch(scores, "score", self.member.score_many)
+            replies += self._batch(scores, "score", self.member.score_many)
+        return replies
 
-    def _call(self, job: Job) -> None:
+    def _call(self, job: Job) -> tuple[Job, Done]:
         assert job.work is not None
         self.stats["calls"] += 1
         try:
             done = job.work(self.member, self.book)
         except BaseException as exc:  # the caller gets it; the thread goes on
             done = Done([portable(exc)], len(self.book), [None])
-        job.future.set_result(done)
+        return job, done
 
-    def _batch(self, jobs: list[Job], kind: str, many: Callable[..., list[Any]]) -> None:
-        """Every item of `jobs` in one batched call; each job gets its items' values."""
+    def _batch(self, jobs: list[Job], kind: str, many: Callable[..., list[Any]]) -> list[tuple[Job, Done]]:
+        """Every item of `jobs` in one batched call; each job's Done holds its items' values."""
         values: dict[int, list[Any]] = {id(job): [None] * len(job.items) for job in jobs}
         sessions: list[MemberSession] = []
         requests: list[tuple[Any, ...]] = []
@@ -229,9 +251,8 @@ class MemberLoop:
             self._count(kind, out)
         self.book.touch(frozenset(sid for job in jobs for sid in job.sids))
         load = len(self.book)
-        for job in jobs:
-            job.future.set_result(Done([portable(v) if isinstance(v, BaseException) else v for v in values[id(job)]],
-                                       load, [None] * len(job.items)))
+        return [(job, Done([portable(v) if isinstance(v, BaseException) else v for v in values[id(job)]], load,
+                           [None] * len(job.items))) for job in jobs]
 
     def _count(self, kind: str, out: list[Any]) -> None:
         self.stats[f"{kind}_calls"] += len(out)
@@ -244,7 +265,9 @@ class MemberLoop:
             self.stats["draft_decodes"] += max((n - 1 for n in lengths), default=0)
             self.stats["draft_decodes_apart"] += sum(max(0, n - 1) for n in lengths)
 
-    def _expire(self, before: float) -> None:
+    def _expire(self, before: float) -> int:
+        """Close the sessions no call touched since `before`; how many."""
+        expired = 0
         for sid in self.book.idle(before):
             session = self.book.pop(sid)
             if session is None:
@@ -254,6 +277,8 @@ class MemberLoop:
             except Exception:
                 log.exception("closing an expired session failed")
             self.stats["expired"] += 1
+            expired += 1
+        return expired
 
 
 def _request(job: Job, index: int, item: tuple[Any, ...]) -> tuple[Any, ...]:
