@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
@@ -27,6 +28,7 @@ from segfuse.backends.ray.host import create_hosts  # noqa: E402
 from segfuse.backends.ray.member import RayMember  # noqa: E402
 from segfuse.backends.ray.settings import RaySettings  # noqa: E402
 from segfuse.backends.registry import load_member  # noqa: E402
+from segfuse.errors import InvalidRequestError  # noqa: E402
 from segfuse.member_options import MemberOptions  # noqa: E402
 from segfuse.models import DEFAULT_MODELS  # noqa: E402
 from segfuse.types import Message, RoundEvent, Sampling, SegmentEvent  # noqa: E402
@@ -107,6 +109,25 @@ def test_copies_spread_over_both_nodes(cluster):
         assert (held.slots, held.free_slots) == (2, 2)
     finally:
         member.close()
+
+
+def hosts_running() -> int:
+    """Copies' processes in this test's cluster (each copy is a Ray worker process named after its class)."""
+    return sum(1 for p in psutil.Process().children(recursive=True) if _name(p) == "ray::MemberHost")
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:  # it ended meanwhile
+        return ""
+
+
+def test_a_copy_that_cannot_load_its_member_says_why_and_none_is_left(cluster):
+    before = hosts_running()
+    with pytest.raises(InvalidRequestError, match="member option 'bogus'"):
+        ray_member(f"{SMALL}#replicas=2,bogus=1,{COPY}")
+    wait_for(lambda: hosts_running() == before, 60, 0.5, "the copies to be killed")
 
 
 # --- batching --------------------------------------------------------------------------------------
