@@ -27,7 +27,7 @@ class LoopbackCluster:
         self.cluster = None
         self.seen: dict[int, psutil.Process] = {}
 
-    def start(self) -> "LoopbackCluster":
+    def start(self) -> LoopbackCluster:
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # Ray reports usage over the internet unless told not to
         import ray
         from ray.cluster_utils import Cluster

@@ -23,6 +23,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 
+from helpers import wait_for  # noqa: E402
+from ray_cluster import HEAD, WORKER, LoopbackCluster, is_loopback, is_wildcard, sockets  # noqa: E402
+
 from segfuse import Ensemble  # noqa: E402
 from segfuse.backends.ray.host import create_hosts  # noqa: E402
 from segfuse.backends.ray.member import RayMember  # noqa: E402
@@ -32,9 +35,6 @@ from segfuse.errors import InvalidRequestError  # noqa: E402
 from segfuse.member_options import MemberOptions  # noqa: E402
 from segfuse.models import DEFAULT_MODELS  # noqa: E402
 from segfuse.types import Message, RoundEvent, Sampling, SegmentEvent  # noqa: E402
-
-from helpers import wait_for  # noqa: E402
-from ray_cluster import HEAD, WORKER, LoopbackCluster, is_loopback, is_wildcard, sockets  # noqa: E402
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -330,21 +330,30 @@ def median_ms(call, then, n: int = 50) -> float:
     return 1000 * statistics.median(times)
 
 
+CANDIDATES = [" Red", " Blue, green", " The", ""]
+
+
+def costs(member) -> tuple[float, float, object, object]:
+    """Median ms of a 1-token greedy draft and of a score of 4 candidates on one session (each dropped
+    after, so that every call starts from the same context); then one more draft and score, their values."""
+    session = member.start([Message("user", PROMPT)], seed=0, reserve=16)
+    greedy = Sampling(0.0, 1.0, 0)
+    try:
+        def drop() -> None:
+            session.accept("")
+
+        return (median_ms(lambda: session.draft(1, greedy), drop), median_ms(lambda: session.score(CANDIDATES), drop),
+                session.draft(1, greedy), session.score(CANDIDATES))
+    finally:
+        session.close()
+
+
 def test_what_one_call_costs_against_a_local_member(cluster, capsys):
     """A 1-token draft and a score of 4 candidates, 50 of each, on a Ray member and on the same member
     loaded here: the numbers are the same, and the medians are printed (docs/deploy.md quotes them)."""
     remote, local = ray_member(f"{SMALL}#{COPY}"), load_member(SMALL, **OPTIONS)
     try:
-        figures = {}
-        candidates = [" Red", " Blue, green", " The", ""]
-        for name, member in (("ray", remote), ("local", local)):
-            session = member.start([Message("user", PROMPT)], seed=0, reserve=16)
-            greedy = Sampling(0.0, 1.0, 0)
-            drop = lambda: session.accept("")  # noqa: E731 - every call starts from the same context
-            figures[name] = (median_ms(lambda: session.draft(1, greedy), drop),
-                             median_ms(lambda: session.score(candidates), drop),
-                             session.draft(1, greedy), session.score(candidates))
-            session.close()
+        figures = {"ray": costs(remote), "local": costs(local)}
         assert figures["ray"][2:] == figures["local"][2:]
         with capsys.disabled():
             for name, (d, s, _, _) in figures.items():

@@ -14,6 +14,10 @@ its own were busy in the last second, the thread waits for their next calls, up 
 for each and 4 x ``gather_s`` in all; cheap calls that come meanwhile run at once, as the drafts
 they precede would otherwise miss the batch. A lone session never waits.
 
+After each batch the thread notes what the member holds (``seen``: its occupancy, the sessions,
+the work done so far), before the batch's replies go out: whoever reads it after a reply sees
+that reply's effect, and reading it never waits for the member.
+
 Expiry: a session whose caller died (a front end killed mid-answer) is never closed by it; one
 no call touched for ``expire_s`` is closed here, and its slot is free again. Its caller, if it
 comes back, is told the session is lost (``SessionLost``) and reads it again.

@@ -151,7 +151,7 @@ class RayMember(Member):
                 return results + [(calls[p], self.copies.lost(calls[p], TimeoutError("no reply"))) for p in pending]
             call, copy = ready[0], calls[ready[0]]
             try:
-                event = ray.get(next(call) if kind == "draft" else call)
+                event = ray.get(next(call) if kind == "draft" else call)  # type: ignore[arg-type]
             except StopIteration:  # a stream that ended without its Done
                 event = RayActorError()
             except RayActorError as exc:
@@ -252,7 +252,7 @@ def _draft_item(request: tuple[Any, ...]) -> tuple[int, Sampling, bool]:
 def _infos(hosts: Sequence[Any], settings: RaySettings) -> list[HostInfo]:
     """Each copy's info once it loaded; its own error where loading failed (or it died starting)."""
     refs = [h.info.remote() for h in hosts]
-    ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=settings.timeout)
+    _, waiting = ray.wait(refs, num_returns=len(refs), timeout=settings.timeout)
     if waiting:
         raise MemberLoadError(f"{len(waiting)} of {len(refs)} copies did not start within {settings.timeout:g} s",
                               "the cluster may lack the CPUs or GPUs each copy asks for (cpus=, gpus=), "

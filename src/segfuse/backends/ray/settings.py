@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from ...errors import InvalidRequestError
 from ...member_options import MemberOptions
