@@ -81,11 +81,15 @@ def events(members, **options) -> list:
 # --- answers ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{"gate": None}, {}], ids=["plain", "default"])
+@pytest.mark.parametrize("options", [{"gate": None}, {}, {"gate": None, "prior": "prompt", "json_object": True}],
+                         ids=["plain", "default", "prompt-fit-json"])
 def test_greedy_answers_equal_the_same_members_loaded_locally(ray_defaults, local_defaults, options):
     remote, local = events(ray_defaults, **options), events(local_defaults, **options)
     answer, expected = remote[-1].result, local[-1].result
     assert answer.text.strip() and answer.text == expected.text
+    assert answer.prompt_bpb == expected.prompt_bpb and answer.valid == expected.valid  # prompt fit, the constraint
+    if "prior" in options:
+        assert len(answer.prompt_bpb) == 3 and answer.text.startswith("{")
     assert [s.model for s in answer.segments] == [s.model for s in expected.segments]
     assert answer.stats.finish_reason == expected.stats.finish_reason and not answer.departures
     if not options:  # the leader answers alone: its text went out as the copy sampled it, as locally
@@ -95,6 +99,18 @@ def test_greedy_answers_equal_the_same_members_loaded_locally(ray_defaults, loca
         prefix = member.occupancy().prefix
         assert prefix is not None and prefix.hits == 0 and prefix.bound == 0
     assert all(m.capabilities.parallel_safe and m.capabilities.batched for m in ray_defaults)
+
+
+def test_the_members_own_calls_equal_the_local_members(ray_defaults, local_defaults):
+    """Echo, tokens and the templated prompt, answered by a copy, are the local member's."""
+    text, messages = "The sky is blue because", [Message("user", PROMPT)]
+    for remote, local in zip(ray_defaults, local_defaults):
+        ids = local.tokenize_text(text)
+        assert remote.tokenize_text(text) == ids and remote.detokenize(ids) == local.detokenize(ids) == text
+        assert remote.lead_tokens() == local.lead_tokens()
+        assert remote.prompt_tokens(messages) == local.prompt_tokens(messages)
+        assert remote.echo(text, top_k=2) == local.echo(text, top_k=2)
+        assert remote.n_params == local.n_params and remote.name == local.name
 
 
 def test_copies_spread_over_both_nodes(cluster):
