@@ -127,9 +127,9 @@ def test_copies_spread_over_both_nodes(cluster):
         member.close()
 
 
-def hosts_running() -> int:
+def copy_processes() -> set[int]:
     """Copies' processes in this test's cluster (each copy is a Ray worker process named after its class)."""
-    return sum(1 for p in psutil.Process().children(recursive=True) if _name(p) == "ray::MemberHost")
+    return {p.pid for p in psutil.Process().children(recursive=True) if _name(p) == "ray::MemberHost"}
 
 
 def _name(proc: psutil.Process) -> str:
@@ -140,10 +140,10 @@ def _name(proc: psutil.Process) -> str:
 
 
 def test_a_copy_that_cannot_load_its_member_says_why_and_none_is_left(cluster):
-    before = hosts_running()
+    before = copy_processes()  # other tests' copies (some may be ending)
     with pytest.raises(InvalidRequestError, match="member option 'bogus'"):
         ray_member(f"{SMALL}#replicas=2,bogus=1,{COPY}")
-    wait_for(lambda: hosts_running() == before, 60, 0.5, "the copies to be killed")
+    wait_for(lambda: not copy_processes() - before, 60, 0.5, "the copies to be killed")
 
 
 # --- batching --------------------------------------------------------------------------------------
@@ -286,6 +286,30 @@ def test_the_only_copy_killed_while_it_drafts_the_engine_fails_over(cluster):
     finally:
         leader.close()
         follower.close()
+
+
+def test_calls_cancelled_mid_draft_and_while_waiting_leave_the_copy_serving(cluster):
+    """A streaming draft cancelled after its first text, and a call cancelled while it waits behind it: the
+    copy's thread finishes the one, drops the other, and serves both sessions on."""
+    member = ray_member(f"{SMALL}#{COPY}", slots=2)
+    try:
+        first, second = (member.start([Message("user", p)], seed=0, reserve=16) for p in (PROMPT, "Say hello."))
+        handle, greedy = first.copy.handle, Sampling(0.0, 1.0, 0)
+        drafting = handle.draft.options(num_returns="streaming").remote(
+            [(first.sid, 300, Sampling(0.0, 1.0, 0, ignore_eos=True), True)])
+        assert isinstance(ray.get(next(drafting)), tuple)  # (item, text so far): it is drafting
+        waiting = handle.session.remote(second.sid, "accept", (" Hello",))
+        wait_for(lambda: member.refresh() or member.view()[0]["waiting"], 60, 0.05, "the accept to wait its turn")
+        ray.cancel(waiting)
+        ray.cancel(drafting)
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(waiting, timeout=60)
+        first.accept("")  # drop the long draft's tokens
+        assert first.draft(4, greedy).pieces and second.draft(4, greedy).pieces
+        stats = host_stats(member)
+        assert stats["dropped"] == 1 and stats["draft_tokens"] >= 300, stats
+    finally:
+        member.close()
 
 
 EXPIRING = "segfuse-test-expiry"

@@ -121,7 +121,8 @@ class MemberHost:
         """What the copy held after its last batch (read there, on the member's thread, before the batch's
         replies went out): a :class:`Held`, at once, however busy the member is."""
         seen = self.loop.seen
-        return Done([Held(seen.occupancy, seen.sessions, seen.stats, self.about)], seen.sessions, [None])
+        held = Held(seen.occupancy, seen.sessions, seen.stats, self.about, self.loop.waiting)
+        return Done([held], seen.sessions, [None])
 
     async def _run(self, job: Job) -> Done:
         return await asyncio.wrap_future(self.loop.submit(job))

@@ -133,11 +133,16 @@ class MemberLoop:
         self.member, self.book = member, book
         self.expire_s, self.gather_s = expire_s, gather_s
         self.stats: Counter[str] = Counter()
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self.seen = Seen(member.occupancy(), 0, {})  # nothing decodes yet: safe to read here
         self._tick = min(1.0, expire_s / 4)  # how often an idle thread looks for expired sessions
         self._thread = threading.Thread(target=self._serve, name="segfuse-ray-member", daemon=True)
         self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Calls queued for the thread now."""
+        return self._queue.qsize()
 
     def submit(self, job: Job) -> Future:
         """Queue `job`; its sessions count as touched from now (they cannot expire while it waits)."""
@@ -145,21 +150,15 @@ class MemberLoop:
         self._queue.put(job)
         return job.future
 
-    def close(self) -> None:
-        """Stop the thread once the queued jobs ran; close the sessions left."""
-        self._queue.put(None)
-        self._thread.join()
-
     # --- the thread -----------------------------------------------------------------------------
-    def _serve(self) -> None:
+    def _serve(self) -> None:  # for as long as the copy's process lives
         while True:
-            jobs = self._take()
-            stop = None in jobs
-            self._settle(self._run([j for j in jobs if j is not None]))
-            if self._expire(time.monotonic() - (0.0 if stop else self.expire_s)):
-                self._settle([])
-            if stop:
-                return
+            try:
+                self._settle(self._run(self._take()))
+                if self._expire(time.monotonic() - self.expire_s):
+                    self._settle([])
+            except Exception:  # a bug here must not leave the copy deaf: its callers' calls fail, it goes on
+                log.exception("the member thread's step failed")
 
     def _settle(self, replies: list[tuple[Job, Done]]) -> None:
         """Note what the member holds now, then hand the replies out: a caller that has its reply reads
@@ -173,20 +172,28 @@ class MemberLoop:
         for job, done in replies:
             job.future.set_result(done)
 
-    def _take(self) -> list[Job | None]:
+    def _take(self) -> list[Job]:
         try:
-            first = self._queue.get(timeout=self._tick)
+            jobs = [self._queue.get(timeout=self._tick)]
         except queue.Empty:
             return []
-        jobs = [first]
         while True:
             try:
                 jobs.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        if self.gather_s > 0 and None not in jobs and any(j.kind != "call" for j in jobs):  # type: ignore[union-attr]
-            self._gather(jobs)  # type: ignore[arg-type]
+        jobs = [job for job in jobs if self._running(job)]
+        if self.gather_s > 0 and any(j.kind != "call" for j in jobs):
+            self._gather(jobs)
         return jobs
+
+    def _running(self, job: Job) -> bool:
+        """Mark `job` running (its caller can no longer cancel it, so its reply can always be set); False where
+        its caller cancelled it while it waited (nobody waits for it: it is dropped)."""
+        if job.future.set_running_or_notify_cancel():
+            return True
+        self.stats["dropped"] += 1
+        return False
 
     def _gather(self, jobs: list[Job]) -> None:
         """Wait a little for the next drafts and scores of sessions busy a moment ago (module docstring)."""
@@ -201,9 +208,8 @@ class MemberLoop:
                 job = self._queue.get(timeout=wait)
             except queue.Empty:
                 return
-            if job is None:
-                self._queue.put(None)  # stopping: served after this batch
-                return
+            if not self._running(job):
+                continue
             if job.kind == "call":
                 self._settle([self._call(job)])
                 continue

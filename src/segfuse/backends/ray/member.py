@@ -220,8 +220,8 @@ class RayMember(Member):
                 continue
 
     def view(self) -> list[dict[str, Any]]:
-        """Each copy: where it runs, whether it is up, its sessions and free slots, its prefix-cache hits,
-        and its work so far (as last read by :meth:`occupancy` or :meth:`refresh`)."""
+        """Each copy: where it runs, whether it is up, its sessions and free slots, the calls waiting for it,
+        its prefix-cache hits, and its work so far (as last read by :meth:`occupancy` or :meth:`refresh`)."""
         rows = []
         for c in self.copies.all:
             held = c.held
@@ -229,6 +229,7 @@ class RayMember(Member):
             rows.append({"copy": c.index, "node_id": c.info.node_id, "node_ip": c.info.node_ip, "pid": c.info.pid,
                          "placement": c.info.placement, "up": c.up, "sessions": c.load,
                          "slots": c.info.slots, "free_slots": held.occupancy.free_slots if held else None,
+                         "waiting": held.waiting if held else None,
                          "prefix_hits": prefix.hits if prefix else None, "stats": dict(held.stats) if held else {}})
         return rows
 

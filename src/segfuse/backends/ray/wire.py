@@ -61,6 +61,7 @@ class Held:
     sessions: int
     stats: dict[str, int]
     info: HostInfo
+    waiting: int = 0  # calls queued for the member's thread now
 
 
 def portable(exc: BaseException) -> Exception:
