@@ -153,12 +153,22 @@ class MemberLoop:
     # --- the thread -----------------------------------------------------------------------------
     def _serve(self) -> None:  # for as long as the copy's process lives
         while True:
+            jobs: list[Job] = []
             try:
-                self._settle(self._run(self._take()))
+                self._take(jobs)
+                self._settle(self._run(jobs))
                 if self._expire(time.monotonic() - self.expire_s):
                     self._settle([])
-            except Exception:  # a bug here must not leave the copy deaf: its callers' calls fail, it goes on
+            except Exception as exc:  # a bug here must not leave the copy deaf: these calls fail, it goes on
                 log.exception("the member thread's step failed")
+                self._fail(jobs, exc)
+
+    def _fail(self, jobs: list[Job], exc: Exception) -> None:
+        """Reply `exc` to each of `jobs` not answered yet."""
+        for job in jobs:
+            if not job.future.done():
+                n = max(1, len(job.items))
+                job.future.set_result(Done([portable(exc)] * n, len(self.book), [None] * n))
 
     def _settle(self, replies: list[tuple[Job, Done]]) -> None:
         """Note what the member holds now, then hand the replies out: a caller that has its reply reads
@@ -172,20 +182,21 @@ class MemberLoop:
         for job, done in replies:
             job.future.set_result(done)
 
-    def _take(self) -> list[Job]:
+    def _take(self, jobs: list[Job]) -> None:
+        """Into `jobs`: what waits now (after a tick's wait for the first), and what the gather brings."""
+        taken = []
         try:
-            jobs = [self._queue.get(timeout=self._tick)]
+            taken.append(self._queue.get(timeout=self._tick))
         except queue.Empty:
-            return []
+            return
         while True:
             try:
-                jobs.append(self._queue.get_nowait())
+                taken.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        jobs = [job for job in jobs if self._running(job)]
+        jobs += [job for job in taken if self._running(job)]
         if self.gather_s > 0 and any(j.kind != "call" for j in jobs):
             self._gather(jobs)
-        return jobs
 
     def _running(self, job: Job) -> bool:
         """Mark `job` running (its caller can no longer cancel it, so its reply can always be set); False where
