@@ -14,7 +14,7 @@ $(BIN)/python:
 # The core (engine, llama.cpp, the embedded models) is all `make demo` needs; the
 # tests also need every extra: torch first, pinned, so it resolves to the local
 # CPU wheel (an unpinned torch pulls CUDA).
-EXTRAS := test,server,eval,hf,remote,bench,llm
+EXTRAS := test,server,eval,hf,remote,bench,llm,ray
 CORE   := $(VENV)/.core
 FULL   := $(VENV)/.full
 

@@ -17,6 +17,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "eval": ("matplotlib", "tqdm", "lm_eval", "nltk"),
     "hf": ("torch", "transformers", "gguf"),
     "remote": ("httpx",),
+    "ray": ("ray",),
     "bench": ("matplotlib",),
 }
 

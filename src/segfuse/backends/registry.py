@@ -15,7 +15,9 @@ Backends and their targets (``#...`` is optional: a display name and/or
   timeout=S,retries=N,backoff=S,n_ctx=N,check_echo=BOOL]``: a model behind an
   OpenAI-compatible completions server, URL being its ``/v1`` base, e.g.
   ``remote:http://127.0.0.1:8000/v1#qwen72b,template=/models/qwen72b``
-  (``segfuse[remote]``; see docs/deploy.md).
+  (``segfuse[remote]``; see docs/deploy.md);
+- ``ray:SPEC[#NAME,replicas=K,cpus=C,gpus=G,expire_s=S,gather_ms=M,restarts=N,timeout=S,address=A]``:
+  K copies of the member SPEC in Ray actors across a cluster (``segfuse[ray]``; see docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ BACKENDS: dict[str, str] = {
     "llama_cpp": "segfuse.backends.llama_cpp.member:load",
     "transformers": "segfuse.backends.transformers.member:load",
     "remote": "segfuse.backends.remote.member:load",
+    "ray": "segfuse.backends.ray.member:load",
 }
 
 
@@ -52,7 +55,7 @@ class MemberSpec:
 
 
 # backend -> the optional extra it needs (the llama.cpp backend is in the core)
-BACKEND_EXTRAS: dict[str, str] = {"transformers": "hf", "remote": "remote"}
+BACKEND_EXTRAS: dict[str, str] = {"transformers": "hf", "remote": "remote", "ray": "ray"}
 
 
 def _loader(backend: str) -> Callable[..., Member]:
