@@ -7,7 +7,7 @@ import pytest
 
 from segfuse import Ensemble
 from segfuse.options import FusionOptions
-from segfuse.scheduler import run_all
+from segfuse.engine.scheduler import run_all
 
 pytestmark = pytest.mark.models
 

@@ -32,7 +32,7 @@ from segfuse.engine import SEED_SPACE, member_seed
 from segfuse.errors import InvalidRequestError, NoFreeSlotError
 from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
-from segfuse.scoring import hedge_update
+from segfuse.engine.scoring import hedge_update
 from segfuse.server import app as server_app
 from segfuse.server.worker import DeadlineError, Failed, Job, ShuttingDownError, Worker, WorkerFailedError
 from segfuse.types import DoneEvent, Message

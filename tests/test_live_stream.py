@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from segfuse.engine import drive
-from segfuse.live import Handoff
+from segfuse.engine.live import Handoff
 from segfuse.options import FusionOptions
 from segfuse.segments import apply_stops, before_stops, cut_draft, sure_prefix
 from segfuse.types import DoneEvent, RoundEvent, SegmentEvent

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from segfuse.options import FusionOptions
-from segfuse.phases import Draft, cut_segment, gate, rank
+from segfuse.engine.phases import Draft, cut_segment, gate, rank
 from segfuse.types import Candidate, DraftTokens, TokenScores
 
 PLAIN = FusionOptions.build(gate=None, guard=False, hedge=False, exit=False)
@@ -106,7 +106,7 @@ def scores(logprobs, tops=None):
 
 
 def test_worst_token_rule_accepts_only_segments_the_leader_nearly_wrote_token_by_token():
-    from segfuse.selection import leader_accepts
+    from segfuse.engine.selection import leader_accepts
 
     near = scores([-0.5, -1.0], [-0.4, -0.6])  # each token within 0.4 nats of the leader's choice
     far = scores([-0.1, -3.0], [-0.1, -0.2])  # one token 2.8 nats below
@@ -121,7 +121,7 @@ def test_worst_token_rule_accepts_only_segments_the_leader_nearly_wrote_token_by
 
 
 def test_mean_rule_compares_with_the_leaders_own_draft():
-    from segfuse.selection import leader_accepts
+    from segfuse.engine.selection import leader_accepts
 
     own = scores([-0.5, -0.5])
     assert leader_accepts(scores([-1.0, -1.2]), own, "mean", 0.7).accepted  # 0.6 nats below on average

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
 
-from segfuse.calls import CallRunner
+from segfuse.engine.calls import CallRunner
 from segfuse.engine import fusion_steps
 from segfuse.errors import MemberFailedError
 from segfuse.options import FusionOptions
-from segfuse.scheduler import Cancelled, Flight, Scheduler, run_all
+from segfuse.engine.scheduler import Cancelled, Flight, Scheduler, run_all
 from segfuse.types import DoneEvent, Message
 
 PLAIN = FusionOptions.build(gate=None, max_tokens=64, temperature=0.0)

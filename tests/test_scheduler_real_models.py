@@ -13,7 +13,7 @@ from segfuse.backends.registry import load_member
 from segfuse.engine import fusion_steps
 from segfuse.ensemble import to_messages
 from segfuse.options import FusionOptions
-from segfuse.scheduler import Cancelled, Flight, Scheduler
+from segfuse.engine.scheduler import Cancelled, Flight, Scheduler
 from segfuse.types import DoneEvent, Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]

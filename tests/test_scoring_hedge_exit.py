@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from segfuse.scoring import hedge_rewards, hedge_update, model_exit, normalised_entropy, softmax
+from segfuse.engine.scoring import hedge_rewards, hedge_update, model_exit, normalised_entropy, softmax
 
 S3 = [[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.4, 0.4, 0.2]]  # S[verifier][candidate]
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from segfuse.scoring import aggregate, model_exit, normalise, pick_winner
-from segfuse.selection import (
+from segfuse.engine.scoring import aggregate, model_exit, normalise, pick_winner
+from segfuse.engine.selection import (
     bits_per_byte,
     cross_quality,
     degeneration,

@@ -6,8 +6,8 @@ import pytest
 
 from segfuse.engine import fuse
 from segfuse.options import FusionOptions
-from segfuse.scoring import aggregate, normalise, pick_winner, raw_score
-from segfuse.selection import degeneration, guard_eligible
+from segfuse.engine.scoring import aggregate, normalise, pick_winner, raw_score
+from segfuse.engine.selection import degeneration, guard_eligible
 from segfuse.types import Message
 
 STORY = [Message("user", "Write two sentences about a cat.")]
@@ -81,7 +81,7 @@ INSTRUCTION = [Message("user", "Write a haiku about the sea. Use only lowercase 
 
 def test_with_margin_zero_the_fused_answer_is_the_leaders_own(default_ensemble):
     """accept_margin 0: the others are never consulted, and the answer is the leader's alone, byte for byte."""
-    from segfuse.baselines import write_answer
+    from segfuse.eval.baselines import write_answer
     from segfuse.types import Sampling
 
     leader = max(default_ensemble.members, key=lambda m: m.n_params)

@@ -154,7 +154,7 @@ class Ensemble:
         Results come in the order of `prompts`; the first failure is raised
         once every prompt has run.
         """
-        from .scheduler import run_all
+        from .engine.scheduler import run_all
 
         opts = options.pop("options", None) or FusionOptions.build(**options)
         generations = [self.steps(p, opts) for p in prompts]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from operator import methodcaller
 from typing import Any, Literal
 
-from .backends.base import Member, MemberSession
+from ..backends.base import Member, MemberSession
 
 Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close"]
 # Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):

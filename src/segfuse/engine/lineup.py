@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
 
-from .backends.base import Member
+from ..backends.base import Member
+from ..constraints import Constraint
+from ..errors import InvalidRequestError, MemberFailedError
+from ..options import FusionOptions
+from ..types import Departure, Message
 from .calls import Calls, Reply
-from .constraints import Constraint
-from .errors import InvalidRequestError, MemberFailedError
-from .options import FusionOptions
 from .seats import Seat, Seats
 from .selection import pick_leader
-from .types import Departure, Message
 
 SEED_SPACE = 2**63  # member seeds lie in [0, 2**63): NumPy, torch and remote servers all take them
 

@@ -40,20 +40,20 @@ from collections.abc import Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ..backends.base import Member
+from ..constraints import Constraint, TextMatcher
+from ..errors import InvalidRequestError
+from ..options import FusionOptions
+from ..prompting import prefill_of
+from ..types import Candidate, DoneEvent, Event, Message, Result, RoundEvent
 from . import phases
-from .backends.base import Member
 from .calls import CallRunner, Calls, Reply
-from .constraints import Constraint, TextMatcher
-from .errors import InvalidRequestError
 from .lineup import SEED_SPACE, Lineup, member_seed
 from .live import Handoff, LiveCalls
-from .options import FusionOptions
 from .phases import Drafted, Known
-from .prompting import prefill_of
 from .records import Decision, Votes, gated_how, round_record
 from .seats import Seat
 from .transcript import Transcript
-from .types import Candidate, DoneEvent, Event, Message, Result, RoundEvent
 
 log = logging.getLogger("segfuse.engine")
 
@@ -135,7 +135,7 @@ def drive(steps: Steps, live: bool = True) -> Iterator[Event]:
 
 def _run_live(runner: CallRunner, item: LiveCalls, helper: ThreadPoolExecutor) -> Generator[Event, None, list[Reply]]:
     """Run `item`'s calls on the helper thread, yielding the events their hooks emit meanwhile; the helper
-    waits while each event is consumed (:class:`~segfuse.live.Handoff`), so the two never run at once."""
+    waits while each event is consumed (:class:`~segfuse.engine.live.Handoff`), so the two never run at once."""
     handoff = Handoff()
     item.outlet.listen(handoff.give)
     future = helper.submit(runner.run, item.calls)
@@ -163,8 +163,8 @@ def fuse(members: Sequence[Member], messages: Sequence[Message], options: Fusion
 class Generation:
     """One fused generation: rounds until the answer stops, each decided by ``_round``.
 
-    Its jobs live apart: the seats and who leads (:class:`~segfuse.lineup.Lineup`), the answer so far
-    (:class:`~segfuse.transcript.Transcript`), the voting weights and round records (``records.py``).
+    Its jobs live apart: the seats and who leads (:class:`~segfuse.engine.lineup.Lineup`), the answer so far
+    (:class:`~segfuse.engine.transcript.Transcript`), the voting weights and round records (``records.py``).
     """
 
     def __init__(self, members: Sequence[Member], options: FusionOptions,

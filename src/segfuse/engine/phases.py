@@ -10,7 +10,7 @@
 - :func:`model_exit`: members whose cumulative quality lags leave the query;
 - :func:`prompt_prior`: before the first round, voting weights from prompt fit.
 
-The generator functions yield member calls through :class:`~segfuse.seats.Seats`
+The generator functions yield member calls through :class:`~segfuse.engine.seats.Seats`
 and return their phase's result; the engine strings them together.
 """
 
@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from ..options import FusionOptions
+from ..segments import apply_stops, cut_draft, tokens_covering
+from ..types import Candidate, DraftTokens, Message, Sampling, TokenScores, TokenTrail
 from .live import LeaderStream
-from .options import FusionOptions
 from .scoring import aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
 from .scoring import model_exit as exit_rule
 from .seats import Asking, Seat, Seats
-from .segments import apply_stops, cut_draft, tokens_covering
 from .selection import (
     bits_per_byte,
     continues_loop,
@@ -36,7 +37,6 @@ from .selection import (
     mean_probability,
     prompt_weights,
 )
-from .types import Candidate, DraftTokens, Message, Sampling, TokenScores, TokenTrail
 
 
 @dataclass

@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..options import FusionOptions
+from ..types import RoundRecord
 from . import phases
-from .options import FusionOptions
 from .phases import Drafted, Ranking
 from .seats import Seat
-from .types import RoundRecord
 
 How = Literal["confident", "alone", "rejected", "vote"]
 

@@ -3,7 +3,7 @@
 Each generation is the engine's coroutine (:func:`segfuse.engine.fusion_steps`).
 One :meth:`Scheduler.tick` runs every generation in flight up to its next
 member calls that decode (handing its events out on the way), then runs all those calls
-together through a :class:`~segfuse.calls.CallRunner` (a ``live`` flight's calls hand
+together through a :class:`~segfuse.engine.calls.CallRunner` (a ``live`` flight's calls hand
 out the leader's text while they run: ``live.py``): calls of one method to
 one member that can batch (llama.cpp) become one batched call, remote calls
 overlap in threads. Every flight advances by one step per tick, so none starves.
@@ -19,12 +19,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..types import DoneEvent, Event, Result
 from .calls import CallRunner, Calls, Reply
-from .engine import Steps
 from .live import LiveCalls
-from .types import DoneEvent, Event, Result
+from .loop import Steps
 
-log = logging.getLogger("segfuse.scheduler")
+log = logging.getLogger("segfuse.engine.scheduler")
 
 @dataclass(eq=False)
 class Flight:

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
 
-from .types import TokenScores
-
-ScoreMode = Literal["mean_prob", "mean_logprob", "mean_logit"]
-SCORE_MODES: tuple[str, ...] = ("mean_prob", "mean_logprob", "mean_logit")
+from ..options import SCORE_MODES, ScoreMode
+from ..types import TokenScores
 
 
 def raw_score(scores: TokenScores, mode: ScoreMode) -> float:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends.base import Member, MemberSession
+from ..backends.base import Member, MemberSession
+from ..errors import MemberFailedError
+from ..types import Departure
 from .calls import Call, Calls, Method, Reply
-from .errors import MemberFailedError
 from .live import LiveCalls, Outlet
-from .types import Departure
 
 Asking = Generator[Calls, list[Reply], Any]
 

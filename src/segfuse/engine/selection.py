@@ -24,8 +24,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..types import TokenScores
 from .scoring import softmax
-from .types import TokenScores
 
 _WORD = re.compile(r"\S+")
 

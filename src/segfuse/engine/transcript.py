@@ -11,8 +11,8 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
+from ..types import Event, RoundRecord, Segment, SegmentEvent, Stats
 from .live import LeaderStream
-from .types import Event, RoundRecord, Segment, SegmentEvent, Stats
 
 log = logging.getLogger("segfuse.engine")
 

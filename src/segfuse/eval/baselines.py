@@ -21,15 +21,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from .backends.base import Member, MemberSession
-from .backends.likelihood import SCORE_PIECE_BYTES, score_in_pieces, split_for_scoring  # noqa: F401 (moved there)
-from .engine import drive, member_seed
-from .ensemble import Ensemble
-from .errors import PromptTooLongError
-from .options import FusionOptions
-from .phases import Draft, cut_segment
-from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
-from .types import DoneEvent, Message, Result, Sampling, TokenScores
+from ..backends.base import Member, MemberSession
+from ..backends.likelihood import SCORE_PIECE_BYTES, score_in_pieces, split_for_scoring  # noqa: F401 (moved there)
+from ..engine import drive, member_seed
+from ..engine.phases import Draft, cut_segment
+from ..engine.scoring import aggregate, normalise, pick_winner, raw_score
+from ..ensemble import Ensemble
+from ..errors import PromptTooLongError
+from ..options import FusionOptions, ScoreMode
+from ..types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
 """Tokens a lone member drafts per call: small enough to time the first token

@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..baselines import Answer
 from ..errors import InvalidRequestError, SegfuseError
+from .baselines import Answer
 from .systems import MEMBER_PREFIX, ItemContext, RunSettings, get_system, resolve_systems
 from .tasks import Task, get_task
 

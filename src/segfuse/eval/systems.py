@@ -3,7 +3,7 @@
 Built in:
 - ``specfuse``: plain fusion, no Model Exit, no Hedge (greedy or seeded as the run says);
 - ``specfuse+exit``, ``specfuse+hedge``, ``specfuse+exit+hedge``: with Model Exit and/or Hedge;
-- ``rerank``: the response-level ensemble (:func:`segfuse.baselines.rerank`);
+- ``rerank``: the response-level ensemble (:func:`segfuse.eval.baselines.rerank`);
 - ``specfuse+guard``: plain fusion with the degeneration guard;
 - ``specfuse+gate``: the default engine since the 512-token study (the largest member
   leads, confidence gate 0.5; no guard, no Exit, no Hedge);
@@ -12,7 +12,7 @@ Built in:
   run* (each record keeps the options it ran with);
 - ``fusion:KEY=VALUE/KEY=VALUE``: any FusionOptions variant, for screening
   (e.g. ``fusion:gate=0.7/guard=true/prior=prompt``);
-- ``member:<name>``: one member alone (:func:`segfuse.baselines.write_answer`);
+- ``member:<name>``: one member alone (:func:`segfuse.eval.baselines.write_answer`);
   ``members`` expands to every member.
 
 A variant of the engine is one line::
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.base import Member
-from ..baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
 from ..engine import member_seed
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError
 from ..options import FusionOptions
 from ..types import Message, Sampling
+from .baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
 
 MEMBER_PREFIX = "member:"
 FUSION_PREFIX = "fusion:"

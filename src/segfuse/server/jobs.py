@@ -16,11 +16,11 @@ from typing import Protocol
 from ..backends.base import Member
 from ..constraints import Constraint
 from ..engine import Steps
+from ..engine.scheduler import Cancelled as FlightCancelled
+from ..engine.scheduler import Flight
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SegfuseError
 from ..options import FusionOptions
-from ..scheduler import Cancelled as FlightCancelled
-from ..scheduler import Flight
 from ..tools import Tool
 from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
 

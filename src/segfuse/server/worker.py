@@ -1,6 +1,6 @@
 """One worker thread runs the fused generations: up to ``max_concurrent`` at once.
 
-The thread drives a :class:`~segfuse.scheduler.Scheduler`: every tick it
+The thread drives a :class:`~segfuse.engine.scheduler.Scheduler`: every tick it
 admits queued jobs while a slot is free (first come, first served), advances
 every generation in flight by one step and runs their member calls together,
 batched where a member can batch (llama.cpp). Requests beyond the slots wait
@@ -36,9 +36,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from ..backends.base import Occupancy
+from ..engine.scheduler import Scheduler
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
-from ..scheduler import Scheduler
 from .jobs import (
     Cancelled,
     DeadlineError,
