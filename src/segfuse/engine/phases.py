@@ -23,7 +23,7 @@ from ..options import FusionOptions
 from ..segments import apply_stops, cut_draft, tokens_covering
 from ..types import Candidate, DraftTokens, Message, Sampling, TokenScores, TokenTrail
 from .live import LeaderStream
-from .scoring import aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
+from .scoring import ExitRule, aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
 from .scoring import model_exit as exit_rule
 from .seats import Asking, Seat, Seats
 from .selection import (
@@ -298,8 +298,7 @@ def model_exit(seats: Seats, options: FusionOptions, round_no: int, keep: Seat |
     o = options
     active = list(seats.active)
     quality = [s.quality for s in active]
-    leaving = exit_rule(quality, round_no, warmup=o.exit_warmup, entropy_threshold=o.exit_entropy,
-                        temperature=o.exit_temperature, fraction=o.exit_fraction, min_active=o.exit_min_active)
+    leaving = exit_rule(quality, round_no, ExitRule.of(o))
     for i in leaving:
         if active[i] is not keep:  # the leader is chosen by evidence the votes cannot inflate: it stays
             seats.depart(active[i], round_no, "exit", exit_reason(quality, i, o.exit_temperature))
