@@ -13,6 +13,7 @@ from segfuse import Ensemble
 from segfuse.engine import fuse
 from segfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
 from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.types import Message, Sampling, SegmentEvent
 
 QUESTION = [Message("user", "What is the capital of France? Answer in one short sentence.")]
@@ -30,7 +31,7 @@ def close_logprobs(a, b):
 
 def run(members, messages=QUESTION, **options):
     options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion unless a test asks otherwise
-    events = list(fuse(members, messages, FusionOptions.build(**options)))
+    events = list(fuse(members, FusionRequest.of(messages, FusionOptions.build(**options))))
     return events, events[-1].result
 
 

@@ -8,8 +8,9 @@ from segfuse.engine.calls import CallRunner
 from segfuse.engine import fusion_steps
 from segfuse.errors import MemberFailedError
 from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.engine.scheduler import Cancelled, Flight, Scheduler, run_all
-from segfuse.types import DoneEvent, Message
+from segfuse.types import DoneEvent
 
 PLAIN = FusionOptions.build(gate=None, max_tokens=64, temperature=0.0)
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
@@ -32,7 +33,7 @@ class CountingRunner(CallRunner):
 
 
 def steps(members, prompt="q", options=PLAIN):
-    return fusion_steps(members, [Message("user", prompt)], options)
+    return fusion_steps(members, FusionRequest.of(prompt, options))
 
 
 def test_generations_run_together_with_full_batches_and_accepts_in_between():

@@ -11,8 +11,8 @@ from segfuse import Ensemble
 from segfuse.backends.base import Occupancy
 from segfuse.backends.registry import load_member
 from segfuse.engine import fusion_steps
-from segfuse.ensemble import to_messages
 from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.engine.scheduler import Cancelled, Flight, Scheduler
 from segfuse.types import DoneEvent, Message, Sampling
 
@@ -149,7 +149,7 @@ def test_concurrent_contexts_never_mix(ensemble):
 
 
 def _flight(members, prompt, options, results, ends):
-    steps = fusion_steps(members, to_messages(prompt), FusionOptions.build(**options))
+    steps = fusion_steps(members, FusionRequest.of(prompt, FusionOptions.build(**options)))
 
     def on_event(event):
         if isinstance(event, DoneEvent):

@@ -20,7 +20,7 @@ coroutine cannot yield, so it closes its sessions directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import methodcaller
@@ -33,6 +33,8 @@ Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob
 # a scheduler runs them at once instead of spending a tick on them.
 CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})
 BATCHED = {"draft": "draft_many", "score": "score_many"}  # methods a batching member serves together
+# Calls that read or write answer text (drafts, scores, prompt fits): the member calls a generation reports.
+COUNTED: frozenset[str] = frozenset({"draft", "score", "text_logprob"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class Reply:
     @property
     def failed(self) -> bool:
         return isinstance(self.value, Exception)
+
+
+Asking = Generator[Calls, list[Reply], Any]  # a step of a generation: it yields calls, is sent their replies
 
 
 class MemberPanic(Exception):

@@ -29,6 +29,7 @@ from ..engine.scoring import aggregate, normalise, pick_winner, raw_score
 from ..ensemble import Ensemble
 from ..errors import PromptTooLongError
 from ..options import FusionOptions, ScoreMode
+from ..request import FusionRequest
 from ..types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
@@ -260,17 +261,10 @@ def _score_rows(members: Sequence[Member], messages: Sequence[Message], written:
     return rows, calls
 
 
-def fused(
-    ensemble: Ensemble,
-    messages: Sequence[Message],
-    options: FusionOptions,
-    weights: dict[str, float] | None = None,
-    members: Sequence[str] | None = None,
-) -> SystemOutput:
-    """The SpecFuse engine on `ensemble` (or some of its `members`; starting from `weights`, if given),
-    reported like the baselines."""
-    steps = ensemble.steps(messages, options, weights=weights, members=members)
-    for event in drive(steps):
+def fused(ensemble: Ensemble, request: FusionRequest) -> SystemOutput:
+    """The SpecFuse engine on `ensemble` (on the request's members, from its weights), reported like the
+    baselines."""
+    for event in drive(ensemble.steps(request)):
         if isinstance(event, DoneEvent):
             result = event.result
             stats = result.stats
@@ -284,7 +278,7 @@ def fused(
                 wins=dict(stats.wins),
                 rounds=stats.rounds,
                 weights=dict(result.weights),
-                extra=_selection_record(result, options),
+                extra=_selection_record(result, request.options),
             )
     raise RuntimeError("the engine ended without a result")
 

@@ -31,6 +31,7 @@ from ..engine import member_seed
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError
 from ..options import FusionOptions
+from ..request import FusionRequest
 from ..types import Message, Sampling
 from .baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
 
@@ -104,8 +105,9 @@ def fusion_system(members: Sequence[str] | None = None, **extra_options: object)
             window=s.window, stop=s.stop, **{**extra_options, **s.options},
         )
         persist = s.hedge_persist and options.hedge
-        output = fused(ctx.ensemble, messages, options, weights=ctx.carried.get(ctx.system) if persist else None,
-                       members=members)
+        request = FusionRequest.of(messages, options, members=members,
+                                   weights=ctx.carried.get(ctx.system) if persist else None)
+        output = fused(ctx.ensemble, request)
         if persist and output.weights:
             ctx.carried[ctx.system] = output.weights
         return output
