@@ -9,7 +9,7 @@ from segfuse.engine import fusion_steps
 from segfuse.errors import MemberFailedError
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
-from segfuse.engine.scheduler import Cancelled, Flight, Scheduler, run_all
+from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler, run_all
 from segfuse.types import DoneEvent
 
 PLAIN = FusionOptions.build(gate=None, max_tokens=64, temperature=0.0)
@@ -81,7 +81,7 @@ def test_a_cancelled_generation_leaves_and_closes_its_sessions_while_the_other_f
         scheduler.tick()
     scheduler.close()
     assert ends["a"] is None and done["a"].text == " one. two."
-    assert isinstance(ends["b"], Cancelled) and "b" not in done
+    assert isinstance(ends["b"], FlightCancelled) and "b" not in done
     assert all(s.closed for s in opened)
 
 

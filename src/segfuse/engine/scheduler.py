@@ -40,7 +40,7 @@ class Flight:
     ended: bool = field(default=False, init=False)
 
 
-class Cancelled(Exception):
+class FlightCancelled(Exception):
     """Handed to ``Flight.on_end`` when a generation stopped because it was cancelled."""
 
 
@@ -75,7 +75,7 @@ class Scheduler:
 
     def _advance(self, flight: Flight) -> None:
         if flight.cancelled():
-            self._end(flight, Cancelled())
+            self._end(flight, FlightCancelled())
             return
         reply, flight.reply = flight.reply, None
         try:
@@ -90,7 +90,7 @@ class Scheduler:
                 reply = None
                 flight.on_event(item)
                 if flight.cancelled() and not isinstance(item, DoneEvent):
-                    self._end(flight, Cancelled())
+                    self._end(flight, FlightCancelled())
                     return
         except StopIteration:
             self._end(flight, None)
@@ -110,7 +110,7 @@ class Scheduler:
         flight.on_end(why)
 
     def cancel_all(self) -> None:
-        self.fail_all(Cancelled())
+        self.fail_all(FlightCancelled())
 
     def fail_all(self, why: BaseException) -> None:
         """End every flight with `why` (a step of the loop itself failed: none of them can be trusted)."""

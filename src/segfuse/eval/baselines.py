@@ -37,7 +37,7 @@ DEFAULT_CHUNK = 16
 closely, large enough that re-drafting a cut-off word is rare overhead."""
 
 @dataclass
-class Answer:
+class MemberAnswer:
     """One member's complete answer with what it cost."""
 
     model: str
@@ -74,7 +74,7 @@ def write_answer(
     sampling: Sampling,
     stop: Sequence[str] = (),
     chunk: int = DEFAULT_CHUNK,
-) -> Answer:
+) -> MemberAnswer:
     """Let `member` answer alone on one session, `chunk` tokens per draft call."""
     started = time.perf_counter()
     session = member.start(messages, seed=sampling.seed, reserve=chunk + 1)
@@ -139,13 +139,13 @@ class _Writing:
         self.finish = "stop" if candidate.finished else ""
         self.n = self.chunk
 
-    def answer(self, total_s: float) -> Answer:
-        return Answer(model=self.model, text=self.text, tokens=self.tokens, member_calls=self.calls,
+    def answer(self, total_s: float) -> MemberAnswer:
+        return MemberAnswer(model=self.model, text=self.text, tokens=self.tokens, member_calls=self.calls,
                       ttft_s=self.ttft, total_s=total_s, finish_reason=self.finish or "length",
                       own_logprobs=tuple(self.logprobs) if self.logprobs else None)
 
 
-def answer_output(answer: Answer) -> SystemOutput:
+def answer_output(answer: MemberAnswer) -> SystemOutput:
     """An answer reported as a system output."""
     return SystemOutput(
         text=answer.text,
@@ -192,7 +192,7 @@ def rerank(
     sampling: Sampling,
     stop: Sequence[str] = (),
     score: ScoreMode = "mean_logprob",
-    answers: Sequence[Answer | None] | None = None,
+    answers: Sequence[MemberAnswer | None] | None = None,
     chunk: int = DEFAULT_CHUNK,
 ) -> SystemOutput:
     """Response-level ensemble: every member answers, every member scores every answer.
@@ -225,9 +225,9 @@ def rerank(
 
 
 def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_tokens: int, sampling: Sampling,
-             stop: Sequence[str], answers: Sequence[Answer | None] | None, chunk: int) -> list[Answer]:
+             stop: Sequence[str], answers: Sequence[MemberAnswer | None] | None, chunk: int) -> list[MemberAnswer]:
     """Each member's answer: the one given, else written now with the member's own seed."""
-    written: list[Answer] = []
+    written: list[MemberAnswer] = []
     for i, member in enumerate(members):
         given = answers[i] if answers is not None else None
         if given is None:
@@ -237,7 +237,7 @@ def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_toke
     return written
 
 
-def _score_rows(members: Sequence[Member], messages: Sequence[Message], written: Sequence[Answer],
+def _score_rows(members: Sequence[Member], messages: Sequence[Message], written: Sequence[MemberAnswer],
                 score: ScoreMode) -> tuple[list[list[float]], int]:
     """Per verifier, its normalised scores of every answer, and the member calls that took.
 

@@ -33,7 +33,7 @@ from ..errors import InvalidRequestError
 from ..options import FusionOptions
 from ..request import FusionRequest
 from ..types import Message, Sampling
-from .baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
+from .baselines import MemberAnswer, SystemOutput, answer_output, fused, rerank, write_answer
 
 MEMBER_PREFIX = "member:"
 FUSION_PREFIX = "fusion:"
@@ -67,7 +67,7 @@ class ItemContext:
     """
 
     ensemble: Ensemble
-    answers: dict[str, Answer] = field(default_factory=dict)
+    answers: dict[str, MemberAnswer] = field(default_factory=dict)
     system: str = ""  # the system being run (set by the runner)
     carried: dict[str, dict[str, float]] = field(default_factory=dict)  # per system, across items of a run
 

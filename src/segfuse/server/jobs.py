@@ -15,8 +15,7 @@ from typing import Protocol
 
 from ..backends.base import Member
 from ..engine import Steps
-from ..engine.scheduler import Cancelled as FlightCancelled
-from ..engine.scheduler import Flight
+from ..engine.scheduler import Flight, FlightCancelled
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SegfuseError
 from ..request import FusionRequest
