@@ -242,7 +242,8 @@ def test_cli_generate_with_remote_member(server_url):
 
 
 def test_remote_refuses_off_by_one_echo(tmp_path):
-    """Qwen's prompts do not start with BOS: llama-cpp-python's echo log-probs shift by one (#1983)."""
+    """Qwen's prompts do not start with BOS: llama-cpp-python's echo log-probs shift by one
+    (abetlen/llama-cpp-python#1983)."""
     if not is_ready(QWEN):
         pytest.skip("Qwen2.5-Coder-0.5B is not prepared")
     pytest.importorskip("llama_cpp.server.app")
