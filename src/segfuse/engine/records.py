@@ -1,6 +1,6 @@
 """What a round decided and what it teaches: the decision, the voting weights, the round's record.
 
-``engine.Generation._round`` returns a :class:`Decision` (how the winner was
+``loop.Generation._round`` returns a :class:`Decision` (how the winner was
 chosen, and everything the choice used); :func:`round_record` turns it into the
 :class:`~segfuse.types.RoundRecord` that is streamed and kept; :class:`Votes`
 holds the voting weights and what votes teach (Hedge, the guard's patience,
