@@ -63,9 +63,9 @@ class FusionRequest:
     "deadline"); `cache_salt`: members reuse only prompt prefixes cached under the same salt.
     """
 
-    messages: tuple[Message, ...]
+    messages: Sequence[Message]  # kept as a tuple, as members are
     options: FusionOptions
-    members: tuple[str, ...] | None = None
+    members: Sequence[str] | None = None
     weights: Mapping[str, float] | None = None
     constraint: Constraint | None = None
     top_logprobs: int = 0
@@ -88,8 +88,7 @@ class FusionRequest:
         and the prefill against the constraint."""
         messages = to_messages(prompt)
         check_prefill(constraint, messages)
-        return cls(tuple(messages), options, None if members is None else tuple(members), weights, constraint,
-                   top_logprobs, deadline, cache_salt)
+        return cls(messages, options, members, weights, constraint, top_logprobs, deadline, cache_salt)
 
 
 __all__ = ["Conversation", "FusionRequest", "check_prefill", "to_messages"]

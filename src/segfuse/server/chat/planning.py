@@ -175,7 +175,7 @@ def plan_of(request: ChatCompletionRequest, defaults: FusionOptions,
     except InvalidRequestError as exc:
         raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
     # Built from what was checked above, naming the field at fault: the request is not checked again.
-    generation = FusionRequest(tuple(messages), options, constraint=constraint, top_logprobs=top or 0,
+    generation = FusionRequest(messages, options, constraint=constraint, top_logprobs=top or 0,
                                cache_salt=request.cache_salt)
     return ChatPlan(request, generation, tools if mode != "none" else [], top is not None)
 
