@@ -33,7 +33,7 @@ from segfuse.backends.registry import load_member  # noqa: E402
 from segfuse.ensemble import Ensemble  # noqa: E402
 from segfuse.errors import MemberLoadError  # noqa: E402
 from segfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
-from segfuse.scoring import normalise, raw_score  # noqa: E402
+from segfuse.engine.scoring import normalise, raw_score  # noqa: E402
 from segfuse.types import Message, Sampling  # noqa: E402
 from segfuse.bench.processes import free_port, llama_cpp_server  # noqa: E402
 
@@ -242,7 +242,8 @@ def test_cli_generate_with_remote_member(server_url):
 
 
 def test_remote_refuses_off_by_one_echo(tmp_path):
-    """Qwen's prompts do not start with BOS: llama-cpp-python's echo log-probs shift by one (#1983)."""
+    """Qwen's prompts do not start with BOS: llama-cpp-python's echo log-probs shift by one
+    (abetlen/llama-cpp-python#1983)."""
     if not is_ready(QWEN):
         pytest.skip("Qwen2.5-Coder-0.5B is not prepared")
     pytest.importorskip("llama_cpp.server.app")

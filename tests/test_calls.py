@@ -8,7 +8,7 @@ import time
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
 
 from segfuse.backends.base import Capabilities
-from segfuse.calls import Call, CallRunner, Calls
+from segfuse.engine.calls import Call, CallRunner, Calls
 from segfuse.types import Sampling
 
 GREEDY = Sampling(0.0, 1.0, 0)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from segfuse import Ensemble
+from segfuse.engine.scheduler import run_all
 from segfuse.options import FusionOptions
-from segfuse.scheduler import run_all
+from segfuse.request import FusionRequest
 
 pytestmark = pytest.mark.models
 
@@ -23,9 +24,9 @@ def test_deterministic_answers_are_a_lone_fresh_answer_among_cached_and_batched_
         member = ensemble.members[0]
         first = ensemble.generate(TARGET, options=deterministic)  # the first request on a fresh member
         ensemble.generate(TARGET, options=plain)  # now the target's prompt and answer are cached
-        mixed = run_all([ensemble.steps(TARGET, deterministic), ensemble.steps(OTHERS[0], plain),
-                         ensemble.steps(TARGET, plain), ensemble.steps(OTHERS[1], plain),
-                         ensemble.steps(TARGET, deterministic)], max_concurrent=3)
+        mixed = run_all([ensemble.steps(FusionRequest.of(TARGET, deterministic)), ensemble.steps(FusionRequest.of(OTHERS[0], plain)),
+                         ensemble.steps(FusionRequest.of(TARGET, plain)), ensemble.steps(FusionRequest.of(OTHERS[1], plain)),
+                         ensemble.steps(FusionRequest.of(TARGET, deterministic))], max_concurrent=3)
         assert not [r for r in mixed if isinstance(r, BaseException)], mixed
         assert first.text.strip() and mixed[0].text == mixed[4].text == first.text
         assert first.counters[LEADER]["reused"] == mixed[0].counters[LEADER]["reused"] == 0

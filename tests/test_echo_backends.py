@@ -158,7 +158,7 @@ def test_remote_echo_refuses_ids_and_over_window_texts(gemma_url, gemma_remote):
 
 def test_remote_echo_refused_where_the_server_shifts_it(remote_member):  # noqa: F811
     """SmolLM2's plain texts do not start with its BOS: llama-cpp-python would shift every echoed
-    log-probability by one token (#1983), so the member does not offer echo at all."""
+    log-probability by one token (abetlen/llama-cpp-python#1983), so the member does not offer echo at all."""
     assert not remote_member.capabilities.echo
     with pytest.raises(InvalidRequestError, match="1983"):
         remote_member.echo(CONTEXT)

@@ -14,13 +14,14 @@ from fakes import FittedSession, ScriptedMember, ScriptedSession, fitted
 from segfuse.engine import fuse
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
-from segfuse.types import DoneEvent, Message, RoundEvent, SegmentEvent
+from segfuse.request import FusionRequest
+from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
 
 
 def run(members, **options):
     # Plain fusion unless a test asks for Model Exit or Hedge: these tests check the round mechanics.
     options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion
-    events = list(fuse(members, [Message("user", "q")], FusionOptions.build(**options)))
+    events = list(fuse(members, FusionRequest.of("q", FusionOptions.build(**options))))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result
 
@@ -344,7 +345,7 @@ def test_under_a_constraint_a_candidate_that_breaks_it_cannot_win():
     b = ScriptedSession([([b"Sure", b" thing"], False)], {'{"ok": true}': 0.2, "Sure thing": 0.9})
     members = [ScriptedMember("a", a, capabilities=Capabilities(constrained=True)), ScriptedMember("b", b)]
     options = FusionOptions.build(exit=False, hedge=False, gate=None, guard=False, accept_margin=None)
-    events = list(fuse(members, [Message("user", "q")], options, constraint=Constraint.json_object()))
+    events = list(fuse(members, FusionRequest.of("q", options, constraint=Constraint.json_object())))
     result = events[-1].result
     assert result.text == '{"ok": true}' and result.valid is True and result.invalid_reason is None
     assert result.rounds[0].candidates[result.rounds[0].winner_index].model == "a"
@@ -356,7 +357,7 @@ def test_a_constraint_needs_a_member_that_can_draft_under_it():
 
     members = [ScriptedMember("remote", ScriptedSession([], {}))]
     with pytest.raises(InvalidRequestError) as caught:
-        list(fuse(members, [Message("user", "q")], FusionOptions.build(), constraint=Constraint.json_object()))
+        list(fuse(members, FusionRequest.of("q", FusionOptions.build(), constraint=Constraint.json_object())))
     assert "remote" in caught.value.message
 
 
@@ -371,6 +372,6 @@ def test_under_a_constraint_members_that_cannot_draft_under_it_only_verify():
     for gate in (None, 0.5):
         a.drafts, remote.drafted = [([b'{"a"', b": 1}"], True)], 0
         options = FusionOptions.build(gate=gate, accept_margin=None, exit=False, hedge=False, guard=False)
-        result = list(fuse(members, [Message("user", "q")], options, constraint=Constraint.json_object()))[-1].result
+        result = list(fuse(members, FusionRequest.of("q", options, constraint=Constraint.json_object())))[-1].result
         assert result.text == '{"a": 1}' and result.valid is True
         assert remote.drafted == 0  # it verified (voted) but never drafted

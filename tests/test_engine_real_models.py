@@ -13,6 +13,7 @@ from segfuse import Ensemble
 from segfuse.engine import fuse
 from segfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
 from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.types import Message, Sampling, SegmentEvent
 
 QUESTION = [Message("user", "What is the capital of France? Answer in one short sentence.")]
@@ -30,7 +31,7 @@ def close_logprobs(a, b):
 
 def run(members, messages=QUESTION, **options):
     options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion unless a test asks otherwise
-    events = list(fuse(members, messages, FusionOptions.build(**options)))
+    events = list(fuse(members, FusionRequest.of(messages, FusionOptions.build(**options))))
     return events, events[-1].result
 
 
@@ -263,7 +264,7 @@ def test_hedge_weights_move_and_are_reported(recording):
 
 def test_rerank_scores_an_answer_longer_than_one_batch(default_ensemble):
     """A text over n_batch tokens is scored in pieces on a second session, opened after the first closed."""
-    from segfuse.baselines import score_answers, split_for_scoring
+    from segfuse.eval.baselines import score_answers, split_for_scoring
 
     qwen = next(m for m in default_ensemble.members if m.name.startswith("qwen"))
     long_text = " ".join(f"step {i}: add {i} and {i + 1} to get {2 * i + 1}." for i in range(90))

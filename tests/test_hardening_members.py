@@ -32,7 +32,8 @@ from segfuse.engine import SEED_SPACE, member_seed
 from segfuse.errors import InvalidRequestError, NoFreeSlotError
 from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
-from segfuse.scoring import hedge_update
+from segfuse.request import FusionRequest
+from segfuse.engine.scoring import hedge_update
 from segfuse.server import app as server_app
 from segfuse.server.worker import DeadlineError, Failed, Job, ShuttingDownError, Worker, WorkerFailedError
 from segfuse.types import DoneEvent, Message
@@ -89,8 +90,10 @@ def run_jobs(worker: Worker, jobs: list[Job], timeout: float = 120.0) -> list[li
     return asyncio.run(main())
 
 
-def chat(text: str = "Name a colour.", options: FusionOptions = GREEDY, **fields) -> Job:
-    return Job([Message("user", text)], options, **fields)
+def chat(text: str = "Name a colour.", options: FusionOptions = GREEDY, deadline_s: float | None = None) -> Job:
+    accepted = time.monotonic()  # the deadline counts from acceptance, as the server's jobs count it
+    deadline = None if deadline_s is None else accepted + deadline_s
+    return Job(FusionRequest.of(text, options, deadline=deadline), accepted_at=accepted)
 
 
 # --------------------------------------------------------------------------- slots

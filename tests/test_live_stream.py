@@ -12,8 +12,9 @@ from dataclasses import replace
 import pytest
 
 from segfuse.engine import drive
-from segfuse.live import Handoff
+from segfuse.engine.live import Handoff
 from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.segments import apply_stops, before_stops, cut_draft, sure_prefix
 from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
 
@@ -95,7 +96,7 @@ PROMPT = "In three short sentences, say why the sky is blue."
 
 def _run(ensemble, live: bool, prompt: str = PROMPT, constraint=None, **options):
     opts = FusionOptions.build(**{"max_tokens": 24, "temperature": 0, **options})
-    events = list(drive(ensemble.steps(prompt, opts, constraint=constraint), live=live))
+    events = list(drive(ensemble.steps(FusionRequest.of(prompt, opts, constraint=constraint)), live=live))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result
 
@@ -254,10 +255,9 @@ def test_text_a_failing_leader_sent_stays_and_its_successor_goes_on(default_ense
 
     members = [Leader(m) if m.name == "qwen2.5-coder-0.5b" else m for m in default_ensemble.members]
     from segfuse.engine import fusion_steps
-    from segfuse.types import Message
 
     opts = FusionOptions.build(max_tokens=32, temperature=0)
-    events = list(drive(fusion_steps(members, [Message("user", PROMPT)], opts)))
+    events = list(drive(fusion_steps(members, FusionRequest.of(PROMPT, opts))))
     result = events[-1].result
     assert [d.model for d in result.departures] == ["qwen2.5-coder-0.5b"]
     sent = [e.segment for e in events if isinstance(e, SegmentEvent)]

@@ -18,10 +18,10 @@ from segfuse.backends.registry import load_member
 from segfuse.backends.remote.prompt_source import load_prompt_source
 from segfuse.constraints import Constraint
 from segfuse.engine import drive
-from segfuse.ensemble import to_messages
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
 from segfuse.prompting import chat_prompt, render_chat, render_plain
+from segfuse.request import FusionRequest, to_messages
 from segfuse.segments import apply_stops
 from segfuse.server.serving import api_error
 from segfuse.tools import parse_tools, tool_constraint
@@ -128,7 +128,7 @@ def test_a_constraint_reads_the_prefill_first():
 
 def _alone(ensemble, messages, member: str, **options) -> object:
     """One member's greedy answer through the ensemble's engine."""
-    steps = ensemble.steps(messages, FusionOptions.build(temperature=0, **options), members=[member])
+    steps = ensemble.steps(FusionRequest.of(messages, FusionOptions.build(temperature=0, **options), members=[member]))
     return next(e.result for e in drive(steps) if isinstance(e, DoneEvent))
 
 

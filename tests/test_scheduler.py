@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
 
-from segfuse.calls import CallRunner
+from segfuse.engine.calls import CallRunner
 from segfuse.engine import fusion_steps
 from segfuse.errors import MemberFailedError
 from segfuse.options import FusionOptions
-from segfuse.scheduler import Cancelled, Flight, Scheduler, run_all
-from segfuse.types import DoneEvent, Message
+from segfuse.request import FusionRequest
+from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler, run_all
+from segfuse.types import DoneEvent
 
 PLAIN = FusionOptions.build(gate=None, max_tokens=64, temperature=0.0)
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
@@ -32,7 +33,7 @@ class CountingRunner(CallRunner):
 
 
 def steps(members, prompt="q", options=PLAIN):
-    return fusion_steps(members, [Message("user", prompt)], options)
+    return fusion_steps(members, FusionRequest.of(prompt, options))
 
 
 def test_generations_run_together_with_full_batches_and_accepts_in_between():
@@ -80,7 +81,7 @@ def test_a_cancelled_generation_leaves_and_closes_its_sessions_while_the_other_f
         scheduler.tick()
     scheduler.close()
     assert ends["a"] is None and done["a"].text == " one. two."
-    assert isinstance(ends["b"], Cancelled) and "b" not in done
+    assert isinstance(ends["b"], FlightCancelled) and "b" not in done
     assert all(s.closed for s in opened)
 
 

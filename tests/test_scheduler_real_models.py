@@ -11,9 +11,9 @@ from segfuse import Ensemble
 from segfuse.backends.base import Occupancy
 from segfuse.backends.registry import load_member
 from segfuse.engine import fusion_steps
-from segfuse.ensemble import to_messages
 from segfuse.options import FusionOptions
-from segfuse.scheduler import Cancelled, Flight, Scheduler
+from segfuse.request import FusionRequest
+from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler
 from segfuse.types import DoneEvent, Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
@@ -149,7 +149,7 @@ def test_concurrent_contexts_never_mix(ensemble):
 
 
 def _flight(members, prompt, options, results, ends):
-    steps = fusion_steps(members, to_messages(prompt), FusionOptions.build(**options))
+    steps = fusion_steps(members, FusionRequest.of(prompt, FusionOptions.build(**options)))
 
     def on_event(event):
         if isinstance(event, DoneEvent):
@@ -172,7 +172,7 @@ def test_cancelling_one_generation_leaves_the_others_intact(ensemble):
     while len(scheduler):
         scheduler.tick()
     scheduler.close()
-    assert isinstance(ends[PROMPTS[1]], Cancelled) and PROMPTS[1] not in results
+    assert isinstance(ends[PROMPTS[1]], FlightCancelled) and PROMPTS[1] not in results
     for p in (PROMPTS[0], PROMPTS[2]):
         assert ends[p] is None and results[p].stats.finish_reason in ("stop", "length")
     assert "84" in results[PROMPTS[0]].text

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from segfuse.scoring import aggregate, normalise, pick_winner, raw_score
+from segfuse.engine.scoring import aggregate, normalise, pick_winner, raw_score
 from segfuse.types import TokenScores
 
 

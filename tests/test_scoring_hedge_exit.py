@@ -1,10 +1,11 @@
 """Hedge weights and Model Exit (pure logic), checked against hand-computed values."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from segfuse.scoring import hedge_rewards, hedge_update, model_exit, normalised_entropy, softmax
+from segfuse.engine.scoring import ExitRule, hedge_rewards, hedge_update, model_exit, normalised_entropy, softmax
 
 S3 = [[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.4, 0.4, 0.2]]  # S[verifier][candidate]
 
@@ -51,7 +52,7 @@ def test_entropy_and_softmax():
     assert softmax([1.0, 1.0], 0.5) == pytest.approx([0.5, 0.5])
 
 
-EXIT = dict(warmup=3, entropy_threshold=0.9, temperature=0.5, fraction=0.5, min_active=1)
+EXIT = ExitRule(warmup=3, entropy_threshold=0.9, temperature=0.5, fraction=0.5, min_active=1)
 
 
 def cumulative(rounds):
@@ -66,7 +67,7 @@ def cumulative(rounds):
 
 def test_lagging_member_exits_after_warmup():
     history = cumulative([[0.2, 0.45, 0.35]] * 6)
-    decisions = [model_exit(q, t + 1, **EXIT) for t, q in enumerate(history)]
+    decisions = [model_exit(q, t + 1, EXIT) for t, q in enumerate(history)]
     assert decisions[0] == decisions[1] == []  # never before warmup
     exit_round = next(t + 1 for t, d in enumerate(decisions) if d)
     assert decisions[exit_round - 1] == [0]
@@ -75,12 +76,12 @@ def test_lagging_member_exits_after_warmup():
 
 def test_close_race_keeps_everyone():
     history = cumulative([[0.33, 0.34, 0.33]] * 10)
-    assert all(model_exit(q, t + 1, **EXIT) == [] for t, q in enumerate(history))
+    assert all(model_exit(q, t + 1, EXIT) == [] for t, q in enumerate(history))
 
 
 def test_never_below_min_active_and_never_the_last_member():
     quality = [0.0, 10.0, 0.0, 0.0]
-    assert model_exit(quality, 10, **{**EXIT, "min_active": 2}) == [0, 2]  # equal shares: lowest index first
-    assert len(model_exit(quality, 10, **EXIT)) == 3  # one left
-    assert model_exit([5.0], 10, **EXIT) == []
-    assert model_exit([0.0, 9.0], 10, **{**EXIT, "min_active": 2}) == []
+    assert model_exit(quality, 10, replace(EXIT, min_active=2)) == [0, 2]  # equal shares: lowest index first
+    assert len(model_exit(quality, 10, EXIT)) == 3  # one left
+    assert model_exit([5.0], 10, EXIT) == []
+    assert model_exit([0.0, 9.0], 10, replace(EXIT, min_active=2)) == []

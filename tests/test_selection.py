@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from segfuse.scoring import aggregate, model_exit, normalise, pick_winner
-from segfuse.selection import (
+from segfuse.engine.scoring import ExitRule, aggregate, model_exit, normalise, pick_winner
+from segfuse.engine.selection import (
     bits_per_byte,
     cross_quality,
     degeneration,
@@ -91,7 +91,8 @@ def test_a_self_praising_member_is_not_kept_by_its_own_votes():
     cross = [cross_quality(matrix, weights, i) for i in range(3)]
     assert all_votes[2] > all_votes[1]  # with its self-vote it looks better than member 1
     assert cross[2] < cross[1] and cross[2] == pytest.approx(0.1)
-    leaving = model_exit(cross, 3, warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
+    rule = ExitRule(warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
+    leaving = model_exit(cross, 3, rule)
     assert 2 in leaving
 
 
@@ -105,12 +106,12 @@ def test_the_strongest_member_is_not_exited_on_cross_votes():
     ]
     weights = [1 / 3] * 3
     rounds = 4
-    knobs = dict(warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
+    knobs = ExitRule(warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
     all_q = [rounds * t for t in aggregate(matrix, weights)]
     cross_q = [rounds * cross_quality(matrix, weights, i) for i in range(3)]
-    assert model_exit(all_q, rounds, **knobs) == [0]
+    assert model_exit(all_q, rounds, knobs) == [0]
     assert cross_q[0] == max(cross_q)
-    assert 0 not in model_exit(cross_q, rounds, **knobs)
+    assert 0 not in model_exit(cross_q, rounds, knobs)
 
 
 def test_cross_quality_uses_the_other_voters_weights():

@@ -6,8 +6,9 @@ import pytest
 
 from segfuse.engine import fuse
 from segfuse.options import FusionOptions
-from segfuse.scoring import aggregate, normalise, pick_winner, raw_score
-from segfuse.selection import degeneration, guard_eligible
+from segfuse.request import FusionRequest
+from segfuse.engine.scoring import aggregate, normalise, pick_winner, raw_score
+from segfuse.engine.selection import degeneration, guard_eligible
 from segfuse.types import Message
 
 STORY = [Message("user", "Write two sentences about a cat.")]
@@ -43,7 +44,7 @@ def test_a_looping_candidate_loses_to_a_fresh_one(default_ensemble):
 def test_prompt_fit_picks_a_leader_and_the_gate_skips_rounds(default_ensemble):
     options = FusionOptions.build(max_tokens=48, temperature=0, exit=False, hedge=False, guard=True,
                                   prior="prompt", gate=0.5, accept_margin=None)
-    result = list(fuse(default_ensemble.members, ARITHMETIC, options))[-1].result
+    result = list(fuse(default_ensemble.members, FusionRequest.of(ARITHMETIC, options)))[-1].result
     names = default_ensemble.names
     assert set(result.prompt_bpb) == set(names)
     assert all(0.1 < v < 10 for v in result.prompt_bpb.values())  # bits per byte of English text
@@ -68,10 +69,10 @@ def test_gate_with_one_leader_reproduces_the_leader_alone(default_ensemble):
     """A gate of 0 accepts every leader draft: the answer is the leader's own greedy answer."""
     leader = default_ensemble.members[1]
     alone = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False)
-    solo = list(fuse([leader], ARITHMETIC, alone))[-1].result
+    solo = list(fuse([leader], FusionRequest.of(ARITHMETIC, alone)))[-1].result
     gated = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False, gate=0.0,
                                 leader=leader.name)
-    fused = list(fuse(default_ensemble.members, ARITHMETIC, gated))[-1].result
+    fused = list(fuse(default_ensemble.members, FusionRequest.of(ARITHMETIC, gated)))[-1].result
     assert fused.text == solo.text
     assert fused.stats.gated_rounds == fused.stats.rounds
 
@@ -81,13 +82,13 @@ INSTRUCTION = [Message("user", "Write a haiku about the sea. Use only lowercase 
 
 def test_with_margin_zero_the_fused_answer_is_the_leaders_own(default_ensemble):
     """accept_margin 0: the others are never consulted, and the answer is the leader's alone, byte for byte."""
-    from segfuse.baselines import write_answer
+    from segfuse.eval.baselines import write_answer
     from segfuse.types import Sampling
 
     leader = max(default_ensemble.members, key=lambda m: m.n_params)
     alone = write_answer(leader, INSTRUCTION, max_tokens=96, sampling=Sampling(0.0, 1.0, 0))
     options = FusionOptions.build(max_tokens=96, temperature=0.0, seed=0, accept_margin=0.0)
-    fused = list(fuse(default_ensemble.members, INSTRUCTION, options))[-1].result
+    fused = list(fuse(default_ensemble.members, FusionRequest.of(INSTRUCTION, options)))[-1].result
     assert alone.finish_reason == "stop"  # ended by itself: both answers end at the same place
     assert fused.text == alone.text
     assert all(r.gated and r.winner == leader.name and not r.consulted for r in fused.rounds)
@@ -97,7 +98,7 @@ def test_with_margin_zero_the_fused_answer_is_the_leaders_own(default_ensemble):
 def test_the_leader_scores_the_proposals_and_records_every_verdict(default_ensemble):
     """An unsure leader (gate above 1: it is always unsure) consults; each verdict names its reason."""
     options = FusionOptions.build(max_tokens=24, temperature=0.0, seed=0, gate=1.01, accept_margin=1.0)
-    result = list(fuse(default_ensemble.members, INSTRUCTION, options))[-1].result
+    result = list(fuse(default_ensemble.members, FusionRequest.of(INSTRUCTION, options)))[-1].result
     verdicts = [v for r in result.rounds for v in r.consulted.values()]
     assert verdicts and all(v.startswith(("accepted: every token within", "rejected: a token")) for v in verdicts)
     for record in result.rounds:

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from segfuse import Ensemble
-from segfuse.calls import Call, CallRunner
+from segfuse.engine.calls import Call, CallRunner
 from segfuse.types import Message, Sampling
 
 MEMBERS = ["smollm2-135m", "gemma3-270m"]

@@ -140,13 +140,13 @@ def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None]
     from segfuse.options import FusionOptions
     from segfuse.server import parsing
     from segfuse.server.chat import planning
-    from segfuse.server.completions.serving import COMPLETIONS, jobs_of
+    from segfuse.server.completions.serving import COMPLETIONS, requests_of
     from segfuse.server.serving import APIError
 
     try:
         if path == TEXT_PATH:
             parsed = parsing.parse_request(body, COMPLETIONS)
-            jobs_of(parsed, [p if isinstance(p, str) else "ids" for p in parsed.prompts], FusionOptions(), None)
+            requests_of(parsed, [p if isinstance(p, str) else "ids" for p in parsed.prompts], FusionOptions())
             return None
         request = parsing.parse_request(body, planning.CHAT)
         tools, mode = planning.offered_tools(request)

@@ -11,8 +11,9 @@ from segfuse import Ensemble
 from segfuse.errors import InvalidRequestError
 from segfuse.backends.base import Occupancy
 from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
-from segfuse.types import DoneEvent, Message
+from segfuse.types import DoneEvent
 
 import pytest
 
@@ -21,7 +22,7 @@ PLAIN = FusionOptions.build(gate=None, max_tokens=32, temperature=0.0)
 
 
 def job(text: str, options: FusionOptions = PLAIN, members=None) -> Job:
-    return Job([Message("user", text)], options, members)
+    return Job(FusionRequest.of(text, options, members=members))
 
 
 async def outcome(j: Job):

@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 from .ensemble import Ensemble
 from .errors import SegfuseError
 from .options import FusionOptions
+from .request import FusionRequest
 from .types import DoneEvent, Message, Result, RoundEvent, SegmentEvent
 
 try:  # the version lives in pyproject.toml alone; the installed metadata carries it here
@@ -21,6 +22,7 @@ __all__ = [
     "DoneEvent",
     "Ensemble",
     "FusionOptions",
+    "FusionRequest",
     "Message",
     "Result",
     "RoundEvent",

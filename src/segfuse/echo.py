@@ -7,7 +7,7 @@ the members' sums (log-linear pooling, weights summing to one). Summing the entr
 that starts and ends on a token boundary of every member gives that stretch's pooled log-likelihood
 (``loglinear-whole``). A token's alternatives are the reader's own, moved by the same amount as its
 token's entry, so the entry is the likeliest exactly when the reader's token is its greedy choice.
-See docs/design.md#echo.
+See docs/design.md#echo-a-texts-tokens-as-every-member-reads-it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from .backends.base import Member
@@ -15,36 +16,10 @@ from .likelihood import ItemScores, Rule, score_item, score_items
 from .member_options import MAX_CONCURRENT, MemberOptions
 from .models import DEFAULT_MODELS
 from .options import FusionOptions
-from .prompting import validate_messages, without_empty_prefill
-from .types import DoneEvent, Event, Message, PromptToken, Result
+from .request import Conversation, FusionRequest
+from .types import DoneEvent, Event, PromptToken, Result
 
 MAX_MEMBERS = 7
-
-Conversation = str | Sequence[Message | Mapping[str, str]]
-
-
-def to_messages(prompt: Conversation) -> list[Message]:
-    """A prompt string or a list of messages (dicts or Message) -> validated messages. A final assistant
-    message is a prefill: the answer continues it (an empty one is dropped)."""
-    if isinstance(prompt, str):
-        messages = [Message("user", prompt)]
-    else:
-        messages = []
-        for item in prompt:
-            if isinstance(item, Message):
-                messages.append(item)
-                continue
-            role, content = item.get("role"), item.get("content")
-            if role not in ("system", "user", "assistant", "raw") or not isinstance(content, str):
-                raise InvalidRequestError(
-                    f"bad message {dict(item)!r}",
-                    "each message needs role system/user/assistant (or raw: a text to continue) and string content",
-                )
-            messages.append(Message(role, content))
-    messages = without_empty_prefill(messages)
-    validate_messages(messages)
-    return messages
-
 
 class Ensemble:
     """Several members answering together, one verified segment at a time.
@@ -78,25 +53,21 @@ class Ensemble:
     def names(self) -> list[str]:
         return [m.name for m in self.members]
 
-    def steps(self, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
-              weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
-              top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> Steps:
-        """One generation as the engine's coroutine: the one way every interface starts one.
+    def steps(self, request: FusionRequest) -> Steps:
+        """One generation of `request` as the engine's coroutine: the one way every interface starts one.
 
-        `members` picks some members by name (default: all); `constraint`: what the answer must be
-        (structured output, :class:`segfuse.constraints.Constraint`); `deadline`: a ``time.monotonic()``
-        time after which the answer so far ends (finish reason "deadline"); `cache_salt`: members reuse
-        only prompt prefixes cached under the same salt (one client's, kept apart from others').
-        Hedge weights: the given `weights`, else, with the ensemble's ``hedge_persist``, those the
-        previous query on the whole ensemble ended with (and this one's are kept for the next); a
-        deterministic query neither takes nor leaves them (its answer must not depend on earlier ones).
+        The request's members pick some members by name (None: all). Hedge weights: the request's,
+        else, with the ensemble's ``hedge_persist``, those the previous query on the whole ensemble
+        ended with (and this one's are kept for the next); a deterministic query neither takes nor
+        leaves them (its answer must not depend on earlier ones).
         """
-        chosen = self._chosen(members)
-        persist = (options.hedge and self.hedge_persist and members is None and weights is None
+        chosen = self._chosen(request.members)
+        options = request.options
+        persist = (options.hedge and self.hedge_persist and request.members is None and request.weights is None
                    and not options.deterministic)
-        start = (self.hedge_weights or None) if persist else weights
-        steps = fusion_steps(chosen, to_messages(prompt), options, weights=start, constraint=constraint,
-                             top_logprobs=top_logprobs, deadline=deadline, cache_salt=cache_salt)
+        if persist:
+            request = replace(request, weights=self.hedge_weights or None)
+        steps = fusion_steps(chosen, request)
         return self._carrying(steps) if persist else steps
 
     def pick(self, names: Sequence[str] | None) -> list[Member]:
@@ -125,7 +96,7 @@ class Ensemble:
         finally:
             steps.close()
 
-    def stream(self, prompt: Conversation, *, weights: Mapping[str, float] | None = None,
+    def stream(self, prompt: Conversation | FusionRequest, *, weights: Mapping[str, float] | None = None,
                constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
                json_object: bool = False, top_logprobs: int = 0, **options: Any) -> Iterator[Event]:
         """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent.
@@ -134,18 +105,19 @@ class Ensemble:
         (any JSON object), or a ``constraint`` built with :class:`segfuse.constraints.Constraint`.
         ``Result.logprobs()`` gives each answer token's log-probability under its author, with
         `top_logprobs` alternatives. A prompt ``{"role": "raw", "content": text}`` is continued as it
-        is, with no chat template (a text completion).
+        is, with no chat template (a text completion). A :class:`~segfuse.request.FusionRequest` made
+        already is run as it is (it carries its own options).
         """
-        opts = options.pop("options", None) or FusionOptions.build(**options)
-        constraint = structured(constraint, json_schema, json_object)
-        return drive(self.steps(prompt, opts, weights=weights, constraint=constraint, top_logprobs=top_logprobs))
+        request = request_of(prompt, weights=weights, constraint=constraint, json_schema=json_schema,
+                             json_object=json_object, top_logprobs=top_logprobs, **options)
+        return drive(self.steps(request))
 
     @property
     def slots(self) -> int:
         """How many generations the members can hold at once (llama.cpp members are loaded with ``slots``)."""
         return min((m.slots or MAX_CONCURRENT for m in self.members), default=1)
 
-    def generate_many(self, prompts: Sequence[Conversation], *, max_concurrent: int | None = None,
+    def generate_many(self, prompts: Sequence[Conversation | FusionRequest], *, max_concurrent: int | None = None,
                       **options: Any) -> list[Result]:
         """Answer several prompts at once, batching the members' work across them.
 
@@ -154,17 +126,17 @@ class Ensemble:
         Results come in the order of `prompts`; the first failure is raised
         once every prompt has run.
         """
-        from .scheduler import run_all
+        from .engine.scheduler import run_all
 
         opts = options.pop("options", None) or FusionOptions.build(**options)
-        generations = [self.steps(p, opts) for p in prompts]
+        generations = [self.steps(p if isinstance(p, FusionRequest) else FusionRequest.of(p, opts)) for p in prompts]
         outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
         return outcomes  # type: ignore[return-value]
 
-    def generate(self, prompt: Conversation, **options: Any) -> Result:
+    def generate(self, prompt: Conversation | FusionRequest, **options: Any) -> Result:
         """Run to completion and return the result with its provenance."""
         for event in self.stream(prompt, **options):
             if isinstance(event, DoneEvent):
@@ -208,6 +180,25 @@ class Ensemble:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def request_of(prompt: Conversation | FusionRequest, *, weights: Mapping[str, float] | None = None,
+               constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
+               json_object: bool = False, top_logprobs: int = 0, **options: Any) -> FusionRequest:
+    """The request the Python API's keywords make of `prompt` (``options=FusionOptions`` or its fields);
+    a request made already is taken as it is, and then no keyword may be given."""
+    if isinstance(prompt, FusionRequest):
+        keywords = {"weights": weights is not None, "constraint": constraint is not None,
+                    "json_schema": json_schema is not None, "json_object": json_object,
+                    "top_logprobs": bool(top_logprobs), **{name: True for name in options}}
+        given = [name for name, was_given in keywords.items() if was_given]
+        if given:
+            raise InvalidRequestError(f"{given[0]} given with a FusionRequest, which carries its own",
+                                      "make the request with it, or pass the prompt instead")
+        return prompt
+    opts = options.pop("options", None) or FusionOptions.build(**options)
+    return FusionRequest.of(prompt, opts, weights=weights, constraint=structured(constraint, json_schema, json_object),
+                            top_logprobs=top_logprobs)
 
 
 def structured(constraint: Constraint | None, json_schema: Mapping[str, Any] | None,

@@ -22,7 +22,7 @@ import llm
 from pydantic import Field, create_model, field_validator
 
 from .config import build_config
-from .ensemble import Ensemble
+from .ensemble import Ensemble, request_of
 from .member_options import MemberOptions, flag_fields
 from .types import DoneEvent, Message, SegmentEvent
 
@@ -81,7 +81,8 @@ class Segfuse(llm.Model):
                  "gate": options.gate, "accept_margin": options.accept_margin, "window": options.window}
         fusion = {**config.fusion_defaults().model_dump(), **{k: v for k, v in asked.items() if v is not None}}
         schema = prompt.schema if isinstance(prompt.schema, dict) else None
-        for event in ensemble.stream(_messages(prompt), json_schema=schema, **fusion):
+        request = request_of(_messages(prompt), json_schema=schema, **fusion)
+        for event in ensemble.stream(request):
             if isinstance(event, SegmentEvent):
                 yield event.segment.text
             elif isinstance(event, DoneEvent):

@@ -7,14 +7,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import InvalidRequestError
-from .scoring import ScoreMode
 from .types import Sampling
-
 
 NULLABLE = ("seed", "gate", "accept_margin")  # fields where None is a value of its own, not "not given"
 # Seeds as clients send them: OpenAI's signed 64-bit range and unsigned 64-bit seeds; -1 means "random"
 # (llama.cpp's server). The engine maps each into the range its samplers take (``engine.member_seed``).
 SEED_MIN, SEED_LIMIT, RANDOM_SEED = -(2**63), 2**64, -1
+# How a verifier scores a candidate (``engine/scoring.py``).
+ScoreMode = Literal["mean_prob", "mean_logprob", "mean_logit"]
+SCORE_MODES: tuple[str, ...] = ("mean_prob", "mean_logprob", "mean_logit")
 
 
 class FusionOptions(BaseModel):

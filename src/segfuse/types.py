@@ -76,6 +76,9 @@ class TokenScores:
     tops: tuple[float, ...] | None = None
 
 
+TextAlternatives = tuple[tuple[str, float], ...]  # an echoed position's most likely tokens: (text, log-probability)
+
+
 @dataclass(frozen=True)
 class PromptToken:
     """One token of a text a member read (an echoed prompt): its id, the characters it completes
@@ -88,7 +91,7 @@ class PromptToken:
     start: int
     end: int
     logprob: float | None
-    top: tuple[tuple[str, float], ...] = ()
+    top: TextAlternatives = ()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ What a member can do beyond that is *declared*, never probed:
 
 - ``Member.capabilities`` (:class:`Capabilities`): whether its calls may run in
   threads beside others' (remote servers, a llama.cpp member wholly on a GPU:
-  ``calls.py``), whether ``draft_many`` / ``score_many`` batch several sessions
+  ``engine/calls.py``), whether ``draft_many`` / ``score_many`` batch several sessions
   into one decode (llama.cpp), whether its sessions offer ``text_logprob``
   (prompt-fit voting weights), whether they draft under a constraint
   (``constrain``: structured output);

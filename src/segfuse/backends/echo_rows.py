@@ -9,12 +9,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..segments import complete_utf8_prefix
-from ..types import PromptToken
-
-Alternatives = tuple[tuple[str, float], ...]
+from ..types import PromptToken, TextAlternatives
 
 
-def top_of(row: np.ndarray, lse: float, k: int, piece: Callable[[int], bytes]) -> Alternatives:
+def top_of(row: np.ndarray, lse: float, k: int, piece: Callable[[int], bytes]) -> TextAlternatives:
     """The `k` likeliest tokens of `row` as (text, log-probability), likeliest first (one entry per text)."""
     if k <= 0:
         return ()
@@ -29,7 +27,7 @@ def top_of(row: np.ndarray, lse: float, k: int, piece: Callable[[int], bytes]) -
 
 
 def echoed(ids: Sequence[int], pieces: Sequence[bytes], logprobs: Sequence[float | None],
-           tops: Sequence[Alternatives]) -> list[PromptToken]:
+           tops: Sequence[TextAlternatives]) -> list[PromptToken]:
     """One entry per token: its byte span and the whole characters it completes, so that the
     entries' texts join to the decoded text exactly."""
     out: list[PromptToken] = []
@@ -47,4 +45,4 @@ def echoed(ids: Sequence[int], pieces: Sequence[bytes], logprobs: Sequence[float
     return out
 
 
-__all__ = ["Alternatives", "echoed", "top_of"]
+__all__ = ["TextAlternatives", "echoed", "top_of"]

@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.llama_cpp import LlamaCppMember
-from ..baselines import rerank
-from ..ensemble import Ensemble, to_messages
+from ..ensemble import Ensemble
+from ..eval.baselines import rerank
 from ..options import FusionOptions
+from ..request import to_messages
 from ..types import Message, Result, Sampling
 from .machine import git, machine, peak_rss_self_mb
 

@@ -127,16 +127,16 @@ def generate(
     options = fusion_options(fusion or {})
     constraint = read_constraint(json_schema, json_object)
     messages = ([Message("system", system)] if system else []) + [Message("user", read_prompt(prompt))]
-    from ..ensemble import to_messages
+    from ..request import FusionRequest
 
-    to_messages(messages)  # validate before loading models
+    request = FusionRequest.of(messages, options, constraint=constraint)  # checked before any model loads
     with load_ensemble(model, member_options) as ensemble:
         if as_json:
-            result = ensemble.generate(messages, options=options, constraint=constraint)
+            result = ensemble.generate(request)
             sys.stdout.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
             return
         err.print(legend(ensemble.names))
-        result = print_stream(ensemble.stream(messages, options=options, constraint=constraint), ensemble.names)
+        result = print_stream(ensemble.stream(request), ensemble.names)
         err.print(f"[dim]{summary_line(result)}[/]", soft_wrap=True)
         if result.invalid_reason:
             err.print(f"[bold red]the answer does not satisfy the schema:[/] {result.invalid_reason}")

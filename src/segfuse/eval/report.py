@@ -22,8 +22,8 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from ..engine.selection import loops
 from ..errors import InvalidRequestError
-from ..selection import loops
 from .runner import read_records
 from .tasks import TASKS, Task
 

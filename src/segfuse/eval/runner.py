@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..baselines import Answer
 from ..errors import InvalidRequestError, SegfuseError
+from .baselines import MemberAnswer
 from .systems import MEMBER_PREFIX, ItemContext, RunSettings, get_system, resolve_systems
 from .tasks import Task, get_task
 
@@ -179,17 +179,17 @@ def _run_pending(task: Task, pending: Sequence[tuple[Any, str]], ensemble: Any, 
     bar.close()
 
 
-def recorded_answers(records: Sequence[dict[str, Any]], item_id: str) -> dict[str, Answer]:
+def recorded_answers(records: Sequence[dict[str, Any]], item_id: str) -> dict[str, MemberAnswer]:
     """Member-alone answers already recorded for an item, so a resumed ``rerank`` reuses them.
 
     The run file guarantees the same settings and members, so the recorded
     answer is the one the member would write again; its measured cost counts.
     """
-    answers: dict[str, Answer] = {}
+    answers: dict[str, MemberAnswer] = {}
     for r in records:
         if r["id"] == item_id and r["system"].startswith(MEMBER_PREFIX) and "error" not in r:
             name = r["system"][len(MEMBER_PREFIX):]
-            answers[name] = Answer(name, r["output"], r.get("tokens", 0), r.get("member_calls", 0),
+            answers[name] = MemberAnswer(name, r["output"], r.get("tokens", 0), r.get("member_calls", 0),
                                    r.get("ttft_s"), r.get("total_s", 0.0), r.get("finish_reason", ""))
     return answers
 

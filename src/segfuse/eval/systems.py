@@ -3,7 +3,7 @@
 Built in:
 - ``specfuse``: plain fusion, no Model Exit, no Hedge (greedy or seeded as the run says);
 - ``specfuse+exit``, ``specfuse+hedge``, ``specfuse+exit+hedge``: with Model Exit and/or Hedge;
-- ``rerank``: the response-level ensemble (:func:`segfuse.baselines.rerank`);
+- ``rerank``: the response-level ensemble (:func:`segfuse.eval.baselines.rerank`);
 - ``specfuse+guard``: plain fusion with the degeneration guard;
 - ``specfuse+gate``: the default engine since the 512-token study (the largest member
   leads, confidence gate 0.5; no guard, no Exit, no Hedge);
@@ -12,7 +12,7 @@ Built in:
   run* (each record keeps the options it ran with);
 - ``fusion:KEY=VALUE/KEY=VALUE``: any FusionOptions variant, for screening
   (e.g. ``fusion:gate=0.7/guard=true/prior=prompt``);
-- ``member:<name>``: one member alone (:func:`segfuse.baselines.write_answer`);
+- ``member:<name>``: one member alone (:func:`segfuse.eval.baselines.write_answer`);
   ``members`` expands to every member.
 
 A variant of the engine is one line::
@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.base import Member
-from ..baselines import Answer, SystemOutput, answer_output, fused, rerank, write_answer
 from ..engine import member_seed
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError
 from ..options import FusionOptions
+from ..request import FusionRequest
 from ..types import Message, Sampling
+from .baselines import MemberAnswer, SystemOutput, answer_output, fused, rerank, write_answer
 
 MEMBER_PREFIX = "member:"
 FUSION_PREFIX = "fusion:"
@@ -66,7 +67,7 @@ class ItemContext:
     """
 
     ensemble: Ensemble
-    answers: dict[str, Answer] = field(default_factory=dict)
+    answers: dict[str, MemberAnswer] = field(default_factory=dict)
     system: str = ""  # the system being run (set by the runner)
     carried: dict[str, dict[str, float]] = field(default_factory=dict)  # per system, across items of a run
 
@@ -104,8 +105,9 @@ def fusion_system(members: Sequence[str] | None = None, **extra_options: object)
             window=s.window, stop=s.stop, **{**extra_options, **s.options},
         )
         persist = s.hedge_persist and options.hedge
-        output = fused(ctx.ensemble, messages, options, weights=ctx.carried.get(ctx.system) if persist else None,
-                       members=members)
+        request = FusionRequest.of(messages, options, members=members,
+                                   weights=ctx.carried.get(ctx.system) if persist else None)
+        output = fused(ctx.ensemble, request)
         if persist and output.weights:
             ctx.carried[ctx.system] = output.weights
         return output

@@ -14,13 +14,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..backends.base import Member
-from ..constraints import Constraint
 from ..engine import Steps
+from ..engine.scheduler import Flight, FlightCancelled
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SegfuseError
-from ..options import FusionOptions
-from ..scheduler import Cancelled as FlightCancelled
-from ..scheduler import Flight
+from ..request import FusionRequest
 from ..tools import Tool
 from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
 
@@ -82,23 +80,22 @@ Item = Started | Event | Failed | Cancelled | Worked
 
 @dataclass(eq=False)
 class Job:
-    """One request's generation, shared between its HTTP handler and the worker."""
+    """One request's generation, shared between its HTTP handler and the worker: the generation asked
+    for, and what is the server's own (the tools offered, whether log-probabilities are reported, its
+    id and timing, its cancel flag and the queue of items for its handler)."""
 
-    messages: list[Message]
-    options: FusionOptions
-    members: list[str] | None = None  # None: the whole ensemble
-    constraint: Constraint | None = None  # structured output (response_format, or the tools offered)
+    # The messages, options, members (None: the whole ensemble), constraint (response_format, or the
+    # tools offered), top log-probabilities, deadline (then the answer so far ends; a job still queued
+    # fails) and cache salt. A work job's has no messages: its work reads what it reads.
+    request: FusionRequest
     tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
-    logprobs: bool = False  # the response reports each answer token's log-probability
-    top_logprobs: int = 0  # and this many alternatives per token, as the drafters report them
-    deadline_s: float | None = None  # from acceptance: then the answer so far ends (None: no deadline)
-    cache_salt: str | None = None  # prefix-cache isolation: reuse only prefixes cached under the same salt
+    logprobs: bool = False  # the response reports each answer token's log-probability (and request.top_logprobs)
     # Instead of a generation, one call on the worker thread with the ensemble (reading an echoed
     # prompt: bounded by the members' windows); its value comes back as ``Worked``.
     work: Callable[[Ensemble], object] | None = None
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: float = field(default_factory=time.time)
-    accepted_at: float = field(default_factory=time.monotonic)  # the deadline counts from here
+    accepted_at: float = field(default_factory=time.monotonic)  # time.monotonic(): the deadline counts from here
     cancel_flag: threading.Event = field(default_factory=threading.Event)
     cancel_reason: SegfuseError | None = None  # why the server (not the client) cancelled it, if it did
     # Its result (the DoneEvent, or a work job's Worked), held back until the worker has let the job go
@@ -106,11 +103,6 @@ class Job:
     result: Item | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _items: asyncio.Queue[Item] | None = None
-
-    @property
-    def deadline(self) -> float | None:
-        """The ``time.monotonic()`` time its deadline passes, if it has one."""
-        return None if self.deadline_s is None else self.accepted_at + self.deadline_s
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import Request
@@ -22,6 +22,7 @@ from ..backends.base import Member
 from ..config import ServerConfig
 from ..errors import SegfuseError
 from ..options import FusionOptions
+from ..request import FusionRequest
 from .guards import quoted, redact
 from .metrics import ServerMetrics
 from .serving import APIError, api_error, json_body
@@ -108,9 +109,14 @@ def members_for(state: ServerState, model: str) -> list[str] | None:
                    f"and its members {', '.join(state.members)}", code="model_not_found", param="model")
 
 
-def job_fields(state: ServerState, cache_salt: str | None) -> dict[str, Any]:
-    """What every job of a request carries besides its content: the deadline and the cache salt."""
-    return {"deadline_s": state.config.limits.deadline_s, "cache_salt": cache_salt}
+def job_for(state: ServerState, request: FusionRequest, members: list[str] | None, **fields: Any) -> Job:
+    """The worker's job for `request` (as its parsing made it), answered by `members` (None: every one)
+    and accepted now: its deadline is ``[limits] request_timeout_s`` from now. `fields`: the server's own
+    Job fields (tools, logprobs, id, work)."""
+    accepted = time.monotonic()
+    seconds = state.config.limits.deadline_s
+    deadline = None if seconds is None else accepted + seconds
+    return Job(replace(request, members=members, deadline=deadline), accepted_at=accepted, **fields)
 
 
 def room(worker: Worker) -> int:
@@ -159,4 +165,4 @@ def key_check(state: ServerState, hint: str = "'Authorization: Bearer <key>' or 
     return require_key
 
 
-__all__ = ["ServerState", "job_fields", "key_check", "members_for", "require_members", "room", "submit"]
+__all__ = ["ServerState", "job_for", "key_check", "members_for", "require_members", "room", "submit"]

@@ -1,6 +1,6 @@
 """One worker thread runs the fused generations: up to ``max_concurrent`` at once.
 
-The thread drives a :class:`~segfuse.scheduler.Scheduler`: every tick it
+The thread drives a :class:`~segfuse.engine.scheduler.Scheduler`: every tick it
 admits queued jobs while a slot is free (first come, first served), advances
 every generation in flight by one step and runs their member calls together,
 batched where a member can batch (llama.cpp). Requests beyond the slots wait
@@ -23,8 +23,8 @@ failed ticks with no generation completed between them, or if the thread dies, `
 ``on_fatal`` is called (the server answers 503 on /health and exits). A
 watchdog thread notices a tick that runs longer than ``stall_after_s``
 (``Worker.stalled``), logs where the worker thread is, and counts it
-(``stalls``). A job's ``deadline_s`` ends its answer where it is (finish
-reason "deadline", a length limit), or fails it if it is still queued then.
+(``stalls``). A job's deadline (its request's) ends its answer where it is
+(finish reason "deadline", a length limit), or fails it if it is still queued then.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from ..backends.base import Occupancy
+from ..engine.scheduler import Scheduler
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
-from ..scheduler import Scheduler
 from .jobs import (
     Cancelled,
     DeadlineError,
@@ -306,23 +306,21 @@ class Worker:
         self._count("started")
         ensemble = self._ensemble
         assert ensemble is not None
-        deadline = job.deadline
-        if deadline is not None and time.monotonic() >= deadline:
+        request = job.request
+        if request.deadline is not None and time.monotonic() >= request.deadline:
             self._end(job, DeadlineError(
                 f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
-                f"of {job.deadline_s:g} s", "retry when the server is less busy"), 0)
+                f"of {request.deadline - job.accepted_at:g} s", "retry when the server is less busy"), 0)
             return
         if job.work is not None:  # one call, now, on this thread (the members are this thread's)
             run_work(job, ensemble, self._end)
             return
         try:
-            steps = ensemble.steps(job.messages, job.options, members=job.members, constraint=job.constraint,
-                                   top_logprobs=job.top_logprobs, deadline=deadline, cache_salt=job.cache_salt)
+            steps = ensemble.steps(request)
         except SegfuseError as exc:
             self._end(job, exc, 0)
             return
-        members = [m for m in ensemble.members if job.members is None or m.name in job.members]
-        job.emit(Started(time.time() - job.created, prompt_tokens(members, job.messages)))
+        job.emit(Started(time.time() - job.created, prompt_tokens(ensemble.pick(request.members), request.messages)))
         self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ...errors import PromptTooLongError
 from ...types import PromptToken
-from ..echo_rows import Alternatives, echoed, top_of
+from ..echo_rows import TextAlternatives, echoed, top_of
 from .context import Context
 from .runtime import LogSoftmax
 from .slots import Slots
@@ -32,7 +32,7 @@ def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, ctx: Conte
         raise PromptTooLongError(f"{vocab.name}: the text is {len(tokens)} tokens, over its context window "
                                  f"({ctx.window})", "shorten the text")
     logprobs: list[float | None] = [None] * len(ids)
-    tops: list[Alternatives] = [()] * len(ids)
+    tops: list[TextAlternatives] = [()] * len(ids)
     slot = table.take()
     seq = table.base(slot)
     try:

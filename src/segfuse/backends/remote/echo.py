@@ -65,7 +65,7 @@ def raw_echo_agrees(server: Server) -> bool:
 
 
 def shifted(server: Server, what: str) -> InvalidRequestError:
-    """The error for what a server that shifts a plain text's echo (#1983) cannot do right."""
+    """The error for what a server that shifts a plain text's echo (abetlen/llama-cpp-python#1983) cannot do right."""
     return InvalidRequestError(f"{server.name}: {server.url} shifts the log-probabilities of a text it reads with "
                                f"no BOS first (abetlen/llama-cpp-python#1983), so it cannot {what}",
                                "serve this model with vLLM or a fixed llama-cpp-python")

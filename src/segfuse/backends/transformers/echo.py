@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from ...errors import PromptTooLongError
 from ...types import PromptToken
-from ..echo_rows import Alternatives, echoed, top_of
+from ..echo_rows import TextAlternatives, echoed, top_of
 from .tokens import Vocabulary
 from .weights import Weights
 
@@ -41,7 +41,7 @@ def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, weights: W
         raise PromptTooLongError(f"{vocab.name}: the text is {len(tokens)} tokens, over its context window "
                                  f"({weights.n_ctx})", "shorten the text")
     logprobs: list[float | None] = [None] * len(ids)
-    tops: list[Alternatives] = [()] * len(ids)
+    tops: list[TextAlternatives] = [()] * len(ids)
     step = max(1, min(MAX_CHUNK, ROW_FLOATS // max(weights.vocab_size, 1)))
     cache = DynamicCache()
     for at in range(0, len(tokens) - 1, step):  # the last token predicts nothing echoed

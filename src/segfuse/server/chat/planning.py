@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 from ...config import LimitsSection
 from ...constraints import Constraint
-from ...ensemble import to_messages
 from ...errors import InvalidRequestError
 from ...options import FusionOptions
-from ...prompting import prefill_of
+from ...request import FusionRequest, check_prefill, to_messages
 from ...tools import (
     Tool,
     call_text,
@@ -140,14 +139,13 @@ def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None 
 
 @dataclass(frozen=True)
 class ChatPlan:
-    """A chat request made ready for the worker (``plan_chat``)."""
+    """A chat request made ready for the worker (``plan_chat``): the generation it asks for (its members
+    and deadline come with its job), and what the server answers with."""
 
     request: ChatCompletionRequest
-    messages: list[Message]
-    options: FusionOptions
-    constraint: Constraint | None
+    generation: FusionRequest  # the messages, options, constraint, top log-probabilities and cache salt
     tools: list[Tool]  # offered to the answer ([] with tool_choice "none")
-    top_logprobs: int | None  # None: no logprobs
+    logprobs: bool  # the answer's log-probabilities are reported
 
 
 def plan_chat(body: bytes, defaults: FusionOptions, limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
@@ -172,12 +170,14 @@ def plan_of(request: ChatCompletionRequest, defaults: FusionOptions,
     except RecursionError:
         raise checks.exceeded("response_format", "the schema nests too deeply to check", limits.max_schema_depth,
                               "max_schema_depth") from None
-    if constraint is not None:
-        try:
-            constraint.check_prefill(prefill_of(messages))
-        except InvalidRequestError as exc:
-            raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
-    return ChatPlan(request, messages, options, constraint, tools if mode != "none" else [], top)
+    try:
+        check_prefill(constraint, messages)
+    except InvalidRequestError as exc:
+        raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
+    # Built from what was checked above, naming the field at fault: the request is not checked again.
+    generation = FusionRequest(messages, options, constraint=constraint, top_logprobs=top or 0,
+                               cache_salt=request.cache_salt)
+    return ChatPlan(request, generation, tools if mode != "none" else [], top is not None)
 
 
 

@@ -31,7 +31,7 @@ from ..serving import (
     sse,
     usage_of,
 )
-from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..state import ServerState, job_for, members_for, require_members, submit
 from ..wire import FusionInfo, RoundInfo
 from ..worker import Job, Started
 from . import planning
@@ -51,9 +51,8 @@ from .protocol import (
 
 def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job:
     """The worker's job for a planned chat request (`fields`: more Job fields, e.g. its id)."""
-    return Job(plan.messages, plan.options, members_for(state, model), plan.constraint, plan.tools,
-               logprobs=plan.top_logprobs is not None, top_logprobs=plan.top_logprobs or 0,
-               **job_fields(state, plan.request.cache_salt), **fields)
+    return job_for(state, plan.generation, members_for(state, model), tools=plan.tools, logprobs=plan.logprobs,
+                   **fields)
 
 
 async def answer(state: ServerState, request: Request) -> Response:
@@ -100,7 +99,7 @@ def _choice(job: Job, result: Result) -> Choice:
                else AssistantMessage(content=result.text))
     logprobs = None
     if job.logprobs:
-        logprobs = ChoiceLogprobs(content=None if call else chat_logprobs(result.logprobs(), job.top_logprobs))
+        logprobs = ChoiceLogprobs(content=None if call else chat_logprobs(result.logprobs(), job.request.top_logprobs))
     return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)  # type: ignore[arg-type]
 
 
@@ -131,7 +130,7 @@ def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
 
 
 def _segment_chunk(job: Job, model: str, segment: Segment, round_info: RoundInfo | None = None) -> str:
-    logprobs = (ChoiceLogprobs(content=chat_logprobs(answer_logprobs([segment]), job.top_logprobs))
+    logprobs = (ChoiceLogprobs(content=chat_logprobs(answer_logprobs([segment]), job.request.top_logprobs))
                 if job.logprobs else None)
     return _chunk(job, model, Delta(content=segment.text),
                   info=FusionInfo(segment=segment_info(segment), round=round_info), logprobs=logprobs)
@@ -146,7 +145,7 @@ def _closing(job: Job, model: str, result: Result, started: Started | None, held
         frames.append(_chunk(job, model, Delta(tool_calls=_calls(call, 0))))
     elif held:
         frames.append(_chunk(job, model, Delta(content="".join(held)), logprobs=ChoiceLogprobs(
-            content=chat_logprobs(result.logprobs(), job.top_logprobs)) if job.logprobs else None))
+            content=chat_logprobs(result.logprobs(), job.request.top_logprobs)) if job.logprobs else None))
     frames.append(_chunk(job, model, Delta(), finish_reason_of(result, call), result_info(result, started, detailed)))
     if include_usage:
         usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],

@@ -21,10 +21,10 @@ from ...backends.base import Member
 from ...echo import reader_of
 from ...ensemble import Ensemble
 from ...errors import InvalidRequestError
+from ...request import FusionRequest
 from ...types import PromptToken
 from ..serving import APIError, disconnected, worked
-from ..state import ServerState, job_fields, members_for, submit
-from ..worker import Job
+from ..state import ServerState, job_for, members_for, submit
 from .protocol import CompletionLogprobs, CompletionRequest
 
 
@@ -72,8 +72,9 @@ async def read_prompts(state: ServerState, http: Request, request: CompletionReq
     members = members_for(state, model)
     k = request.logprobs or 0
     name = f"echo-{uuid.uuid4().hex}"
-    jobs = [Job([], state.defaults, members, id=f"{name}-{i}", work=partial(_read, prompt, k, members),
-                **job_fields(state, request.cache_salt)) for i, prompt in enumerate(request.prompts)]
+    reading = FusionRequest((), state.defaults, cache_salt=request.cache_salt)  # no generation: its work reads
+    jobs = [job_for(state, reading, members, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
+            for i, prompt in enumerate(request.prompts)]
     submit(state, jobs, detailed, request.user, param="prompt")
     try:
         values = await asyncio.gather(*(worked(job, disconnected(http), lambda j=job: state.worker.cancel(j),

@@ -14,13 +14,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ...logprobs import TokenLogprob, answer_logprobs
 from ...options import FusionOptions
+from ...request import FusionRequest
 from ...types import DoneEvent, Message, PromptToken, Result, SegmentEvent
 from .. import parsing
 from ..limits import check_text
@@ -38,7 +38,7 @@ from ..serving import (
     sse,
     usage_of,
 )
-from ..state import ServerState, job_fields, members_for, require_members, submit
+from ..state import ServerState, job_for, members_for, require_members, submit
 from ..wire import FusionInfo, Usage
 from ..worker import Job, Started
 from .echo import echo_logprobs, joined, prompt_texts, read_prompts
@@ -65,7 +65,11 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
                        code="invalid_value", param="model")
     model = path_model or parsed.model or state.model_id
     texts = await state.offload(prompt_texts, state, parsed, model)
-    jobs = jobs_of(parsed, texts, state.defaults, members_for(state, model), **job_fields(state, parsed.cache_salt))
+    members = members_for(state, model)
+    name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
+    jobs = [job_for(state, generation, members, id=name if i == 0 else f"{name}-{i}",
+                    logprobs=parsed.logprobs is not None)
+            for i, generation in enumerate(requests_of(parsed, texts, state.defaults))]
     echoes = None
     if parsed.echo and parsed.logprobs is not None:
         echoes = await read_prompts(state, request, parsed, model, detailed)
@@ -79,9 +83,8 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
     return JSONResponse(result.model_dump(mode="json"))
 
 
-def jobs_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions, members: list[str] | None,
-            **job: Any) -> list[Job]:
-    """One job per prompt (`texts`: each as text; `job`: more Job fields, the same for each); 400 for what
+def requests_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions) -> list[FusionRequest]:
+    """The generation of each prompt (`texts`: each as text), a raw prompt continued as it is; 400 for what
     the endpoint cannot do."""
     if request.stream and len(texts) > 1:
         raise APIError(400, "a stream answers one prompt: send the prompts one by one, or stream: false",
@@ -89,10 +92,8 @@ def jobs_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOp
     if not all(texts):
         raise APIError(400, "a prompt is empty: give the text to continue", code="invalid_value", param="prompt")
     options = fusion_options(request, defaults)
-    name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
-    return [Job([Message("raw", prompt)], options, members, id=name if i == 0 else f"{name}-{i}",
-                logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, **job)
-            for i, prompt in enumerate(texts)]
+    return [FusionRequest.of([Message("raw", text)], options, top_logprobs=request.logprobs or 0,
+                             cache_salt=request.cache_salt) for text in texts]
 
 
 def echoed_only(request: CompletionRequest, model: str, texts: Sequence[str],
@@ -201,4 +202,4 @@ async def stream(job: Job, request: CompletionRequest, text: str, model: str,
         cancel()
 
 
-__all__ = ["COMPLETIONS", "answer", "complete", "jobs_of", "legacy_logprobs", "stream"]
+__all__ = ["COMPLETIONS", "answer", "complete", "legacy_logprobs", "requests_of", "stream"]

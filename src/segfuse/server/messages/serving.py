@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -95,11 +95,11 @@ async def count_tokens(state: ServerState, request: Request) -> JSONResponse:
     parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits, COUNT_TOKENS)
     require_members(state, state.holds_key(request))
     names = members_for(state, parsed.model or state.model_id)
-    counted = await state.offload(_count, state, plan.messages, names)
+    counted = await state.offload(_count, state, plan.generation.messages, names)
     return JSONResponse({"input_tokens": counted})
 
 
-def _count(state: ServerState, messages: list[Message], names: list[str] | None) -> int:
+def _count(state: ServerState, messages: Sequence[Message], names: list[str] | None) -> int:
     """The templated prompt's tokens: the longest among the members that would answer (as usage counts)."""
     members = [m for m in state.loaded if names is None or m.name in names]
     return max(prompt_tokens(members, messages).values(), default=0)

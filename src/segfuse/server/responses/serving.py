@@ -91,14 +91,14 @@ async def answer(state: ServerState, store: ResponseStore, request: Request) -> 
     model = plan.request.model or state.model_id
     job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
     cancel = submit(state, [job], detailed, plan.request.user)
-    reply = Answer(job, model, plan, store, detailed)
+    reply = ResponseWriter(job, model, plan, store, detailed)
     if plan.request.stream:
         return event_stream(reply.stream(cancel), cancel)
     result, started = await finished(job, disconnected(request), cancel, detailed)
     return JSONResponse(reply.body(result, started))
 
 
-class Answer:
+class ResponseWriter:
     """One response's wire shapes: its output items, the response object, its stream of events."""
 
     def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: ResponseStore, detailed: bool) -> None:
@@ -240,4 +240,4 @@ def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
-__all__ = ["RESPONSES", "Answer", "answer", "plan_responses"]
+__all__ = ["RESPONSES", "ResponseWriter", "answer", "plan_responses"]

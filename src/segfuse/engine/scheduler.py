@@ -3,7 +3,7 @@
 Each generation is the engine's coroutine (:func:`segfuse.engine.fusion_steps`).
 One :meth:`Scheduler.tick` runs every generation in flight up to its next
 member calls that decode (handing its events out on the way), then runs all those calls
-together through a :class:`~segfuse.calls.CallRunner` (a ``live`` flight's calls hand
+together through a :class:`~segfuse.engine.calls.CallRunner` (a ``live`` flight's calls hand
 out the leader's text while they run: ``live.py``): calls of one method to
 one member that can batch (llama.cpp) become one batched call, remote calls
 overlap in threads. Every flight advances by one step per tick, so none starves.
@@ -19,12 +19,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..types import DoneEvent, Event, Result
 from .calls import CallRunner, Calls, Reply
-from .engine import Steps
 from .live import LiveCalls
-from .types import DoneEvent, Event, Result
+from .loop import Steps
 
-log = logging.getLogger("segfuse.scheduler")
+log = logging.getLogger("segfuse.engine.scheduler")
 
 @dataclass(eq=False)
 class Flight:
@@ -40,7 +40,7 @@ class Flight:
     ended: bool = field(default=False, init=False)
 
 
-class Cancelled(Exception):
+class FlightCancelled(Exception):
     """Handed to ``Flight.on_end`` when a generation stopped because it was cancelled."""
 
 
@@ -75,7 +75,7 @@ class Scheduler:
 
     def _advance(self, flight: Flight) -> None:
         if flight.cancelled():
-            self._end(flight, Cancelled())
+            self._end(flight, FlightCancelled())
             return
         reply, flight.reply = flight.reply, None
         try:
@@ -90,7 +90,7 @@ class Scheduler:
                 reply = None
                 flight.on_event(item)
                 if flight.cancelled() and not isinstance(item, DoneEvent):
-                    self._end(flight, Cancelled())
+                    self._end(flight, FlightCancelled())
                     return
         except StopIteration:
             self._end(flight, None)
@@ -110,7 +110,7 @@ class Scheduler:
         flight.on_end(why)
 
     def cancel_all(self) -> None:
-        self.fail_all(Cancelled())
+        self.fail_all(FlightCancelled())
 
     def fail_all(self, why: BaseException) -> None:
         """End every flight with `why` (a step of the loop itself failed: none of them can be trusted)."""

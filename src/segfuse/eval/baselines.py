@@ -21,22 +21,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from .backends.base import Member, MemberSession
-from .backends.likelihood import SCORE_PIECE_BYTES, score_in_pieces, split_for_scoring  # noqa: F401 (moved there)
-from .engine import drive, member_seed
-from .ensemble import Ensemble
-from .errors import PromptTooLongError
-from .options import FusionOptions
-from .phases import Draft, cut_segment
-from .scoring import ScoreMode, aggregate, normalise, pick_winner, raw_score
-from .types import DoneEvent, Message, Result, Sampling, TokenScores
+from ..backends.base import Member, MemberSession
+from ..backends.likelihood import SCORE_PIECE_BYTES, score_in_pieces, split_for_scoring  # noqa: F401 (moved there)
+from ..engine import drive, member_seed
+from ..engine.phases import Draft, cut_segment
+from ..engine.scoring import aggregate, normalise, pick_winner, raw_score
+from ..ensemble import Ensemble
+from ..errors import PromptTooLongError
+from ..options import FusionOptions, ScoreMode
+from ..request import FusionRequest
+from ..types import DoneEvent, Message, Result, Sampling, TokenScores
 
 DEFAULT_CHUNK = 16
 """Tokens a lone member drafts per call: small enough to time the first token
 closely, large enough that re-drafting a cut-off word is rare overhead."""
 
 @dataclass
-class Answer:
+class MemberAnswer:
     """One member's complete answer with what it cost."""
 
     model: str
@@ -73,7 +74,7 @@ def write_answer(
     sampling: Sampling,
     stop: Sequence[str] = (),
     chunk: int = DEFAULT_CHUNK,
-) -> Answer:
+) -> MemberAnswer:
     """Let `member` answer alone on one session, `chunk` tokens per draft call."""
     started = time.perf_counter()
     session = member.start(messages, seed=sampling.seed, reserve=chunk + 1)
@@ -138,13 +139,13 @@ class _Writing:
         self.finish = "stop" if candidate.finished else ""
         self.n = self.chunk
 
-    def answer(self, total_s: float) -> Answer:
-        return Answer(model=self.model, text=self.text, tokens=self.tokens, member_calls=self.calls,
+    def answer(self, total_s: float) -> MemberAnswer:
+        return MemberAnswer(model=self.model, text=self.text, tokens=self.tokens, member_calls=self.calls,
                       ttft_s=self.ttft, total_s=total_s, finish_reason=self.finish or "length",
                       own_logprobs=tuple(self.logprobs) if self.logprobs else None)
 
 
-def answer_output(answer: Answer) -> SystemOutput:
+def answer_output(answer: MemberAnswer) -> SystemOutput:
     """An answer reported as a system output."""
     return SystemOutput(
         text=answer.text,
@@ -191,7 +192,7 @@ def rerank(
     sampling: Sampling,
     stop: Sequence[str] = (),
     score: ScoreMode = "mean_logprob",
-    answers: Sequence[Answer | None] | None = None,
+    answers: Sequence[MemberAnswer | None] | None = None,
     chunk: int = DEFAULT_CHUNK,
 ) -> SystemOutput:
     """Response-level ensemble: every member answers, every member scores every answer.
@@ -224,9 +225,9 @@ def rerank(
 
 
 def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_tokens: int, sampling: Sampling,
-             stop: Sequence[str], answers: Sequence[Answer | None] | None, chunk: int) -> list[Answer]:
+             stop: Sequence[str], answers: Sequence[MemberAnswer | None] | None, chunk: int) -> list[MemberAnswer]:
     """Each member's answer: the one given, else written now with the member's own seed."""
-    written: list[Answer] = []
+    written: list[MemberAnswer] = []
     for i, member in enumerate(members):
         given = answers[i] if answers is not None else None
         if given is None:
@@ -236,7 +237,7 @@ def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_toke
     return written
 
 
-def _score_rows(members: Sequence[Member], messages: Sequence[Message], written: Sequence[Answer],
+def _score_rows(members: Sequence[Member], messages: Sequence[Message], written: Sequence[MemberAnswer],
                 score: ScoreMode) -> tuple[list[list[float]], int]:
     """Per verifier, its normalised scores of every answer, and the member calls that took.
 
@@ -260,17 +261,10 @@ def _score_rows(members: Sequence[Member], messages: Sequence[Message], written:
     return rows, calls
 
 
-def fused(
-    ensemble: Ensemble,
-    messages: Sequence[Message],
-    options: FusionOptions,
-    weights: dict[str, float] | None = None,
-    members: Sequence[str] | None = None,
-) -> SystemOutput:
-    """The SpecFuse engine on `ensemble` (or some of its `members`; starting from `weights`, if given),
-    reported like the baselines."""
-    steps = ensemble.steps(messages, options, weights=weights, members=members)
-    for event in drive(steps):
+def fused(ensemble: Ensemble, request: FusionRequest) -> SystemOutput:
+    """The SpecFuse engine on `ensemble` (on the request's members, from its weights), reported like the
+    baselines."""
+    for event in drive(ensemble.steps(request)):
         if isinstance(event, DoneEvent):
             result = event.result
             stats = result.stats
@@ -284,7 +278,7 @@ def fused(
                 wins=dict(stats.wins),
                 rounds=stats.rounds,
                 weights=dict(result.weights),
-                extra=_selection_record(result, options),
+                extra=_selection_record(result, request.options),
             )
     raise RuntimeError("the engine ended without a result")
 

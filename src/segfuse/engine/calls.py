@@ -20,19 +20,21 @@ coroutine cannot yield, so it closes its sessions directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import methodcaller
 from typing import Any, Literal
 
-from .backends.base import Member, MemberSession
+from ..backends.base import Member, MemberSession
 
 Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close"]
 # Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):
 # a scheduler runs them at once instead of spending a tick on them.
 CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})
 BATCHED = {"draft": "draft_many", "score": "score_many"}  # methods a batching member serves together
+# Calls that read or write answer text (drafts, scores, prompt fits): the member calls a generation reports.
+COUNTED: frozenset[str] = frozenset({"draft", "score", "text_logprob"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class Reply:
     @property
     def failed(self) -> bool:
         return isinstance(self.value, Exception)
+
+
+Asking = Generator[Calls, list[Reply], Any]  # a step of a generation: it yields calls, is sent their replies
 
 
 class MemberPanic(Exception):

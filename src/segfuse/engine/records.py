@@ -1,6 +1,6 @@
 """What a round decided and what it teaches: the decision, the voting weights, the round's record.
 
-``engine.Generation._round`` returns a :class:`Decision` (how the winner was
+``loop.Generation._round`` returns a :class:`Decision` (how the winner was
 chosen, and everything the choice used); :func:`round_record` turns it into the
 :class:`~segfuse.types.RoundRecord` that is streamed and kept; :class:`Votes`
 holds the voting weights and what votes teach (Hedge, the guard's patience,
@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..options import FusionOptions
+from ..types import RoundRecord
 from . import phases
-from .options import FusionOptions
 from .phases import Drafted, Ranking
 from .seats import Seat
-from .types import RoundRecord
 
 How = Literal["confident", "alone", "rejected", "vote"]
 

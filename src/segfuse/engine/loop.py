@@ -17,8 +17,10 @@ When the options never consult the others (the default: the leader alone,
 at once, only if the leader fails mid-answer. The leader's text then goes out
 as it decodes it (``live.py``).
 
-A generation's seats and leader are in ``lineup.py``, the answer so far in
-``transcript.py``, the voting weights and round records in ``records.py``.
+A generation reads its :class:`~segfuse.request.FusionRequest` once: what stays the same for all of
+it is its ``context.GenerationContext``, handed to the lineup and the phases. Its seats and leader
+are in ``lineup.py``, the answer so far in ``transcript.py``, the voting weights and round records
+in ``records.py``.
 
 A conversation that ends with an assistant message (a prefill) is continued:
 the members read it left open (``prompting.py``) and the answer is what follows
@@ -36,24 +38,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from ..backends.base import Member
+from ..errors import InvalidRequestError
+from ..prompting import prefill_of
+from ..request import FusionRequest
+from ..types import DoneEvent, Event, Result, RoundEvent
 from . import phases
-from .backends.base import Member
 from .calls import CallRunner, Calls, Reply
-from .constraints import Constraint, TextMatcher
-from .errors import InvalidRequestError
+from .context import GenerationContext, Round
 from .lineup import SEED_SPACE, Lineup, member_seed
 from .live import Handoff, LiveCalls
-from .options import FusionOptions
 from .phases import Drafted, Known
-from .prompting import prefill_of
 from .records import Decision, Votes, gated_how, round_record
 from .seats import Seat
 from .transcript import Transcript
-from .types import Candidate, DoneEvent, Event, Message, Result, RoundEvent
 
 log = logging.getLogger("segfuse.engine")
 
@@ -70,38 +72,31 @@ class Stop:
     reason: str
 
 
-def fusion_steps(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
-                 weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
-                 top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> Steps:
-    """One fused generation as a coroutine: it yields events and member calls.
+def fusion_steps(members: Sequence[Member], request: FusionRequest) -> Steps:
+    """One fused generation of `request` by `members` as a coroutine: it yields events and member calls.
 
     A ``Calls`` item asks for work on members; the driver runs it (one by one,
     concurrently, or batched with other generations' calls) and sends back one
     ``Reply`` per call. Any other item is an event; send None after it.
-    `weights` are initial voting weights by member name (Hedge carried across
-    queries); missing members get the mean weight. `constraint`: what the answer must be
-    (structured output); members that can draft under it do, and no candidate that breaks it
-    wins. `top_logprobs`: how many of its most likely tokens each drafter reports per position
-    (``Segment.trail``). `deadline`: a ``time.monotonic()`` time after which no round starts; the
-    answer so far ends with finish reason "deadline" (a length limit). `cache_salt`: members start
-    only from prompt prefixes cached under the same salt (and keep theirs under it). Closing the
-    coroutine closes its member sessions.
+    The request's weights are the initial voting weights by member name (Hedge carried across
+    queries); missing members get the mean weight. Its constraint: members that can draft under it
+    do, and no candidate that breaks it wins. Its deadline: no round starts after it; the answer so far
+    ends with finish reason "deadline" (a length limit). Closing the coroutine closes its member sessions.
     """
     if not members:
         raise InvalidRequestError("no members to fuse", "give at least one model")
+    options = request.options
     if options.leader != "auto" and options.leader not in {m.name for m in members}:
         raise InvalidRequestError(f"leader {options.leader!r} is not a member",
                                   f"members: {', '.join(m.name for m in members)}; or auto")
-    if constraint is not None and not any(m.capabilities.constrained for m in members):
+    if request.constraint is not None and not any(m.capabilities.constrained for m in members):
         raise InvalidRequestError(
             "structured output needs a member that can draft under a constraint: "
             + ", ".join(m.name for m in members) + " cannot (remote servers draft freely)",
             "add a llama.cpp or transformers member, or drop response_format")
-    if constraint is not None:
-        constraint.check_prefill(prefill_of(messages))
-    generation = Generation(members, options, weights, constraint, top_logprobs, deadline, cache_salt)
+    generation = Generation(members, request)
     try:
-        yield from generation.run(messages)
+        yield from generation.run()
     finally:
         generation.seats.close_all()
 
@@ -135,7 +130,7 @@ def drive(steps: Steps, live: bool = True) -> Iterator[Event]:
 
 def _run_live(runner: CallRunner, item: LiveCalls, helper: ThreadPoolExecutor) -> Generator[Event, None, list[Reply]]:
     """Run `item`'s calls on the helper thread, yielding the events their hooks emit meanwhile; the helper
-    waits while each event is consumed (:class:`~segfuse.live.Handoff`), so the two never run at once."""
+    waits while each event is consumed (:class:`~segfuse.engine.live.Handoff`), so the two never run at once."""
     handoff = Handoff()
     item.outlet.listen(handoff.give)
     future = helper.submit(runner.run, item.calls)
@@ -152,37 +147,30 @@ def _run_live(runner: CallRunner, item: LiveCalls, helper: ThreadPoolExecutor) -
     return future.result()
 
 
-def fuse(members: Sequence[Member], messages: Sequence[Message], options: FusionOptions, *,
-         weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
-         top_logprobs: int = 0) -> Iterator[Event]:
+def fuse(members: Sequence[Member], request: FusionRequest) -> Iterator[Event]:
     """Run one fused generation, yielding events; the last is a DoneEvent."""
-    return drive(fusion_steps(members, messages, options, weights=weights, constraint=constraint,
-                              top_logprobs=top_logprobs))
+    return drive(fusion_steps(members, request))
 
 
 class Generation:
     """One fused generation: rounds until the answer stops, each decided by ``_round``.
 
-    Its jobs live apart: the seats and who leads (:class:`~segfuse.lineup.Lineup`), the answer so far
-    (:class:`~segfuse.transcript.Transcript`), the voting weights and round records (``records.py``).
+    Its jobs live apart: the seats and who leads (:class:`~segfuse.engine.lineup.Lineup`), the answer so far
+    (:class:`~segfuse.engine.transcript.Transcript`), the voting weights and round records (``records.py``).
     """
 
-    def __init__(self, members: Sequence[Member], options: FusionOptions,
-                 weights: Mapping[str, float] | None, constraint: Constraint | None = None,
-                 top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> None:
-        self.options = options
-        self.deadline = deadline
-        self.sampling = replace(options.sampling, top_logprobs=top_logprobs)
-        self.constraint = constraint
-        self.matcher = TextMatcher(constraint) if constraint is not None else None
-        self.votes = Votes([m.name for m in members], weights)
-        self.lineup = Lineup(members, options, constraint, cache_salt, self.votes.weights)
+    def __init__(self, members: Sequence[Member], request: FusionRequest) -> None:
+        self.messages = request.messages
+        self.context = GenerationContext.of(request)
+        self.options = request.options
+        self.votes = Votes([m.name for m in members], request.weights)
+        self.lineup = Lineup(members, self.context, self.votes.weights)
         self.seats = self.lineup.seats
         self.answer = Transcript([s.name for s in self.seats.all])
 
-    def run(self, messages: Sequence[Message]) -> Steps:
+    def run(self) -> Steps:
         """Seat the members, run rounds until the answer stops, then report."""
-        o, answer = self.options, self.answer
+        o, answer, messages = self.options, self.answer, self.messages
         answer.started = time.perf_counter()
         answer.prefill = prefill_of(messages)
         yield from self.lineup.start(messages)
@@ -222,7 +210,7 @@ class Generation:
         o, active = self.options, self.seats.active
         if o.max_tokens - self.answer.stats.tokens <= 0:
             return "length"
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.context.passed_deadline():
             return "deadline"
         if min(s.session.room for s in active if s.session) < len(active) * o.window + 1:
             return "context"
@@ -230,11 +218,10 @@ class Generation:
 
     def _round(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
         """Gate, draft, consult, verify, rank: how the round's winner (not yet broadcast) was chosen."""
-        o, seats, text = self.options, self.seats, self.answer.message
+        o, seats, context = self.options, self.seats, self.context
         seats.new_round()
         calls_before = seats.calls
-        budget = o.max_tokens - self.answer.stats.tokens
-        n = min(o.window, budget)
+        at = self.answer.round(round_no, o.max_tokens)
         leader = self.lineup.leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
         live = (self.answer.stream(leader.name, round_no, phases.stops(leader, o))  # type: ignore[union-attr]
@@ -242,20 +229,18 @@ class Generation:
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
-            early = yield from phases.draft(seats, [leader], n, text, o, round_no, self._check, self.sampling, live)
+            early = yield from phases.draft(seats, context, [leader], min(o.window, at.budget), at, live)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
                 return (yield from self._take_over(round_no))
             if early:
-                check = phases.gate(early[0][1], o, answer=text, last=self.answer.last,
+                check = phases.gate(early[0][1], o, answer=at.answer, last=at.last,
                                     patient=self.votes.hopeless < o.guard_patience)
                 confidence = check.confidence
                 if check.passes or (solo and early[0][1].eligible):
                     return Decision(gated_how(confidence, o), early, phases.alone(early, leader), leader,
                                     confidence, calls_before)
         solo = solo and leader in seats.active
-        drafted = yield from phases.draft_all(seats, early, n, budget, text, o, round_no,
-                                              only=leader if solo else None, check=self._check,
-                                              drafting=self.lineup.drafts, sampling=self.sampling, live=live)
+        drafted = yield from phases.draft_all(seats, context, at, early, only=leader if solo else None, live=live)
         if not seats.active:
             return (yield from self._take_over(round_no))
         if not drafted:
@@ -263,9 +248,9 @@ class Generation:
         if solo:
             return Decision(gated_how(confidence, o), drafted, phases.alone(drafted, leader),  # type: ignore[arg-type]
                             leader, confidence, calls_before)
-        return (yield from self._vote(round_no, drafted, leader, confidence, calls_before))
+        return (yield from self._vote(at, drafted, leader, confidence, calls_before))
 
-    def _vote(self, round_no: int, drafted: Drafted, leader: Seat | None, confidence: float | None,
+    def _vote(self, at: Round, drafted: Drafted, leader: Seat | None, confidence: float | None,
               calls_before: int) -> Generator[Calls, list[Reply], Decision | Stop]:
         """The leader consults the others' proposals (when it may accept one), then every member verifies
         and the vote ranks the candidates."""
@@ -273,29 +258,18 @@ class Generation:
         consulted: dict[str, str] = {}
         known: Known = {}
         if leader is not None and o.accept_margin is not None and any(s is leader and d.eligible for s, d in drafted):
-            drafted, scores, verdicts = yield from phases.consult(seats, leader, drafted, o, round_no)
+            drafted, scores, verdicts = yield from phases.consult(seats, leader, drafted, o, at.no)
             consulted, known = {name: v.reason for name, v in verdicts.items()}, {leader.name: scores}
             if leader in seats.active and not any(v.accepted for v in verdicts.values()):
                 return Decision("rejected", drafted, phases.alone(drafted, leader), leader, confidence, calls_before,
                                 consulted)
-        drafted, known = yield from phases.verify(seats, drafted, round_no, known)
+        drafted, known = yield from phases.verify(seats, drafted, at.no, known)
         if not any(d.eligible for _, d in drafted):
             return Stop("length")
         weights = self.votes.normalised([seat.name for seat, _ in drafted])
-        ranking = phases.rank([d for _, d in drafted], known, weights, o, round_no=round_no,
-                              answer=self.answer.message, last=self.answer.last)
+        ranking = phases.rank([d for _, d in drafted], known, weights, o, at)
         self.votes.learn(drafted, ranking, o)
         return Decision("vote", drafted, ranking, leader, confidence, calls_before, consulted)
-
-    def _check(self, answer: str, candidate: Candidate) -> str | None:
-        """Why `candidate` may not win under the request's constraint (None: it may, or there is none)."""
-        if self.matcher is None:
-            return None
-        if not self.matcher.allows(answer, candidate.text):
-            return "breaks the constraint"
-        if candidate.finished and not self.matcher.complete(answer + candidate.text):
-            return "ends an incomplete answer"
-        return None
 
     def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
         """The leader failed mid-round with the others on standby: one catches up and the round runs again."""
@@ -310,9 +284,10 @@ class Generation:
         stats.model_calls = self.seats.calls
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
-        invalid = self.constraint.check(answer.message) if self.constraint is not None and reason == "stop" else None
+        constraint = self.context.constraint
+        invalid = constraint.check(answer.message) if constraint is not None and reason == "stop" else None
         yield DoneEvent(Result(
-            valid=None if self.constraint is None or reason != "stop" else invalid is None, invalid_reason=invalid,
+            valid=None if constraint is None or reason != "stop" else invalid is None, invalid_reason=invalid,
             text=answer.text, segments=answer.segments, rounds=answer.rounds, stats=stats,
             models=[s.name for s in seats], departures=self.seats.departures, weights=dict(self.votes.weights),
             counters=dict(self.seats.counters), prompt_bpb={s.name: s.bpb for s in seats if s.bpb is not None},

@@ -11,8 +11,9 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
+from ..types import Event, RoundRecord, Segment, SegmentEvent, Stats
+from .context import Round
 from .live import LeaderStream
-from .types import Event, RoundRecord, Segment, SegmentEvent, Stats
 
 log = logging.getLogger("segfuse.engine")
 
@@ -39,6 +40,10 @@ class Transcript:
     def last(self) -> str:
         """The last segment's text ("" before the first)."""
         return self.segments[-1].text if self.segments else ""
+
+    def round(self, round_no: int, max_tokens: int) -> Round:
+        """Where round `round_no` starts, with `max_tokens` the whole answer's budget."""
+        return Round(round_no, self.message, self.last, max_tokens - self.stats.tokens)
 
     def stream(self, leader: str, round_no: int, stops: tuple[str, ...]) -> LeaderStream:
         """This round's segment as the leader writes it (it answers alone)."""

@@ -8,20 +8,17 @@ Otherwise every member opens one. A member that cannot start leaves the query.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from .backends.base import Member
-from .calls import Calls, Reply
-from .constraints import Constraint
-from .errors import InvalidRequestError, MemberFailedError
-from .options import FusionOptions
+from ..backends.base import Member
+from ..errors import InvalidRequestError, MemberFailedError
+from ..types import Departure, Message
+from .calls import Asking
+from .context import GenerationContext
 from .seats import Seat, Seats
 from .selection import pick_leader
-from .types import Departure, Message
 
 SEED_SPACE = 2**63  # member seeds lie in [0, 2**63): NumPy, torch and remote servers all take them
-
-Asking = Generator[Calls, list[Reply], None]
 
 
 def member_seed(seed: int | None, index: int) -> int | None:
@@ -38,16 +35,11 @@ class Lineup:
     leader is the largest member, or the heaviest voter where sizes are unknown.
     """
 
-    def __init__(self, members: Sequence[Member], options: FusionOptions, constraint: Constraint | None,
-                 cache_salt: str | None, weights: Mapping[str, float]) -> None:
+    def __init__(self, members: Sequence[Member], context: GenerationContext, weights: Mapping[str, float]) -> None:
         self.seats = Seats(members)
-        self.options = options
-        self.constraint = constraint
+        self.context = context
+        self.options = context.options
         self.weights = weights
-        # Given to members only when set: a member's start() need not know about salts otherwise.
-        self.start_options: dict[str, object] = {} if cache_salt is None else {"cache_salt": cache_salt}
-        if options.deterministic:
-            self.start_options["deterministic"] = True
         self.lead: str | None = None  # the gate's leader, fixed at its first round
         self.messages: list[Message] = []
 
@@ -55,10 +47,6 @@ class Lineup:
         """Whether the options never consult the members besides the leader (the leader alone)."""
         o = self.options
         return o.gate is not None and o.accept_margin == 0 and o.prior != "prompt" and len(self.seats.all) > 1
-
-    def drafts(self, seat: Seat) -> bool:
-        """Whether `seat` drafts: under a constraint, only members that can draft under it (the others verify)."""
-        return self.constraint is None or seat.member.capabilities.constrained
 
     def start(self, messages: Sequence[Message]) -> Asking:
         """Every member opens a session (with lazy followers, the leader alone); one that cannot leaves."""
@@ -76,9 +64,10 @@ class Lineup:
         """The chosen members open sessions; a member that cannot leaves the query."""
         o, seats = self.options, self.seats
         reserve = len(seats.all) * o.window + 1
-        opened = yield from seats.ask(chosen, "start", "start", lambda s: (self.messages,), counted=False,
+        given = self.context.start_options
+        opened = yield from seats.ask(chosen, "start", "start", lambda s: (self.messages,),
                                       kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve,
-                                                        **self.start_options})
+                                                        **given})
         failed = seats.seated(chosen, opened)
         for _, exc in failed:
             if isinstance(exc, InvalidRequestError):
@@ -86,9 +75,9 @@ class Lineup:
         for seat, exc in failed:
             reason = f"start failed: {type(exc).__name__}: {exc}"
             seats.departures.append(Departure(seat.name, round_no, "fault", reason))
-        if self.constraint is not None:
+        if (constraint := self.context.constraint) is not None:
             able = [s for s in chosen if s in seats.active and s.member.capabilities.constrained]
-            outcome = yield from seats.ask(able, "start", "constrain", lambda s: (self.constraint,), counted=False)
+            outcome = yield from seats.ask(able, "start", "constrain", lambda s: (constraint,))
             seats.survivors(able, outcome, round_no, "constrain")
         if not seats.active and not seats.standby:
             raise MemberFailedError("no member could start: " + "; ".join(d.reason for d in seats.departures),
@@ -103,7 +92,7 @@ class Lineup:
             seats.standby.remove(seat)
             yield from self.open([seat], round_no)
             if seat in seats.active and text:
-                outcome = yield from seats.ask([seat], "catch up", "accept", lambda s: (text,), counted=False)
+                outcome = yield from seats.ask([seat], "catch up", "accept", lambda s: (text,))
                 seats.survivors([seat], outcome, round_no, "catch up")
 
     def leader(self) -> Seat | None:
@@ -124,7 +113,7 @@ class Lineup:
     def successor(self, seats: Sequence[Seat]) -> Seat:
         """Who of `seats` leads: the named leader before any was chosen, else the largest; under a
         constraint, one of those that can draft under it."""
-        seats = [s for s in seats if self.drafts(s)] or seats
+        seats = [s for s in seats if self.context.drafts(s.member)] or seats
         if self.lead is None:
             named = next((s for s in seats if s.name == self.options.leader), None)
             if named is not None:

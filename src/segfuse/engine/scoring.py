@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
 
-from .types import TokenScores
-
-ScoreMode = Literal["mean_prob", "mean_logprob", "mean_logit"]
-SCORE_MODES: tuple[str, ...] = ("mean_prob", "mean_logprob", "mean_logit")
+from ..options import SCORE_MODES, FusionOptions, ScoreMode
+from ..types import TokenScores
 
 
 def raw_score(scores: TokenScores, mode: ScoreMode) -> float:
@@ -154,16 +152,23 @@ def normalised_entropy(probs: Sequence[float]) -> float:
     return h / math.log(len(probs))
 
 
-def model_exit(
-    quality: Sequence[float],
-    rounds_done: int,
-    *,
-    warmup: int,
-    entropy_threshold: float,
-    temperature: float,
-    fraction: float,
-    min_active: int,
-) -> list[int]:
+@dataclass(frozen=True)
+class ExitRule:
+    """Model Exit's settings (the options' ``exit_*``): see :func:`model_exit`."""
+
+    warmup: int
+    entropy_threshold: float
+    temperature: float
+    fraction: float
+    min_active: int
+
+    @classmethod
+    def of(cls, options: FusionOptions) -> ExitRule:
+        return cls(options.exit_warmup, options.exit_entropy, options.exit_temperature, options.exit_fraction,
+                   options.exit_min_active)
+
+
+def model_exit(quality: Sequence[float], rounds_done: int, rule: ExitRule) -> list[int]:
     """Indices (into `quality`) of members that should stop drafting and verifying.
 
     ``quality[i]`` is member i's cumulative quality: the sum of its drafts'
@@ -174,13 +179,13 @@ def model_exit(
     ``min_active`` (never fewer than 1).
     """
     k = len(quality)
-    keep = max(1, min_active)
-    if rounds_done < warmup or k <= keep:
+    keep = max(1, rule.min_active)
+    if rounds_done < rule.warmup or k <= keep:
         return []
-    probs = softmax(quality, temperature)
-    if normalised_entropy(probs) >= entropy_threshold:
+    probs = softmax(quality, rule.temperature)
+    if normalised_entropy(probs) >= rule.entropy_threshold:
         return []
-    laggards = sorted((p, i) for i, p in enumerate(probs) if p < fraction / k)
+    laggards = sorted((p, i) for i, p in enumerate(probs) if p < rule.fraction / k)
     return [i for _, i in laggards[: k - keep]]
 
 

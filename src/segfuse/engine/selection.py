@@ -24,8 +24,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..types import TokenScores
 from .scoring import softmax
-from .types import TokenScores
 
 _WORD = re.compile(r"\S+")
 
@@ -67,21 +67,22 @@ def repeat_share(answer: str, text: str, n: int = 6, times: int = 1) -> float:
     return sum(1 for g in grams if counts.get(g, 0) >= times) / len(grams)
 
 
-def degeneration(
-    answer: str, text: str, last: str = "", *, n: int = 6, times: int = 2, share: float = 0.75,
-    min_words: int = 3,
-) -> str | None:
+MIN_WORDS = 3  # a candidate shorter than this is too little text to penalise
+
+
+def degeneration(answer: str, text: str, last: str = "", *, n: int = 6, times: int = 2,
+                 share: float = 0.75) -> str | None:
     """Why `text` would make the answer loop, or None if it does not.
 
     Restating a phrase once is normal (math and instructions reuse names and
     units), so only a loop counts: the candidate repeats the `last` accepted
     segment word for word (a stutter), or at least `share` of the word n-grams
     it completes have already occurred `times` times (the answer is entering
-    another lap). Candidates of fewer than `min_words` words are not judged:
+    another lap). Candidates of fewer than ``MIN_WORDS`` words are not judged:
     too little text to penalise on (see :func:`continues_loop` for counting them).
     """
     stripped = text.strip()
-    if len(_words(stripped)) < min_words:
+    if len(_words(stripped)) < MIN_WORDS:
         return None
     if last and stripped == last.strip():
         return "repeats the last segment"

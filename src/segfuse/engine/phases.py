@@ -10,21 +10,24 @@
 - :func:`model_exit`: members whose cumulative quality lags leave the query;
 - :func:`prompt_prior`: before the first round, voting weights from prompt fit.
 
-The generator functions yield member calls through :class:`~segfuse.seats.Seats`
+The generator functions yield member calls through :class:`~segfuse.engine.seats.Seats`
 and return their phase's result; the engine strings them together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from ..options import FusionOptions
+from ..segments import apply_stops, cut_draft, tokens_covering
+from ..types import Candidate, DraftTokens, Message, TokenScores, TokenTrail
+from .calls import Asking
+from .context import GenerationContext, Round
 from .live import LeaderStream
-from .options import FusionOptions
-from .scoring import aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
+from .scoring import ExitRule, aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
 from .scoring import model_exit as exit_rule
-from .seats import Asking, Seat, Seats
-from .segments import apply_stops, cut_draft, tokens_covering
+from .seats import Seat, Seats
 from .selection import (
     bits_per_byte,
     continues_loop,
@@ -36,7 +39,6 @@ from .selection import (
     mean_probability,
     prompt_weights,
 )
-from .types import Candidate, DraftTokens, Message, Sampling, TokenScores, TokenTrail
 
 
 @dataclass
@@ -104,18 +106,13 @@ def gate(leader_draft: Draft, options: FusionOptions, *, answer: str, last: str,
 # --- draft --------------------------------------------------------------------------------
 
 
-Check = Callable[[str, Candidate], "str | None"]  # why a candidate may not win after `answer` (a constraint)
-
-
-def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: FusionOptions,
-          round_no: int, check: Check | None = None, sampling: Sampling | None = None,
+def draft(seats: Seats, context: GenerationContext, chosen: Sequence[Seat], n: int, at: Round,
           live: LeaderStream | None = None) -> Asking:
     """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded.
 
-    `check` marks the drafts that may not win (they break the answer's constraint); `sampling`
-    replaces the options' own (to ask for top log-probabilities); `live`: the leader drafts alone
-    and its text goes out as it decodes it, where its session can tell (``live.py``)."""
-    how = sampling or options.sampling
+    Drafts that break the answer's constraint are marked (they may not win); `live`: the leader drafts
+    alone and its text goes out as it decodes it, where its session can tell (``live.py``)."""
+    how = context.sampling
     if live is not None and len(chosen) == 1 and chosen[0].session is not None and chosen[0].session.streams_text:
         live.restart()
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how, live.on_text),
@@ -123,40 +120,39 @@ def draft(seats: Seats, chosen: Sequence[Seat], n: int, answer: str, options: Fu
     else:
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     drafted = [
-        (seat, cut_segment(seat.name, tokens, answer, stops(seat, options)))
-        for seat, tokens in seats.survivors(chosen, outcomes, round_no, "draft")
+        (seat, cut_segment(seat.name, tokens, at.answer, stops(seat, context.options)))
+        for seat, tokens in seats.survivors(chosen, outcomes, at.no, "draft")
     ]
     for _, d in drafted:
-        d.rejected = (check(answer, d.candidate) if check else None) or d.rejected
+        d.rejected = context.check(at.answer, d.candidate) or d.rejected
     return drafted
 
 
-def draft_all(seats: Seats, early: Drafted, n: int, budget: int, answer: str, options: FusionOptions,
-              round_no: int, only: Seat | None = None, check: Check | None = None,
-              drafting: Callable[[Seat], bool] | None = None, sampling: Sampling | None = None,
+def draft_all(seats: Seats, context: GenerationContext, at: Round, early: Drafted, *, only: Seat | None = None,
               live: LeaderStream | None = None) -> Asking:
-    """Every active member (or `only` one; among those `drafting` allows) drafts, in member order;
-    those in `early` already did.
+    """Every active member that drafts under the context (or `only` one) drafts up to a window, in member
+    order; those in `early` already did.
 
     If no draft is usable (e.g. all end mid-character), the members draft again,
-    twice as long, up to the budget. Returns the drafts, or [] when none is usable.
+    twice as long, up to the round's budget. Returns the drafts, or [] when none is usable.
     """
+    n = min(context.options.window, at.budget)
     while True:
         done = {id(seat) for seat, _ in early}
         chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)
-                  and (drafting is None or drafting(s))]
-        fresh = yield from draft(seats, chosen, n, answer, options, round_no, check, sampling, live)
+                  and context.drafts(s.member)]
+        fresh = yield from draft(seats, context, chosen, n, at, live)
         order = {id(s): i for i, s in enumerate(seats.active)}
         drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
                          key=lambda pair: order[id(pair[0])])
         if any(d.eligible for _, d in drafted):
             return drafted
-        if n >= budget:
+        if n >= at.budget:
             return []
         retrying = [seat for seat, _ in drafted]
-        outcomes = yield from seats.ask(retrying, "draft", "accept", lambda s: ("",), counted=False)
-        seats.survivors(retrying, outcomes, round_no, "accept")
-        early, n = [], min(2 * n, budget)
+        outcomes = yield from seats.ask(retrying, "draft", "accept", lambda s: ("",))
+        seats.survivors(retrying, outcomes, at.no, "accept")
+        early, n = [], min(2 * n, at.budget)
 
 
 def stops(seat: Seat, options: FusionOptions) -> tuple[str, ...]:
@@ -238,8 +234,9 @@ class Ranking:
 
 
 def rank(drafts: Sequence[Draft], known: Mapping[str, Mapping[str, TokenScores]], weights: Sequence[float],
-         options: FusionOptions, *, round_no: int, answer: str, last: str) -> Ranking:
-    """Normalise per verifier, weight, aggregate; looping candidates may not win (guard on).
+         options: FusionOptions, at: Round) -> Ranking:
+    """Normalise per verifier, weight, aggregate; looping candidates may not win (guard on; it reads the
+    answer and the last segment where the round started).
 
     ``drafts[i]`` is member i's draft and member i is also verifier i (``known``
     is keyed by the same authors' names, in the same order). Ties go to the
@@ -257,15 +254,15 @@ def rank(drafts: Sequence[Draft], known: Mapping[str, Mapping[str, TokenScores]]
     normalised = {verifier: normalise(row, options.score) for verifier, row in raw.items()}
     matrix = [normalised[n] for n in names]
     if options.hedge:
-        weights = hedge_update(weights, matrix, round_no, options.hedge_eta)
+        weights = hedge_update(weights, matrix, at.no, options.hedge_eta)
     totals = aggregate(matrix, weights)
     penalised = {d.candidate.model: why for d in drafts
-                 if d.eligible and (why := degenerates(options, answer, d.candidate.text, last))}
+                 if d.eligible and (why := degenerates(options, at.answer, d.candidate.text, at.last))}
     allowed = guard_eligible([d.eligible for d in drafts], [d.candidate.model in penalised for d in drafts])
     winner = pick_winner(totals, allowed)
     won = drafts[winner].candidate
     stuck = options.guard and (won.model in penalised or continues_loop(
-        answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share))
+        at.answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share))
     return Ranking(raw, normalised, list(weights), totals, winner, penalised, stuck)
 
 
@@ -289,7 +286,7 @@ def quality_gains(ranking: Ranking, options: FusionOptions) -> list[float]:
 def broadcast(seats: Seats, text: str, round_no: int) -> Asking:
     """Every active member's context gets the winning text."""
     chosen = list(seats.active)
-    outcomes = yield from seats.ask(chosen, "accept", "accept", lambda s: (text,), counted=False)
+    outcomes = yield from seats.ask(chosen, "accept", "accept", lambda s: (text,))
     seats.survivors(chosen, outcomes, round_no, "accept")
 
 
@@ -298,8 +295,7 @@ def model_exit(seats: Seats, options: FusionOptions, round_no: int, keep: Seat |
     o = options
     active = list(seats.active)
     quality = [s.quality for s in active]
-    leaving = exit_rule(quality, round_no, warmup=o.exit_warmup, entropy_threshold=o.exit_entropy,
-                        temperature=o.exit_temperature, fraction=o.exit_fraction, min_active=o.exit_min_active)
+    leaving = exit_rule(quality, round_no, ExitRule.of(o))
     for i in leaving:
         if active[i] is not keep:  # the leader is chosen by evidence the votes cannot inflate: it stays
             seats.depart(active[i], round_no, "exit", exit_reason(quality, i, o.exit_temperature))

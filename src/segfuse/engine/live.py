@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..segments import sure_prefix
+from ..types import Event, Segment, SegmentEvent
 from .calls import Calls
-from .segments import sure_prefix
-from .types import Event, Segment, SegmentEvent
 
 log = logging.getLogger("segfuse.engine")
 

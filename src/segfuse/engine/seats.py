@@ -6,22 +6,20 @@ or exception. Seats whose call raised leave the query (:meth:`Seats.survivors`),
 as do those Model Exit sends away; :meth:`Seats.release` then closes their
 sessions, again through calls. Seats on *standby* have not started: when the
 options never consult the other members, only the leader reads the prompt,
-and a standby member joins only if the leader fails (engine.py).
+and a standby member joins only if the leader fails (``lineup.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends.base import Member, MemberSession
-from .calls import Call, Calls, Method, Reply
-from .errors import MemberFailedError
+from ..backends.base import Member, MemberSession
+from ..errors import MemberFailedError
+from ..types import Departure
+from .calls import COUNTED, Asking, Call, Calls, Method
 from .live import LiveCalls, Outlet
-from .types import Departure
-
-Asking = Generator[Calls, list[Reply], Any]
 
 
 @dataclass(eq=False)
@@ -57,12 +55,12 @@ class Seats:
 
     def ask(self, seats: Sequence[Seat], phase: str, method: Method,
             args: Callable[[Seat], tuple[Any, ...]] = lambda seat: (), *,
-            kwargs: Callable[[Seat], Mapping[str, Any]] = lambda seat: {}, counted: bool = True,
-            outlet: Outlet | None = None) -> Asking:
+            kwargs: Callable[[Seat], Mapping[str, Any]] = lambda seat: {}, outlet: Outlet | None = None) -> Asking:
         """Call ``method`` on each seat's session (on its member while it has none); each result or exception.
 
-        The seconds each seat waited add up under ``seat.timings[phase]``. With an `outlet`, the
-        calls' hooks may emit events while they run (``live.py``).
+        The seconds each seat waited add up under ``seat.timings[phase]``; drafts, scores and prompt fits
+        count as the generation's member calls (``calls.COUNTED``). With an `outlet`, the calls' hooks
+        may emit events while they run (``live.py``).
         """
         if not seats:
             return []
@@ -70,7 +68,7 @@ class Seats:
         replies = yield Calls(calls) if outlet is None else LiveCalls(calls, outlet)
         for seat, reply in zip(seats, replies):
             seat.timings[phase] = seat.timings.get(phase, 0.0) + reply.seconds
-        if counted:
+        if method in COUNTED:
             self.calls += len(seats)
         return [reply.value for reply in replies]
 
@@ -114,11 +112,11 @@ class Seats:
         """Read the counters of departed seats (or of `seats`) and close their sessions."""
         leaving = [s for s in (self._leaving if seats is None else seats) if s.session is not None]
         self._leaving = [s for s in self._leaving if s not in leaving]
-        counters = yield from self.ask(leaving, "leave", "counters", counted=False)
+        counters = yield from self.ask(leaving, "leave", "counters")
         for seat, value in zip(leaving, counters):
             if not isinstance(value, Exception):
                 self.counters[seat.name] = value
-        yield from self.ask(leaving, "leave", "close", counted=False)  # a broken member's failure is ignored
+        yield from self.ask(leaving, "leave", "close")  # a broken member's failure is ignored
         for seat in leaving:
             seat.session = None
 
