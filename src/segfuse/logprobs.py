@@ -13,11 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .segments import complete_utf8_prefix
-from .types import Alternatives, Segment, TokenTrail
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+Alternatives = tuple[tuple[bytes, float], ...]  # a position's most likely tokens: (bytes, log-probability)
+
+
+# What this module reads of an answer's segments (``types.Segment`` and ``types.TokenTrail``), said here
+# so that ``types`` can offer ``Result.logprobs()`` without an import circle.
+class Trail(Protocol):
+    @property
+    def pieces(self) -> tuple[bytes, ...]: ...
+    @property
+    def logprobs(self) -> tuple[float, ...]: ...
+    @property
+    def tops(self) -> tuple[Alternatives, ...]: ...
+
+
+class Written(Protocol):
+    @property
+    def text(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def trail(self) -> Trail | None: ...
 
 
 @dataclass(frozen=True)
@@ -31,7 +53,7 @@ class TokenLogprob:
     model: str  # the member that wrote it
 
 
-def answer_logprobs(segments: Sequence[Segment]) -> list[TokenLogprob]:
+def answer_logprobs(segments: Sequence[Written]) -> list[TokenLogprob]:
     """Every token of the answer the segments spell, in order; texts join to the answer."""
     entries: list[TokenLogprob] = []
     for segment in segments:
@@ -39,19 +61,20 @@ def answer_logprobs(segments: Sequence[Segment]) -> list[TokenLogprob]:
     return entries
 
 
-def _segment_tokens(segment: Segment) -> list[TokenLogprob]:
+def _segment_tokens(segment: Written) -> list[TokenLogprob]:
     want = segment.text.encode("utf-8")
-    trail = segment.trail or TokenTrail((), ())
+    trail = segment.trail
+    pieces, logprobs, tops = (trail.pieces, trail.logprobs, trail.tops) if trail is not None else ((), (), ())
     out: list[TokenLogprob] = []
     done = 0  # bytes of `want` covered so far
     pending, logprob, first_top = b"", 0.0, None
-    for i, piece in enumerate(trail.pieces):
+    for i, piece in enumerate(pieces):
         if done + len(pending) >= len(want):
             break
         if not pending:
-            first_top = trail.tops[i] if i < len(trail.tops) else ()
+            first_top = tops[i] if i < len(tops) else ()
         pending += piece
-        logprob += trail.logprobs[i]
+        logprob += logprobs[i]
         pending = pending[: len(want) - done]  # a stop string may have cut this token
         if complete_utf8_prefix(pending) == len(pending) and pending:
             out.append(_entry(pending, logprob, first_top or (), segment.model))

@@ -15,10 +15,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .backends.spec import FALSE, TRUE
 from .errors import InvalidRequestError
 
+# Booleans read the same everywhere (flags, TOML strings, a spec's #key=value): 1/true/yes/on, 0/false/no/off.
+TRUE = frozenset({"1", "true", "yes", "on"})
+FALSE = frozenset({"0", "false", "no", "off"})
+
 SPLIT_MODES = ("layer", "row", "none")
+
+
+def parse_flag(key: str, value: str) -> bool:
+    """`value` spelled as a boolean (TRUE / FALSE), else a clear error naming `key`."""
+    lowered = value.strip().lower()
+    if lowered not in TRUE | FALSE:
+        raise InvalidRequestError(f"{key} must be true or false, not {value!r}", "write true or false")
+    return lowered in TRUE
 MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
 
 

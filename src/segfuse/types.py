@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from .logprobs import Alternatives, TokenLogprob, answer_logprobs
+
 # "raw": a text completion's prompt, read by every member as it is (no chat template, no format)
 Role = Literal["system", "user", "assistant", "raw"]
 
@@ -48,8 +50,6 @@ class DraftTokens:
     finished: bool
     tops: tuple[Alternatives, ...] = ()
 
-
-Alternatives = tuple[tuple[bytes, float], ...]  # a position's most likely tokens: (bytes, log-probability)
 
 
 @dataclass(frozen=True)
@@ -214,10 +214,8 @@ class Result:
     valid: bool | None = None
     invalid_reason: str | None = None
 
-    def logprobs(self) -> list:
+    def logprobs(self) -> list[TokenLogprob]:
         """Each answer token's log-probability under the member that wrote it (``segfuse.logprobs``)."""
-        from .logprobs import answer_logprobs
-
         return answer_logprobs(self.segments)
 
     def to_dict(self) -> dict:

@@ -11,16 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidRequestError
-
-TRUE = frozenset({"1", "true", "yes", "on"})
-FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def parse_flag(key: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered not in TRUE | FALSE:
-        raise InvalidRequestError(f"{key} must be true or false, not {value!r}", "write true or false")
-    return lowered in TRUE
+from ..member_options import parse_flag
 
 
 def split_target(target: str, keys: Mapping[str, Any], backend: str) -> tuple[str, dict[str, Any]]:

@@ -34,7 +34,7 @@ def models_list(
     llama.cpp's cache on this machine: the name to pass to -m, size, quantisation, architecture, prompt."""
     if ctx.invoked_subcommand:
         return
-    from ..sources.listing import list_models
+    from ..listing import list_models
 
     rows = list_models(cache_dir)
     if as_json:

@@ -13,18 +13,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import NoFreeSlotError
 from ...types import DraftTokens, Message, Sampling, TokenScores
 from ..base import MemberSession, OnText
 from .affinity import prefix_keys
-from .copies import Copy
+from .copies import Copies, Copy
 from .wire import CopyLost, Opened, SessionLost
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     from ...constraints import Constraint
-    from .member import RayMember
+
+
+class Owner(Protocol):
+    """What a session uses of its member (``member.RayMember``): its copies and its batched calls."""
+
+    name: str
+    copies: Copies
+    stats: Counter[str]
+
+    def draft_many(self, sessions: Sequence[MemberSession], requests: Sequence[Any]) -> list[Any]: ...
+
+    def score_many(self, sessions: Sequence[MemberSession], requests: Sequence[Any]) -> list[Any]: ...
 
 SLOT_WAIT_S = 30.0  # how long opening a session waits for a free slot on some copy (as a local member does)
 
@@ -32,7 +45,7 @@ SLOT_WAIT_S = 30.0  # how long opening a session waits for a free slot on some c
 class RaySession(MemberSession):
     """A session on one copy of a Ray member (module docstring)."""
 
-    def __init__(self, member: RayMember, messages: Sequence[Message], start: dict[str, Any]) -> None:
+    def __init__(self, member: Owner, messages: Sequence[Message], start: dict[str, Any]) -> None:
         self.m = member
         self.messages = list(messages)
         self.start = start  # Member.start's keyword arguments

@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import models as catalogue
-from ..errors import ModelFileError
-from . import entries
-from .choice import quant_of
-from .entry import Entry
-from .gguf_info import read_gguf
+from . import models as catalogue
+from .errors import ModelFileError
+from .sources import entries
+from .sources.choice import quant_of
+from .sources.entry import Entry
+from .sources.gguf_info import read_gguf
 
 
 @dataclass(frozen=True)
