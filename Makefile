@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo test test-vllm dist bench bench-serve bench-chat bench-followers soak clean
+.PHONY: install models browser demo lint test test-fast test-vllm dist bench bench-serve bench-chat bench-followers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(BIN)/python:
 # The core (engine, llama.cpp, the embedded models) is all `make demo` needs; the
 # tests also need every extra: torch first, pinned, so it resolves to the local
 # CPU wheel (an unpinned torch pulls CUDA).
-EXTRAS := test,server,eval,hf,remote,bench,llm,ray
+EXTRAS := test,server,eval,hf,remote,bench,llm,ray,lint
 CORE   := $(VENV)/.core
 FULL   := $(VENV)/.full
 
@@ -43,6 +43,18 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
 	  || echo "could not install chromium: the browser test will fail (install chromium and chromium-driver)"; \
 	fi
+
+# The checks CI runs before the tests: lint and format (ruff), types (mypy; strict on the engine and the
+# backends' protocol), and the import contracts (the layers, no import circle: [tool.importlinter]).
+lint: $(FULL)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+# The tests that load no model, in well under a minute (pure logic, parsing, the CLI's flags).
+test-fast: $(FULL)
+	$(BIN)/python -m pytest -m "not models and not slow and not vllm" -q
 
 # pytest exits 5 when it collects nothing: say so instead of failing obscurely.
 test: $(FULL) models browser
