@@ -537,6 +537,19 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
                     "or mark it <!-- not run: reason -->")
 
 
+def test_every_module_the_design_names_exists():
+    """docs/design.md draws the house: every file or folder it names in `code` is in src/segfuse (named from the
+    package root, or from a folder the text is about: `chat/planning.py` is server/chat/planning.py)."""
+    package = ROOT / "src" / "segfuse"
+    files = [p.relative_to(package).as_posix() for p in package.rglob("*") if "__pycache__" not in p.parts]
+    named = [s for s in inline_code(ROOT / "docs" / "design.md") if re.fullmatch(r"[\w/]+\.py|[\w/]+/", s)]
+    assert len(named) > 40
+    missing = [s for s in named if s.rstrip("/") not in ("src", "src/segfuse")
+               and not any(f == s.removeprefix("segfuse/").rstrip("/") or f.endswith("/" + s.rstrip("/"))
+                           for f in files)]
+    assert not missing, f"docs/design.md names modules that are not in src/segfuse: {missing}"
+
+
 def test_blocks_not_run_say_why():
     """Blocks the test does not run are few, and each gives its reason."""
     skipped = [b for b in BLOCKS if b.not_run is not None]
