@@ -26,6 +26,7 @@ from ..request import FusionRequest
 from .guards import quoted, redact
 from .metrics import ServerMetrics
 from .serving import APIError, api_error, json_body
+from .shared import Shared
 from .worker import Job, Worker
 
 log = logging.getLogger("segfuse.server")
@@ -49,6 +50,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     parsers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PARSERS))
     extras: dict[str, Any] = field(default_factory=dict)  # what one API keeps between requests (its store)
+    shared: Shared = field(default_factory=Shared)  # what other front ends of the server share (shared.py)
 
     @property
     def model_id(self) -> str:

@@ -46,7 +46,7 @@ from .protocol import (
     conversation,
     to_chat,
 )
-from .store import ResponseStore
+from ..shared import Responses
 
 
 def check_responses(request: ResponsesRequest, limits: LimitsSection) -> None:
@@ -64,7 +64,7 @@ class ResponsesPlan:
 
 
 def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
-                   store: ResponseStore) -> ResponsesPlan:
+                   store: Responses) -> ResponsesPlan:
     """Body bytes -> the request, its conversation and its chat plan (CPU work: run off the event loop)."""
     request = parsing.parse_request(body, RESPONSES, limits)
     earlier: list[dict[str, Any]] = []
@@ -81,7 +81,7 @@ def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
     return ResponsesPlan(request, conversation(request, earlier), plan_of(chat, defaults, limits))
 
 
-async def answer(state: ServerState, store: ResponseStore, request: Request) -> Response:
+async def answer(state: ServerState, store: Responses, request: Request) -> Response:
     """``/v1/responses``: a response object, or its stream of events (`store`: what previous_response_id
     finds, and where the answer is kept)."""
     body = await state.body(request)
@@ -101,7 +101,7 @@ async def answer(state: ServerState, store: ResponseStore, request: Request) -> 
 class ResponseWriter:
     """One response's wire shapes: its output items, the response object, its stream of events."""
 
-    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: ResponseStore, detailed: bool) -> None:
+    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: Responses, detailed: bool) -> None:
         self.job, self.model, self.plan, self.store, self.detailed = job, model, plan, store, detailed
         self.message_id, self.call_item_id = f"msg_{uuid.uuid4().hex}", f"fc_{uuid.uuid4().hex}"
         self.sequence = 0
