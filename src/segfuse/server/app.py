@@ -246,16 +246,7 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
 def run(config: ServerConfig) -> None:
     """Load the members (failing fast with a clear error), then serve until interrupted (or until the
     worker cannot go on: then exit with status 1, for a supervisor to restart the server)."""
-    level = config.server.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(level)
-    if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
-        log.warning("listening on %s without an API key: anyone who can reach it can use it",
-                    config.server.host)
-    hosts = config.server.hosts()
-    if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
-        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
-                    ", ".join(sorted(hosts - {config.server.host})))
+    configure_logging(config)
     log.info("loading members…")
     with load_ensemble(config) as ensemble:
         app = create_app(config, ensemble)
@@ -273,6 +264,20 @@ def run(config: ServerConfig) -> None:
         if fatal is not None:
             log.critical("exiting: the worker stopped (%s)", fatal)
             raise SystemExit(1)
+
+
+def configure_logging(config: ServerConfig) -> None:
+    """Log at ``[server] log_level``, and warn where the server is open to more than this machine."""
+    level = config.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(level)
+    if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it",
+                    config.server.host)
+    hosts = config.server.hosts()
+    if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
+        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
+                    ", ".join(sorted(hosts - {config.server.host})))
 
 
 def _server(app: FastAPI, config: ServerConfig) -> Any:
@@ -303,4 +308,4 @@ def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
             "h11_max_incomplete_event_size": limits.max_header_bytes}
 
 
-__all__ = ["ServerState", "create_app", "load_ensemble", "run", "uvicorn_settings"]
+__all__ = ["ServerState", "configure_logging", "create_app", "load_ensemble", "run", "uvicorn_settings"]

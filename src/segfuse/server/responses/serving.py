@@ -37,6 +37,7 @@ from ..serving import (
     sse,
     usage_of,
 )
+from ..shared import Responses
 from ..state import ServerState, require_members, submit
 from ..worker import Job, Started
 from .protocol import (
@@ -46,7 +47,6 @@ from .protocol import (
     conversation,
     to_chat,
 )
-from ..shared import Responses
 
 
 def check_responses(request: ResponsesRequest, limits: LimitsSection) -> None:
@@ -214,11 +214,17 @@ class ResponseWriter:
                     for frame in self.ending(item.result, started, opened, held):
                         yield frame
                 elif (error := failure_of(item, self.detailed)) is not None:
-                    detail = error.detail.model_dump()
-                    yield self.event("error", code=detail["code"], message=detail["message"], param=detail["param"],
-                                     error=detail)
+                    self.sequence += 1
+                    yield error_event(error, self.sequence - 1)
         finally:
             cancel()
+
+
+def error_event(error: APIError, sequence: int) -> str:
+    """The ``error`` event that ends a stream, the `sequence`-th of its stream."""
+    detail = error.detail.model_dump()
+    return sse({"type": "error", "sequence_number": sequence, "code": detail["code"], "message": detail["message"],
+                "param": detail["param"], "error": detail}, event="error")
 
 
 def answered(history: list[dict[str, Any]], turn: dict[str, Any]) -> list[dict[str, Any]]:
@@ -240,4 +246,4 @@ def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
-__all__ = ["RESPONSES", "ResponseWriter", "answer", "plan_responses"]
+__all__ = ["RESPONSES", "ResponseWriter", "answer", "error_event", "plan_responses"]
