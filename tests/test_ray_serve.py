@@ -155,15 +155,18 @@ def test_copies_run_on_both_nodes_and_health_names_each(ray_server):
     assert all(row["free_slots"] == SLOTS and row["waiting"] == 0 and row["sessions"] == 0 for row in rows)
 
 
-def by_replica(url: str, path: str, want: int = REPLICAS, tries: int = 60) -> dict[str, httpx.Response]:
-    """`path` asked until `want` replicas answered: each one's last response."""
+def by_replica(url: str, path: str, want: int = REPLICAS, within_s: float = 60) -> dict[str, httpx.Response]:
+    """`path` asked until `want` replicas answered (the proxy learns of a new replica within seconds): each
+    one's last response."""
     seen: dict[str, httpx.Response] = {}
-    for _ in range(tries):
+
+    def answered() -> bool:
         response = httpx.get(f"{url}{path}", headers=AUTH, timeout=60)
         seen[response.headers[REPLICA_HEADER]] = response
-        if len(seen) >= want:
-            return seen
-    raise AssertionError(f"{path}: only replicas {sorted(seen)} answered in {tries} tries")
+        return len(seen) >= want
+
+    wait_for(answered, within_s, 0.1, f"{want} replicas to answer {path}")
+    return seen
 
 
 def metric(text: str, name: str) -> float:

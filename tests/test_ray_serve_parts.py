@@ -18,6 +18,7 @@ from segfuse.config import ConfigError, build_config  # noqa: E402
 from segfuse.errors import InvalidRequestError  # noqa: E402
 from segfuse.server.messages.protocol import error_body  # noqa: E402
 from segfuse.server.metrics import Families  # noqa: E402
+from segfuse.server.ray.app import build  # noqa: E402
 from segfuse.server.ray.board import merge, plain  # noqa: E402
 from segfuse.server.ray.plan import copy_options, cpus_asked, plan  # noqa: E402
 from segfuse.server.ray.run import check  # noqa: E402
@@ -162,3 +163,14 @@ def test_the_command_refuses_what_cannot_work_before_starting_anything():
         check(build_config(enabled=True, models=["smollm2-135m#replicas=0"]))
     with pytest.raises(ConfigError, match="ray.replicas"):
         build_config(enabled=True, replicas=0)
+
+
+def test_the_application_builder_takes_serve_settings_and_a_config_file(tmp_path):
+    path = tmp_path / "segfuse.toml"
+    path.write_text('[server]\nport = 8100\n[members]\nmodels = ["smollm2-135m"]\n')
+    application = build({"config": str(path), "replicas": 3, "threads": 1})
+    front = application._bound_deployment
+    assert front.name == "Front" and front.num_replicas == 3
+    assert front.init_args[0]["server"]["port"] == 8100 and front.init_args[0]["ray"]["enabled"]
+    with pytest.raises(ConfigError, match="unknown override 'bogus'"):
+        build({"bogus": 1})

@@ -74,12 +74,13 @@ def shared_actor_class() -> Any:
     return ray.remote(num_cpus=0, max_restarts=-1)(SharedState)
 
 
-def _call(method: Any, *args: Any, default: Any = None) -> Any:
-    """`method.remote(*args)`'s value; `default` (logged) where the actor cannot answer."""
+def _call(method: Any, *args: Any, default: Any = None, quiet: bool = False) -> Any:
+    """`method.remote(*args)`'s value; `default` where the actor cannot answer (logged unless `quiet`)."""
     try:
         return ray.get(method.remote(*args), timeout=CALL_TIMEOUT_S)
     except (RayError, GetTimeoutError) as exc:
-        log.error("the shared state did not answer %s: %s", method._method_name, str(exc).splitlines()[0])
+        if not quiet:
+            log.error("the shared state did not answer %s: %s", method._method_name, str(exc).splitlines()[0])
         return default
 
 
@@ -122,14 +123,15 @@ class ClusterMetrics(ServerMetrics):
     def _own(self) -> list[Family]:
         return plain(self.registry.collect())
 
-    def publish(self) -> list[Family]:
+    def publish(self, quiet: bool = False) -> list[Family]:
         own = self._own()
-        _call(self.actor.publish, self.replica, own)
+        _call(self.actor.publish, self.replica, own, quiet=quiet)
         return own
 
     def _publishing(self) -> None:
+        # Quiet: a scrape says when the actor is unreachable; this would say it every second.
         while not self._stop.wait(PUBLISH_S):
-            self.publish()
+            self.publish(quiet=True)
 
     def render(self, private: bool = True, copies: CopiesView | None = None) -> bytes:
         own = self.publish()
@@ -142,10 +144,7 @@ class ClusterMetrics(ServerMetrics):
         (it may stop first, when the whole application does)."""
         self._stop.set()
         self._thread.join(5)
-        try:
-            ray.get(self.actor.publish.remote(self.replica, self._own()), timeout=CALL_TIMEOUT_S)
-        except (RayError, GetTimeoutError):
-            pass
+        self.publish(quiet=True)
 
 
 class RayShared(Shared):
