@@ -10,6 +10,8 @@ node 127.0.0.3), with the embedded members as Ray copies and two front-end repli
 - a member copy killed mid-stream: the answer completes, the same; Ray restarts the copy;
 - a front-end replica killed mid-stream: its stream ends with an error event, the other replica
   answers, Serve brings the replica back;
+- the second node leaves: /health says so while its copies and replica move to the head, then all is
+  well again and the server answers;
 - SIGTERM: the application's processes are gone, and then the cluster's; a local instance (`--ray` alone)
   started and stopped by the command leaves nothing either.
 
@@ -170,8 +172,7 @@ def by_replica(url: str, path: str, want: int = REPLICAS, within_s: float = 60) 
 
 
 def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
 
 
 def test_metrics_report_one_total_whichever_replica_answers(ray_server):
@@ -182,7 +183,7 @@ def test_metrics_report_one_total_whichever_replica_answers(ray_server):
     total = sum(own.values())
     scraped = by_replica(ray_server.url, "/metrics")
     completed = 'segfuse_requests_total{outcome="completed"}'
-    assert {replica: metric(r.text, completed) for replica, r in scraped.items()} == {r: total for r in scraped}
+    assert {replica: metric(r.text, completed) for replica, r in scraped.items()} == dict.fromkeys(scraped, total)
     text = next(iter(scraped.values())).text
     assert metric(text, "segfuse_max_concurrent") == SERVER["max_concurrent"] * REPLICAS
     for name in ("segfuse_member_copy_up", "segfuse_member_copy_free_slots"):
@@ -292,6 +293,25 @@ def test_a_front_end_replica_killed_mid_stream_its_stream_ends_with_an_error(ray
     assert replica not in new and all(r.json()["status"] == "ok" for r in new.values())
 
 
+def test_a_node_that_leaves_its_copies_restart_elsewhere_while_health_says_so(ray_server, cluster):
+    _, worker = cluster.cluster.list_all_nodes()
+    assert worker.node_ip_address == WORKER
+    cluster.cluster.remove_node(worker)
+    said: set[str] = set()
+
+    def moved() -> bool:
+        seen = health(ray_server.url)
+        said.update(seen["degraded"])
+        rows = [row for member in seen["copies"].values() for row in member]
+        return all(row["up"] and row["node_ip"] == HEAD for row in rows) and not seen["degraded"]
+
+    wait_for(moved, 300, 1.0, "the copies to restart on the head node")
+    assert any(f"node {WORKER} left" in line for line in said), said
+    assert any("is down" in line for line in said), said
+    assert oai(ray_server.url).chat.completions.create(model="segfuse", messages=CHAT).choices[0].message.content
+    wait_for(lambda: front_replicas_running() == REPLICAS, 180, 1.0, "Serve to start the lost replica again")
+
+
 # --- the end ----------------------------------------------------------------------------------------------
 
 
@@ -313,7 +333,7 @@ def test_sigterm_removes_the_application_and_the_cluster_leaves_nothing(ray_serv
     ray_server.process.send_signal(signal.SIGTERM)
     assert ray_server.process.wait(120) == 0, ray_server.log_tail()
     wait_for(lambda: not app_processes(cluster), 60, 0.5, "the application's processes to end")
-    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {HEAD, WORKER}  # the cluster stays
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {HEAD}  # the cluster stays
     left = cluster.stop()
     assert not left, [(p.pid, p.name()) for p in left]
 

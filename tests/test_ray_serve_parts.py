@@ -12,17 +12,17 @@ import pytest
 
 pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from segfuse.config import ConfigError, build_config  # noqa: E402
-from segfuse.errors import InvalidRequestError  # noqa: E402
-from segfuse.server.messages.protocol import error_body  # noqa: E402
-from segfuse.server.metrics import Families  # noqa: E402
-from segfuse.server.ray.app import build  # noqa: E402
-from segfuse.server.ray.board import merge, plain  # noqa: E402
-from segfuse.server.ray.plan import copy_options, cpus_asked, plan  # noqa: E402
-from segfuse.server.ray.run import check  # noqa: E402
-from segfuse.server.ray.streams import EndStreams, ending, lost  # noqa: E402
+from segfuse.config import ConfigError, build_config
+from segfuse.errors import InvalidRequestError
+from segfuse.server.messages.protocol import error_body
+from segfuse.server.metrics import Families
+from segfuse.server.ray.app import build
+from segfuse.server.ray.board import merge, plain
+from segfuse.server.ray.plan import copy_options, cpus_asked, plan
+from segfuse.server.ray.run import check
+from segfuse.server.ray.streams import EndStreams, ending, lost
 
 # --- metrics -------------------------------------------------------------------------------------------
 
@@ -53,7 +53,7 @@ def test_counters_and_gauges_add_up_over_replicas_and_the_copies_are_read_once()
 
 def test_the_first_replica_of_a_series_says_when_it_began():
     own, other = figures(1, 0, 0), figures(1, 0, 0)
-    created = [s for s in other[0][3] if s[0].endswith("_created")][0]
+    created = next(s for s in other[0][3] if s[0].endswith("_created"))
     other[0][3][other[0][3].index(created)] = (created[0], created[1], created[2] - 100)
     merged = merge(own, [(0.1, other)])
     assert [s.value for s in merged[0].samples if s.name.endswith("_created")] == [created[2] - 100]
@@ -157,11 +157,11 @@ def test_each_member_becomes_copies_and_remote_members_stay_clients():
 def test_the_command_refuses_what_cannot_work_before_starting_anything():
     with pytest.raises(ConfigError, match="needs a port"):
         check(build_config(enabled=True, port=0))
-    with pytest.raises(ConfigError, match="node_ip 127.0.0.1"):
+    with pytest.raises(ConfigError, match=r"node_ip 127\.0\.0\.1"):
         check(build_config(enabled=True, node_ip="127.0.0.1"))
     with pytest.raises(InvalidRequestError, match="replicas must be at least 1"):
         check(build_config(enabled=True, models=["smollm2-135m#replicas=0"]))
-    with pytest.raises(ConfigError, match="ray.replicas"):
+    with pytest.raises(ConfigError, match=r"ray\.replicas"):
         build_config(enabled=True, replicas=0)
 
 

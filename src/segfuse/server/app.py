@@ -48,8 +48,8 @@ from .guards import Gate, quoted, redact
 from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
-from .metrics import ServerMetrics
 from .responses import routes as responses
+from .responses.store import ResponseStore
 from .serving import APIError, api_error
 from .shared import Shared
 from .state import ServerState, key_check
@@ -73,8 +73,8 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
     shares with other front ends of the same server (default: nothing, all in memory; ``shared.py``)."""
     worker = Worker(config.server.queue_size, config.server.max_concurrent,
                     stall_after_s=config.server.stall_after_s)
-    shared = shared if shared is not None else Shared()
-    state = ServerState(config, config.fusion_defaults(), worker, shared.metrics(worker), shared=shared)
+    shared = shared if shared is not None else Shared(ResponseStore())
+    state = ServerState(config, config.fusion_defaults(), worker, shared.metrics(worker), shared)
     worker.observer = state.metrics
     owned: list[Ensemble] = []
 

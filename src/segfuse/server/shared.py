@@ -1,8 +1,8 @@
 """What the front ends of one server share, behind one small interface: the Responses store, the metrics
 /metrics reports, and the view of members that run in copies.
 
-A server in one process keeps them in memory (:class:`Shared`: the store of ``responses/store.py``, the
-app's own metrics, its members' own view of their copies). Front ends in several processes (``segfuse serve
+A server in one process keeps them in memory (:class:`Shared` over the store of ``responses/store.py``,
+which the app gives it; the app's own metrics; its members' own view of their copies). Front ends in several processes (``segfuse serve
 --ray``: Ray Serve replicas) share one Ray actor and the deployment that owns the copies instead
 (``server/ray/state.py``), so that any replica answers as the one before it would have. The Hedge weights
 (``hedge_persist``) are the ensemble's, in its ``hedge_store`` (``hedge_store.py``).
@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from .copies import CopiesView, local_view
 from .metrics import ServerMetrics, WorkerView
-from .responses.store import ResponseStore
 
 
 class Responses(Protocol):
@@ -31,8 +30,8 @@ class Shared:
 
     replica: str | None = None  # the front-end replica's name, where there are several
 
-    def __init__(self) -> None:
-        self.responses: Responses = ResponseStore()
+    def __init__(self, responses: Responses) -> None:
+        self.responses = responses
 
     def metrics(self, worker: WorkerView) -> ServerMetrics:
         """The app's metrics over its worker."""

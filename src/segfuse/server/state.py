@@ -41,6 +41,7 @@ class ServerState:
     defaults: FusionOptions
     worker: Worker
     metrics: ServerMetrics
+    shared: Shared  # what other front ends of the server share (shared.py)
     status: Literal["ok", "loading", "failed"] = "loading"
     error: str | None = None
     members: list[str] = field(default_factory=list)
@@ -50,7 +51,6 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     parsers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PARSERS))
     extras: dict[str, Any] = field(default_factory=dict)  # what one API keeps between requests (its store)
-    shared: Shared = field(default_factory=Shared)  # what other front ends of the server share (shared.py)
 
     @property
     def model_id(self) -> str:

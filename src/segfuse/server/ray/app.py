@@ -10,9 +10,10 @@ RayService, taking `segfuse serve`'s settings as the application's ``args``::
         import_path: segfuse.server.ray.app:build
         args: {config: /etc/segfuse/segfuse.toml, replicas: 2}
 
-The keeper (``Members``) runs on the head node and asks for no CPU (it waits on its copies); each
-front-end replica (``Front``) asks for ``[ray] frontend_cpus`` and takes up to ``[limits]
-limit_concurrency`` requests at once from the proxy (the server's own queue and 429s decide the rest).
+The keeper (``Members``) runs on the head node and asks for no CPU (it waits on its copies), as does the
+shared state it starts; each front-end replica (``Front``) asks for ``[ray] frontend_cpus`` and takes up
+to ``[limits] limit_concurrency`` requests at once from the proxy (the server's own queue and 429s decide
+the rest).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from ray.serve import Application
 from ...config import ConfigError, RaySection, ServerConfig, build_config
 from .front import Front
 from .keeper import FRONT, KEEPER, Keeper
+from .state import HEAD
 
-HEAD = "node:__internal_head__"  # the resource only the head node has
 GRACE_S = 5.0  # how long a stopping replica's streams may go on before they end (with an error event)
 
 

@@ -68,10 +68,14 @@ class SharedState:
         return [(now - at, families) for replica, (at, families) in self.board.items() if replica != exclude]
 
 
+HEAD = "node:__internal_head__"  # the resource only the head node has
+
+
 @functools.cache
 def shared_actor_class() -> Any:
-    # One call at a time: nothing in it waits. Restarted where its process dies (empty).
-    return ray.remote(num_cpus=0, max_restarts=-1)(SharedState)
+    # One call at a time: nothing in it waits. On the head node, which a cluster cannot lose; restarted
+    # where its process dies (empty).
+    return ray.remote(num_cpus=0, max_restarts=-1, resources={HEAD: 0.001})(SharedState)
 
 
 def _call(method: Any, *args: Any, default: Any = None, quiet: bool = False) -> Any:
@@ -151,8 +155,8 @@ class RayShared(Shared):
     """A front-end replica's side of what the replicas share (module docstring)."""
 
     def __init__(self, actor: Any, keeper: Any, replica: str) -> None:
+        super().__init__(RayResponses(actor))
         self.actor, self.keeper, self.replica = actor, keeper, replica
-        self.responses = RayResponses(actor)
         self.weights = RayWeights(actor)
         self.figures: ClusterMetrics | None = None
 
