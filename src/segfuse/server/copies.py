@@ -68,7 +68,7 @@ def copy_families(view: CopiesView | None) -> list[Metric]:
     """The per-copy series of `view` (none without one)."""
     if view is None or not view.members:
         return []
-    families: list[Metric] = [GaugeMetricFamily(name, text, labels=LABELS) for name, text, _ in COPY_GAUGES]
+    families = [GaugeMetricFamily(name, text, labels=LABELS) for name, text, _ in COPY_GAUGES]
     hits = CounterMetricFamily(*COPY_HITS, labels=LABELS)
     for member, rows in view.members.items():
         for row in rows:

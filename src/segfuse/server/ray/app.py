@@ -35,13 +35,11 @@ def application(config: ServerConfig) -> Application:
     """The application for `config` (its ``[ray]`` table sizes it)."""
     data = config.model_dump(mode="json")
     logs = {"log_level": config.server.log_level.upper()}
-    keeper = serve.deployment(Keeper, name=KEEPER, num_replicas=1, max_ongoing_requests=64,
-                              max_constructor_retry_count=1, logging_config=logs,
-                              ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})
-    front = serve.deployment(Front, name=FRONT, num_replicas=config.ray.replicas,
-                             max_ongoing_requests=config.limits.limit_concurrency,
-                             graceful_shutdown_timeout_s=GRACE_S, logging_config=logs,
-                             ray_actor_options={"num_cpus": config.ray.frontend_cpus})
+    keeper = serve.deployment(name=KEEPER, num_replicas=1, max_ongoing_requests=64, max_constructor_retry_count=1,
+                              logging_config=logs, ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})(Keeper)
+    front = serve.deployment(name=FRONT, num_replicas=config.ray.replicas,
+                             max_ongoing_requests=config.limits.limit_concurrency, graceful_shutdown_timeout_s=GRACE_S,
+                             logging_config=logs, ray_actor_options={"num_cpus": config.ray.frontend_cpus})(Front)
     return front.bind(data, keeper.bind(data))
 
 

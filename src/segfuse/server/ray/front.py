@@ -51,7 +51,7 @@ class ReplicaHeader:
 class Front:
     """One front-end replica (module docstring)."""
 
-    async def __init__(self, config: dict[str, Any], keeper: Any) -> None:
+    async def __init__(self, config: dict[str, Any], keeper: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         self.config = ServerConfig.model_validate(config)
         self.keeper = keeper
         self.setup: Setup = await keeper.setup.remote()

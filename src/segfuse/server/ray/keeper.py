@@ -54,7 +54,7 @@ class Setup:
 class Keeper:
     """The copies' owner (module docstring)."""
 
-    async def __init__(self, config: dict[str, Any]) -> None:
+    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
         self.config = ServerConfig.model_validate(config)
         self.id = uuid.uuid4().hex
         self.planned = plan(self.config)
@@ -100,7 +100,8 @@ class Keeper:
             return self._seen[1]
 
     def _read(self) -> CopiesView:
-        gone = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if not n["Alive"]}
+        nodes = ray.nodes()  # type: ignore[no-untyped-call]
+        gone = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes if not n["Alive"]}
         found: dict[str, list[dict[str, Any]]] = {}
         degraded: list[str] = []
         for member in self.members:
@@ -122,7 +123,8 @@ class Keeper:
             return []
         if front is None:
             return []
-        running, want = front.replica_states.get("RUNNING", 0), self.config.ray.replicas
+        running = sum(n for state, n in front.replica_states.items() if state == "RUNNING")
+        want = self.config.ray.replicas
         return [] if running >= want else [f"front end: {running} of {want} replicas running (Serve starts the others)"]
 
     def __del__(self) -> None:

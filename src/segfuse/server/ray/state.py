@@ -98,7 +98,8 @@ class RayResponses:
         _call(self.actor.put_response, response_id, messages)
 
     def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        return _call(self.actor.get_response, response_id)
+        found: list[dict[str, Any]] | None = _call(self.actor.get_response, response_id)
+        return found
 
 
 class RayWeights:
@@ -108,7 +109,8 @@ class RayWeights:
         self.actor = actor
 
     def get(self) -> dict[str, float]:
-        return _call(self.actor.get_weights, default={})
+        weights: dict[str, float] = _call(self.actor.get_weights, default={})
+        return weights
 
     def put(self, weights: dict[str, float]) -> None:
         _call(self.actor.put_weights, weights)
@@ -141,7 +143,7 @@ class ClusterMetrics(ServerMetrics):
         own = self.publish()
         others = _call(self.actor.figures, self.replica, default=[])
         families = Families(merge(own, others), copy_families(copies), private=private)
-        return generate_latest(families)  # type: ignore[arg-type]
+        return generate_latest(families)
 
     def close(self) -> None:
         """Stop publishing; the replica's last figures stay on the board, where the shared actor is still up
@@ -156,12 +158,12 @@ class RayShared(Shared):
 
     def __init__(self, actor: Any, keeper: Any, replica: str) -> None:
         super().__init__(RayResponses(actor))
-        self.actor, self.keeper, self.replica = actor, keeper, replica
+        self.actor, self.keeper, self.replica, self.name = actor, keeper, replica, replica
         self.weights = RayWeights(actor)
         self.figures: ClusterMetrics | None = None
 
     def metrics(self, worker: WorkerView) -> ServerMetrics:
-        self.figures = ClusterMetrics(worker, self.actor, self.replica)
+        self.figures = ClusterMetrics(worker, self.actor, self.name)
         return self.figures
 
     async def copies(self, members: Sequence[Any]) -> CopiesView:
