@@ -180,7 +180,7 @@ class ServerMetrics:
         """The Prometheus text, with a series per member copy in `copies`; without `private`, the families
         that tell of other clients' prompts left out."""
         families = Families(self.registry.collect(), copy_families(copies), private=private)
-        return generate_latest(families)  # type: ignore[arg-type]
+        return generate_latest(families)
 
     content_type = CONTENT_TYPE_LATEST
 
