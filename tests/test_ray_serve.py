@@ -13,7 +13,7 @@ node 127.0.0.3), with the embedded members as Ray copies and two front-end repli
 - the second node leaves: /health says so while its copies and replica move to the head, then all is
   well again and the server answers;
 - SIGTERM: the application's processes are gone, and then the cluster's; a local instance (`--ray` alone)
-  started and stopped by the command leaves nothing either.
+  started and stopped by the command leaves nothing either; a port in use ends it with status 3.
 
 The command runs as a subprocess that joins the cluster (``[ray] address``), as an operator would run it.
 """
@@ -23,6 +23,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -351,3 +354,14 @@ def test_a_local_instance_is_started_and_stopped_by_the_command(tmp_path: Path):
         assert running.process.wait(120) == 0, running.log_tail()
         _, alive = psutil.wait_procs(processes, timeout=60)
         assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_port_in_use_ends_the_command_with_status_3_saying_so():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "segfuse.cli", "serve", "--ray", "--port", str(port), "-m", SMALL,
+                                 "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert f"could not listen on 127.0.0.1:{port}" in result.stdout + result.stderr

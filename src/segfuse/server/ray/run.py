@@ -115,9 +115,15 @@ def start_serve(config: ServerConfig, local: bool) -> bool:
     s, limits = config.server, config.limits
     http = {"host": s.host, "port": s.port, "keep_alive_timeout_s": limits.timeout_keep_alive_s,
             "request_timeout_s": config.ray.proxy_timeout_s}
-    serve.start(http_options=http, proxy_location=config.ray.proxy_location,
-                logging_config={"log_level": config.server.log_level.upper()},
-                controller_options={"runtime_env": {"env_vars": PROXY_ENV}})
+    try:
+        serve.start(http_options=http, proxy_location=config.ray.proxy_location,
+                    logging_config={"log_level": config.server.log_level.upper()},
+                    controller_options={"runtime_env": {"env_vars": PROXY_ENV}})
+    except Exception as exc:  # Serve's proxy failed to start: the port is the usual reason
+        if "Failed to bind" not in str(exc):
+            raise
+        log.error("Serve's proxy could not listen on %s:%d (in use?): give another --port", s.host, s.port)
+        raise SystemExit(3) from None  # as `segfuse serve` where uvicorn cannot bind
     return True
 
 
