@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -140,6 +140,29 @@ class MembersSection(MemberOptions):
         return MemberOptions.build(self.model_dump(exclude={"models"}), where="[members]")
 
 
+class RaySection(BaseModel):
+    """`segfuse serve --ray`: the server as a Ray Serve application (docs/deploy.md, On a cluster)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="serve on Ray (--ray): front ends as Serve replicas, members as "
+                          "Ray actors")
+    address: str | None = Field(None, min_length=1, description="the cluster to join (HOST:PORT, auto); none: a "
+                                "local Ray instance this command starts and stops")
+    node_ip: str | None = Field(None, min_length=1, description="this machine's node address (default: "
+                                "127.0.0.2 for a local instance; never 127.0.0.1 or localhost)")
+    replicas: int = Field(1, ge=1, le=256, description="front-end replicas behind Serve's proxy")
+    frontend_cpus: float = Field(0.5, ge=0, description="CPUs each front-end replica asks Ray for")
+    local_cpus: int | None = Field(None, ge=1, description="CPUs the local instance declares (default: the "
+                                   "machine's, or what the members ask if more)")
+    app_name: str = Field("segfuse", min_length=1, pattern=r"^[A-Za-z0-9_-]+$",
+                          description="the Serve application's name")
+    proxy_location: Literal["HeadOnly", "EveryNode"] = Field("HeadOnly", description="where Serve runs its "
+                                                             "HTTP proxies")
+    proxy_timeout_s: float | None = Field(None, gt=0, description="Serve's http_options.request_timeout_s: "
+                                          "the proxy ends a request after this long (default: never)")
+
+
 class ServerConfig(BaseModel):
     """Everything `segfuse serve` needs. ``defaults`` are FusionOptions fields."""
 
@@ -148,6 +171,7 @@ class ServerConfig(BaseModel):
     server: ServerSection = Field(default_factory=ServerSection)
     members: MembersSection = Field(default_factory=MembersSection)
     limits: LimitsSection = Field(default_factory=LimitsSection)
+    ray: RaySection = Field(default_factory=RaySection)
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     def fusion_defaults(self) -> FusionOptions:
@@ -169,7 +193,7 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
 
     ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
     log_level, model_id, allowed_hosts (server); models and any MemberOptions field (members);
-    any [limits] field by its name (limits). ``defaults`` are
+    any [limits] field by its name (limits); any [ray] field (ray: enabled, address, replicas...). ``defaults`` are
     fusion options laid over the file's [defaults]. The API key falls back to $SEGFUSE_API_KEY.
     """
     data: dict[str, Any] = {}
@@ -188,7 +212,7 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
         table = data.setdefault("defaults", {})
         if isinstance(table, dict):  # else validation below reports the malformed section
             table.update(defaults)
-    sections = {"server": ServerSection, "members": MembersSection, "limits": LimitsSection}
+    sections = {"server": ServerSection, "members": MembersSection, "limits": LimitsSection, "ray": RaySection}
     for key, value in overrides.items():
         if value is None or (key == "models" and not value):
             continue

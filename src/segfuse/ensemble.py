@@ -12,6 +12,7 @@ from .constraints import Constraint
 from .echo import echo_text
 from .engine import Steps, drive, fusion_steps
 from .errors import InvalidRequestError
+from .hedge_store import MemoryWeights, WeightStore
 from .likelihood import ItemScores, Rule, score_item, score_items
 from .member_options import MAX_CONCURRENT, MemberOptions
 from .models import DEFAULT_MODELS
@@ -29,11 +30,12 @@ class Ensemble:
     """
 
     def __init__(self, members: Sequence[str | Member] | None = None, *, hedge_persist: bool = False,
-                 **member_options: Any) -> None:
+                 hedge_store: WeightStore | None = None, **member_options: Any) -> None:
         """`hedge_persist`: every query with Hedge on, over all members and without given weights, starts
         from the weights the previous such query ended with (state of this object, shared by all its
-        callers: a setting of whoever owns the Ensemble, never of one request). `member_options` go
-        to each member's loader, validated once (:class:`segfuse.member_options.MemberOptions`)."""
+        callers: a setting of whoever owns the Ensemble, never of one request), kept in `hedge_store`
+        (default: in memory). `member_options` go to each member's loader, validated once
+        (:class:`segfuse.member_options.MemberOptions`)."""
         shared = MemberOptions.build(member_options)
         specs = list(members) if members else list(DEFAULT_MODELS)
         if len(specs) > MAX_MEMBERS:
@@ -47,7 +49,12 @@ class Ensemble:
             raise
         _make_names_unique(self.members)
         self.hedge_persist = hedge_persist
-        self.hedge_weights: dict[str, float] = {}  # carried across queries with hedge_persist
+        self.hedge_store: WeightStore = hedge_store if hedge_store is not None else MemoryWeights()
+
+    @property
+    def hedge_weights(self) -> dict[str, float]:
+        """The weights carried to the next query with hedge_persist (empty before the first)."""
+        return self.hedge_store.get()
 
     @property
     def names(self) -> list[str]:
@@ -66,7 +73,7 @@ class Ensemble:
         persist = (options.hedge and self.hedge_persist and request.members is None and request.weights is None
                    and not options.deterministic)
         if persist:
-            request = replace(request, weights=self.hedge_weights or None)
+            request = replace(request, weights=self.hedge_store.get() or None)
         steps = fusion_steps(chosen, request)
         return self._carrying(steps) if persist else steps
 
@@ -83,13 +90,13 @@ class Ensemble:
         return [m for m in self.members if m.name in names]
 
     def _carrying(self, steps: Steps) -> Steps:
-        """`steps`, keeping the Hedge weights it ends with for the next query (in memory, on this object)."""
+        """`steps`, keeping the Hedge weights it ends with for the next query (in the ensemble's store)."""
         reply = None
         try:
             while True:
                 item = steps.send(reply)
                 if isinstance(item, DoneEvent):
-                    self.hedge_weights = dict(item.result.weights)
+                    self.hedge_store.put(dict(item.result.weights))
                 reply = yield item
         except StopIteration:
             return

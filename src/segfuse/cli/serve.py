@@ -37,6 +37,15 @@ def serve(
     limit_concurrency: Annotated[Optional[int], typer.Option(
         "--limit-concurrency", min=1, help="Requests in flight at once, from their headers to the end "
         "of their answer; more get 503 (default 64). Connections without a request do not count.")] = None,
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="Serve on Ray: the front end as Ray Serve replicas behind Serve's proxy (on --host/--port), "
+        "each member's copies as Ray actors (-m SPEC#replicas=K). A local Ray instance unless --ray-address "
+        "(\\[ray] in the config; docs/deploy.md).")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray-address", help="With --ray (implied): the Ray cluster to join (HOST:PORT, auto) instead of a "
+        "local instance.")] = None,
+    replicas: Annotated[Optional[int], typer.Option(
+        "--replicas", min=1, help="With --ray: front-end replicas (default 1).")] = None,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,
 ) -> None:
@@ -50,7 +59,15 @@ def serve(
     from ..server import run  # FastAPI and uvicorn load only for this command
 
     hosts = [h.strip() for h in allowed_hosts.split(",") if h.strip()] if allowed_hosts is not None else None
-    run(build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
-                     max_concurrent=max_concurrent, allowed_hosts=hosts, max_tokens=max_tokens_limit,
-                     request_timeout_s=request_timeout, limit_concurrency=limit_concurrency, defaults=fusion or None,
-                     **(member_options or {})))
+    settings = build_config(config, host=host, port=port, models=model, api_key=api_key, queue_size=queue_size,
+                            max_concurrent=max_concurrent, allowed_hosts=hosts, max_tokens=max_tokens_limit,
+                            request_timeout_s=request_timeout, limit_concurrency=limit_concurrency,
+                            defaults=fusion or None, enabled=ray or ray_address is not None or None,
+                            address=ray_address, replicas=replicas, **(member_options or {}))
+    if settings.ray.enabled or settings.ray.address is not None:
+        require("ray", "segfuse serve --ray")
+        from ..server.ray.run import run_on_ray
+
+        run_on_ray(settings)
+    else:
+        run(settings)

@@ -48,9 +48,10 @@ from .guards import Gate, quoted, redact
 from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
-from .metrics import ServerMetrics
 from .responses import routes as responses
+from .responses.store import ResponseStore
 from .serving import APIError, api_error
+from .shared import Shared
 from .state import ServerState, key_check
 from .wire import Health, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker import Worker
@@ -67,11 +68,13 @@ def load_ensemble(config: ServerConfig) -> Ensemble:
     return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **options)
 
 
-def create_app(config: ServerConfig, ensemble: Ensemble | None = None) -> FastAPI:
-    """The ASGI app. With ``ensemble`` given the caller keeps ownership of it."""
+def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: Shared | None = None) -> FastAPI:
+    """The ASGI app. With ``ensemble`` given the caller keeps ownership of it. `shared`: what this app
+    shares with other front ends of the same server (default: nothing, all in memory; ``shared.py``)."""
     worker = Worker(config.server.queue_size, config.server.max_concurrent,
                     stall_after_s=config.server.stall_after_s)
-    state = ServerState(config, config.fusion_defaults(), worker, ServerMetrics(worker))
+    shared = shared if shared is not None else Shared(ResponseStore())
+    state = ServerState(config, config.fusion_defaults(), worker, shared.metrics(worker), shared)
     worker.observer = state.metrics
     owned: list[Ensemble] = []
 
@@ -190,19 +193,23 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": status}, status_code=code)
         error = error if error is None or state.holds_key(request) else redact(error)
         waiting, running, occupancy = worker.view()
+        copies = await state.shared.copies(state.loaded)
         body = Health(status=status, model=state.model_id, members=state.members, error=error,
                       queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
                                        max_concurrent=worker.max_concurrent),
                       counters=worker.snapshot(), placement=state.placement,
-                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()})
+                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()},
+                      copies=copies.members, degraded=copies.degraded, replica=state.shared.replica)
         return JSONResponse(body.model_dump(), status_code=code)
 
     # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
     # other clients' prompts (the prefix caches, the cells sessions hold) only with the key, when there is one.
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(private=state.sees_all(request)),
-                        media_type=state.metrics.content_type)
+        copies = await state.shared.copies(state.loaded)
+        # Off the event loop: front ends that share their figures read the others' (server/ray/state.py).
+        text = await asyncio.to_thread(state.metrics.render, state.sees_all(request), copies)
+        return Response(text, media_type=state.metrics.content_type)
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:
@@ -239,16 +246,7 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
 def run(config: ServerConfig) -> None:
     """Load the members (failing fast with a clear error), then serve until interrupted (or until the
     worker cannot go on: then exit with status 1, for a supervisor to restart the server)."""
-    level = config.server.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(level)
-    if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
-        log.warning("listening on %s without an API key: anyone who can reach it can use it",
-                    config.server.host)
-    hosts = config.server.hosts()
-    if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
-        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
-                    ", ".join(sorted(hosts - {config.server.host})))
+    configure_logging(config)
     log.info("loading members…")
     with load_ensemble(config) as ensemble:
         app = create_app(config, ensemble)
@@ -266,6 +264,20 @@ def run(config: ServerConfig) -> None:
         if fatal is not None:
             log.critical("exiting: the worker stopped (%s)", fatal)
             raise SystemExit(1)
+
+
+def configure_logging(config: ServerConfig) -> None:
+    """Log at ``[server] log_level``, and warn where the server is open to more than this machine."""
+    level = config.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(level)
+    if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it",
+                    config.server.host)
+    hosts = config.server.hosts()
+    if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
+        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
+                    ", ".join(sorted(hosts - {config.server.host})))
 
 
 def _server(app: FastAPI, config: ServerConfig) -> Any:
@@ -296,4 +308,4 @@ def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
             "h11_max_incomplete_event_size": limits.max_header_bytes}
 
 
-__all__ = ["ServerState", "create_app", "load_ensemble", "run", "uvicorn_settings"]
+__all__ = ["ServerState", "configure_logging", "create_app", "load_ensemble", "run", "uvicorn_settings"]

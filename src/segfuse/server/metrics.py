@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from ..backends.base import Occupancy
 from ..backends.prefix_cache import PrefixStats
 from ..types import Result
+from .copies import CopiesView, copy_families
 
 # How each request that reached the worker ended (429s included): the worker's counters of the same name.
 OUTCOMES = ("completed", "cancelled", "invalid", "failed", "rejected")
@@ -121,14 +122,18 @@ def _prefix_caches(caches: Mapping[str, PrefixStats]) -> Iterable[Metric]:
 PRIVATE = ("segfuse_member_prefix_cache_", "segfuse_member_cache_cells")
 
 
-class _Public:
-    """A registry's families without the private ones (what ``generate_latest`` reads)."""
+class Families:
+    """Metric families as ``generate_latest`` reads them: those of `sources`, the private ones left out
+    unless `private`."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
+    def __init__(self, *sources: Iterable[Metric], private: bool = True) -> None:
+        self.sources, self.private = sources, private
 
     def collect(self) -> Iterable[Metric]:
-        return (family for family in self.registry.collect() if not family.name.startswith(PRIVATE))
+        for source in self.sources:
+            for family in source:
+                if self.private or not family.name.startswith(PRIVATE):
+                    yield family
 
 
 class ServerMetrics:
@@ -171,11 +176,13 @@ class ServerMetrics:
             counter = self.member_faults if departure.kind == "fault" else self.member_exits
             counter.labels(member=departure.model).inc()
 
-    def render(self, private: bool = True) -> bytes:
-        """The Prometheus text; without `private`, the families that tell of other clients' prompts left out."""
-        return generate_latest(self.registry if private else _Public(self.registry))  # type: ignore[arg-type]
+    def render(self, private: bool = True, copies: CopiesView | None = None) -> bytes:
+        """The Prometheus text, with a series per member copy in `copies`; without `private`, the families
+        that tell of other clients' prompts left out."""
+        families = Families(self.registry.collect(), copy_families(copies), private=private)
+        return generate_latest(families)
 
     content_type = CONTENT_TYPE_LATEST
 
 
-__all__ = ["OUTCOMES", "PRIVATE", "ServerMetrics"]
+__all__ = ["OUTCOMES", "PRIVATE", "Families", "ServerMetrics"]

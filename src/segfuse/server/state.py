@@ -26,6 +26,7 @@ from ..request import FusionRequest
 from .guards import quoted, redact
 from .metrics import ServerMetrics
 from .serving import APIError, api_error, json_body
+from .shared import Shared
 from .worker import Job, Worker
 
 log = logging.getLogger("segfuse.server")
@@ -40,6 +41,7 @@ class ServerState:
     defaults: FusionOptions
     worker: Worker
     metrics: ServerMetrics
+    shared: Shared  # what other front ends of the server share (shared.py)
     status: Literal["ok", "loading", "failed"] = "loading"
     error: str | None = None
     members: list[str] = field(default_factory=list)

@@ -211,6 +211,22 @@ class MemberOccupancy(BaseModel):
     prefix: PrefixCacheState | None = Field(None, description="the prefix cache kept between requests")
 
 
+class CopyState(BaseModel):
+    """One copy of a member that runs in copies (a Ray member): where it runs and what it holds."""
+
+    index: int = Field(description="the copy's index within its member")
+    node_ip: str = Field(description="the address of the node it runs on")
+    node_id: str = Field(description="the Ray node's id")
+    pid: int | None = Field(None, description="its process")
+    placement: str | None = Field(None, description="what the member says of where it runs (CPU, GPU layers)")
+    up: bool = Field(description="it answered when last asked")
+    sessions: int = Field(description="sessions it holds")
+    slots: int | None = Field(None, description="sessions it can hold at once")
+    free_slots: int | None = Field(None, description="slots no session takes")
+    waiting: int | None = Field(None, description="calls queued for its member's thread")
+    prefix_hits: int | None = Field(None, description="sessions that started from its prefix cache")
+
+
 class Health(BaseModel):
     """``GET /health``: readiness plus the work counters tests and operators read."""
 
@@ -224,3 +240,8 @@ class Health(BaseModel):
                                                   description="per member: slots free, cache cells held")
     placement: dict[str, str] = Field(default_factory=dict, description="per member: where it runs (CPU, "
                                       "GPU: n/N layers, a device, a remote server)")
+    copies: dict[str, list[CopyState]] = Field(default_factory=dict, description="per member that runs in "
+                                               "copies (a Ray member): each copy")
+    degraded: list[str] = Field(default_factory=list, description="what is down and coming back: a copy, a "
+                                "node, a front-end replica (empty when all is well)")
+    replica: str | None = Field(None, description="the front-end replica that answered (a Ray Serve replica)")

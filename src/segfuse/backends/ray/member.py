@@ -215,9 +215,10 @@ class RayMember(Member):
         for copy, ref in zip(up, refs):
             try:
                 copy.held = self.copies.get(copy, ref)
-                copy.load = copy.held.sessions  # type: ignore[union-attr]
             except CopyLost:
                 continue
+            copy.load = copy.held.sessions  # type: ignore[union-attr]
+            copy.info = copy.held.info  # type: ignore[union-attr]  # new where Ray restarted it since
 
     def view(self) -> list[dict[str, Any]]:
         """Each copy: where it runs, whether it is up, its sessions and free slots, the calls waiting for it,

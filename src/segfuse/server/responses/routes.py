@@ -7,14 +7,13 @@ from fastapi.responses import Response
 
 from ..state import ServerState
 from . import serving
-from .store import ResponseStore
 
 
 def api_router(state: ServerState) -> APIRouter:
     """``POST /v1/responses`` over `state` (the app adds the API key check), with the app's store of
     responses a later request may continue."""
     router = APIRouter()
-    store = state.extras["responses"] = ResponseStore()  # one per app: what previous_response_id finds
+    store = state.extras["responses"] = state.shared.responses  # what previous_response_id finds
 
     @router.post("/v1/responses")
     async def responses(request: Request) -> Response:

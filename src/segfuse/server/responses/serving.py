@@ -37,6 +37,7 @@ from ..serving import (
     sse,
     usage_of,
 )
+from ..shared import Responses
 from ..state import ServerState, require_members, submit
 from ..worker import Job, Started
 from .protocol import (
@@ -46,7 +47,6 @@ from .protocol import (
     conversation,
     to_chat,
 )
-from .store import ResponseStore
 
 
 def check_responses(request: ResponsesRequest, limits: LimitsSection) -> None:
@@ -64,7 +64,7 @@ class ResponsesPlan:
 
 
 def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
-                   store: ResponseStore) -> ResponsesPlan:
+                   store: Responses) -> ResponsesPlan:
     """Body bytes -> the request, its conversation and its chat plan (CPU work: run off the event loop)."""
     request = parsing.parse_request(body, RESPONSES, limits)
     earlier: list[dict[str, Any]] = []
@@ -81,7 +81,7 @@ def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
     return ResponsesPlan(request, conversation(request, earlier), plan_of(chat, defaults, limits))
 
 
-async def answer(state: ServerState, store: ResponseStore, request: Request) -> Response:
+async def answer(state: ServerState, store: Responses, request: Request) -> Response:
     """``/v1/responses``: a response object, or its stream of events (`store`: what previous_response_id
     finds, and where the answer is kept)."""
     body = await state.body(request)
@@ -101,7 +101,7 @@ async def answer(state: ServerState, store: ResponseStore, request: Request) -> 
 class ResponseWriter:
     """One response's wire shapes: its output items, the response object, its stream of events."""
 
-    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: ResponseStore, detailed: bool) -> None:
+    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: Responses, detailed: bool) -> None:
         self.job, self.model, self.plan, self.store, self.detailed = job, model, plan, store, detailed
         self.message_id, self.call_item_id = f"msg_{uuid.uuid4().hex}", f"fc_{uuid.uuid4().hex}"
         self.sequence = 0
@@ -214,11 +214,17 @@ class ResponseWriter:
                     for frame in self.ending(item.result, started, opened, held):
                         yield frame
                 elif (error := failure_of(item, self.detailed)) is not None:
-                    detail = error.detail.model_dump()
-                    yield self.event("error", code=detail["code"], message=detail["message"], param=detail["param"],
-                                     error=detail)
+                    self.sequence += 1
+                    yield error_event(error, self.sequence - 1)
         finally:
             cancel()
+
+
+def error_event(error: APIError, sequence: int) -> str:
+    """The ``error`` event that ends a stream, the `sequence`-th of its stream."""
+    detail = error.detail.model_dump()
+    return sse({"type": "error", "sequence_number": sequence, "code": detail["code"], "message": detail["message"],
+                "param": detail["param"], "error": detail}, event="error")
 
 
 def answered(history: list[dict[str, Any]], turn: dict[str, Any]) -> list[dict[str, Any]]:
@@ -240,4 +246,4 @@ def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
-__all__ = ["RESPONSES", "ResponseWriter", "answer", "plan_responses"]
+__all__ = ["RESPONSES", "ResponseWriter", "answer", "error_event", "plan_responses"]

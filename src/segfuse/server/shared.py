@@ -1,0 +1,45 @@
+"""What the front ends of one server share, behind one small interface: the Responses store, the metrics
+/metrics reports, and the view of members that run in copies.
+
+A server in one process keeps them in memory (:class:`Shared` over the store of ``responses/store.py``,
+which the app gives it; the app's own metrics; its members' own view of their copies). Front ends in several processes (``segfuse serve
+--ray``: Ray Serve replicas) share one Ray actor and the deployment that owns the copies instead
+(``server/ray/state.py``), so that any replica answers as the one before it would have. The Hedge weights
+(``hedge_persist``) are the ensemble's, in its ``hedge_store`` (``hedge_store.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .copies import CopiesView, local_view
+from .metrics import ServerMetrics, WorkerView
+
+
+class Responses(Protocol):
+    """Conversations by response id (``previous_response_id``): ``responses/store.py``'s interface."""
+
+    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None: ...
+
+    def get(self, response_id: str) -> list[dict[str, Any]] | None: ...
+
+
+class Shared:
+    """One process serving alone: everything in memory."""
+
+    replica: str | None = None  # the front-end replica's name, where there are several
+
+    def __init__(self, responses: Responses) -> None:
+        self.responses = responses
+
+    def metrics(self, worker: WorkerView) -> ServerMetrics:
+        """The app's metrics over its worker."""
+        return ServerMetrics(worker)
+
+    async def copies(self, members: Sequence[Any]) -> CopiesView:
+        """The copies of `members` that run in copies, as last read (no call to any copy)."""
+        return local_view(members)
+
+
+__all__ = ["Responses", "Shared"]
