@@ -6,7 +6,6 @@ import threading
 import time
 
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
-
 from segfuse.backends.base import Capabilities
 from segfuse.engine.calls import Call, CallRunner, Calls
 from segfuse.types import Sampling

@@ -18,16 +18,16 @@ from collections.abc import Iterator
 
 import pytest
 
-# The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
-from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  (fixtures)
-
-from segfuse.backends.transformers import echo as hf_echo
 from segfuse.backends.likelihood import score_continuations
 from segfuse.backends.registry import load_member
 from segfuse.backends.remote.echo import raw_echo_agrees
+from segfuse.backends.transformers import echo as hf_echo
 from segfuse.errors import InvalidRequestError, PromptTooLongError
 from segfuse.models import CATALOGUE, is_ready, model_path
 from segfuse.types import Message, PromptToken
+
+# The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
+from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 

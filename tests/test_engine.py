@@ -6,11 +6,9 @@ test_real_models.py.
 
 from __future__ import annotations
 
-
 import pytest
 
 from fakes import FittedSession, ScriptedMember, ScriptedSession, fitted
-
 from segfuse.engine import fuse
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions

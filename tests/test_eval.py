@@ -11,13 +11,20 @@ import sys
 
 import pytest
 
+from segfuse.errors import InvalidRequestError
 from segfuse.eval.report import (
-    build_report, comparisons, coverage_groups, latest, mcnemar_p, paired, summarise, wilson,
+    build_report,
+    comparisons,
+    coverage_groups,
+    latest,
+    mcnemar_p,
+    paired,
+    summarise,
+    wilson,
 )
 from segfuse.eval.runner import carried_weights, read_records
 from segfuse.eval.systems import resolve_systems
 from segfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
-from segfuse.errors import InvalidRequestError
 from segfuse.likelihood import Rule
 
 SEGFUSE = [sys.executable, "-m", "segfuse.cli"]

@@ -183,8 +183,9 @@ def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from helpers import live_server
     from openai import OpenAI
+
+    from helpers import live_server
 
     # No prefix cache: two answers to one prompt read it afresh in the same cells, so greedy ones agree.
     with live_server(tmp_path_factory.mktemp("live"), max_concurrent=1, prefix_cache_cells=0) as server:

@@ -12,8 +12,8 @@ import llama_cpp as lc
 import pytest
 from typer.testing import CliRunner
 
-from segfuse.backends.llama_cpp import member as llama_backend
 from segfuse.backends.llama_cpp import LlamaCppMember
+from segfuse.backends.llama_cpp import member as llama_backend
 from segfuse.backends.llama_cpp.runtime import can_offload, gpu_layers_for, threads_for
 from segfuse.ensemble import Ensemble
 from segfuse.errors import InvalidRequestError

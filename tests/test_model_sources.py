@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 
 from segfuse import models as catalogue
-from segfuse.models import check_gguf
 from segfuse.backends.remote.prompt_source import load_prompt_source
 from segfuse.errors import ModelFileError, SegfuseError, UnknownModelError
-from segfuse.models import resolve
 from segfuse.listing import list_models
+from segfuse.models import check_gguf, resolve
 
 SMOL_SPEC, GEMMA_SPEC = catalogue.CATALOGUE["smollm2-135m"], catalogue.CATALOGUE["gemma3-270m"]
 SMOL = catalogue.model_path(SMOL_SPEC)  # ~100 MB, chat template (Q4_1, llama)

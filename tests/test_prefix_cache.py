@@ -5,9 +5,9 @@ The real llama.cpp cache behind it is tested in test_prefix_cache_real_models.py
 
 from __future__ import annotations
 
-from segfuse.backends.prefix_cache import PrefixCache, common_prefix
-
 import numpy as np
+
+from segfuse.backends.prefix_cache import PrefixCache, common_prefix
 
 
 def make(bound, handles=4):

@@ -25,7 +25,6 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip ins
 
 from helpers import wait_for  # noqa: E402
 from ray_cluster import HEAD, WORKER, LoopbackCluster, is_loopback, is_wildcard, sockets  # noqa: E402
-
 from segfuse import Ensemble  # noqa: E402
 from segfuse.backends.ray.host import create_hosts  # noqa: E402
 from segfuse.backends.ray.member import RayMember  # noqa: E402

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from helpers import Recording, SessionWrapper
-
 from segfuse import Ensemble
 from segfuse.backends.base import Occupancy
 from segfuse.backends.registry import load_member
 from segfuse.engine import fusion_steps
+from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
-from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler
 from segfuse.types import DoneEvent, Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]

@@ -15,8 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import checked_server
 from openai import BadRequestError, OpenAI
+
+from helpers import checked_server
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from helpers import wait_for
 from live_app import serve_app
-
 from segfuse.config import LimitsSection, ServerConfig
 from segfuse.server.app import ServerState, create_app
 from segfuse.server.connections import PendingConnections

@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from fakes import BlockingSession, ScriptedMember, ScriptedSession
+import pytest
 
+from fakes import BlockingSession, ScriptedMember, ScriptedSession
 from segfuse import Ensemble
-from segfuse.errors import InvalidRequestError
 from segfuse.backends.base import Occupancy
+from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
 from segfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
 from segfuse.types import DoneEvent
-
-import pytest
 
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
 PLAIN = FusionOptions.build(gate=None, max_tokens=32, temperature=0.0)

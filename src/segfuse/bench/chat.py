@@ -39,7 +39,7 @@ from typing import Any
 
 from .chat_script import CHAT_TURNS, MANUAL, POLICY, SHORT_PROMPT, USER_QUESTIONS, excerpt
 from .machine import git, loadavg, machine
-from .processes import llama_cpp_server, sigterm_as_interrupt, segfuse_server
+from .processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 
 SYSTEMS = ("cache", "no-cache", "llama-server")
 SHORT_PROMPTS = (SHORT_PROMPT, "Say hello.", "Say thanks.")

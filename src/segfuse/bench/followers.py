@@ -29,7 +29,7 @@ from typing import Any
 
 from .load import drive
 from .machine import git, loadavg, machine
-from .processes import sigterm_as_interrupt, segfuse_server
+from .processes import segfuse_server, sigterm_as_interrupt
 
 SYSTEMS: dict[str, tuple[str | None, dict[str, Any] | None]] = {
     "lazy": (None, None),  # model None: the ensemble's own id

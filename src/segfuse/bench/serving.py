@@ -44,7 +44,7 @@ from typing import Any
 from ..errors import SegfuseError
 from .load import PROMPTS, drive
 from .machine import git, loadavg, machine
-from .processes import llama_cpp_server, sigterm_as_interrupt, segfuse_server
+from .processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 MODES = ("serial", "concurrent")

@@ -44,7 +44,7 @@ from .accounting import (
     targets,
 )
 from .machine import git, loadavg, machine, rss_mb
-from .processes import MemberServer, SegfuseServer, sigterm_as_interrupt, segfuse_server
+from .processes import MemberServer, SegfuseServer, segfuse_server, sigterm_as_interrupt
 from .soak_client import SoakClient
 from .traffic import NORMAL, Action, Mix, Phase, plan, probe, warmup
 

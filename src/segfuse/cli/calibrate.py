@@ -47,7 +47,8 @@ def calibrate(
     if task == "pooling":
         return calibrate_pooling(data, rule, out_dir)
     require("eval", "segfuse calibrate")
-    from ..eval.calibrate import DEFAULT_GRID, calibrate as run_calibration
+    from ..eval.calibrate import DEFAULT_GRID
+    from ..eval.calibrate import calibrate as run_calibration
     from ..eval.tasks import get_task, jsonl_task
 
     chosen_task = jsonl_task(checker) if task == "jsonl" else get_task(task)
