@@ -27,15 +27,15 @@ from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("httpx")
 
-from segfuse.backends.registry import load_member  # noqa: E402
-from segfuse.bench.processes import free_port, llama_cpp_server  # noqa: E402
-from segfuse.engine.scoring import normalise, raw_score  # noqa: E402
-from segfuse.ensemble import Ensemble  # noqa: E402
-from segfuse.errors import MemberLoadError  # noqa: E402
-from segfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
-from segfuse.types import Message, Sampling  # noqa: E402
+from segfuse.backends.registry import load_member
+from segfuse.bench.processes import free_port, llama_cpp_server
+from segfuse.engine.scoring import normalise, raw_score
+from segfuse.ensemble import Ensemble
+from segfuse.errors import MemberLoadError
+from segfuse.models import CATALOGUE, is_ready, model_path
+from segfuse.types import Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 

@@ -19,7 +19,6 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
     __version__ = "0+unknown"
 
 __all__ = [
-    "__version__",
     "DoneEvent",
     "Ensemble",
     "FusionOptions",
@@ -27,6 +26,7 @@ __all__ = [
     "Message",
     "Result",
     "RoundEvent",
-    "SegmentEvent",
     "SegfuseError",
+    "SegmentEvent",
+    "__version__",
 ]

@@ -175,7 +175,7 @@ class Ensemble:
             member.close()
         self.members = []
 
-    def __enter__(self) -> "Ensemble":
+    def __enter__(self) -> Ensemble:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -190,7 +190,7 @@ def request_of(prompt: Conversation | FusionRequest, *, weights: Mapping[str, fl
     if isinstance(prompt, FusionRequest):
         keywords = {"weights": weights is not None, "constraint": constraint is not None,
                     "json_schema": json_schema is not None, "json_object": json_object,
-                    "top_logprobs": bool(top_logprobs), **{name: True for name in options}}
+                    "top_logprobs": bool(top_logprobs), **dict.fromkeys(options, True)}
         given = [name for name, was_given in keywords.items() if was_given]
         if given:
             raise InvalidRequestError(f"{given[0]} given with a FusionRequest, which carries its own",

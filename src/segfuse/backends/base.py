@@ -108,7 +108,7 @@ class MemberSession(ABC):
         `on_text` (sessions that declare ``streams_text``): called after each sampled token with the
         draft's text so far, whole characters only; others never call it."""
 
-    def constrain(self, constraint: "Constraint") -> None:
+    def constrain(self, constraint: Constraint) -> None:
         """Draft only tokens that keep the answer (as accepted so far, whoever wrote it) a valid prefix
         under `constraint`; members that declare ``Capabilities.constrained`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} cannot draft under a constraint")

@@ -108,7 +108,7 @@ def _score_batch(member: Member, items: Sequence[tuple[str, Sequence[str]]]
         for item in batch:  # each item's own failure (a context over the window) is that item's
             try:
                 item.session = member.start([Message("raw", item.context)], seed=None, reserve=1)
-            except Exception as exc:  # noqa: BLE001 - the item's own failure, not the batch's
+            except Exception as exc:  # the item's own failure, not the batch's
                 item.error = exc
         while live := [i for i in batch if i.queue and i.error is None]:
             groups = [i.queue.pop(0) for i in live]
@@ -132,7 +132,7 @@ def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception)
     a single text set aside to be scored in pieces; any other failure is the item's."""
     try:
         item.session.accept("")  # type: ignore[union-attr]  # the context stays; the candidates are dropped
-    except Exception as exc:  # noqa: BLE001 - a session that cannot go on fails its item alone
+    except Exception as exc:  # a session that cannot go on fails its item alone
         item.error = exc
         return
     if not isinstance(outcome, Exception):
@@ -149,7 +149,7 @@ def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception)
 def _close(item: _Item) -> None:
     try:
         item.session.close()  # type: ignore[union-attr]
-    except Exception as exc:  # noqa: BLE001 - the other sessions must still be closed
+    except Exception as exc:  # the other sessions must still be closed
         item.error = item.error or exc
 
 
@@ -160,7 +160,7 @@ def _finish(member: Member, item: _Item) -> list[ContinuationScore] | Exception:
     try:
         for text in item.too_long:
             item.found[text], _ = score_in_pieces(member, [Message("raw", item.context)], text)
-    except Exception as exc:  # noqa: BLE001 - the item's own failure
+    except Exception as exc:  # the item's own failure
         return exc
     return [summarise(t, item.found[t]) for t in item.texts]
 

@@ -47,7 +47,7 @@ class MemberSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str, **options: Any) -> "MemberSpec":
+    def parse(cls, text: str, **options: Any) -> MemberSpec:
         kind, sep, rest = text.partition(":")
         if sep and kind in BACKENDS:
             return cls(kind, rest, options)

@@ -248,5 +248,20 @@ def targets(records: Sequence[Record], memory: Memory, held_when_idle: int,
     return out
 
 
-__all__ = ["CLIENT_OUTCOMES", "Check", "Memory", "Record", "TARGETS", "agree", "by_kind", "delta", "duplicates",
-           "latency_tenths", "metric_key", "parse_metrics", "reconcile", "tally", "targets"]
+__all__ = [
+    "CLIENT_OUTCOMES",
+    "TARGETS",
+    "Check",
+    "Memory",
+    "Record",
+    "agree",
+    "by_kind",
+    "delta",
+    "duplicates",
+    "latency_tenths",
+    "metric_key",
+    "parse_metrics",
+    "reconcile",
+    "tally",
+    "targets",
+]

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,7 @@ def run(reps: int = 3, max_tokens: int = 32, threads: int = 1, turns: int = len(
     """Every system, `reps` times in turn; the report (also written to `out`). `sections`: only the
     documents' first sections in the system prompts (None: all of them)."""
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {"reps": reps, "max_tokens": max_tokens, "threads": threads, "turns": turns, "users": users,
                      "sections": sections, "leader": LEADER},
         "loadavg": {"start": loadavg()}, "replies": [],

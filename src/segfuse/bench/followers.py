@@ -23,7 +23,7 @@ import json
 import secrets
 import tempfile
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ def run(levels: Sequence[int] = (1, 4), requests: int = 8, max_tokens: int = 32,
     config = {"server": {"api_key": secrets.token_hex(16), "max_concurrent": max(levels), "queue_size": 64},
               "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0}}
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {"levels": list(levels), "requests": requests, "max_tokens": max_tokens, "leader": leader,
                      "reps": reps, "threads": threads, "members": list(models or []) or "default"},
         "loadavg": {"start": loadavg()}, "runs": [],

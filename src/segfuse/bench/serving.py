@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +159,8 @@ def _check_arguments(concurrency: Sequence[int], requests: int | None, max_token
         raise SegfuseError("--max-tokens must be at least 1")
     if remote and models:
         raise SegfuseError("--remote starts its own members", "leave out -m/--model with --remote")
-    import httpx  # noqa: F401  (the client libraries: missing ones fail here, before any server starts)
-    import openai  # noqa: F401
+    import httpx  # noqa: F401  # the client libraries: missing ones fail here, before any server starts
+    import openai  # noqa: F401  # likewise
 
     return levels
 
@@ -193,7 +193,7 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         build_config(None, max_concurrent=mc, queue_size=settings["queue_size"], models=list(models or []),
                      threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(), "git": git(), "settings": settings, "loadavg": {"start": loadavg()},
         "modes": {},
     }

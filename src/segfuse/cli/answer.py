@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -21,7 +21,7 @@ from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
 
 COLOURS = ("cyan", "magenta", "yellow", "green", "blue", "red", "bright_white")
 DEMO_QUESTION = "In two or three sentences, why is the sky blue?"
-SystemOpt = Annotated[Optional[str], typer.Option(help="System message.")]
+SystemOpt = Annotated[str | None, typer.Option(help="System message.")]
 
 
 def load_ensemble(model: list[str] | None, member_options: dict[str, Any] | None):
@@ -112,12 +112,12 @@ def fusion_options(fusion: dict[str, Any]) -> FusionOptions:
 @app.command()
 @fusion_flags(members=True)
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(
+    prompt: Annotated[str | None, typer.Argument(
         help="The question; piped standard input is read too (document first), `-` reads only it.")] = None,
     model: ModelOpt = None,
     system: SystemOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
-    json_schema: Annotated[Optional[str], typer.Option(
+    json_schema: Annotated[str | None, typer.Option(
         "--json-schema", metavar="FILE", help="The answer is JSON that validates against the JSON schema in FILE.")] = None,
     json_object: Annotated[bool, typer.Option("--json-object", help="The answer is a JSON object.")] = False,
     fusion: dict[str, Any] | None = None,
@@ -211,7 +211,7 @@ def demo(
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer budget in tokens.")] = 96,
-    seed: Annotated[Optional[int], typer.Option(help="Seed: same seed, same answer.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed: same seed, same answer.")] = 0,
 ) -> None:
     """Prepare the embedded models and let them answer a built-in question together."""
     from .models import prepare_models

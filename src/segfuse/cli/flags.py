@@ -35,14 +35,14 @@ NONE_WORD = "none"  # `--gate none`, `--accept-margin none`: the None of a nulla
 GIVEN_NONE = object()  # what such a flag parses to, told apart from a flag not given (None)
 
 ModelOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--model", "-m", help="Member (repeat; default: the embedded three): a known model name, a .gguf "
                  "path, a model of yours (ollama:NAME[:TAG], hf:ORG/REPO[:QUANT], lmstudio:PUBLISHER/REPO, "
                  "llamacache:ORG/REPO; `segfuse models` lists them), transformers:PATH_OR_DIR\\[#name,key=value,...] "
                  "or remote:URL\\[#name,key=value,...]."),
 ]
-CacheOpt = Annotated[Optional[str], typer.Option("--cache-dir", help="Where assembled models live.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
+CacheOpt = Annotated[str | None, typer.Option("--cache-dir", help="Where assembled models live.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
 CtxOpt = Annotated[int, typer.Option("--n-ctx", help="Context window per member, in tokens.")]
 
 
@@ -86,10 +86,10 @@ def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = No
     return inspect.Parameter(PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 
-def _number_or_none(kind: type) -> Callable[[Optional[str]], Any]:
+def _number_or_none(kind: type) -> Callable[[str | None], Any]:
     """Parse a nullable number's flag: `kind`, or GIVEN_NONE for the word none."""
 
-    def parse(value: Optional[str]) -> Any:
+    def parse(value: str | None) -> Any:
         if value is None:
             return None
         if value.strip().lower() == NONE_WORD:

@@ -179,7 +179,7 @@ class CallRunner:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def __enter__(self) -> "CallRunner":
+    def __enter__(self) -> CallRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -164,7 +164,7 @@ def _parse(path: Path, data: mmap.mmap, size: int) -> GGUFInfo:
     needed = _data_end(header, tensors, alignment if isinstance(alignment, int) and alignment > 0 else 32)
     if size < needed:
         raise _Truncated(f"{size} of {needed} bytes")
-    text = lambda key: values[key] if isinstance(values.get(key), str) else None  # noqa: E731
+    text = lambda key: values[key] if isinstance(values.get(key), str) else None
     splits = values.get("split.count")
     return GGUFInfo(
         path=path,

@@ -5,7 +5,7 @@ from segfuse.eval.tasks import extract_number, gsm8k_reference
 
 ensure_punkt()  # lm-eval's IFEval module downloads punkt_tab at import when it is missing
 
-from lm_eval.tasks.ifeval.utils import agg_inst_level_acc, process_results  # noqa: E402
+from lm_eval.tasks.ifeval.utils import agg_inst_level_acc, process_results  # noqa: E402  # after ensure_punkt()
 
 
 def process_gsm8k(doc: dict, results: list[str]) -> dict[str, float]:
