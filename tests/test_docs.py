@@ -135,7 +135,7 @@ def simple_commands(line: str) -> list[list[str]]:
             next(tokens, None)
         else:
             current.append(token)
-    return [c for c in out + [current] if c]
+    return [c for c in [*out, current] if c]
 
 
 def env_and_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -259,7 +259,7 @@ def test_hedge_weights_move_and_are_reported(recording):
     _, result = run(recording, EXPLAIN, max_tokens=32, temperature=0, hedge=True)
     for record in result.rounds:
         assert sum(record.weights.values()) == pytest.approx(1.0)
-    assert len(set(round(w, 6) for w in result.weights.values())) > 1
+    assert len({round(w, 6) for w in result.weights.values()}) > 1
 
 
 def test_rerank_scores_an_answer_longer_than_one_batch(default_ensemble):

@@ -446,10 +446,7 @@ def test_shutting_down_ends_running_and_waiting_requests_at_once(smol):
             await asyncio.to_thread(wait_for, lambda: worker._tick_since is not None, 30, 0.05, "a step")
             worker.begin_shutdown()
             release.set()
-            outcomes = []
-            for job in jobs:
-                outcomes.append([item async for item in job.items()])
-            return outcomes
+            return [[item async for item in job.items()] for job in jobs]
 
         running, waiting = asyncio.run(main())
         for items in (running, waiting):

@@ -123,7 +123,7 @@ def test_server_flags_go_over_the_members_section(tmp_path):
     assert config.members.load_options().given() == {"n_ctx": 4096, "threads": 1, "gpu_layers": 3, "main_gpu": 1,
                                                      "split": "row"}
     toml.write_text("[members]\ngpu_layer = 3\n")
-    with pytest.raises(ConfigError, match="members.gpu_layer"):
+    with pytest.raises(ConfigError, match=r"members\.gpu_layer"):
         build_config(toml)
 
 
@@ -181,7 +181,7 @@ def test_lm_eval_model_args_reach_the_member():
         assert_reached(lm.ensemble.members[0])
     finally:
         lm.ensemble.close()
-    with pytest.raises(ModelArgsError, match="gpu_layer.*it takes.*gpu_layers"):
+    with pytest.raises(ModelArgsError, match=r"gpu_layer.*it takes.*gpu_layers"):
         SegfuseLM.create_from_arg_string(f"models={MODEL},gpu_layer=3")
 
 

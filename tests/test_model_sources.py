@@ -225,7 +225,7 @@ def test_names_as_each_tool_writes_them(home):
     ollama_blob = home / ".ollama" / "models" / "blobs" / f"sha256-{SMOL_SPEC.sha256}"
     for name in ("ollama:smollm2:135m", "ollama:library/smollm2:135m", "ollama:registry.ollama.ai/library/smollm2:135m",
                  "ollama:SmolLM2:135M", "ollama:someone/smol", "ollama:someone/smol:latest"):
-        label, path, prompt = resolve(name)
+        _label, path, prompt = resolve(name)
         assert path == ollama_blob and prompt is None, name
     assert resolve("ollama:smollm2:135m")[0] == "smollm2:135m"  # the member's display name
 

@@ -171,7 +171,7 @@ class Member(ABC):
         cannot promise it (a remote server) ignores it.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  # a default, not abstract: a member with nothing to free keeps it
         """Free the model."""
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:

@@ -86,8 +86,8 @@ def round_requests(index: int, targets: tuple[str, ...], first: dict[str, str]) 
     sibling = [{"role": "system", "content": SYSTEM},
                {"role": "user", "content": OTHER_QUESTIONS[index % len(OTHER_QUESTIONS)]}]
     requests += [("shared system prompt", None, sibling, None),
-                 ("continued", None, user(continued) + [{"role": "assistant", "content": first[continued]}]
-                  + user(FOLLOW_UP), None),
+                 ("continued", None, [*user(continued), {"role": "assistant", "content": first[continued]},
+                                      *user(FOLLOW_UP)], None),
                  ("unrelated", None, user(UNRELATED[index % len(UNRELATED)]), None)]
     return requests
 

@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,14 @@ def member_speeds(member: LlamaCppMember, messages: Sequence[Message], context: 
             pos += len(chunk)
         decode_times = []
         for i in range(16):
-            dt, _ = _time(lambda: ctx.decode([filler[0] if filler else 0], [pos + i], [0], [True]))
+            dt, _ = _time(partial(ctx.decode, [filler[0] if filler else 0], [pos + i], [0], [True]))
             decode_times.append(dt)
         ctx.seq_rm(0, pos, -1)
         batch_times = []
         for _ in range(repeats):
             ctx.seq_cp(0, 1, 0, pos)
             ids = [session.tokens[-1]] * batch
-            dt, _ = _time(lambda: ctx.decode(ids, range(pos, pos + batch), [1] * batch, [True] * batch))
+            dt, _ = _time(partial(ctx.decode, ids, range(pos, pos + batch), [1] * batch, [True] * batch))
             batch_times.append(dt)
             ctx.seq_rm(1, -1, -1)
     finally:

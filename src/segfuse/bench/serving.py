@@ -97,7 +97,7 @@ def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]]
         "latency_c4_over_lone": _ratio(conc.get("4", {}).get("latency_p50_s"), conc.get("1", {}).get("latency_p50_s")),
         "throughput_c4_ratio": ratios.get("4", {}).get("throughput"),
     }
-    for name, mode in modes.items():  # the same latency ratio for each mode, for the record
+    for mode in modes.values():  # the same latency ratio for each mode, for the record
         levels = mode["levels"]
         mode["latency_c4_over_lone"] = _ratio(levels.get("4", {}).get("latency_p50_s"),
                                               levels.get("1", {}).get("latency_p50_s"))
@@ -150,7 +150,7 @@ def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], level
 def _check_arguments(concurrency: Sequence[int], requests: int | None, max_tokens: int, remote: bool,
                      models: Sequence[str] | None) -> list[int]:
     """The concurrency levels, sorted; a bad argument or a missing client library fails before anything starts."""
-    levels = sorted(set(int(c) for c in concurrency))
+    levels = sorted({int(c) for c in concurrency})
     if not levels or levels[0] < 1:
         raise SegfuseError("concurrency levels must be positive integers", "e.g. --concurrency 1,2,4,8")
     if requests is not None and requests < 1:
@@ -251,7 +251,7 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
 
 def format_targets(report: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for key, t in report["targets"].items():
+    for t in report["targets"].values():
         met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
         rows.append([t["what"], _fmt(t["measured"], ".2f", "×"), t["target"], met])
     return rows

@@ -63,8 +63,8 @@ class SoakClient:
         return record
 
     def _request(self, action: Action) -> dict[str, Any]:
-        return dict(model="segfuse", messages=messages(action, self.n_ctx), max_tokens=action.max_tokens,
-                    temperature=action.temperature, seed=action.seed, user=f"soak-{action.index}")
+        return {"model": "segfuse", "messages": messages(action, self.n_ctx), "max_tokens": action.max_tokens,
+                "temperature": action.temperature, "seed": action.seed, "user": f"soak-{action.index}"}
 
     def _complete(self, action: Action, record: Record) -> None:
         client = self.openai if action.timeout_s is None else self.openai.with_options(timeout=action.timeout_s)

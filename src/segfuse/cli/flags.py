@@ -16,7 +16,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import typer
 from pydantic.fields import FieldInfo
@@ -70,19 +70,19 @@ def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = No
     elif default != () and default is not None:
         common["show_default"] = str(default).lower() if isinstance(default, bool) else str(default)
     if kind is bool:
-        annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
+        annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
     elif typing.get_origin(kind) is Literal:  # typer lists an Enum's values as the choices
         choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
-        annotation, option = Optional[choices], typer.Option(None, _flag(name), **common)
+        annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:
-        annotation, option = Optional[list[str]], typer.Option(None, _flag(name), **{**common, "help": common["help"]
+        annotation, option = list[str] | None, typer.Option(None, _flag(name), **{**common, "help": common["help"]
                                                                                     + " (repeatable)"})
     elif nullable and kind in (int, float):  # `--gate none`: a number, or the word none for None
         option = typer.Option(None, _flag(name), metavar=f"{kind.__name__.upper()}|none",
                               callback=_number_or_none(kind), **common)
-        annotation = Optional[str]
+        annotation = str | None
     else:
-        annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
+        annotation, option = kind | None, typer.Option(None, _flag(name), **common)
     return inspect.Parameter(PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 
@@ -122,15 +122,15 @@ def _member_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     kind, _ = _optional_of(field.annotation)
     common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": MEMBER_PANEL}
     if kind is bool:
-        annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
+        annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
                                                           **common)
     elif typing.get_origin(kind) is Literal:
         choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
-        annotation, option = Optional[choices], typer.Option(None, _flag(name), **common)
+        annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:  # shares as one word, 3/1, as in a member spec
-        annotation, option = Optional[str], typer.Option(None, _flag(name), metavar="A/B/...", **common)
+        annotation, option = str | None, typer.Option(None, _flag(name), metavar="A/B/...", **common)
     else:
-        annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
+        annotation, option = kind | None, typer.Option(None, _flag(name), **common)
     return inspect.Parameter(MEMBER_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=annotation)
 
@@ -157,7 +157,7 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, 
         added += [_none_parameter(name) for name in nullable]
         member_fields = flag_fields() if members else {}
         added += [_member_parameter(name, f) for name, f in member_fields.items()]
-        added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+        added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
                                        default=typer.Option(None, "--profile", rich_help_panel=PANEL,
                                                             help="TOML profile from `segfuse calibrate`: its "
                                                                  "settings, under the flags given here.")))

@@ -320,9 +320,8 @@ def _section(
             unit = "answers" if row.system == "rerank" else "segments"
             shares = ", ".join(f"{m} {c / total:.0%}" for m, c in sorted(row.wins.items()))
             parts.append(f"- `{row.system}` {unit} won: {shares}")
-    for row in rows:
-        if row.errors:
-            parts.append(f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)")
+    parts += [f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)"
+              for row in rows if row.errors]
     versus = comparisons(task, rows, records, common)
     if versus:
         parts += ["", versus]

@@ -135,15 +135,16 @@ def _member(name: str) -> SystemFn:
 
 # Presets name their switches explicitly, so a recorded "specfuse" stays plain fusion whatever
 # the engine's defaults; the knobs of Model Exit and Hedge are the documented option defaults.
-PLAIN = dict(exit=False, hedge=False, guard=False, gate=None, prior="uniform", accept_margin=None)  # the paper's
+PLAIN = {"exit": False, "hedge": False, "guard": False, "gate": None, "prior": "uniform",
+         "accept_margin": None}  # the paper's
 register("specfuse", fusion_system(**PLAIN))
 register("specfuse+exit", fusion_system(**{**PLAIN, "exit": True}))
 register("specfuse+hedge", fusion_system(**{**PLAIN, "hedge": True}))
 register("specfuse+exit+hedge", fusion_system(**{**PLAIN, "exit": True, "hedge": True}))
 register("rerank", _rerank)
 # Everything the selection study switches, named: leader by prompt fit, gate, guard, prior.
-LEAD = dict(exit=False, hedge=False, guard=True, prior="uniform", gate=0.5, leader="auto", exit_votes="all",
-            accept_margin=None)
+LEAD = {"exit": False, "hedge": False, "guard": True, "prior": "uniform", "gate": 0.5, "leader": "auto",
+        "exit_votes": "all", "accept_margin": None}
 register("specfuse+guard", fusion_system(**{**PLAIN, "guard": True}))
 register("specfuse+lead", fusion_system(**LEAD))
 GATE = {**LEAD, "guard": False}  # the default engine since the 512-token study

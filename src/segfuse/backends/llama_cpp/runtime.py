@@ -31,7 +31,7 @@ def _on_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     line = text.decode("utf-8", "replace")
     _LOG_TAIL.append(line)
     if _LOG_ECHO:
-        print(line, end="", file=sys.stderr)
+        sys.stderr.write(line)
 
 
 lc.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
