@@ -188,7 +188,7 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
         table = data.setdefault("defaults", {})
         if isinstance(table, dict):  # else validation below reports the malformed section
             table.update(defaults)
-    sections = {"server": ServerSection, "members": MembersSection, "limits": LimitsSection}
+    sections: dict[str, type[BaseModel]] = {"server": ServerSection, "members": MembersSection, "limits": LimitsSection}
     for key, value in overrides.items():
         if value is None or (key == "models" and not value):
             continue

@@ -202,7 +202,7 @@ class TextMatcher:
         if not self._follow(answer.encode("utf-8")):
             return False
         data = list(candidate.encode("utf-8"))
-        return self._matcher.validate_tokens(data) == len(data)
+        return bool(self._matcher.validate_tokens(data) == len(data))
 
     def complete(self, answer: str) -> bool:
         """Whether the answer may end here."""

@@ -36,7 +36,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..segments import complete_utf8_prefix
 from ..types import DraftTokens, Message, PromptToken, Sampling, TokenScores
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from ..constraints import Constraint
 
 log = logging.getLogger("segfuse.backends")
+
+T = TypeVar("T")
 
 # A draft's hook: called with the draft's text so far (whole characters) after each sampled token.
 OnText = Callable[[str], None]
@@ -216,7 +218,7 @@ class Member(ABC):
         return [_outcome(s.score, *request) for s, request in zip(sessions, requests)]
 
 
-def _outcome(fn, *args):  # type: ignore[no-untyped-def]
+def _outcome(fn: Callable[..., T], *args: Any) -> T | Exception:
     try:
         return fn(*args)
     except Exception as exc:  # one session's failure is that session's result

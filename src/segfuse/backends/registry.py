@@ -65,7 +65,8 @@ def _loader(backend: str) -> Callable[..., Member]:
         raise UnknownModelError(f"unknown backend {backend!r}", f"known: {', '.join(BACKENDS)}") from None
     if backend in BACKEND_EXTRAS:
         require(BACKEND_EXTRAS[backend], f"{backend}: members")
-    return getattr(importlib.import_module(module_name), attr)
+    loader: Callable[..., Member] = getattr(importlib.import_module(module_name), attr)
+    return loader
 
 
 def load_member(spec: MemberSpec | str, shared: MemberOptions | None = None, **options: Any) -> Member:
