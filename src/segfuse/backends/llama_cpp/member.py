@@ -81,6 +81,8 @@ class LlamaCppMember(LocalMember):
 
     capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True)
     vocab: Vocabulary
+    slots: int  # always known here
+    options: MemberOptions | None = None  # what load() made it with
 
     def __init__(
         self,
