@@ -12,10 +12,11 @@ import typer
 from .. import models as catalogue
 from ..errors import SegfuseError
 from ..options import FusionOptions
-from ..types import DoneEvent, Message, Result, SegmentEvent
+from ..types import DoneEvent, Event, Message, Result, SegmentEvent
 
 if TYPE_CHECKING:
     from ..constraints import Constraint
+    from ..ensemble import Ensemble
 from .app import app, err, out
 from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
 
@@ -24,7 +25,7 @@ DEMO_QUESTION = "In two or three sentences, why is the sky blue?"
 SystemOpt = Annotated[str | None, typer.Option(help="System message.")]
 
 
-def load_ensemble(model: list[str] | None, member_options: dict[str, Any] | None):
+def load_ensemble(model: list[str] | None, member_options: dict[str, Any] | None) -> Ensemble:
     from ..ensemble import Ensemble  # imports llama.cpp: keep `segfuse models` light
 
     with err.status("loading members…"):
@@ -35,7 +36,7 @@ def legend(names: list[str]) -> str:
     return "  ".join(f"[{COLOURS[i % len(COLOURS)]}]■ {n}[/]" for i, n in enumerate(names))
 
 
-def print_stream(events: Iterator, names: list[str]) -> Result:
+def print_stream(events: Iterator[Event], names: list[str]) -> Result:
     """Print each segment in its author's colour as it comes; return the result."""
     colour = {n: COLOURS[i % len(COLOURS)] for i, n in enumerate(names)}
     for event in events:

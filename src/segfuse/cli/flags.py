@@ -69,10 +69,11 @@ def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = No
         common["show_default"] = shown
     elif default != () and default is not None:
         common["show_default"] = str(default).lower() if isinstance(default, bool) else str(default)
+    annotation: object  # the type typer reads the flag as
     if kind is bool:
         annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
     elif typing.get_origin(kind) is Literal:  # typer lists an Enum's values as the choices
-        choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
+        choices = _choices(name, kind)
         annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:
         annotation, option = list[str] | None, typer.Option(None, _flag(name), **{**common, "help": common["help"]
@@ -84,6 +85,13 @@ def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = No
     else:
         annotation, option = kind | None, typer.Option(None, _flag(name), **common)
     return inspect.Parameter(PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _choices(name: str, literal: object) -> type[enum.Enum]:
+    """An Enum of a Literal's values: typer lists them as the flag's choices."""
+    values = {str(c): str(c) for c in typing.get_args(literal)}
+    # mypy takes the functional API for a class only where the name is a literal
+    return enum.Enum(f"{name}_choice", values, type=str)  # type: ignore[return-value]  # a name made at run time
 
 
 def _number_or_none(kind: type) -> Callable[[str | None], Any]:
@@ -121,11 +129,12 @@ def _member_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     """One typer option for one MemberOptions field; None when the user does not give it."""
     kind, _ = _optional_of(field.annotation)
     common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": MEMBER_PANEL}
+    annotation: object  # the type typer reads the flag as
     if kind is bool:
         annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
                                                           **common)
     elif typing.get_origin(kind) is Literal:
-        choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
+        choices = _choices(name, kind)
         annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:  # shares as one word, 3/1, as in a member spec
         annotation, option = str | None, typer.Option(None, _flag(name), metavar="A/B/...", **common)

@@ -53,7 +53,7 @@ def models_list(
     for column in table.columns[3:]:
         column.no_wrap = True  # on a narrow terminal these are cut short, with an ellipsis
     for row in rows:
-        prompt = {True: "chat", False: "base"}.get(row.chat_template, "")
+        prompt = "" if row.chat_template is None else "chat" if row.chat_template else "base"
         table.add_row(row.source, row.name, row.status, _size(row.size), row.quantisation or "",
                       row.architecture or "", prompt)
     out.print(table)

@@ -173,7 +173,7 @@ class ServerMetrics:
 
     def render(self, private: bool = True) -> bytes:
         """The Prometheus text; without `private`, the families that tell of other clients' prompts left out."""
-        return generate_latest(self.registry if private else _Public(self.registry))  # type: ignore[arg-type]
+        return generate_latest(self.registry if private else _Public(self.registry))
 
     content_type = CONTENT_TYPE_LATEST
 
