@@ -245,7 +245,7 @@ class Soak:
         response.raise_for_status()
         return parse_metrics(response.text)
 
-    def _result(self, before: tuple[dict, dict], after: tuple[dict, dict], start_rss: float | None,
+    def _result(self, before: tuple[dict[str, Any], dict[str, Any]], after: tuple[dict[str, Any], dict[str, Any]], start_rss: float | None,
                 end: dict[str, Any]) -> dict[str, Any]:
         warm = next((c for c in self.checkpoints if c["t_s"] >= WARM_FRACTION * self.settings.duration_s
                      and c is not end), self.checkpoints[0])

@@ -245,7 +245,7 @@ def _short(system: str) -> str:
     return system.split(":", 1)[-1].split("-")[0] if system.startswith("member:") else system
 
 
-def _progress(total: int, label: str, enabled: bool):
+def _progress(total: int, label: str, enabled: bool) -> Any:  # tqdm has no type information
     from tqdm import tqdm
 
     return tqdm(total=total, desc=label, unit="run", disable=not enabled, dynamic_ncols=True)
