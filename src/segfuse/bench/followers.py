@@ -42,8 +42,9 @@ def run(levels: Sequence[int] = (1, 4), requests: int = 8, max_tokens: int = 32,
         models: Sequence[str] | None = None, threads: int | None = None, reps: int = 2,
         out: Path | None = Path("runs/bench-followers.json"), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every system at every level, `reps` times in turn; the report (also written to `out`)."""
-    config = {"server": {"api_key": secrets.token_hex(16), "max_concurrent": max(levels), "queue_size": 64},
-              "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0}}
+    config: dict[str, dict[str, Any]] = {
+        "server": {"api_key": secrets.token_hex(16), "max_concurrent": max(levels), "queue_size": 64},
+        "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0}}
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {"levels": list(levels), "requests": requests, "max_tokens": max_tokens, "leader": leader,

@@ -179,18 +179,19 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
     levels = _check_arguments(concurrency, requests, max_tokens, remote, models)
     widest = max_concurrent or levels[-1]
     per_level = {c: requests or max(8, 2 * c) for c in levels}
-    settings = {
+    queue_size = max(16, levels[-1])
+    settings: dict[str, Any] = {
         "concurrency": levels, "requests_per_level": {str(c): n for c, n in per_level.items()},
         "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "warmup_requests": warmup,
         "prompts": list(PROMPTS), "threads": threads, "threads_env": os.environ.get("SEGFUSE_THREADS"),
         "n_ctx": n_ctx, "remote": remote,
         "max_concurrent": {"serial": 1, "concurrent": widest},
-        "queue_size": max(16, levels[-1]),
+        "queue_size": queue_size,
     }
     from ..config import build_config
 
     for mc in (1, widest):  # a bad setting fails here, before anything is started
-        build_config(None, max_concurrent=mc, queue_size=settings["queue_size"], models=list(models or []),
+        build_config(None, max_concurrent=mc, queue_size=queue_size, models=list(models or []),
                      threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -207,7 +208,7 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         for mode in MODES:
             mc = 1 if mode == "serial" else widest
             log(f"== {mode}: starting `segfuse serve` with max_concurrent={mc}…")
-            config = server_config(max_concurrent=mc, queue_size=settings["queue_size"], models=members,
+            config = server_config(max_concurrent=mc, queue_size=queue_size, models=members,
                                    threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
             report["modes"][mode] = _run_mode(workdir, mode, config, levels, per_level, max_tokens, warmup,
                                               startup_s, log)
