@@ -55,7 +55,7 @@ def test_a_handoff_never_lets_the_calling_thread_run_while_the_consumer_works():
     def decode() -> None:
         for i in range(5):
             timeline.append(("decode", i))
-            handoff.give(i)  # type: ignore[arg-type]  (any object stands for an event here)
+            handoff.give(i)  # type: ignore[arg-type]  # any object stands for an event here
         handoff.end()
 
     thread = threading.Thread(target=decode)
@@ -72,7 +72,7 @@ def test_a_handoff_never_lets_the_calling_thread_run_while_the_consumer_works():
 
 def test_a_handoff_the_consumer_left_lets_the_calling_thread_finish():
     handoff = Handoff()
-    thread = threading.Thread(target=lambda: [handoff.give(i) for i in range(3)])  # type: ignore[func-returns-value]
+    thread = threading.Thread(target=lambda: [handoff.give(i) for i in range(3)])  # type: ignore[func-returns-value]  # the list is thrown away
     thread.start()
     assert handoff.take() == 0
     handoff.close()  # the consumer leaves without saying taken

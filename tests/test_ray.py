@@ -55,7 +55,7 @@ def cluster():
 
 
 def ray_member(spec: str, **options) -> RayMember:
-    return load_member(f"ray:{spec}", **{**OPTIONS, **options})  # type: ignore[return-value]
+    return load_member(f"ray:{spec}", **{**OPTIONS, **options})  # type: ignore[return-value]  # ray: loads one
 
 
 @pytest.fixture(scope="module")

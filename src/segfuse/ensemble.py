@@ -131,10 +131,10 @@ class Ensemble:
         opts = options.pop("options", None) or FusionOptions.build(**options)
         generations = [self.steps(p if isinstance(p, FusionRequest) else FusionRequest.of(p, opts)) for p in prompts]
         outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return outcomes  # type: ignore[return-value]
+        results = [o for o in outcomes if not isinstance(o, BaseException)]
+        if len(results) < len(outcomes):
+            raise next(o for o in outcomes if isinstance(o, BaseException))
+        return results
 
     def generate(self, prompt: Conversation | FusionRequest, **options: Any) -> Result:
         """Run to completion and return the result with its provenance."""

@@ -110,15 +110,15 @@ def _score_batch(member: Member, items: Sequence[tuple[str, Sequence[str]]]
                 item.session = member.start([Message("raw", item.context)], seed=None, reserve=1)
             except Exception as exc:  # the item's own failure, not the batch's
                 item.error = exc
-        while live := [i for i in batch if i.queue and i.error is None]:
-            groups = [i.queue.pop(0) for i in live]
-            outcomes = member.score_many([i.session for i in live], [(g,) for g in groups])  # type: ignore[misc]
-            for item, group, outcome in zip(live, groups, outcomes):
-                _take(item, group, outcome)
+        while live := [(i, i.session) for i in batch if i.queue and i.error is None and i.session is not None]:
+            groups = [i.queue.pop(0) for i, _ in live]
+            outcomes = member.score_many([session for _, session in live], [(g,) for g in groups])
+            for (item, session), group, outcome in zip(live, groups, outcomes):
+                _take(item, session, group, outcome)
     finally:
         for item in batch:  # before opening another: a member may hold one session at a time
             if item.session is not None:
-                _close(item)
+                _close(item, item.session)
     return [_finish(member, item) for item in batch]
 
 
@@ -127,11 +127,11 @@ def _groups(texts: Sequence[str]) -> list[list[str]]:
     return [distinct[at : at + MAX_PER_CALL] for at in range(0, len(distinct), MAX_PER_CALL)]
 
 
-def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception) -> None:
+def _take(item: _Item, session: MemberSession, group: list[str], outcome: list[TokenScores] | Exception) -> None:
     """Keep a group's scores; a group the backend refused as too large is halved (queued first),
     a single text set aside to be scored in pieces; any other failure is the item's."""
     try:
-        item.session.accept("")  # type: ignore[union-attr]  # the context stays; the candidates are dropped
+        session.accept("")  # the context stays; the candidates are dropped
     except Exception as exc:  # a session that cannot go on fails its item alone
         item.error = exc
         return
@@ -146,9 +146,9 @@ def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception)
         item.queue[:0] = [group[:half], group[half:]]
 
 
-def _close(item: _Item) -> None:
+def _close(item: _Item, session: MemberSession) -> None:
     try:
-        item.session.close()  # type: ignore[union-attr]
+        session.close()
     except Exception as exc:  # the other sessions must still be closed
         item.error = item.error or exc
 

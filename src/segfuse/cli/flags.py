@@ -186,7 +186,7 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, 
 
         hints = typing.get_type_hints(command, include_extras=True)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own] + added
-        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
         run.__annotations__ = {p.name: p.annotation for p in params}
         return run
 
@@ -209,7 +209,7 @@ def member_flags() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         hints = typing.get_type_hints(command, include_extras=True)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own]
         params += [_member_parameter(name, f) for name, f in fields.items()]
-        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
         run.__annotations__ = {p.name: p.annotation for p in params}
         return run
 
