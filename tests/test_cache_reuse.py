@@ -28,6 +28,8 @@ from segfuse.types import Message
 PROMPT = "Explain in a few sentences how rain forms."
 MEMBERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
 
+pytestmark = pytest.mark.models
+
 
 def test_cached_path_gives_the_reencoding_answer_with_less_work(default_ensemble):
     # every member, every round

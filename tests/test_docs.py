@@ -584,6 +584,7 @@ def help_text(*args: str) -> str:
     return " ".join(text.replace("│", " ").split())
 
 
+@pytest.mark.slow
 def test_help_tells_the_truth():
     assert "(over the config file's [defaults] table)" in help_text("serve")
     assert "1.0 at temperature 0, else 0.9" in help_text("eval")  # what eval runs record

@@ -105,6 +105,7 @@ def _texts(events) -> list[str]:
     return [e.segment.text for e in events if isinstance(e, SegmentEvent)]
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("case", ["plain", "stop", "json"])
 def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(uncached_ensemble, case):
     from segfuse.constraints import Constraint
@@ -142,6 +143,7 @@ def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(uncached
         assert set(json.loads(result.text)) == {"name", "age"}
 
 
+@pytest.mark.models
 def test_consulting_options_stream_whole_segments_as_before(default_ensemble):
     events, result = _run(default_ensemble, True, accept_margin=0.5)
     segments = [e for e in events if isinstance(e, SegmentEvent)]
@@ -149,6 +151,7 @@ def test_consulting_options_stream_whole_segments_as_before(default_ensemble):
     assert [e.segment.text for e in segments] == [s.text for s in result.segments]
 
 
+@pytest.mark.models
 def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
     from rich.console import Console
 
@@ -198,6 +201,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"], "additionalProperties": False}
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("case", ["plain", "stop", "json_schema", "consulting"])
 def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
     ask: dict = {"model": "segfuse", "max_tokens": 24, "temperature": 0,
@@ -227,6 +231,7 @@ def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
         assert set(json.loads(answer)) == {"name", "age"}
 
 
+@pytest.mark.models
 def test_text_a_failing_leader_sent_stays_and_its_successor_goes_on(default_ensemble):
     from helpers import SessionWrapper, Wrapped
 

@@ -162,6 +162,7 @@ def error_of(name: str, **kwargs) -> SegfuseError:
 
 # --- `segfuse models` ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     done = segfuse("models", "--json")
     assert done.returncode == 0, done.stderr
@@ -208,6 +209,7 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     assert Path(paths["ollama:smollm2:135m"]).resolve() == SMOL.resolve()
 
 
+@pytest.mark.slow
 def test_every_listed_name_selects_the_file_listed_with_it(home):
     rows = [r for r in list_models() if r.source != "embedded" and r.status == "ready"]
     assert len(rows) >= 12
@@ -333,6 +335,7 @@ def test_a_name_not_found_lists_the_closest_and_where_it_looked(home, name, clos
     assert f"closest: {closest}" in error.hint
 
 
+@pytest.mark.slow
 def test_the_command_line_says_it_in_one_line(home):
     done = segfuse("generate", "hi", "-m", "ollama:smollm2:136m")
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -447,6 +450,7 @@ def _write_gguf(path: Path, values: dict[str, str]) -> None:
 
 # --- the models at work ------------------------------------------------------------------------------
 
+@pytest.mark.models  # llama.cpp reads each file's template
 def test_template_sources_read_sourced_models(home):
     """`remote:...#template=NAME`: a remote member's chat template from a model on disk."""
     from_ollama = load_prompt_source("ollama:smollm2:135m")

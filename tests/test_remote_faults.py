@@ -16,7 +16,7 @@ from segfuse.backends.registry import load_member
 from segfuse.bench.processes import llama_cpp_server
 from segfuse.models import CATALOGUE, model_path
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 SMOL = model_path(CATALOGUE["smollm2-135m"])
 PROMPT = "Explain in a few sentences how rain forms."
 
