@@ -22,8 +22,8 @@ from segfuse.bench.chat import LEADER, Target, ask, one_repetition, summarise
 from segfuse.bench.machine import git, loadavg, machine
 from segfuse.bench.processes import (
     llama_cpp_server,
-    sigterm_as_interrupt,
     segfuse_server,
+    sigterm_as_interrupt,
 )
 
 

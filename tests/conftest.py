@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import Recording
 from segfuse import Ensemble
 from segfuse import models as catalogue
-from helpers import Recording
 
 
 def _require_prepared() -> None:

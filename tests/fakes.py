@@ -13,6 +13,8 @@ import threading
 from segfuse.backends.base import Capabilities, Member, MemberSession
 from segfuse.types import DraftTokens, TokenScores
 
+NOTHING_MORE = Capabilities()  # the required calls only (frozen: one shared default is safe)
+
 
 class ScriptedSession(MemberSession):
     """Drafts what it is told, round by round; scores a text by a fixed probability per token."""
@@ -74,7 +76,7 @@ class FittedSession(ScriptedSession):
 class ScriptedMember(Member):
     """Hands out the given session(s): one for every request, or a new one per request from a factory."""
 
-    def __init__(self, name, session=None, *, factory=None, capabilities=Capabilities(), slots=None,
+    def __init__(self, name, session=None, *, factory=None, capabilities=NOTHING_MORE, slots=None,
                  n_params=None):
         self.name = name
         self.session = session

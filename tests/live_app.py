@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from helpers import wait_for
 
+from helpers import wait_for
 from segfuse.config import ServerConfig
 from segfuse.server.app import create_app, uvicorn_settings
 from segfuse.server.state import ServerState

@@ -27,15 +27,15 @@ from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("httpx")
 
-from segfuse.backends.registry import load_member  # noqa: E402
-from segfuse.ensemble import Ensemble  # noqa: E402
-from segfuse.errors import MemberLoadError  # noqa: E402
-from segfuse.models import CATALOGUE, is_ready, model_path  # noqa: E402
-from segfuse.engine.scoring import normalise, raw_score  # noqa: E402
-from segfuse.types import Message, Sampling  # noqa: E402
-from segfuse.bench.processes import free_port, llama_cpp_server  # noqa: E402
+from segfuse.backends.registry import load_member
+from segfuse.bench.processes import free_port, llama_cpp_server
+from segfuse.engine.scoring import normalise, raw_score
+from segfuse.ensemble import Ensemble
+from segfuse.errors import MemberLoadError
+from segfuse.models import CATALOGUE, is_ready, model_path
+from segfuse.types import Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -105,8 +105,8 @@ def test_transformers_prompt_matches_llama_cpp(hf_member, lc_member):
 
 
 def test_transformers_batched_scores_match_one_by_one(hf_member):
-    batched = _scores(hf_member, CANDIDATES + [""])
-    alone = _scores(hf_member, CANDIDATES + [""], one_by_one=True)
+    batched = _scores(hf_member, [*CANDIDATES, ""])
+    alone = _scores(hf_member, [*CANDIDATES, ""], one_by_one=True)
     for b, a in zip(batched, alone):
         assert len(b.logprobs) == len(a.logprobs)
         assert max(abs(x - y) for x, y in zip(b.logprobs, a.logprobs)) < 1e-4
@@ -209,7 +209,7 @@ def test_remote_draft_matches_local_greedy(remote_member, lc_member, messages):
 
 
 def test_remote_scores_match_local(remote_member, lc_member):
-    texts = CANDIDATES[:2] + [""]
+    texts = [*CANDIDATES[:2], ""]
     remote = _scores(remote_member, texts)
     local = _scores(lc_member, texts)
     for r, loc in zip(remote[:2], local[:2]):

@@ -28,9 +28,12 @@ from segfuse.types import Message
 PROMPT = "Explain in a few sentences how rain forms."
 MEMBERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
 
+pytestmark = pytest.mark.models
+
 
 def test_cached_path_gives_the_reencoding_answer_with_less_work(default_ensemble):
-    options = dict(max_tokens=48, temperature=0, seed=0, exit=False, hedge=False, gate=None)  # every member, every round
+    # every member, every round
+    options = {"max_tokens": 48, "temperature": 0, "seed": 0, "exit": False, "hedge": False, "gate": None}
     fast = default_ensemble.generate(PROMPT, **options)
     with Ensemble(MEMBERS, reencode=True) as slow_ens:
         slow = slow_ens.generate(PROMPT, **options)

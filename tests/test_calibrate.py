@@ -98,6 +98,7 @@ def run_cli(*args, timeout=900):
     return subprocess.run([*SEGFUSE, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_calibrate_refuses_too_few_items_and_a_missing_checker(tmp_path):
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": q, "answer": a} for q, a in QUESTIONS[:4]])
     few = run_cli("calibrate", "jsonl", "--data", str(data), "--checker", "number", "--out", str(tmp_path / "o"))

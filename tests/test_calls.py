@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from fakes import BatchingMember, ScriptedMember, ScriptedSession
+import pytest
 
+from fakes import BatchingMember, ScriptedMember, ScriptedSession
 from segfuse.backends.base import Capabilities
 from segfuse.engine.calls import Call, CallRunner, Calls
 from segfuse.types import Sampling
@@ -78,6 +79,7 @@ class SlowSession(ScriptedSession):
         return super().draft(max_tokens, sampling)
 
 
+@pytest.mark.slow
 def test_parallel_safe_members_run_at_once_and_local_ones_one_after_another():
     log, lock = [], threading.Lock()
     remote = Capabilities(parallel_safe=True)

@@ -45,16 +45,31 @@ def test_the_demo_answers_with_the_default_ensemble_and_says_how_to_consult_the_
     assert "--accept-margin 2" in done.stderr
 
 
+@pytest.mark.slow
 def test_dash_with_nothing_piped_is_a_clear_error():
     done = segfuse("generate", "-")
     assert done.returncode == 2
     assert "standard input" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_no_prompt_at_all_is_a_clear_error():
     done = segfuse("generate")
     assert done.returncode == 2
     assert "no prompt given" in done.stderr
+
+
+@pytest.mark.slow
+def test_cli_user_errors_are_one_line_without_traceback():
+    for args, needle in ((["generate", "-m", "nope", "hi"], "unknown model"),
+                         (["generate", "--window", "0", "hi"], "window"),
+                         (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
+                         (["generate", "   "], "empty")):
+        proc = segfuse(*args)
+        assert proc.returncode == 2, args
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def only_embedded(home) -> dict[str, str]:
@@ -63,6 +78,7 @@ def only_embedded(home) -> dict[str, str]:
             "HF_HUB_CACHE": str(home / "none"), "LLAMA_CACHE": str(home / "none")}
 
 
+@pytest.mark.slow
 def test_the_model_list_never_cuts_a_name_at_80_columns(tmp_path):
     done = segfuse("models", env={"COLUMNS": "80", **only_embedded(tmp_path)})
     assert done.returncode == 0, done.stderr
@@ -74,6 +90,7 @@ def test_the_model_list_never_cuts_a_name_at_80_columns(tmp_path):
         assert any(line.startswith(f"{name}: ") for line in lines)  # its file (or install line) on its own line
 
 
+@pytest.mark.slow
 def test_the_model_list_as_json_and_paths(tmp_path):
     rows = json.loads(segfuse("models", "--json", env=only_embedded(tmp_path)).stdout)
     assert [r["name"] for r in rows] == list(catalogue.CATALOGUE)
@@ -106,6 +123,7 @@ main()
     (["bench"], {"matplotlib"}, "bench"),
     (["generate", "hi", "-m", "transformers:/nowhere"], {"transformers"}, "hf"),
 ])
+@pytest.mark.slow
 def test_a_missing_extra_says_which_pip_line_fixes_it(args, blocked, extra):
     done = subprocess.run([sys.executable, "-c", BLOCKED.format(blocked=blocked, args=args)], input="",
                           capture_output=True, text=True, timeout=120)

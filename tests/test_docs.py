@@ -135,7 +135,7 @@ def simple_commands(line: str) -> list[list[str]]:
             next(tokens, None)
         else:
             current.append(token)
-    return [c for c in out + [current] if c]
+    return [c for c in [*out, current] if c]
 
 
 def env_and_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -597,6 +597,7 @@ def help_text(*args: str) -> str:
     return " ".join(text.replace("│", " ").split())
 
 
+@pytest.mark.slow
 def test_help_tells_the_truth():
     assert "(over the config file's [defaults] table)" in help_text("serve")
     assert "1.0 at temperature 0, else 0.9" in help_text("eval")  # what eval runs record

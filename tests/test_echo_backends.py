@@ -18,16 +18,16 @@ from collections.abc import Iterator
 
 import pytest
 
-# The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
-from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  (fixtures)
-
-from segfuse.backends.transformers import echo as hf_echo
 from segfuse.backends.likelihood import score_continuations
 from segfuse.backends.registry import load_member
 from segfuse.backends.remote.echo import raw_echo_agrees
+from segfuse.backends.transformers import echo as hf_echo
 from segfuse.errors import InvalidRequestError, PromptTooLongError
 from segfuse.models import CATALOGUE, is_ready, model_path
 from segfuse.types import Message, PromptToken
+
+# The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
+from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  # fixtures
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -61,7 +61,7 @@ def gemma_remote(gemma_url):
 
 def _after(tokens: list[PromptToken], n_bytes: int) -> float:
     """Summed log-probabilities of the tokens that start at or after byte `n_bytes`."""
-    return sum(t.logprob for t in tokens if t.start >= n_bytes)  # type: ignore[misc]
+    return sum(t.logprob for t in tokens if t.start >= n_bytes)  # type: ignore[misc]  # only the first has none
 
 
 def _check_alternatives(tokens: list[PromptToken], k: int) -> None:
@@ -78,7 +78,7 @@ def _check_alternatives(tokens: list[PromptToken], k: int) -> None:
 # --- transformers ------------------------------------------------------------------------------
 
 
-def test_hf_echo_spells_the_text_and_equals_its_score(hf_member):  # noqa: F811
+def test_hf_echo_spells_the_text_and_equals_its_score(hf_member):  # noqa: F811  # the imported fixture
     assert hf_member.capabilities.echo
     tokens = hf_member.echo(CONTEXT + CONTINUATION, top_k=3)
     assert "".join(t.text for t in tokens) == CONTEXT + CONTINUATION
@@ -91,7 +91,7 @@ def test_hf_echo_spells_the_text_and_equals_its_score(hf_member):  # noqa: F811
     assert sum(t.start >= len(CONTEXT) for t in tokens) == scored.tokens
 
 
-def test_hf_echo_of_multibyte_text_and_its_ids(hf_member):  # noqa: F811
+def test_hf_echo_of_multibyte_text_and_its_ids(hf_member):  # noqa: F811  # the imported fixture
     tokens = hf_member.echo(ODD, top_k=1)
     assert "".join(t.text for t in tokens) == ODD
     assert tokens[-1].end == len(ODD.encode())
@@ -101,17 +101,17 @@ def test_hf_echo_of_multibyte_text_and_its_ids(hf_member):  # noqa: F811
     assert [(t.text, t.logprob) for t in again] == [(t.text, t.logprob) for t in tokens]
 
 
-def test_hf_echo_in_small_chunks_equals_one_pass(hf_member, monkeypatch):  # noqa: F811
+def test_hf_echo_in_small_chunks_equals_one_pass(hf_member, monkeypatch):  # noqa: F811  # the imported fixture
     whole = hf_member.echo(CONTEXT + CONTINUATION, top_k=2)
     monkeypatch.setattr(hf_echo, "MAX_CHUNK", 3)  # rows read three tokens at a time
     pieces = hf_member.echo(CONTEXT + CONTINUATION, top_k=2)
     assert [t.text for t in pieces] == [t.text for t in whole]
     for a, b in zip(pieces[1:], whole[1:]):
-        assert abs(a.logprob - b.logprob) < 1e-3  # type: ignore[operator]
+        assert abs(a.logprob - b.logprob) < 1e-3  # type: ignore[operator]  # after the first, all have one
         assert a.top[0][0] == b.top[0][0]
 
 
-def test_hf_echo_refuses_bad_input(hf_member):  # noqa: F811
+def test_hf_echo_refuses_bad_input(hf_member):  # noqa: F811  # the imported fixture
     with pytest.raises(PromptTooLongError, match="context window"):
         hf_member.echo("a " * (hf_member.n_ctx + 10))
     with pytest.raises(InvalidRequestError, match=str(hf_member.vocab.n_vocab + 5)):
@@ -156,7 +156,7 @@ def test_remote_echo_refuses_ids_and_over_window_texts(gemma_url, gemma_remote):
         narrow.close()
 
 
-def test_remote_echo_refused_where_the_server_shifts_it(remote_member):  # noqa: F811
+def test_remote_echo_refused_where_the_server_shifts_it(remote_member):  # noqa: F811  # the imported fixture
     """SmolLM2's plain texts do not start with its BOS: llama-cpp-python would shift every echoed
     log-probability by one token (abetlen/llama-cpp-python#1983), so the member does not offer echo at all."""
     assert not remote_member.capabilities.echo

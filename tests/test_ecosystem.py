@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import checked_server
 from openai import OpenAI
+
+from helpers import checked_server
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

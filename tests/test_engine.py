@@ -6,11 +6,9 @@ test_real_models.py.
 
 from __future__ import annotations
 
-
 import pytest
 
 from fakes import FittedSession, ScriptedMember, ScriptedSession, fitted
-
 from segfuse.engine import fuse
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
@@ -36,7 +34,7 @@ def test_majority_preference_wins_and_everyone_gets_the_winner():
     assert a.accepted == b.accepted == c.accepted == [" Red.", ""]
     assert result.stats.finish_reason == "stop"
     assert all(s.closed for s in (a, b, c))
-    first = [e for e in events if isinstance(e, RoundEvent)][0].record
+    first = next(e for e in events if isinstance(e, RoundEvent)).record
     assert set(first.scores) == {"a", "b", "c"}
     assert all(len(row) == 3 for row in first.scores.values())
     assert all(sum(row) == pytest.approx(1.0) for row in first.scores.values())
@@ -181,7 +179,7 @@ def test_an_unsure_leader_calls_a_full_round():
     weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.2, " Four.": 0.6}, bpb=1.4)
     events, result = run([fitted("weak", weak), fitted("strong", strong)],
                          gate=0.5, prior="prompt", leader="strong")
-    first = [e for e in events if isinstance(e, RoundEvent)][0].record
+    first = next(e for e in events if isinstance(e, RoundEvent)).record
     assert not first.gated and first.leader == "strong"
     assert first.confidence == pytest.approx(0.3)
     assert [c.model for c in first.candidates] == ["weak", "strong"]  # member order, not draft order
@@ -227,8 +225,8 @@ def test_the_guard_gives_up_when_every_candidate_loops():
         weak = FittedSession([([lap.encode()], False)] * 9 + [([b""], True)], {lap: 0.9, "": 0.9}, bpb=1.4)
         return strong, weak, [fitted("strong", strong), fitted("weak", weak)]
 
-    strong, weak, members = looping_pair()
-    events, result = run(members, gate=0.5, guard=True, guard_patience=2, prior="prompt", max_tokens=9)
+    _strong, weak, members = looping_pair()
+    events, _result = run(members, gate=0.5, guard=True, guard_patience=2, prior="prompt", max_tokens=9)
     records = [e.record for e in events if isinstance(e, RoundEvent)]
     # round 1 is gated (nothing to repeat yet); rounds 2 and 3 vote and find everyone looping; then alone again
     assert [r.gated for r in records][:5] == [True, False, False, True, True]
@@ -246,7 +244,7 @@ def consulting_round(**options):
     weak2 = ScriptedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.9, " Four.": 0.05, "": 0.9})
     members = [ScriptedMember("weak1", weak1, n_params=1), ScriptedMember("lead", leader, n_params=9),
                ScriptedMember("weak2", weak2, n_params=1)]
-    events, result = run(members, gate=0.5, **options)
+    _events, result = run(members, gate=0.5, **options)
     return result, (leader, weak1, weak2)
 
 
@@ -263,7 +261,7 @@ def test_a_proposal_the_leader_rejects_cannot_win_however_the_others_vote():
 
 
 def test_an_accepted_proposal_goes_to_the_vote():
-    result, (leader, weak1, weak2) = consulting_round(accept_margin=4.0)  # " Five." is 2.9 nats below its top choice
+    result, (_leader, weak1, weak2) = consulting_round(accept_margin=4.0)  # " Five." is 2.9 nats below its top choice
     first = result.rounds[0]
     assert all(v.startswith("accepted") for v in first.consulted.values())
     assert result.text.startswith(" Five.") and first.winner == "weak1" and first.decision == "vote"
@@ -271,7 +269,7 @@ def test_an_accepted_proposal_goes_to_the_vote():
 
 
 def test_margin_zero_is_the_leader_alone_and_none_is_todays_vote():
-    alone, (leader, weak1, weak2) = consulting_round(accept_margin=0.0)
+    alone, (_leader, weak1, weak2) = consulting_round(accept_margin=0.0)
     assert alone.text == " Four." and weak1.drafted == weak2.drafted == 0
     assert all(r.gated and r.winner == "lead" for r in alone.rounds)
     assert alone.rounds[0].decision == "alone"  # unsure (0.3 < gate 0.5), yet nobody is consulted
@@ -305,7 +303,7 @@ def test_a_standby_member_catches_up_once_and_finishes_when_the_leader_fails():
     small = ScriptedSession(list(words), {})
     members = [ScriptedMember("small", small, n_params=1), ScriptedMember("lead", leader, n_params=9),
                ScriptedMember("big", big, n_params=5)]
-    events, result = run(members, gate=0.5, accept_margin=0.0)
+    _events, result = run(members, gate=0.5, accept_margin=0.0)
     assert result.text == " one. two."
     assert big.accepted == [" one.", " two.", ""]  # the answer so far at once, then each segment
     assert small.accepted == [] and members[0].started == 0  # never needed

@@ -11,13 +11,20 @@ import sys
 
 import pytest
 
+from segfuse.errors import InvalidRequestError
 from segfuse.eval.report import (
-    build_report, comparisons, coverage_groups, latest, mcnemar_p, paired, summarise, wilson,
+    build_report,
+    comparisons,
+    coverage_groups,
+    latest,
+    mcnemar_p,
+    paired,
+    summarise,
+    wilson,
 )
 from segfuse.eval.runner import carried_weights, read_records
 from segfuse.eval.systems import resolve_systems
 from segfuse.eval.tasks import GSM8K, IFEVAL, Item, extract_number, gsm8k_reference, parse_number, score_gsm8k
-from segfuse.errors import InvalidRequestError
 from segfuse.likelihood import Rule
 
 SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
@@ -75,6 +82,7 @@ def _ifeval_item(instructions, kwargs, prompt="Write something."):
     return Item("ifeval-1", 0, prompt, doc)
 
 
+@pytest.mark.slow
 def test_ifeval_known_pass_and_fail():
     no_comma = _ifeval_item(["punctuation:no_comma"], [{}])
     assert IFEVAL.score(no_comma, "Short text without that mark.")["prompt_level_strict_acc"]
@@ -149,6 +157,7 @@ def test_summary_uses_only_items_every_system_finished():
     assert rows[0].wins == {"x": 2, "y": 1}
 
 
+@pytest.mark.slow
 def test_systems_that_went_further_get_their_own_section(tmp_path):
     def rec(i, system, ok):
         return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
@@ -235,6 +244,7 @@ def gsm8k_run(tmp_path_factory):
     return out, args, done
 
 
+@pytest.mark.models
 def test_cli_run_writes_records_table_and_plots(gsm8k_run):
     out, _, done = gsm8k_run
     records = read_records(out / "gsm8k.jsonl")
@@ -260,6 +270,7 @@ def test_cli_run_writes_records_table_and_plots(gsm8k_run):
     assert (out / "gsm8k_segment_wins.png").stat().st_size > 1000
 
 
+@pytest.mark.models
 def test_resume_skips_finished_items(gsm8k_run):
     out, args, _ = gsm8k_run
     before = (out / "gsm8k.jsonl").read_text()
@@ -270,6 +281,7 @@ def test_resume_skips_finished_items(gsm8k_run):
     assert clash.returncode == 2 and "other settings" in clash.stderr
 
 
+@pytest.mark.models
 def test_hedge_persist_carries_weights_across_items_and_resumes(tmp_path):
     base = ("eval", "gsm8k", "--max-tokens", "16", "--systems", "specfuse+hedge", "--no-progress")
     _cli(*base, "--limit", "2", "--out", str(tmp_path / "fresh"))
@@ -287,6 +299,7 @@ def test_hedge_persist_carries_weights_across_items_and_resumes(tmp_path):
     assert clash.returncode == 2 and "other settings" in clash.stderr
 
 
+@pytest.mark.models
 def test_report_rebuilds_from_jsonl(gsm8k_run):
     out, _, _ = gsm8k_run
     for name in ("report.md", "gsm8k_accuracy_vs_time.png", "gsm8k_segment_wins.png"):
@@ -301,6 +314,7 @@ def test_report_rebuilds_from_jsonl(gsm8k_run):
     assert build_report(out) == out / "report.md"
 
 
+@pytest.mark.models
 def test_ifeval_run_in_process(tmp_path):
     from segfuse.eval.runner import run_eval
 
@@ -313,6 +327,7 @@ def test_ifeval_run_in_process(tmp_path):
 
 # --- the lm-evaluation-harness adapter ------------------------------------------
 
+@pytest.mark.models
 def test_lm_eval_model_is_registered_and_generates():
     from lm_eval.api.registry import get_model
 
@@ -336,6 +351,7 @@ class _Request:  # lm-eval's Instance exposes its arguments as .args
         self.args = args
 
 
+@pytest.mark.models
 def test_lm_eval_bigbench_group_runs_offline_and_one_member_gives_its_own_scores():
     import lm_eval
 
@@ -360,6 +376,7 @@ def test_lm_eval_bigbench_group_runs_offline_and_one_member_gives_its_own_scores
         lm.ensemble.close()
 
 
+@pytest.mark.models
 def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
     from segfuse.eval.lm_eval_adapter import SegfuseLM
 
@@ -389,6 +406,7 @@ def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
         lm.ensemble.close()
 
 
+@pytest.mark.models
 def test_lm_eval_cli_runs_a_local_task_with_the_segfuse_model():
     # lm-eval's own CLI (through our console script, which registers the model and the local tasks).
     script = os.path.join(os.path.dirname(sys.executable), "segfuse-lm-eval")

@@ -34,23 +34,23 @@ from typing import Any
 import httpx
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
-from helpers import API_KEY, wait_for  # noqa: E402
-from segfuse import models as catalogue  # noqa: E402
-from segfuse.bench.processes import SegfuseServer, segfuse_server  # noqa: E402
-from segfuse.options import FusionOptions  # noqa: E402
-from segfuse.server.chat.protocol import (  # noqa: E402
+from helpers import API_KEY, wait_for
+from segfuse import models as catalogue
+from segfuse.bench.processes import SegfuseServer, segfuse_server
+from segfuse.options import FusionOptions
+from segfuse.server.chat.protocol import (
     NEUTRAL_PARAMETERS,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
 )
-from segfuse.server.completions.protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion  # noqa: E402
-from segfuse.server.wire import TOLERATED_PARAMETERS, ErrorResponse  # noqa: E402
+from segfuse.server.completions.protocol import COMPLETION_NEUTRAL, CompletionRequest, TextCompletion
+from segfuse.server.wire import TOLERATED_PARAMETERS, ErrorResponse
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 

@@ -21,19 +21,19 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from helpers import SessionWrapper, Wrapped, wait_for
 
+from helpers import SessionWrapper, Wrapped, wait_for
 from segfuse import Ensemble
 from segfuse import models as catalogue
 from segfuse.backends.registry import load_member
 from segfuse.backends.special_text import Special, SpecialTexts, partition
 from segfuse.config import build_config
 from segfuse.engine import SEED_SPACE, member_seed
+from segfuse.engine.scoring import hedge_update
 from segfuse.errors import InvalidRequestError, NoFreeSlotError
 from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
 from segfuse.request import FusionRequest
-from segfuse.engine.scoring import hedge_update
 from segfuse.server import app as server_app
 from segfuse.server.worker import DeadlineError, Failed, Job, ShuttingDownError, Worker, WorkerFailedError
 from segfuse.types import DoneEvent, Message
@@ -446,10 +446,7 @@ def test_shutting_down_ends_running_and_waiting_requests_at_once(smol):
             await asyncio.to_thread(wait_for, lambda: worker._tick_since is not None, 30, 0.05, "a step")
             worker.begin_shutdown()
             release.set()
-            outcomes = []
-            for job in jobs:
-                outcomes.append([item async for item in job.items()])
-            return outcomes
+            return [[item async for item in job.items()] for job in jobs]
 
         running, waiting = asyncio.run(main())
         for items in (running, waiting):

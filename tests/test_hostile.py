@@ -105,39 +105,44 @@ def text_of(line: str) -> str:
     return choices[0].get("delta", {}).get("content") or ""
 
 
+def streams_at_once(server, http) -> tuple[list[dict], list[str]]:
+    """Six streams at once (more than the slots): three hang up at their first text, the others read to the
+    end, and the last of those to end asks /health at once. What /health said, and the streams' failures."""
+    left = [3]  # the streams still to end that read their whole answer
+    lock = threading.Lock()
+    seen: list[dict] = []
+    failures: list[str] = []
+
+    def stream(leave: bool) -> None:
+        try:
+            with http.stream("POST", "/v1/chat/completions", json=STAY) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        break
+                    if leave and line.startswith("data: ") and text_of(line):
+                        return  # hangs up mid-answer
+        except Exception as exc:  # reported by the test, not lost in its thread
+            failures.append(f"{type(exc).__name__}: {exc}")
+            return
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            seen.append(server.health())
+
+    threads = [threading.Thread(target=stream, args=(i % 2 == 0,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    return seen, failures
+
+
 def test_health_right_after_the_last_answer_shows_nothing_held(server, http):
     """Found after a hostile run: /health, asked the moment the last answer ended, showed a slot held with
-    nothing in flight. Each round, six streams at once (more than the slots); three hang up at their first
-    text, the others read to the end (many rounds later: the hung-up ones are long gone by then), and the
-    last to end asks /health at once."""
+    nothing in flight. Each round runs streams_at_once (many rounds later: the hung-up ones are long gone then)."""
     for round_no in range(ROUNDS):
-        left = [3]  # the streams still to end that read their whole answer
-        lock = threading.Lock()
-        seen: list[dict] = []
-        failures: list[str] = []
-
-        def stream(leave: bool) -> None:
-            try:
-                with http.stream("POST", "/v1/chat/completions", json=STAY) as response:
-                    assert response.status_code == 200, response.read()
-                    for line in response.iter_lines():
-                        if line == "data: [DONE]":
-                            break
-                        if leave and line.startswith("data: ") and text_of(line):
-                            return  # hangs up mid-answer
-            except Exception as exc:  # reported by the test, not lost in its thread
-                failures.append(f"{type(exc).__name__}: {exc}")
-                return
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                seen.append(server.health())
-
-        threads = [threading.Thread(target=stream, args=(i % 2 == 0,)) for i in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(TIMEOUT_S)
+        seen, failures = streams_at_once(server, http)
         assert not failures, failures
         assert len(seen) == 1 and not held(seen[0]), (round_no, held(seen[0]) if seen else "no answer")

@@ -46,6 +46,7 @@ def full_decode(member, context: str, text: str) -> float:
         member.context.seq_rm(0, -1, -1)
 
 
+@pytest.mark.models
 def test_summed_logprob_equals_the_members_full_sequence_decode(member):
     scored = score_item([member], CONTEXT, CHOICES)
     assert scored.context == CONTEXT.rstrip() and scored.choices == [" " + c for c in CHOICES]
@@ -57,6 +58,7 @@ def test_summed_logprob_equals_the_members_full_sequence_decode(member):
     assert scored.seconds[member.name] > 0
 
 
+@pytest.mark.models
 def test_trailing_whitespace_of_the_context_moves_to_the_continuation(member):
     assert split_boundary("Q: hi\nA: \n", ["x"]) == ("Q: hi\nA:", [" \nx"])
     a = score_item([member], CONTEXT, ["109"]).members[member.name][0]
@@ -64,6 +66,7 @@ def test_trailing_whitespace_of_the_context_moves_to_the_continuation(member):
     assert a == b
 
 
+@pytest.mark.models
 def test_greedy_flag_marks_the_members_own_greedy_continuation(member):
     session = member.start([Message("raw", CONTEXT.rstrip())], seed=None, reserve=8)
     try:
@@ -77,6 +80,7 @@ def test_greedy_flag_marks_the_members_own_greedy_continuation(member):
     assert scores[1].greedy is False
 
 
+@pytest.mark.models
 def test_many_choices_and_a_long_one_are_scored_in_pieces(member):
     many = [f" {n}" for n in range(100, 100 + 2 * MAX_PER_CALL + 1)]  # three calls' worth
     long_text = " word" * 600  # over one batch (n_batch 512 tokens): scored in pieces
@@ -88,6 +92,7 @@ def test_many_choices_and_a_long_one_are_scored_in_pieces(member):
     assert together[-1].bytes == len(long_text)
 
 
+@pytest.mark.models
 def test_bad_input_is_refused_clearly(member):
     with pytest.raises(InvalidRequestError, match="no choices"):
         score_item([member], CONTEXT, [])
@@ -99,6 +104,7 @@ def test_bad_input_is_refused_clearly(member):
         Rule.parse("geometric")
 
 
+@pytest.mark.models
 def test_a_context_over_the_window_names_the_member():
     small = load_member("smollm2-135m", MemberOptions(threads=1, n_ctx=256, prefix_cache_cells=0))
     try:
@@ -108,6 +114,7 @@ def test_a_context_over_the_window_names_the_member():
         small.close()
 
 
+@pytest.mark.models
 def test_a_text_over_the_window_is_read_in_rolling_windows():
     """A perplexity text one and a half windows long: every piece is scored, each after the last half window
     of the text before it, where a single window would be full."""
@@ -157,6 +164,7 @@ def test_fitted_weights_follow_the_member_that_is_right():
     assert len(simplex(["a", "b", "c"], 0.1)) == 66
 
 
+@pytest.mark.models
 def test_ensemble_score_pools_every_member_and_one_member_is_itself(default_ensemble):
     scored = default_ensemble.score(CONTEXT, CHOICES, rule="loglinear-whole")
     assert set(scored.members) == set(default_ensemble.names)

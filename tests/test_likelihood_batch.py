@@ -16,6 +16,8 @@ from segfuse.eval.lm_eval_scoring import LikelihoodScoring
 from segfuse.likelihood import ItemScores, Rule, score_item, score_items
 from segfuse.member_options import MemberOptions
 
+pytestmark = pytest.mark.models
+
 SLOTS = 3
 NOISE = 2e-3  # nats
 # llama.cpp's CPU kernels round differently with the shape of a decode: the same tokens decoded with others

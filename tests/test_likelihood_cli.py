@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.models  # each runs the embedded members in a subprocess
+
 SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 TWO = ["-m", "smollm2-135m", "-m", "gemma3-270m", "--threads", "1", "--prefix-cache-cells", "0"]
 

@@ -55,7 +55,7 @@ def test_a_handoff_never_lets_the_calling_thread_run_while_the_consumer_works():
     def decode() -> None:
         for i in range(5):
             timeline.append(("decode", i))
-            handoff.give(i)  # type: ignore[arg-type]  (any object stands for an event here)
+            handoff.give(i)  # type: ignore[arg-type]  # any object stands for an event here
         handoff.end()
 
     thread = threading.Thread(target=decode)
@@ -72,7 +72,7 @@ def test_a_handoff_never_lets_the_calling_thread_run_while_the_consumer_works():
 
 def test_a_handoff_the_consumer_left_lets_the_calling_thread_finish():
     handoff = Handoff()
-    thread = threading.Thread(target=lambda: [handoff.give(i) for i in range(3)])  # type: ignore[func-returns-value]
+    thread = threading.Thread(target=lambda: [handoff.give(i) for i in range(3)])  # type: ignore[func-returns-value]  # the list is thrown away
     thread.start()
     assert handoff.take() == 0
     handoff.close()  # the consumer leaves without saying taken
@@ -105,6 +105,7 @@ def _texts(events) -> list[str]:
     return [e.segment.text for e in events if isinstance(e, SegmentEvent)]
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("case", ["plain", "stop", "json"])
 def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(uncached_ensemble, case):
     from segfuse.constraints import Constraint
@@ -142,6 +143,7 @@ def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(uncached
         assert set(json.loads(result.text)) == {"name", "age"}
 
 
+@pytest.mark.models
 def test_consulting_options_stream_whole_segments_as_before(default_ensemble):
     events, result = _run(default_ensemble, True, accept_margin=0.5)
     segments = [e for e in events if isinstance(e, SegmentEvent)]
@@ -149,6 +151,7 @@ def test_consulting_options_stream_whole_segments_as_before(default_ensemble):
     assert [e.segment.text for e in segments] == [s.text for s in result.segments]
 
 
+@pytest.mark.models
 def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
     from rich.console import Console
 
@@ -183,8 +186,9 @@ def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from helpers import live_server
     from openai import OpenAI
+
+    from helpers import live_server
 
     # No prefix cache: two answers to one prompt read it afresh in the same cells, so greedy ones agree.
     with live_server(tmp_path_factory.mktemp("live"), max_concurrent=1, prefix_cache_cells=0) as server:
@@ -197,6 +201,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"], "additionalProperties": False}
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("case", ["plain", "stop", "json_schema", "consulting"])
 def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
     ask: dict = {"model": "segfuse", "max_tokens": 24, "temperature": 0,
@@ -226,6 +231,7 @@ def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
         assert set(json.loads(answer)) == {"name", "age"}
 
 
+@pytest.mark.models
 def test_text_a_failing_leader_sent_stays_and_its_successor_goes_on(default_ensemble):
     from helpers import SessionWrapper, Wrapped
 

@@ -12,8 +12,8 @@ import llama_cpp as lc
 import pytest
 from typer.testing import CliRunner
 
-from segfuse.backends.llama_cpp import member as llama_backend
 from segfuse.backends.llama_cpp import LlamaCppMember
+from segfuse.backends.llama_cpp import member as llama_backend
 from segfuse.backends.llama_cpp.runtime import can_offload, gpu_layers_for, threads_for
 from segfuse.ensemble import Ensemble
 from segfuse.errors import InvalidRequestError
@@ -60,6 +60,7 @@ def loaded(monkeypatch):
 
 # --- each entry point -------------------------------------------------------------------------
 
+@pytest.mark.models
 def test_cli_flags_reach_the_member(loaded):
     from segfuse.cli import app
 
@@ -70,6 +71,7 @@ def test_cli_flags_reach_the_member(loaded):
     assert_reached(member)
 
 
+@pytest.mark.models
 def test_profile_members_table_reaches_the_member_under_the_flags(loaded, tmp_path):
     from segfuse.cli import app
 
@@ -93,6 +95,7 @@ def test_profile_with_an_unknown_member_option_is_refused(tmp_path):
     assert "gpu_layers" in caught.value.hint
 
 
+@pytest.mark.models
 def test_server_config_members_section_reaches_the_member(tmp_path):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
@@ -123,10 +126,11 @@ def test_server_flags_go_over_the_members_section(tmp_path):
     assert config.members.load_options().given() == {"n_ctx": 4096, "threads": 1, "gpu_layers": 3, "main_gpu": 1,
                                                      "split": "row"}
     toml.write_text("[members]\ngpu_layer = 3\n")
-    with pytest.raises(ConfigError, match="members.gpu_layer"):
+    with pytest.raises(ConfigError, match=r"members\.gpu_layer"):
         build_config(toml)
 
 
+@pytest.mark.models
 def test_member_spec_options_reach_the_member():
     spec = f"{MODEL}#tiny,n_ctx=512,threads=1,gpu_layers=3,prefix_cache_cells=256"
     with Ensemble([spec], n_ctx=4096, threads=2) as ensemble:  # the spec's own go over the ensemble's
@@ -135,6 +139,7 @@ def test_member_spec_options_reach_the_member():
         assert_reached(member)
 
 
+@pytest.mark.models
 def test_llm_plugin_options_reach_the_member(tmp_path, monkeypatch):
     llm = pytest.importorskip("llm")
     from segfuse import llm_plugin
@@ -154,6 +159,7 @@ def test_llm_plugin_options_reach_the_member(tmp_path, monkeypatch):
         model.prompt("Hi", members=MODEL, gpu_layer=3).text()
 
 
+@pytest.mark.models
 def test_llm_plugin_reads_on_off_options_as_the_other_entry_points_do(tmp_path, monkeypatch):
     llm = pytest.importorskip("llm")
     from segfuse import llm_plugin
@@ -171,6 +177,7 @@ def test_llm_plugin_reads_on_off_options_as_the_other_entry_points_do(tmp_path, 
         model.prompt("Hi", members=MODEL, side_by_side="sometimes").text()
 
 
+@pytest.mark.models
 def test_lm_eval_model_args_reach_the_member():
     pytest.importorskip("lm_eval")
     from segfuse.eval.lm_eval_adapter import ModelArgsError, SegfuseLM
@@ -181,7 +188,7 @@ def test_lm_eval_model_args_reach_the_member():
         assert_reached(lm.ensemble.members[0])
     finally:
         lm.ensemble.close()
-    with pytest.raises(ModelArgsError, match="gpu_layer.*it takes.*gpu_layers"):
+    with pytest.raises(ModelArgsError, match=r"gpu_layer.*it takes.*gpu_layers"):
         SegfuseLM.create_from_arg_string(f"models={MODEL},gpu_layer=3")
 
 
@@ -208,6 +215,7 @@ def test_an_unknown_ensemble_option_is_refused_before_any_load(loaded):
 # --- GPU offload ----------------------------------------------------------------------------------
 
 @CPU_ONLY
+@pytest.mark.models
 def test_the_default_resolves_to_no_layers_on_a_cpu_only_build():
     assert gpu_layers_for(None) == 0
     with Ensemble([MODEL], n_ctx=512, threads=1, prefix_cache_cells=0) as ensemble:
@@ -216,6 +224,7 @@ def test_the_default_resolves_to_no_layers_on_a_cpu_only_build():
         assert member.gpu_layers == 0 and member.placement == "CPU"
 
 
+@pytest.mark.models
 def test_explicit_offload_settings_reach_llama_cpps_model_parameters():
     spec = f"{MODEL}#gpu_layers=7,main_gpu=0,split=none"
     with Ensemble([spec], n_ctx=512, threads=1, prefix_cache_cells=0) as ensemble:
@@ -226,6 +235,7 @@ def test_explicit_offload_settings_reach_llama_cpps_model_parameters():
             assert member.gpu_layers == 0 and member.placement == "CPU"
 
 
+@pytest.mark.models
 def test_tensor_split_shares_reach_llama_cpp():
     with Ensemble([f"{MODEL}#tensor_split=3/1"], n_ctx=512, threads=1, prefix_cache_cells=0) as ensemble:
         assert ensemble.members[0].model_params["tensor_split"] == [3.0, 1.0]

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 
 from segfuse import models as catalogue
-from segfuse.models import check_gguf
 from segfuse.backends.remote.prompt_source import load_prompt_source
 from segfuse.errors import ModelFileError, SegfuseError, UnknownModelError
-from segfuse.models import resolve
 from segfuse.listing import list_models
+from segfuse.models import check_gguf, resolve
 
 SMOL_SPEC, GEMMA_SPEC = catalogue.CATALOGUE["smollm2-135m"], catalogue.CATALOGUE["gemma3-270m"]
 SMOL = catalogue.model_path(SMOL_SPEC)  # ~100 MB, chat template (Q4_1, llama)
@@ -163,6 +162,7 @@ def error_of(name: str, **kwargs) -> SegfuseError:
 
 # --- `segfuse models` ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     done = segfuse("models", "--json")
     assert done.returncode == 0, done.stderr
@@ -209,6 +209,7 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     assert Path(paths["ollama:smollm2:135m"]).resolve() == SMOL.resolve()
 
 
+@pytest.mark.slow
 def test_every_listed_name_selects_the_file_listed_with_it(home):
     rows = [r for r in list_models() if r.source != "embedded" and r.status == "ready"]
     assert len(rows) >= 12
@@ -226,7 +227,7 @@ def test_names_as_each_tool_writes_them(home):
     ollama_blob = home / ".ollama" / "models" / "blobs" / f"sha256-{SMOL_SPEC.sha256}"
     for name in ("ollama:smollm2:135m", "ollama:library/smollm2:135m", "ollama:registry.ollama.ai/library/smollm2:135m",
                  "ollama:SmolLM2:135M", "ollama:someone/smol", "ollama:someone/smol:latest"):
-        label, path, prompt = resolve(name)
+        _label, path, prompt = resolve(name)
         assert path == ollama_blob and prompt is None, name
     assert resolve("ollama:smollm2:135m")[0] == "smollm2:135m"  # the member's display name
 
@@ -334,6 +335,7 @@ def test_a_name_not_found_lists_the_closest_and_where_it_looked(home, name, clos
     assert f"closest: {closest}" in error.hint
 
 
+@pytest.mark.slow
 def test_the_command_line_says_it_in_one_line(home):
     done = segfuse("generate", "hi", "-m", "ollama:smollm2:136m")
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -448,6 +450,7 @@ def _write_gguf(path: Path, values: dict[str, str]) -> None:
 
 # --- the models at work ------------------------------------------------------------------------------
 
+@pytest.mark.models  # llama.cpp reads each file's template
 def test_template_sources_read_sourced_models(home):
     """`remote:...#template=NAME`: a remote member's chat template from a model on disk."""
     from_ollama = load_prompt_source("ollama:smollm2:135m")

@@ -42,6 +42,7 @@ def test_the_name_is_ours_everywhere():
     assert (ROOT / "src" / "segfuse").is_dir() and not (ROOT / "src" / "specfuse").exists()
 
 
+@pytest.mark.slow
 def test_sdist_and_wheel_pass_twine_check(dist: Path):
     [wheel] = dist.glob("segfuse-*-py3-none-any.whl")
     [sdist] = dist.glob("segfuse-*.tar.gz")

@@ -5,9 +5,9 @@ The real llama.cpp cache behind it is tested in test_prefix_cache_real_models.py
 
 from __future__ import annotations
 
-from segfuse.backends.prefix_cache import PrefixCache, common_prefix
-
 import numpy as np
+
+from segfuse.backends.prefix_cache import PrefixCache, common_prefix
 
 
 def make(bound, handles=4):
@@ -29,7 +29,7 @@ def test_common_prefix():
 
 
 def test_lookup_finds_the_longest_shared_prefix_within_the_limit():
-    cache, copy, stored, _ = make(100)
+    cache, copy, _stored, _ = make(100)
     cache.store([1, 2, 3, 4], copy)
     cache.store([1, 2, 9, 9, 9], copy)
     assert cache.lookup([1, 2, 3, 4, 5, 6], limit=5) == (0, 4)
@@ -40,7 +40,7 @@ def test_lookup_finds_the_longest_shared_prefix_within_the_limit():
 
 
 def test_an_entry_that_extends_another_replaces_it_and_a_covered_one_is_not_stored():
-    cache, copy, stored, dropped = make(100)
+    cache, copy, _stored, dropped = make(100)
     cache.store([1, 2, 3], copy)  # a prompt, kept while its request runs
     cache.store([1, 2, 3, 4, 5], copy)  # the same request at its end
     assert cache.lengths() == {1: 5} and dropped == [0]
@@ -50,7 +50,7 @@ def test_an_entry_that_extends_another_replaces_it_and_a_covered_one_is_not_stor
 
 
 def test_least_recently_used_entries_go_first_and_the_bound_holds():
-    cache, copy, stored, dropped = make(10)
+    cache, copy, _stored, dropped = make(10)
     cache.store([1] * 4, copy)
     cache.store([2] * 4, copy)
     cache.lookup([1] * 5, limit=4)  # entry 0 is now the most recently used
@@ -62,7 +62,7 @@ def test_least_recently_used_entries_go_first_and_the_bound_holds():
 
 
 def test_running_out_of_handles_evicts_and_an_evicted_entry_is_missed():
-    cache, copy, stored, dropped = make(1000, handles=2)
+    cache, copy, _stored, _dropped = make(1000, handles=2)
     for k in range(3):
         cache.store([k, k, k], copy)
     assert len(cache.lengths()) == 2 and cache.lookup([0, 0, 0, 1], limit=3) is None

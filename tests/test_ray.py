@@ -21,20 +21,21 @@ import time
 import psutil
 import pytest
 
-ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
+pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 
-from helpers import wait_for  # noqa: E402
-from ray_cluster import HEAD, WORKER, LoopbackCluster, is_loopback, is_wildcard, sockets  # noqa: E402
+import ray
 
-from segfuse import Ensemble  # noqa: E402
-from segfuse.backends.ray.host import create_hosts  # noqa: E402
-from segfuse.backends.ray.member import RayMember  # noqa: E402
-from segfuse.backends.ray.settings import RaySettings  # noqa: E402
-from segfuse.backends.registry import load_member  # noqa: E402
-from segfuse.errors import InvalidRequestError  # noqa: E402
-from segfuse.member_options import MemberOptions  # noqa: E402
-from segfuse.models import DEFAULT_MODELS  # noqa: E402
-from segfuse.types import Message, RoundEvent, Sampling, SegmentEvent  # noqa: E402
+from helpers import wait_for
+from ray_cluster import HEAD, WORKER, LoopbackCluster, is_loopback, is_wildcard, sockets
+from segfuse import Ensemble
+from segfuse.backends.ray.host import create_hosts
+from segfuse.backends.ray.member import RayMember
+from segfuse.backends.ray.settings import RaySettings
+from segfuse.backends.registry import load_member
+from segfuse.errors import InvalidRequestError
+from segfuse.member_options import MemberOptions
+from segfuse.models import DEFAULT_MODELS
+from segfuse.types import Message, RoundEvent, Sampling, SegmentEvent
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -54,7 +55,7 @@ def cluster():
 
 
 def ray_member(spec: str, **options) -> RayMember:
-    return load_member(f"ray:{spec}", **{**OPTIONS, **options})  # type: ignore[return-value]
+    return load_member(f"ray:{spec}", **{**OPTIONS, **options})  # type: ignore[return-value]  # ray: loads one
 
 
 @pytest.fixture(scope="module")

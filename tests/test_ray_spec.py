@@ -85,6 +85,7 @@ def test_affinity_finds_the_longest_known_prefix_and_forgets_the_oldest():
     assert len(affinity) == 4 and affinity.find(short) is None and affinity.find(long) is None
 
 
+@pytest.mark.slow
 def test_without_a_ray_cluster_the_member_is_refused_with_the_fix():
     env_free = subprocess.run(
         [sys.executable, "-m", "segfuse.cli", "generate", "-m", "ray:smollm2-135m", "-m", "smollm2-135m", "hi"],

@@ -10,14 +10,13 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
 
-from helpers import SessionWrapper, Wrapped  # noqa: E402
-from segfuse.bench.processes import llama_cpp_server  # noqa: E402
+from helpers import SessionWrapper, Wrapped
+from segfuse import Ensemble, SegmentEvent
+from segfuse.backends.registry import load_member
+from segfuse.bench.processes import llama_cpp_server
+from segfuse.models import CATALOGUE, model_path
 
-from segfuse import Ensemble, SegmentEvent  # noqa: E402
-from segfuse.backends.registry import load_member  # noqa: E402
-from segfuse.models import CATALOGUE, model_path  # noqa: E402
-
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 SMOL = model_path(CATALOGUE["smollm2-135m"])
 PROMPT = "Explain in a few sentences how rain forms."
 

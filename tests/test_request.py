@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import openai
 import pytest
-from fakes import ScriptedMember, ScriptedSession
-from live_app import KEY, LEADER, live
 
 import segfuse.request
+from fakes import ScriptedMember, ScriptedSession
+from live_app import KEY, LEADER, live
 from segfuse import Ensemble, FusionRequest
 from segfuse.backends.base import Capabilities
 from segfuse.constraints import Constraint

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from fakes import BatchingMember, ScriptedMember, ScriptedSession
-
-from segfuse.engine.calls import CallRunner
 from segfuse.engine import fusion_steps
+from segfuse.engine.calls import CallRunner
+from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler, run_all
 from segfuse.errors import MemberFailedError
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
-from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler, run_all
 from segfuse.types import DoneEvent
 
 PLAIN = FusionOptions.build(gate=None, max_tokens=64, temperature=0.0)

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from helpers import Recording, SessionWrapper
-
 from segfuse import Ensemble
 from segfuse.backends.base import Occupancy
 from segfuse.backends.registry import load_member
 from segfuse.engine import fusion_steps
+from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
-from segfuse.engine.scheduler import Flight, FlightCancelled, Scheduler
 from segfuse.types import DoneEvent, Message, Sampling
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
@@ -110,7 +109,7 @@ def test_batched_greedy_answers_equal_lone_ones_up_to_a_near_tie(ensemble):
     """Same prompts, one member, greedy: together they write what each writes alone, unless
     the two paths' rounding breaks a near-tie (then both tokens were within TOLERANCE)."""
     qwen = _qwen(ensemble)
-    options = dict(max_tokens=32, temperature=0.0)
+    options = {"max_tokens": 32, "temperature": 0.0}
     lone = Recording(qwen)
     with Ensemble([lone]) as alone_ens:
         alone = [alone_ens.generate(p, **options) for p in PROMPTS]
@@ -159,7 +158,7 @@ def _flight(members, prompt, options, results, ends):
 
 
 def test_cancelling_one_generation_leaves_the_others_intact(ensemble):
-    options = dict(max_tokens=20, temperature=0.0)
+    options = {"max_tokens": 20, "temperature": 0.0}
     results, ends = {}, {}
     flights = [_flight(ensemble.members, p, options, results, ends) for p in PROMPTS]
     stop = {"flag": False}
@@ -205,7 +204,7 @@ class FaultyFor(Recording):
 
 
 def test_a_member_fault_in_one_request_does_not_break_the_others(ensemble):
-    options = dict(max_tokens=20, gate=None, temperature=0.0)
+    options = {"max_tokens": 20, "gate": None, "temperature": 0.0}
     gemma = next(m for m in ensemble.members if m.name.startswith("gemma"))
     members = [FaultyFor(m, "colors") if m is gemma else m for m in ensemble.members]
     with Ensemble(members) as faulty:

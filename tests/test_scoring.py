@@ -23,7 +23,7 @@ def test_mean_logprob_and_logit():
 
 def test_unknown_mode_and_empty_scores_are_rejected():
     with pytest.raises(ValueError):
-        raw_score(ts(-1.0), "median")  # type: ignore[arg-type]
+        raw_score(ts(-1.0), "median")  # type: ignore[arg-type]  # not a mode, on purpose
     with pytest.raises(ValueError):
         raw_score(TokenScores((), ()), "mean_prob")
 

@@ -7,10 +7,10 @@ import pytest
 from segfuse.engine.scoring import ExitRule, aggregate, model_exit, normalise, pick_winner
 from segfuse.engine.selection import (
     bits_per_byte,
+    continues_loop,
     cross_quality,
     degeneration,
     gate_passes,
-    continues_loop,
     guard_eligible,
     loops,
     mean_probability,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from segfuse.engine import fuse
-from segfuse.options import FusionOptions
-from segfuse.request import FusionRequest
 from segfuse.engine.scoring import aggregate, normalise, pick_winner, raw_score
 from segfuse.engine.selection import degeneration, guard_eligible
+from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.types import Message
 
 STORY = [Message("user", "Write two sentences about a cat.")]

@@ -5,8 +5,9 @@ the agent runs. Each sends what it sends to Anthropic or OpenAI; the server must
 from __future__ import annotations
 
 import pytest
-from live_app import KEY, live
 from pydantic import BaseModel
+
+from live_app import KEY, live
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from helpers import wait_for
 from live_app import KEY, LEADER, idle, live
 

@@ -69,6 +69,7 @@ def test_missing_config_file(tmp_path):
         build_config(tmp_path / "nope.toml")
 
 
+@pytest.mark.slow
 def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     path = write(tmp_path, "[server]\nport = -1\n")
     done = subprocess.run([sys.executable, "-m", "segfuse.cli", "serve", "--config", str(path)],

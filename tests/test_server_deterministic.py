@@ -15,8 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import checked_server
 from openai import BadRequestError, OpenAI
+
+from helpers import checked_server
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
@@ -57,8 +58,8 @@ def test_eight_identical_requests_give_one_text_among_other_traffic(server, clie
     traffic: list[tuple[list[dict[str, Any]], bool]] = [
         (TARGET, False),  # the same request, sharing the cache: hits of the whole prompt
         ([SYSTEM, {"role": "user", "content": "Describe a forest."}], False),
-        (TARGET + [{"role": "assistant", "content": "It halves the range each step."},
-                   {"role": "user", "content": "Say it in fewer words."}], False),  # the target's prompt cached
+        ([*TARGET, {"role": "assistant", "content": "It halves the range each step."},
+          {"role": "user", "content": "Say it in fewer words."}], False),  # the target's prompt cached
         ([{"role": "user", "content": "Write a haiku about autumn leaves."}], False),
         (TARGET, False),
         ([SYSTEM, {"role": "user", "content": "Describe the desert."}], False),  # the system prompt cached

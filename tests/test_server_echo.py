@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import checked_server
 
+from helpers import checked_server
 from segfuse.eval.bigbench import items
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]

@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from helpers import wait_for
 from live_app import serve_app
-
 from segfuse.config import LimitsSection, ServerConfig
 from segfuse.server.app import ServerState, create_app
 from segfuse.server.connections import PendingConnections
@@ -451,7 +451,7 @@ def _open_request(server: Live) -> socket.socket:
 def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(server):
     errors: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
-    handler.emit = errors.append  # type: ignore[method-assign]
+    handler.emit = errors.append  # type: ignore[method-assign]  # a handler that keeps the records
     uvicorn_log = logging.getLogger("uvicorn.error")  # where uvicorn logs an exception the app let out
     uvicorn_log.addHandler(handler)
     try:

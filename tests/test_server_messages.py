@@ -7,6 +7,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+
 from helpers import wait_for
 from live_app import KEY, LEADER, idle, live
 

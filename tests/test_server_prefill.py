@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+
 from live_app import KEY, LEADER, live
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]

@@ -9,6 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+
 from helpers import wait_for
 from live_app import KEY, LEADER, idle, live
 

@@ -14,6 +14,8 @@ from segfuse import Ensemble
 from segfuse.engine.calls import Call, CallRunner
 from segfuse.types import Message, Sampling
 
+pytestmark = pytest.mark.models
+
 MEMBERS = ["smollm2-135m", "gemma3-270m"]
 PLAIN = {"gate": None, "accept_margin": None, "exit": False, "hedge": False}  # both members draft and vote
 ASK = dict(max_tokens=24, temperature=0.0, seed=0, window=6, **PLAIN)

@@ -343,6 +343,7 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
     (["--serve", "--soak", "1m", "--concurrency", "1,2"], "leave out --concurrency"),
     (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
 ])
+@pytest.mark.slow
 def test_soak_options_are_checked_before_anything_starts(args, says):
     done = subprocess.run([sys.executable, "-m", "segfuse.cli", "bench", *args], input="", capture_output=True,
                           text=True, timeout=120)

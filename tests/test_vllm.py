@@ -30,9 +30,9 @@ from openai import OpenAI
 from segfuse.backends.registry import load_member
 from segfuse.bench.processes import segfuse_server
 from segfuse.bench.vllm import URL_VARIABLE
+from segfuse.engine.scoring import normalise, raw_score
 from segfuse.errors import PromptTooLongError
 from segfuse.models import CATALOGUE, is_ready
-from segfuse.engine.scoring import normalise, raw_score
 from segfuse.types import Message, Sampling
 
 pytestmark = [pytest.mark.vllm, pytest.mark.models, pytest.mark.timeout(600)]

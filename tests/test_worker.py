@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from fakes import BlockingSession, ScriptedMember, ScriptedSession
+import pytest
 
+from fakes import BlockingSession, ScriptedMember, ScriptedSession
 from segfuse import Ensemble
-from segfuse.errors import InvalidRequestError
 from segfuse.backends.base import Occupancy
+from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
 from segfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
 from segfuse.types import DoneEvent
-
-import pytest
 
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
 PLAIN = FusionOptions.build(gate=None, max_tokens=32, temperature=0.0)
@@ -142,9 +141,9 @@ def test_hedge_weights_carry_from_one_query_to_the_next_through_the_ensemble():
         learned = dict(ensemble.hedge_weights)
         second, _ = run_jobs(worker, [job("two", options)])
         worker.stop()
-    assert learned["a"] > learned["b"] and learned == list(first.values())[0][-1].result.weights
+    assert learned["a"] > learned["b"] and learned == next(iter(first.values()))[-1].result.weights
     # the second query started from the first one's weights: its first round's weights are not uniform
-    start = list(second.values())[0][-1].result.rounds[0].weights
+    start = next(iter(second.values()))[-1].result.rounds[0].weights
     assert start["a"] > 1 / 3
 
 
@@ -197,9 +196,8 @@ def test_a_result_reaches_its_handler_only_once_the_job_is_no_longer_in_flight()
                 j = job("a")
                 j.bind(asyncio.get_running_loop())
                 worker.submit(j)
-                async for item in j.items():
-                    if isinstance(item, DoneEvent):
-                        seen.append(worker.view())  # what /health reads, as the answer's last frame goes out
+                # what /health reads, as the answer's last frame goes out
+                seen += [worker.view() async for item in j.items() if isinstance(item, DoneEvent)]
             return seen
 
         seen = asyncio.run(main())

@@ -4,7 +4,8 @@ The package implements the SpecFuse / SpecEM method (arXiv 2412.07380) under a n
 ``specfuse`` on the package index is an unrelated project.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 from .ensemble import Ensemble
 from .errors import SegfuseError
@@ -18,7 +19,6 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
     __version__ = "0+unknown"
 
 __all__ = [
-    "__version__",
     "DoneEvent",
     "Ensemble",
     "FusionOptions",
@@ -26,6 +26,7 @@ __all__ = [
     "Message",
     "Result",
     "RoundEvent",
-    "SegmentEvent",
     "SegfuseError",
+    "SegmentEvent",
+    "__version__",
 ]

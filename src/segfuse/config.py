@@ -212,7 +212,8 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
         table = data.setdefault("defaults", {})
         if isinstance(table, dict):  # else validation below reports the malformed section
             table.update(defaults)
-    sections = {"server": ServerSection, "members": MembersSection, "limits": LimitsSection, "ray": RaySection}
+    sections: dict[str, type[BaseModel]] = {
+        "server": ServerSection, "members": MembersSection, "limits": LimitsSection, "ray": RaySection}
     for key, value in overrides.items():
         if value is None or (key == "models" and not value):
             continue

@@ -53,11 +53,11 @@ class Constraint:
     name: str | None = None  # the schema's name (response_format.json_schema.name)
 
     @classmethod
-    def json_object(cls) -> "Constraint":
+    def json_object(cls) -> Constraint:
         return cls._build("json", {"type": "object"}, None, where="response_format")
 
     @classmethod
-    def json_schema(cls, schema: Any, name: str | None = None, where: str = "json_schema.schema") -> "Constraint":
+    def json_schema(cls, schema: Any, name: str | None = None, where: str = "json_schema.schema") -> Constraint:
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{where} must be a JSON object (a JSON schema), not {type(schema).__name__}",
                                       'e.g. {"type": "object", "properties": {"name": {"type": "string"}}}')
@@ -65,14 +65,14 @@ class Constraint:
         return cls._build("json_schema", schema, name, where=where)
 
     @classmethod
-    def lark(cls, grammar: str) -> "Constraint":
+    def lark(cls, grammar: str) -> Constraint:
         ll = _llguidance()
         compiled = ll.LLMatcher.grammar_from_lark(grammar)
         _check_grammar(compiled, "grammar")
         return cls("lark", compiled)
 
     @classmethod
-    def _build(cls, kind: Any, schema: dict[str, Any], name: str | None, where: str) -> "Constraint":
+    def _build(cls, kind: Any, schema: dict[str, Any], name: str | None, where: str) -> Constraint:
         ll = _llguidance()
         try:
             compiled = ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -202,7 +202,7 @@ class TextMatcher:
         if not self._follow(answer.encode("utf-8")):
             return False
         data = list(candidate.encode("utf-8"))
-        return self._matcher.validate_tokens(data) == len(data)
+        return bool(self._matcher.validate_tokens(data) == len(data))
 
     def complete(self, answer: str) -> bool:
         """Whether the answer may end here."""

@@ -45,11 +45,11 @@ def pool(reader: str, read: Mapping[str, Sequence[PromptToken]],
     columns = {n: attribute(own, read[n]) for n in names}
     pooled = []
     for i, token in enumerate(own):
-        parts = [(share[n], columns[n][i]) for n in names if columns[n][i] is not None]
+        parts = [(share[n], lp) for n in names if (lp := columns[n][i]) is not None]
         if token.logprob is None or not parts:
             pooled.append(PromptToken(token.id, token.text, token.start, token.end, None, token.top))
             continue
-        value = sum(w * lp for w, lp in parts)  # type: ignore[operator]
+        value = sum(w * lp for w, lp in parts)
         shift = value - token.logprob
         pooled.append(PromptToken(token.id, token.text, token.start, token.end, value,
                                   tuple((text, lp + shift) for text, lp in token.top)))
@@ -66,9 +66,9 @@ def reader_of(members: Sequence[Member], named: str | None = None) -> Member:
         for member in members:
             if member.name == named:
                 return member
-    sizes = [m.n_params for m in members]
-    if all(isinstance(n, int) and n > 0 for n in sizes):
-        return members[max(range(len(members)), key=lambda i: sizes[i])]  # type: ignore[arg-type,return-value]
+    sizes = [n for m in members if isinstance(n := m.n_params, int) and n > 0]
+    if len(sizes) == len(members):
+        return members[max(range(len(members)), key=lambda i: sizes[i])]
     return members[0]
 
 

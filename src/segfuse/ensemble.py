@@ -138,10 +138,10 @@ class Ensemble:
         opts = options.pop("options", None) or FusionOptions.build(**options)
         generations = [self.steps(p if isinstance(p, FusionRequest) else FusionRequest.of(p, opts)) for p in prompts]
         outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return outcomes  # type: ignore[return-value]
+        results = [o for o in outcomes if not isinstance(o, BaseException)]
+        if len(results) < len(outcomes):
+            raise next(o for o in outcomes if isinstance(o, BaseException))
+        return results
 
     def generate(self, prompt: Conversation | FusionRequest, **options: Any) -> Result:
         """Run to completion and return the result with its provenance."""
@@ -182,7 +182,7 @@ class Ensemble:
             member.close()
         self.members = []
 
-    def __enter__(self) -> "Ensemble":
+    def __enter__(self) -> Ensemble:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -197,7 +197,7 @@ def request_of(prompt: Conversation | FusionRequest, *, weights: Mapping[str, fl
     if isinstance(prompt, FusionRequest):
         keywords = {"weights": weights is not None, "constraint": constraint is not None,
                     "json_schema": json_schema is not None, "json_object": json_object,
-                    "top_logprobs": bool(top_logprobs), **{name: True for name in options}}
+                    "top_logprobs": bool(top_logprobs), **dict.fromkeys(options, True)}
         given = [name for name, was_given in keywords.items() if was_given]
         if given:
             raise InvalidRequestError(f"{given[0]} given with a FusionRequest, which carries its own",

@@ -49,7 +49,7 @@ class Rule:
         pool, _, norm = name.strip().lower().partition("-")
         if pool not in POOLS or norm not in NORMS:
             raise InvalidRequestError(f"unknown pooling rule {name!r}", f"choose one of {', '.join(RULES)}")
-        return cls(pool, norm, weights)  # type: ignore[arg-type]
+        return cls(pool, norm, weights)
 
     @property
     def name(self) -> str:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .backends.likelihood import ContinuationScore
 from .likelihood import Rule, log_softmax
@@ -30,7 +31,7 @@ class ScoredItem:
         return max(range(len(fused)), key=fused.__getitem__) in self.correct
 
 
-def item_from_record(record: Mapping) -> ScoredItem:
+def item_from_record(record: Mapping[str, Any]) -> ScoredItem:
     """A study record (JSON) as a :class:`ScoredItem`."""
     sizes = record["bytes"]
     members = {name: [ContinuationScore(lp, tok, size, greedy)

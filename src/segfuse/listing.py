@@ -41,7 +41,9 @@ class ModelInfo:
     @property
     def prompt(self) -> str:
         """The prompt column: which prompt format a member of this model gets."""
-        return {True: "chat template", False: "base: no template"}.get(self.chat_template, "")
+        if self.chat_template is None:
+            return ""
+        return "chat template" if self.chat_template else "base: no template"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ready": self.ready, "installed": self.status != "not installed"}
@@ -76,9 +78,10 @@ def _checkpoint(row: ModelInfo, folder: Path) -> ModelInfo:
     """A transformers checkpoint folder: what its config and tokenizer config declare."""
     def read(name: str) -> dict[str, Any]:
         try:
-            return json.loads((folder / name).read_text(encoding="utf-8"))
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) else {}
 
     config, tokenizer = read("config.json"), read("tokenizer_config.json")
     size = sum(os.stat(f).st_size for f in folder.rglob("*") if f.is_file())

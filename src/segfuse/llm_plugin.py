@@ -24,7 +24,7 @@ from pydantic import Field, create_model, field_validator
 from .config import build_config
 from .ensemble import Ensemble, request_of
 from .member_options import MemberOptions, flag_fields
-from .types import DoneEvent, Message, SegmentEvent
+from .types import DoneEvent, Message, SegmentEvent, is_role
 
 CONFIG_NAME = "segfuse.toml"
 _loaded: dict[tuple[Any, ...], Ensemble] = {}  # one ensemble per members and options, for the life of the process
@@ -59,7 +59,7 @@ _LENIENT = {name for d in MemberOptions.__pydantic_decorators__.field_validators
 _Options = create_model("Options", __base__=_FusionOptions,
                         **{name: (Any if name in _LENIENT else f.annotation,
                                   Field(None, description=f.description))
-                           for name, f in flag_fields().items()})  # type: ignore[call-overload]
+                           for name, f in flag_fields().items()})  # type: ignore[call-overload]  # its overloads take no computed **fields
 
 
 class Segfuse(llm.Model):
@@ -67,12 +67,14 @@ class Segfuse(llm.Model):
     can_stream = True
     supports_schema = True
 
-    Options = _Options
+    Options = _Options  # type: ignore[assignment]  # llm types it as its nested class; ours is made at import
 
     def execute(self, prompt: llm.Prompt, stream: bool, response: llm.Response,
                 conversation: llm.Conversation | None) -> Iterator[str]:
-        config = build_config(llm.user_dir() / CONFIG_NAME if (llm.user_dir() / CONFIG_NAME).exists() else None)
+        path = llm.user_dir() / CONFIG_NAME  # type: ignore[no-untyped-call]  # llm.user_dir has no annotations
+        config = build_config(path if path.exists() else None)
         options = prompt.options
+        assert isinstance(options, _FusionOptions)  # llm made it of Segfuse.Options
         members = [m.strip() for m in options.members.split(",") if m.strip()] if options.members else None
         asked_members = {k: getattr(options, k) for k in MEMBER_KEYS if getattr(options, k) is not None}
         load = MemberOptions.build({**config.members.load_options().given(), **asked_members}, where="-o")
@@ -96,7 +98,7 @@ def _messages(prompt: llm.Prompt) -> list[Message]:
     """The conversation so far (llm passes the whole chain), as segfuse messages."""
     out = []
     for message in prompt.messages:
-        if message.role in ("system", "user", "assistant"):
+        if message.role != "raw" and is_role(message.role):  # raw is segfuse's own role, never llm's
             text = "".join(getattr(part, "text", "") or "" for part in message.parts)
             out.append(Message(message.role, text))
     return out

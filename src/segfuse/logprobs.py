@@ -11,6 +11,7 @@ exactly.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,7 +50,7 @@ class TokenLogprob:
     text: str
     bytes: bytes
     logprob: float
-    top: tuple[tuple[str, bytes, float], ...]
+    top: tuple[tuple[str, builtins.bytes, float], ...]  # builtins: `bytes` here is the field above
     model: str  # the member that wrote it
 
 

@@ -81,7 +81,7 @@ class MemberOptions(BaseModel):
         return value
 
     @classmethod
-    def build(cls, given: Mapping[str, Any] | None = None, *, where: str = "member options") -> "MemberOptions":
+    def build(cls, given: Mapping[str, Any] | None = None, *, where: str = "member options") -> MemberOptions:
         """Validated options from `given` (None values are "not given"); an unknown key or bad value is an
         InvalidRequestError naming `where` and the keys this class takes."""
         values = {k: v for k, v in (given or {}).items() if v is not None}
@@ -94,7 +94,7 @@ class MemberOptions(BaseModel):
         """The options set (not None), as keyword arguments."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
-    def merged(self, kind: type["MemberOptions"], spec: Mapping[str, Any], *, where: str) -> Any:
+    def merged(self, kind: type[MemberOptions], spec: Mapping[str, Any], *, where: str) -> Any:
         """This ensemble-wide object under a member spec's own `spec` options, as the backend's `kind`."""
         shared = {k: v for k, v in self.given().items() if k in kind.model_fields}
         return kind.build({**shared, **spec}, where=where)

@@ -191,10 +191,7 @@ def sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str:
 
 
 def _part_paths(spec: ModelSpec) -> list[Path]:
-    paths = []
-    for module in spec.packages:
-        paths.append(Path(importlib.import_module(module).get_part_path()))
-    return paths
+    return [Path(importlib.import_module(module).get_part_path()) for module in spec.packages]
 
 
 def prepare(spec: ModelSpec, cache: str | os.PathLike[str] | None = None) -> Path:

@@ -112,12 +112,12 @@ class FusionOptions(BaseModel):
                         ignore_eos=self.ignore_eos)
 
     @classmethod
-    def build(cls, **values: object) -> "FusionOptions":
+    def build(cls, **values: object) -> FusionOptions:
         """Validate `values`, raising InvalidRequestError with a readable message."""
         # None means "not given" except where it is a value of its own (no seed, no gate).
         values = {k: v for k, v in values.items() if v is not None or k in NULLABLE}
         try:
-            return cls(**values)
+            return cls.model_validate(values)
         except ValidationError as exc:
             first = exc.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or "options"

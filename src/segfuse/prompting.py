@@ -18,7 +18,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from jinja2 import BaseLoader, TemplateError
+from jinja2 import BaseLoader, Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import InvalidRequestError, MemberLoadError
@@ -33,7 +33,7 @@ def _raise(message: str) -> None:
 
 
 @lru_cache(maxsize=16)
-def _compile(template: str):
+def _compile(template: str) -> Template:
     env = ImmutableSandboxedEnvironment(loader=BaseLoader(), trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -17,7 +17,7 @@ from .constraints import Constraint
 from .errors import InvalidRequestError
 from .options import FusionOptions
 from .prompting import prefill_of, validate_messages, without_empty_prefill
-from .types import Message
+from .types import Message, is_role
 
 Conversation = str | Sequence[Message | Mapping[str, str]]
 
@@ -34,7 +34,7 @@ def to_messages(prompt: Conversation) -> list[Message]:
                 messages.append(item)
                 continue
             role, content = item.get("role"), item.get("content")
-            if role not in ("system", "user", "assistant", "raw") or not isinstance(content, str):
+            if not is_role(role) or not isinstance(content, str):
                 raise InvalidRequestError(
                     f"bad message {dict(item)!r}",
                     "each message needs role system/user/assistant (or raw: a text to continue) and string content",

@@ -101,9 +101,8 @@ def tool_constraint(tools: Sequence[Tool], mode: str) -> Constraint | None:
 def tools_note(tools: Sequence[Tool], mode: str) -> str:
     """The plain rendering of the tools, for the system message."""
     lines = ["You can call these tools:"]
-    for tool in tools:
-        lines.append(f"- {tool.name}: {tool.description or '(no description)'} "
-                     f"Arguments (JSON schema): {json.dumps(tool.parameters)}")
+    lines += [f"- {tool.name}: {tool.description or '(no description)'} "
+              f"Arguments (JSON schema): {json.dumps(tool.parameters)}" for tool in tools]
     how = 'To call a tool, answer with only a JSON object: {"name": "<tool name>", "arguments": {...}}.'
     if mode == "required":
         how += " You must call a tool now."

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeGuard, get_args
 
-from .logprobs import Alternatives, TokenLogprob, answer_logprobs
+from .logprobs import Alternatives as Alternatives  # re-exported: a member's bytes-keyed alternatives
+from .logprobs import TokenLogprob, answer_logprobs
 
 # "raw": a text completion's prompt, read by every member as it is (no chat template, no format)
 Role = Literal["system", "user", "assistant", "raw"]
+ROLES: tuple[Role, ...] = get_args(Role)
+
+
+def is_role(value: object) -> TypeGuard[Role]:
+    """Whether `value` is one of the message roles."""
+    return value in ROLES
 
 
 @dataclass(frozen=True)
@@ -115,13 +122,16 @@ class Segment:
     trail: TokenTrail | None = field(default=None, repr=False, compare=False)  # the tokens that wrote `text`
 
 
+DepartureKind = Literal["exit", "fault"]
+
+
 @dataclass(frozen=True)
 class Departure:
     """A member that stopped taking part in a query: Model Exit or a fault."""
 
     model: str
     round: int
-    kind: Literal["exit", "fault"]
+    kind: DepartureKind
     reason: str
 
 
@@ -161,7 +171,7 @@ class RoundRecord:
         """The member whose candidate won."""
         return self.candidates[self.winner_index].model
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["winner"] = self.winner
         for candidate in data["candidates"]:
@@ -188,7 +198,7 @@ class Stats:
     def calls_per_round(self) -> float:
         return self.model_calls / self.rounds if self.rounds else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["tokens_per_s"] = round(self.tokens_per_s, 3)
         data["calls_per_round"] = round(self.calls_per_round, 3)
@@ -218,7 +228,7 @@ class Result:
         """Each answer token's log-probability under the member that wrote it (``segfuse.logprobs``)."""
         return answer_logprobs(self.segments)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "valid": self.valid,
             "invalid_reason": self.invalid_reason,

@@ -36,7 +36,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..segments import complete_utf8_prefix
 from ..types import DraftTokens, Message, PromptToken, Sampling, TokenScores
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from ..constraints import Constraint
 
 log = logging.getLogger("segfuse.backends")
+
+T = TypeVar("T")
 
 # A draft's hook: called with the draft's text so far (whole characters) after each sampled token.
 OnText = Callable[[str], None]
@@ -108,7 +110,7 @@ class MemberSession(ABC):
         `on_text` (sessions that declare ``streams_text``): called after each sampled token with the
         draft's text so far, whole characters only; others never call it."""
 
-    def constrain(self, constraint: "Constraint") -> None:
+    def constrain(self, constraint: Constraint) -> None:
         """Draft only tokens that keep the answer (as accepted so far, whoever wrote it) a valid prefix
         under `constraint`; members that declare ``Capabilities.constrained`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} cannot draft under a constraint")
@@ -171,7 +173,7 @@ class Member(ABC):
         cannot promise it (a remote server) ignores it.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  # a default, not abstract: a member with nothing to free keeps it
         """Free the model."""
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:
@@ -216,7 +218,7 @@ class Member(ABC):
         return [_outcome(s.score, *request) for s, request in zip(sessions, requests)]
 
 
-def _outcome(fn, *args):  # type: ignore[no-untyped-def]
+def _outcome(fn: Callable[..., T], *args: Any) -> T | Exception:
     try:
         return fn(*args)
     except Exception as exc:  # one session's failure is that session's result

@@ -108,17 +108,17 @@ def _score_batch(member: Member, items: Sequence[tuple[str, Sequence[str]]]
         for item in batch:  # each item's own failure (a context over the window) is that item's
             try:
                 item.session = member.start([Message("raw", item.context)], seed=None, reserve=1)
-            except Exception as exc:  # noqa: BLE001 - the item's own failure, not the batch's
+            except Exception as exc:  # the item's own failure, not the batch's
                 item.error = exc
-        while live := [i for i in batch if i.queue and i.error is None]:
-            groups = [i.queue.pop(0) for i in live]
-            outcomes = member.score_many([i.session for i in live], [(g,) for g in groups])  # type: ignore[misc]
-            for item, group, outcome in zip(live, groups, outcomes):
-                _take(item, group, outcome)
+        while live := [(i, i.session) for i in batch if i.queue and i.error is None and i.session is not None]:
+            groups = [i.queue.pop(0) for i, _ in live]
+            outcomes = member.score_many([session for _, session in live], [(g,) for g in groups])
+            for (item, session), group, outcome in zip(live, groups, outcomes):
+                _take(item, session, group, outcome)
     finally:
         for item in batch:  # before opening another: a member may hold one session at a time
             if item.session is not None:
-                _close(item)
+                _close(item, item.session)
     return [_finish(member, item) for item in batch]
 
 
@@ -127,12 +127,12 @@ def _groups(texts: Sequence[str]) -> list[list[str]]:
     return [distinct[at : at + MAX_PER_CALL] for at in range(0, len(distinct), MAX_PER_CALL)]
 
 
-def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception) -> None:
+def _take(item: _Item, session: MemberSession, group: list[str], outcome: list[TokenScores] | Exception) -> None:
     """Keep a group's scores; a group the backend refused as too large is halved (queued first),
     a single text set aside to be scored in pieces; any other failure is the item's."""
     try:
-        item.session.accept("")  # type: ignore[union-attr]  # the context stays; the candidates are dropped
-    except Exception as exc:  # noqa: BLE001 - a session that cannot go on fails its item alone
+        session.accept("")  # the context stays; the candidates are dropped
+    except Exception as exc:  # a session that cannot go on fails its item alone
         item.error = exc
         return
     if not isinstance(outcome, Exception):
@@ -146,10 +146,10 @@ def _take(item: _Item, group: list[str], outcome: list[TokenScores] | Exception)
         item.queue[:0] = [group[:half], group[half:]]
 
 
-def _close(item: _Item) -> None:
+def _close(item: _Item, session: MemberSession) -> None:
     try:
-        item.session.close()  # type: ignore[union-attr]
-    except Exception as exc:  # noqa: BLE001 - the other sessions must still be closed
+        session.close()
+    except Exception as exc:  # the other sessions must still be closed
         item.error = item.error or exc
 
 
@@ -160,7 +160,7 @@ def _finish(member: Member, item: _Item) -> list[ContinuationScore] | Exception:
     try:
         for text in item.too_long:
             item.found[text], _ = score_in_pieces(member, [Message("raw", item.context)], text)
-    except Exception as exc:  # noqa: BLE001 - the item's own failure
+    except Exception as exc:  # the item's own failure
         return exc
     return [summarise(t, item.found[t]) for t in item.texts]
 

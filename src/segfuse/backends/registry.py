@@ -47,7 +47,7 @@ class MemberSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str, **options: Any) -> "MemberSpec":
+    def parse(cls, text: str, **options: Any) -> MemberSpec:
         kind, sep, rest = text.partition(":")
         if sep and kind in BACKENDS:
             return cls(kind, rest, options)
@@ -65,7 +65,8 @@ def _loader(backend: str) -> Callable[..., Member]:
         raise UnknownModelError(f"unknown backend {backend!r}", f"known: {', '.join(BACKENDS)}") from None
     if backend in BACKEND_EXTRAS:
         require(BACKEND_EXTRAS[backend], f"{backend}: members")
-    return getattr(importlib.import_module(module_name), attr)
+    loader: Callable[..., Member] = getattr(importlib.import_module(module_name), attr)
+    return loader
 
 
 def load_member(spec: MemberSpec | str, shared: MemberOptions | None = None, **options: Any) -> Member:

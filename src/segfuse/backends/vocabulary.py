@@ -12,6 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ..constraints import Constraint, TokenMatcher, tokenizer_for
 from ..errors import InvalidRequestError
 from ..types import Message
@@ -23,7 +26,7 @@ class LocalVocabulary(ABC):
     name: str  # the member's, as errors quote it
     n_vocab: int  # ids with a text (logits rows past it, where there are any, are padding)
     vocab_size: int  # rows of its logits
-    eog_ids: Sequence[int]  # its end-of-generation tokens
+    eog_ids: Sequence[int] | npt.NDArray[np.int64]  # its end-of-generation tokens
     _matcher_tokenizer: Any = None  # the constraint tokenizer over every piece, read once
 
     @abstractmethod

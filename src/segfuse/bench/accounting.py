@@ -115,9 +115,8 @@ def reconcile(records: Sequence[Record], counters: Mapping[str, float], metrics:
         Check("completed + cancelled = answered + abandoned", f"{answered + n['abandoned']}",
               f"{c['completed'] + c['cancelled']}", c["completed"] + c["cancelled"] == answered + n["abandoned"]),
     ]
-    for outcome in ("rejected", "invalid", "failed"):
-        checks.append(Check(f"{outcome} (server) = {outcome} (client)", f"{n[outcome]}", f"{c[outcome]}",
-                            n[outcome] == c[outcome]))
+    checks += [Check(f"{outcome} (server) = {outcome} (client)", f"{n[outcome]}", f"{c[outcome]}",
+                     n[outcome] == c[outcome]) for outcome in ("rejected", "invalid", "failed")]
     dupes = duplicates(records)
     checks.append(Check("no duplicated answer", "; ".join(dupes[:3]) or "none", "", not dupes))
     checks.append(Check("no empty 200", f"{n['empty']}", "", n["empty"] == 0))
@@ -248,5 +247,20 @@ def targets(records: Sequence[Record], memory: Memory, held_when_idle: int,
     return out
 
 
-__all__ = ["CLIENT_OUTCOMES", "Check", "Memory", "Record", "TARGETS", "agree", "by_kind", "delta", "duplicates",
-           "latency_tenths", "metric_key", "parse_metrics", "reconcile", "tally", "targets"]
+__all__ = [
+    "CLIENT_OUTCOMES",
+    "TARGETS",
+    "Check",
+    "Memory",
+    "Record",
+    "agree",
+    "by_kind",
+    "delta",
+    "duplicates",
+    "latency_tenths",
+    "metric_key",
+    "parse_metrics",
+    "reconcile",
+    "tally",
+    "targets",
+]

@@ -25,7 +25,8 @@ FOLLOW_UP = "Now check your answer step by step and give the final number."
 def chat(ensemble: Ensemble, question: str, max_tokens: int) -> tuple[list[str], int, int]:
     """Two turns; the answers, and the prompt tokens the members decoded and reused."""
     messages = [Message("user", question)]
-    answers, decoded, reused = [], 0, 0
+    answers: list[str] = []
+    decoded = reused = 0
     for follow_up in (None, FOLLOW_UP):
         if follow_up:
             messages += [Message("assistant", answers[-1]), Message("user", follow_up)]
@@ -45,7 +46,7 @@ def parted_at(a: str, b: str) -> int | None:
 
 def run(items: int, offset: int, max_tokens: int) -> dict[str, Any]:
     questions = [item.prompt for item in get_task("gsm8k").load(offset=offset, limit=items)]
-    rows = []
+    rows: list[dict[str, Any]] = []
     with Ensemble(prefix_cache_cells=0) as off, Ensemble() as on:
         for index, question in enumerate(questions, offset):
             cold, warm = chat(off, question, max_tokens), chat(on, question, max_tokens)

@@ -33,13 +33,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .chat_script import CHAT_TURNS, MANUAL, POLICY, SHORT_PROMPT, USER_QUESTIONS, excerpt
 from .machine import git, loadavg, machine
-from .processes import llama_cpp_server, sigterm_as_interrupt, segfuse_server
+from .processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 SYSTEMS = ("cache", "no-cache", "llama-server")
 SHORT_PROMPTS = (SHORT_PROMPT, "Say hello.", "Say thanks.")
@@ -77,7 +80,7 @@ class Target:
     health: Callable[[], dict[str, Any]] | None = None
 
 
-def stream(target: Target, messages: list[dict[str, str]],
+def stream(target: Target, messages: list[ChatCompletionMessageParam],
            max_tokens: int) -> tuple[float | None, float | None, float, str, int | None, int | None]:
     """One streamed chat completion: (seconds to the first content, to the first words, to the end; text,
     prompt tokens, completion tokens)."""
@@ -107,7 +110,8 @@ def stream(target: Target, messages: list[dict[str, str]],
             usage.completion_tokens if usage else None)
 
 
-def ask(target: Target, rep: int, kind: str, index: int, messages: list[dict[str, str]], max_tokens: int) -> Reply:
+def ask(target: Target, rep: int, kind: str, index: int, messages: list[ChatCompletionMessageParam],
+        max_tokens: int) -> Reply:
     try:
         return Reply(target.name, rep, kind, index, *stream(target, messages, max_tokens))
     except Exception as exc:  # an error is a measurement, not the end of the benchmark
@@ -125,7 +129,7 @@ def one_repetition(target: Target, rep: int, max_tokens: int, turns: int, users:
     """The short prompts, then the chat turn by turn, then the users one after another."""
     replies = [ask(target, rep, "short", i, [{"role": "user", "content": p}], max_tokens)
                for i, p in enumerate(SHORT_PROMPTS, 1)]
-    messages = [{"role": "system", "content": marked(rep, excerpt(MANUAL, sections))}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": marked(rep, excerpt(MANUAL, sections))}]
     for turn, question in enumerate(CHAT_TURNS[:turns], 1):
         messages.append({"role": "user", "content": question})
         reply = ask(target, rep, "chat", turn, messages, max_tokens)
@@ -147,8 +151,8 @@ def targets(workdir: Path, threads: int, log: Callable[[str], None]) -> Iterator
         found = []
         for name, cells in (("cache", None), ("no-cache", 0)):
             key = secrets.token_hex(16)
-            config = {"server": {"api_key": key, "max_concurrent": 1},
-                      "members": {"threads": threads, "prefix_cache_cells": cells}}
+            config: dict[str, dict[str, Any]] = {"server": {"api_key": key, "max_concurrent": 1},
+                                                 "members": {"threads": threads, "prefix_cache_cells": cells}}
             log(f"starting segfuse serve ({name})…")
             server = stack.enter_context(segfuse_server(workdir, name, config))
             found.append(Target(name, server.api, key, "segfuse", server.health))
@@ -165,7 +169,7 @@ def run(reps: int = 3, max_tokens: int = 32, threads: int = 1, turns: int = len(
     """Every system, `reps` times in turn; the report (also written to `out`). `sections`: only the
     documents' first sections in the system prompts (None: all of them)."""
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {"reps": reps, "max_tokens": max_tokens, "threads": threads, "turns": turns, "users": users,
                      "sections": sections, "leader": LEADER},
         "loadavg": {"start": loadavg()}, "replies": [],
@@ -201,8 +205,8 @@ def _prefix_stats(target: Target) -> dict[str, Any]:
 
 
 def _median(values: Sequence[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def summarise(replies: Sequence[dict[str, Any]], turns: int, users: int) -> dict[str, Any]:
@@ -232,7 +236,8 @@ def ratios(table: dict[str, dict[str, dict[str, Any]]], turns: int, users: int) 
     later = [f"chat{t}" for t in range(2, turns + 1)] + [f"user{u}" for u in range(2, users + 1)]
     cache, none, anchor = table["cache"], table["no-cache"], table["llama-server"]
 
-    def worst(keys: list[str], value: Callable[[str], float | None], pick: Callable = max) -> float | None:
+    def worst(keys: list[str], value: Callable[[str], float | None],
+              pick: Callable[[list[float]], float] = max) -> float | None:
         values = [v for v in (value(k) for k in keys) if v is not None]
         return pick(values) if values else None
 

@@ -29,11 +29,14 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .load import PROMPTS
 from .machine import git, machine
 from .processes import SegfuseServer, segfuse_server
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 TARGETS = ("Describe the sea.", *PROMPTS)
 SYSTEM = "You are a careful assistant. Answer in plain words, in two sentences at most."
@@ -57,7 +60,8 @@ class Answer:
         return self.tokens / self.generation_s if self.generation_s > 0 else 0.0
 
 
-Request = tuple[str, str | None, list[dict[str, str]], bool | None]  # kind, target, messages, deterministic
+Messages = list["ChatCompletionMessageParam"]
+Request = tuple[str, str | None, Messages, bool | None]  # kind, target, messages, deterministic
 
 
 def chat(server: SegfuseServer, request: Request, max_tokens: int) -> Answer:
@@ -70,11 +74,11 @@ def chat(server: SegfuseServer, request: Request, max_tokens: int) -> Answer:
     reply = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=max_tokens,
                                            temperature=0, extra_body=extra)
     latency = time.perf_counter() - t0
-    stats = reply.model_extra["segfuse"]["stats"]
+    stats = (reply.model_extra or {})["segfuse"]["stats"]
     return Answer(kind, target, reply.choices[0].message.content or "", latency, stats["tokens"], stats["total_s"])
 
 
-def user(text: str) -> list[dict[str, str]]:
+def user(text: str) -> Messages:
     return [{"role": "user", "content": text}]
 
 
@@ -83,11 +87,11 @@ def round_requests(index: int, targets: tuple[str, ...], first: dict[str, str]) 
     requests: list[Request] = [(kind, t, user(t), flag) for t in targets
                                for kind, flag in (("deterministic", True), ("default", None))]
     continued = targets[index % len(targets)]
-    sibling = [{"role": "system", "content": SYSTEM},
+    sibling: Messages = [{"role": "system", "content": SYSTEM},
                {"role": "user", "content": OTHER_QUESTIONS[index % len(OTHER_QUESTIONS)]}]
     requests += [("shared system prompt", None, sibling, None),
-                 ("continued", None, user(continued) + [{"role": "assistant", "content": first[continued]}]
-                  + user(FOLLOW_UP), None),
+                 ("continued", None, [*user(continued), {"role": "assistant", "content": first[continued]},
+                                      *user(FOLLOW_UP)], None),
                  ("unrelated", None, user(UNRELATED[index % len(UNRELATED)]), None)]
     return requests
 
@@ -141,7 +145,8 @@ def run(rounds: int, targets: tuple[str, ...], max_tokens: int, threads: int | N
                 kinds.setdefault(answer.kind, []).append(answer)
             rounds_of.append(kinds)
             print(f"round {index + 1}/{rounds}: " + ", ".join(
-                f"{kind} {sum(a.text != first[a.target] for a in kinds[kind])} other than the warm-up's"
+                f"{kind} {sum(a.target is not None and a.text != first[a.target] for a in kinds[kind])} "
+                "other than the warm-up's"
                 for kind in ("deterministic", "default")), flush=True)
     det = [a for r in rounds_of for a in r["deterministic"]]
     default = [a for r in rounds_of for a in r["default"]]

@@ -23,13 +23,13 @@ import json
 import secrets
 import tempfile
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from .load import drive
 from .machine import git, loadavg, machine
-from .processes import sigterm_as_interrupt, segfuse_server
+from .processes import segfuse_server, sigterm_as_interrupt
 
 SYSTEMS: dict[str, tuple[str | None, dict[str, Any] | None]] = {
     "lazy": (None, None),  # model None: the ensemble's own id
@@ -42,10 +42,11 @@ def run(levels: Sequence[int] = (1, 4), requests: int = 8, max_tokens: int = 32,
         models: Sequence[str] | None = None, threads: int | None = None, reps: int = 2,
         out: Path | None = Path("runs/bench-followers.json"), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every system at every level, `reps` times in turn; the report (also written to `out`)."""
-    config = {"server": {"api_key": secrets.token_hex(16), "max_concurrent": max(levels), "queue_size": 64},
-              "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0}}
+    config: dict[str, dict[str, Any]] = {
+        "server": {"api_key": secrets.token_hex(16), "max_concurrent": max(levels), "queue_size": 64},
+        "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0}}
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {"levels": list(levels), "requests": requests, "max_tokens": max_tokens, "leader": leader,
                      "reps": reps, "threads": threads, "members": list(models or []) or "default"},
         "loadavg": {"start": loadavg()}, "runs": [],

@@ -8,6 +8,8 @@ arguments, only loading its model as our members load theirs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import llama_cpp.llama_cpp as native
 
 from ..backends.llama_cpp.runtime import use_extra_buffer_types
@@ -16,7 +18,7 @@ from ..backends.llama_cpp.runtime import use_extra_buffer_types
 def _with_our_buffer_types() -> None:
     stock = native.llama_model_default_params
 
-    def default_params():  # type: ignore[no-untyped-def]
+    def default_params() -> Any:  # llama.cpp's parameter struct (ctypes)
         params = stock()
         params.use_extra_bufts = use_extra_buffer_types()
         return params
@@ -28,4 +30,4 @@ if __name__ == "__main__":
     _with_our_buffer_types()
     from llama_cpp.server.__main__ import main
 
-    main()
+    main()  # type: ignore[no-untyped-call]  # llama_cpp.server's main has no annotations

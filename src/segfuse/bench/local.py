@@ -32,12 +32,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ..backends.llama_cpp import LlamaCppMember
 from ..ensemble import Ensemble
+from ..errors import SegfuseError
 from ..eval.baselines import rerank
 from ..options import FusionOptions
 from ..request import to_messages
@@ -95,14 +97,14 @@ def member_speeds(member: LlamaCppMember, messages: Sequence[Message], context: 
             pos += len(chunk)
         decode_times = []
         for i in range(16):
-            dt, _ = _time(lambda: ctx.decode([filler[0] if filler else 0], [pos + i], [0], [True]))
+            dt, _ = _time(partial(ctx.decode, [filler[0] if filler else 0], [pos + i], [0], [True]))
             decode_times.append(dt)
         ctx.seq_rm(0, pos, -1)
         batch_times = []
         for _ in range(repeats):
             ctx.seq_cp(0, 1, 0, pos)
             ids = [session.tokens[-1]] * batch
-            dt, _ = _time(lambda: ctx.decode(ids, range(pos, pos + batch), [1] * batch, [True] * batch))
+            dt, _ = _time(partial(ctx.decode, ids, range(pos, pos + batch), [1] * batch, [True] * batch))
             batch_times.append(dt)
             ctx.seq_rm(1, -1, -1)
     finally:
@@ -178,11 +180,19 @@ def _child(argv: Sequence[str]) -> None:
             run_fusion(ens, PROMPTS[0], int(length), 10)
     else:
         with Ensemble(names, prefix_cache_cells=0) as ens:
-            member_alone_seconds(ens.members[0], to_messages(PROMPTS[0]), int(length))
+            member_alone_seconds(llama_members(ens)[0], to_messages(PROMPTS[0]), int(length))
     print(peak_rss_self_mb())
 
 
 # --- the benchmark ----------------------------------------------------------------
+
+
+def llama_members(ensemble: Ensemble) -> list[LlamaCppMember]:
+    """The ensemble's members: llama.cpp's, whose contexts the floor's speeds are measured on."""
+    members = [m for m in ensemble.members if isinstance(m, LlamaCppMember)]
+    if len(members) < len(ensemble.members):
+        raise SegfuseError("the benchmark times llama.cpp members only", "name GGUF models (no remote or hf: members)")
+    return members
 
 
 ROWS = ("fusion", "fusion_ttfs", "fusion_tokens", "members_sum", "floor", "reference_method",
@@ -194,7 +204,7 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
         rss: bool = True) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(), "git": git(),
         "window": window,
         "reps": reps,
@@ -207,7 +217,7 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
     with Ensemble(models, prefix_cache_cells=0) as ens, Ensemble(models, reencode=True) as reference:
         names = ens.names
         report["models"] = names
-        report["threads"] = {m.name: m.threads for m in ens.members}
+        report["threads"] = {m.name: m.threads for m in llama_members(ens)}
         last_result: Result | None = None
         for length in lengths:
             log(f"== answers of {length} tokens, {reps} repetitions")
@@ -241,16 +251,17 @@ def _repetition(ens: Ensemble, reference: Ensemble, prompt: str, length: int, wi
     rows["fusion"].append(result.stats.total_s)
     rows["fusion_ttfs"].append(result.stats.time_to_first_segment_s or 0.0)
     rows["fusion_tokens"].append(result.stats.tokens)
-    context = len(ens.members[0].prompt_tokens(messages)) + length // 2
+    members = llama_members(ens)
+    context = len(members[0].prompt_tokens(messages)) + length // 2
     speeds = {}
-    for member in ens.members:
+    for member in members:
         c = result.counters.get(member.name)
         if c is None:  # never started (only under options that leave members on standby)
             continue
         batch = max(1, round(c["verify"] / max(c["verify_calls"], 1)))
         speeds[member.name] = member_speeds(member, messages, context, batch)
     rows["floor"].append(floor_seconds(result.counters, speeds))
-    alone = {m.name: member_alone_seconds(m, messages, length) for m in ens.members}
+    alone = {m.name: member_alone_seconds(m, messages, length) for m in members}
     rows["members_sum"].append(sum(alone.values()))
     default = run_fusion(ens, prompt, length, window, DEFAULT)
     rows["default"].append(default.stats.total_s)

@@ -28,7 +28,8 @@ from ..errors import SegfuseError
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def tail(path: Path, n: int = 40) -> str:
@@ -38,7 +39,7 @@ def tail(path: Path, n: int = 40) -> str:
         return ""
 
 
-def wait_until_serving(process: subprocess.Popen, url: str, timeout: float, log: Path,
+def wait_until_serving(process: subprocess.Popen[bytes], url: str, timeout: float, log: Path,
                        ok: Callable[[Any], bool] = lambda r: r.status_code == 200) -> None:
     """Poll `url` until `ok(response)`; fail at once if `process` exits, or after `timeout` s."""
     import httpx
@@ -76,7 +77,7 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return set_pdeathsig
 
 
-def stop(process: subprocess.Popen, first: int, grace: float, *, group: bool = False) -> None:
+def stop(process: subprocess.Popen[bytes], first: int, grace: float, *, group: bool = False) -> None:
     """`first` (uvicorn's graceful shutdown), again after `grace` s (uvicorn then exits at once), then SIGKILL;
     with `group`, to the process group the process leads (a server's workers too)."""
 
@@ -112,7 +113,7 @@ def stop(process: subprocess.Popen, first: int, grace: float, *, group: bool = F
 
 @contextmanager
 def running(args: list[str], log: Path, first_signal: int, grace: float,
-            env: Mapping[str, str] | None = None, *, group: bool = False) -> Iterator[subprocess.Popen]:
+            env: Mapping[str, str] | None = None, *, group: bool = False) -> Iterator[subprocess.Popen[bytes]]:
     """`args` in a subprocess, its output in `log`, stopped when the block ends; with `group`, in a
     process group of its own, stopped with every process in it."""
     env = dict(env if env is not None else {k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"})
@@ -147,7 +148,7 @@ class SegfuseServer:
     url: str  # base URL, no /v1
     api_key: str
     log: Path
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
 
     @property
     def api(self) -> str:
@@ -158,7 +159,8 @@ class SegfuseServer:
 
         # With the key when there is one: /health may show the members' occupancy to key holders only.
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        return httpx.get(f"{self.url}/health", timeout=10, headers=headers).json()
+        health: dict[str, Any] = httpx.get(f"{self.url}/health", timeout=10, headers=headers).json()
+        return health
 
     def log_tail(self, n: int = 40) -> str:
         return tail(self.log, n)
@@ -193,7 +195,7 @@ def segfuse_server(workdir: Path, name: str, config: Mapping[str, Mapping[str, A
 class LlamaServer:
     url: str  # ends in /v1
     log: Path
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
 
     def kill(self) -> None:
         self.process.kill()

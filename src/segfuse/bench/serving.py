@@ -37,14 +37,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ..errors import SegfuseError
 from .load import PROMPTS, drive
 from .machine import git, loadavg, machine
-from .processes import llama_cpp_server, sigterm_as_interrupt, segfuse_server
+from .processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 MODES = ("serial", "concurrent")
@@ -97,7 +97,7 @@ def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]]
         "latency_c4_over_lone": _ratio(conc.get("4", {}).get("latency_p50_s"), conc.get("1", {}).get("latency_p50_s")),
         "throughput_c4_ratio": ratios.get("4", {}).get("throughput"),
     }
-    for name, mode in modes.items():  # the same latency ratio for each mode, for the record
+    for mode in modes.values():  # the same latency ratio for each mode, for the record
         levels = mode["levels"]
         mode["latency_c4_over_lone"] = _ratio(levels.get("4", {}).get("latency_p50_s"),
                                               levels.get("1", {}).get("latency_p50_s"))
@@ -150,7 +150,7 @@ def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], level
 def _check_arguments(concurrency: Sequence[int], requests: int | None, max_tokens: int, remote: bool,
                      models: Sequence[str] | None) -> list[int]:
     """The concurrency levels, sorted; a bad argument or a missing client library fails before anything starts."""
-    levels = sorted(set(int(c) for c in concurrency))
+    levels = sorted({int(c) for c in concurrency})
     if not levels or levels[0] < 1:
         raise SegfuseError("concurrency levels must be positive integers", "e.g. --concurrency 1,2,4,8")
     if requests is not None and requests < 1:
@@ -159,8 +159,8 @@ def _check_arguments(concurrency: Sequence[int], requests: int | None, max_token
         raise SegfuseError("--max-tokens must be at least 1")
     if remote and models:
         raise SegfuseError("--remote starts its own members", "leave out -m/--model with --remote")
-    import httpx  # noqa: F401  (the client libraries: missing ones fail here, before any server starts)
-    import openai  # noqa: F401
+    import httpx  # noqa: F401  # the client libraries: missing ones fail here, before any server starts
+    import openai  # noqa: F401  # likewise
 
     return levels
 
@@ -179,21 +179,22 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
     levels = _check_arguments(concurrency, requests, max_tokens, remote, models)
     widest = max_concurrent or levels[-1]
     per_level = {c: requests or max(8, 2 * c) for c in levels}
-    settings = {
+    queue_size = max(16, levels[-1])
+    settings: dict[str, Any] = {
         "concurrency": levels, "requests_per_level": {str(c): n for c, n in per_level.items()},
         "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "warmup_requests": warmup,
         "prompts": list(PROMPTS), "threads": threads, "threads_env": os.environ.get("SEGFUSE_THREADS"),
         "n_ctx": n_ctx, "remote": remote,
         "max_concurrent": {"serial": 1, "concurrent": widest},
-        "queue_size": max(16, levels[-1]),
+        "queue_size": queue_size,
     }
     from ..config import build_config
 
     for mc in (1, widest):  # a bad setting fails here, before anything is started
-        build_config(None, max_concurrent=mc, queue_size=settings["queue_size"], models=list(models or []),
+        build_config(None, max_concurrent=mc, queue_size=queue_size, models=list(models or []),
                      threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(), "git": git(), "settings": settings, "loadavg": {"start": loadavg()},
         "modes": {},
     }
@@ -207,7 +208,7 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         for mode in MODES:
             mc = 1 if mode == "serial" else widest
             log(f"== {mode}: starting `segfuse serve` with max_concurrent={mc}…")
-            config = server_config(max_concurrent=mc, queue_size=settings["queue_size"], models=members,
+            config = server_config(max_concurrent=mc, queue_size=queue_size, models=members,
                                    threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
             report["modes"][mode] = _run_mode(workdir, mode, config, levels, per_level, max_tokens, warmup,
                                               startup_s, log)
@@ -251,7 +252,7 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
 
 def format_targets(report: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for key, t in report["targets"].items():
+    for t in report["targets"].values():
         met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
         rows.append([t["what"], _fmt(t["measured"], ".2f", "×"), t["target"], met])
     return rows

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from .accounting import (
     targets,
 )
 from .machine import git, loadavg, machine, rss_mb
-from .processes import MemberServer, SegfuseServer, sigterm_as_interrupt, segfuse_server
+from .processes import MemberServer, SegfuseServer, segfuse_server, sigterm_as_interrupt
 from .soak_client import SoakClient
 from .traffic import NORMAL, Action, Mix, Phase, plan, probe, warmup
 
@@ -245,7 +245,7 @@ class Soak:
         response.raise_for_status()
         return parse_metrics(response.text)
 
-    def _result(self, before: tuple[dict, dict], after: tuple[dict, dict], start_rss: float | None,
+    def _result(self, before: tuple[dict[str, Any], dict[str, Any]], after: tuple[dict[str, Any], dict[str, Any]], start_rss: float | None,
                 end: dict[str, Any]) -> dict[str, Any]:
         warm = next((c for c in self.checkpoints if c["t_s"] >= WARM_FRACTION * self.settings.duration_s
                      and c is not end), self.checkpoints[0])
@@ -299,8 +299,8 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
     it to `out` (JSON)."""
     import secrets
 
-    import httpx  # noqa: F401  (before anything starts: fail at once when the client libraries are missing)
-    import openai  # noqa: F401
+    import httpx  # noqa: F401  # before anything starts: fail at once when the client libraries are missing
+    import openai  # noqa: F401  # likewise
 
     from ..config import build_config
 
@@ -309,7 +309,7 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
                  models=list(settings.models), threads=settings.threads, n_ctx=settings.n_ctx,
                  cache_dir=settings.cache_dir)  # a bad setting fails here, before anything starts
     report: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
         "settings": {**asdict(settings), "request_cap": settings.request_cap, "burst": settings.mix.burst,
                      "sample_every_s": settings.sample_every_s, "max_body_bytes": MAX_BODY_BYTES},
         "loadavg": {"start": loadavg()},

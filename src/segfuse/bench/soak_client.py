@@ -25,7 +25,7 @@ class SoakClient:
                  request_timeout_s: float = 600.0) -> None:
         self.url, self.api_key, self.n_ctx, self.max_body_bytes, self.t0 = url, api_key, n_ctx, max_body_bytes, t0
         self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
-                                    timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+                                    timeout=openai.Timeout(request_timeout_s, connect=10.0))
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=10.0))
 
     def close(self) -> None:
@@ -63,8 +63,8 @@ class SoakClient:
         return record
 
     def _request(self, action: Action) -> dict[str, Any]:
-        return dict(model="segfuse", messages=messages(action, self.n_ctx), max_tokens=action.max_tokens,
-                    temperature=action.temperature, seed=action.seed, user=f"soak-{action.index}")
+        return {"model": "segfuse", "messages": messages(action, self.n_ctx), "max_tokens": action.max_tokens,
+                "temperature": action.temperature, "seed": action.seed, "user": f"soak-{action.index}"}
 
     def _complete(self, action: Action, record: Record) -> None:
         client = self.openai if action.timeout_s is None else self.openai.with_options(timeout=action.timeout_s)

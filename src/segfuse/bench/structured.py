@@ -59,7 +59,7 @@ def judge(text: str, question: str, constraint: Constraint) -> dict[str, Any]:
     except json.JSONDecodeError:
         pass
     valid = parsed is not None and constraint.check(text) is None
-    listed = [float(n) for n in parsed.get("numbers", [])] if valid else []
+    listed = [float(n) for n in parsed.get("numbers", [])] if valid and isinstance(parsed, dict) else []
     found = valid and all(listed.count(n) >= need for n, need in _counts(reference_numbers(question)).items())
     return {"parses": parsed is not None, "valid": valid, "numbers_found": bool(found)}
 
@@ -74,7 +74,8 @@ def run(items: int, offset: int, max_tokens: int, threads: int | None = None) ->
     constraint = Constraint.json_schema(SCHEMA)
     code = git()  # the code that runs: read before, not after (commits may land meanwhile)
     rows: list[dict[str, Any]] = []
-    with Ensemble(**({"threads": threads} if threads else {})) as ensemble:
+    member_options: dict[str, Any] = {"threads": threads} if threads else {}
+    with Ensemble(**member_options) as ensemble:
         ensemble.generate("Say hi.", max_tokens=4, temperature=0)  # warm-up
         for index, question in enumerate(questions, offset):
             for system, (options, constrained) in SYSTEMS.items():

@@ -1,6 +1,6 @@
 """The `segfuse` command line: generate, chat, demo, serve, models, eval, bench."""
 
+from . import commands  # noqa: F401  # registers every command on `app`
 from .app import app, main
-from . import commands  # noqa: E402,F401  (registers every command on `app`)
 
 __all__ = ["app", "main"]

@@ -5,26 +5,27 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from .. import models as catalogue
 from ..errors import SegfuseError
 from ..options import FusionOptions
-from ..types import DoneEvent, Message, Result, SegmentEvent
+from ..types import DoneEvent, Event, Message, Result, SegmentEvent
 
 if TYPE_CHECKING:
     from ..constraints import Constraint
+    from ..ensemble import Ensemble
 from .app import app, err, out
 from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
 
 COLOURS = ("cyan", "magenta", "yellow", "green", "blue", "red", "bright_white")
 DEMO_QUESTION = "In two or three sentences, why is the sky blue?"
-SystemOpt = Annotated[Optional[str], typer.Option(help="System message.")]
+SystemOpt = Annotated[str | None, typer.Option(help="System message.")]
 
 
-def load_ensemble(model: list[str] | None, member_options: dict[str, Any] | None):
+def load_ensemble(model: list[str] | None, member_options: dict[str, Any] | None) -> Ensemble:
     from ..ensemble import Ensemble  # imports llama.cpp: keep `segfuse models` light
 
     with err.status("loading members…"):
@@ -35,7 +36,7 @@ def legend(names: list[str]) -> str:
     return "  ".join(f"[{COLOURS[i % len(COLOURS)]}]■ {n}[/]" for i, n in enumerate(names))
 
 
-def print_stream(events: Iterator, names: list[str]) -> Result:
+def print_stream(events: Iterator[Event], names: list[str]) -> Result:
     """Print each segment in its author's colour as it comes; return the result."""
     colour = {n: COLOURS[i % len(COLOURS)] for i, n in enumerate(names)}
     for event in events:
@@ -112,12 +113,12 @@ def fusion_options(fusion: dict[str, Any]) -> FusionOptions:
 @app.command()
 @fusion_flags(members=True)
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(
+    prompt: Annotated[str | None, typer.Argument(
         help="The question; piped standard input is read too (document first), `-` reads only it.")] = None,
     model: ModelOpt = None,
     system: SystemOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
-    json_schema: Annotated[Optional[str], typer.Option(
+    json_schema: Annotated[str | None, typer.Option(
         "--json-schema", metavar="FILE", help="The answer is JSON that validates against the JSON schema in FILE.")] = None,
     json_object: Annotated[bool, typer.Option("--json-object", help="The answer is a JSON object.")] = False,
     fusion: dict[str, Any] | None = None,
@@ -211,7 +212,7 @@ def demo(
     cache_dir: CacheOpt = None,
     threads: ThreadsOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer budget in tokens.")] = 96,
-    seed: Annotated[Optional[int], typer.Option(help="Seed: same seed, same answer.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed: same seed, same answer.")] = 0,
 ) -> None:
     """Prepare the embedded models and let them answer a built-in question together."""
     from .models import prepare_models

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -19,7 +19,7 @@ Lengths = Annotated[str, typer.Option(help="Answer lengths in tokens, comma-sepa
 Reps = Annotated[int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the "
                                         "whole script.")]
 Window = Annotated[int, typer.Option(help="Max tokens each member drafts per round.")]
-Out = Annotated[Optional[str], typer.Option(
+Out = Annotated[str | None, typer.Option(
     help="Folder for bench.json and the per-round plot (default runs/bench); "
          "with --serve the JSON file (default runs/bench-serve.json; with --soak runs/soak.json, "
          "its plot beside it).")]
@@ -28,25 +28,25 @@ Serve = Annotated[bool, typer.Option(
     "--serve", help="Serving benchmark instead: the real `segfuse serve` under 1..N streaming users, "
                     "serial (max_concurrent 1) vs. concurrent worker.")]
 Concurrency = Annotated[str, typer.Option(help="--serve: users in flight, comma-separated.")]
-Requests = Annotated[Optional[int], typer.Option(
+Requests = Annotated[int | None, typer.Option(
     help="--serve: requests per concurrency level (default max(8, 2 x users)); "
          "with --soak the most requests of the run (default 10 per second of it).")]
-MaxTokens = Annotated[Optional[int], typer.Option(
+MaxTokens = Annotated[int | None, typer.Option(
     "--max-tokens", help="--serve: max_tokens of every request (default 32; with --soak at most, "
                          "default 16).")]
-MaxConcurrent = Annotated[Optional[int], typer.Option(
+MaxConcurrent = Annotated[int | None, typer.Option(
     "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users; "
                              "with --soak the server's, default 4).")]
-Threads = Annotated[Optional[int], typer.Option(
+Threads = Annotated[int | None, typer.Option(
     help="--serve: llama.cpp threads per member, the same in both modes (default: the server's).")]
 Remote = Annotated[bool, typer.Option(
     "--remote", help="--serve: the members are two llama_cpp.server processes started on loopback "
                      "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.")]
-Soak = Annotated[Optional[str], typer.Option(
+Soak = Annotated[str | None, typer.Option(
     "--soak", metavar="DURATION", help="--serve: a soak instead: the server under a seeded mix of traffic "
                                        "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
                                        "leaks (docs/reliability.md).")]
-Seed = Annotated[Optional[int], typer.Option(help="--soak: the seed of the traffic mix (default 0).")]
+Seed = Annotated[int | None, typer.Option(help="--soak: the seed of the traffic mix (default 0).")]
 Chat = Annotated[bool, typer.Option(
     "--chat", help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
                    "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "

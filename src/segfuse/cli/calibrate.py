@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Column, Table
@@ -21,18 +21,18 @@ if TYPE_CHECKING:
 def calibrate(
     task: Annotated[str, typer.Argument(help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C); "
                                              "pooling: weights for `segfuse score` from scored items (--data).")],
-    data: Annotated[Optional[str], typer.Option(help="JSONL file of the items (jsonl: one {\"prompt\", \"answer\"} "
+    data: Annotated[str | None, typer.Option(help="JSONL file of the items (jsonl: one {\"prompt\", \"answer\"} "
                                                      "per line; built-in tasks: their data by default).")] = None,
-    checker: Annotated[Optional[str], typer.Option(
+    checker: Annotated[str | None, typer.Option(
         help="jsonl: when an answer is right: number, contains, regex or python:MODULE:FUNCTION.")] = None,
     model: ModelOpt = None,
-    setting: Annotated[Optional[list[str]], typer.Option(
+    setting: Annotated[list[str] | None, typer.Option(
         "--setting", help="A setting to try, KEY=VALUE/... as FusionOptions fields (repeatable; "
                           "default: the leader verifying at margins 1, 2, 3 and today's vote).")] = None,
-    leader: Annotated[Optional[str], typer.Option(help="The member to compare with (default: the largest).")] = None,
+    leader: Annotated[str | None, typer.Option(help="The member to compare with (default: the largest).")] = None,
     limit: Annotated[int, typer.Option(help="Number of items (at least 10).")] = 40,
     offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Answer budget (default: per task).")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Answer budget (default: per task).")] = None,
     out_dir: Annotated[str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")]
     = "runs/calibrate",
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
@@ -47,7 +47,8 @@ def calibrate(
     if task == "pooling":
         return calibrate_pooling(data, rule, out_dir)
     require("eval", "segfuse calibrate")
-    from ..eval.calibrate import DEFAULT_GRID, calibrate as run_calibration
+    from ..eval.calibrate import DEFAULT_GRID
+    from ..eval.calibrate import calibrate as run_calibration
     from ..eval.tasks import get_task, jsonl_task
 
     chosen_task = jsonl_task(checker) if task == "jsonl" else get_task(task)
@@ -58,7 +59,7 @@ def calibrate(
     err.print(f"profile: {profile} ({chosen.spec}); use it with --profile {profile}")
 
 
-def calibration_table(task: str, settings: "list[Setting]", chosen: "Setting") -> Table:
+def calibration_table(task: str, settings: list[Setting], chosen: Setting) -> Table:
     """The settings side by side. A setting is folded onto more lines rather than cut: at 80 columns
     every grid entry would otherwise end in the same `gate=0.5/accep…`."""
     table = Table(Column("setting", overflow="fold", min_width=16),

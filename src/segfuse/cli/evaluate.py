@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -20,15 +20,15 @@ RUN_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "window", "stop")
 @fusion_flags(defaults={"temperature": 0.0, "seed": 0, "max_tokens": None, "top_p": None},
               shown={"max_tokens": "the task's", "top_p": "1.0 at temperature 0, else 0.9"}, members=True)
 def eval_command(
-    task: Annotated[Optional[str], typer.Argument(help="gsm8k or ifeval.")] = None,
-    report: Annotated[Optional[str], typer.Option("--report", help="Only rebuild the report of this folder.")] = None,
+    task: Annotated[str | None, typer.Argument(help="gsm8k or ifeval.")] = None,
+    report: Annotated[str | None, typer.Option("--report", help="Only rebuild the report of this folder.")] = None,
     systems: Annotated[str, typer.Option(
         help="Comma list: specfuse, rerank, members, member:NAME, default, fusion:KEY=VALUE/...")] = "specfuse,rerank,members",
-    limit: Annotated[Optional[int], typer.Option(help="Number of items.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Number of items.")] = None,
     offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
     model: ModelOpt = None,
     out: Annotated[str, typer.Option(help="Output folder (JSONL, report, plots).")] = "runs/eval",
-    data: Annotated[Optional[str], typer.Option(help="Task data file (JSONL).")] = None,
+    data: Annotated[str | None, typer.Option(help="Task data file (JSONL).")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     hedge_persist: Annotated[bool, typer.Option(
         "--hedge-persist", help="Hedge presets start each item from the weights they ended the last with.")] = False,

@@ -16,7 +16,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import typer
 from pydantic.fields import FieldInfo
@@ -35,14 +35,14 @@ NONE_WORD = "none"  # `--gate none`, `--accept-margin none`: the None of a nulla
 GIVEN_NONE = object()  # what such a flag parses to, told apart from a flag not given (None)
 
 ModelOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--model", "-m", help="Member (repeat; default: the embedded three): a known model name, a .gguf "
                  "path, a model of yours (ollama:NAME[:TAG], hf:ORG/REPO[:QUANT], lmstudio:PUBLISHER/REPO, "
                  "llamacache:ORG/REPO; `segfuse models` lists them), transformers:PATH_OR_DIR\\[#name,key=value,...] "
                  "or remote:URL\\[#name,key=value,...]."),
 ]
-CacheOpt = Annotated[Optional[str], typer.Option("--cache-dir", help="Where assembled models live.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
+CacheOpt = Annotated[str | None, typer.Option("--cache-dir", help="Where assembled models live.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
 CtxOpt = Annotated[int, typer.Option("--n-ctx", help="Context window per member, in tokens.")]
 
 
@@ -69,27 +69,35 @@ def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = No
         common["show_default"] = shown
     elif default != () and default is not None:
         common["show_default"] = str(default).lower() if isinstance(default, bool) else str(default)
+    annotation: object  # the type typer reads the flag as
     if kind is bool:
-        annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
+        annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
     elif typing.get_origin(kind) is Literal:  # typer lists an Enum's values as the choices
-        choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
-        annotation, option = Optional[choices], typer.Option(None, _flag(name), **common)
+        choices = _choices(name, kind)
+        annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:
-        annotation, option = Optional[list[str]], typer.Option(None, _flag(name), **{**common, "help": common["help"]
+        annotation, option = list[str] | None, typer.Option(None, _flag(name), **{**common, "help": common["help"]
                                                                                     + " (repeatable)"})
     elif nullable and kind in (int, float):  # `--gate none`: a number, or the word none for None
         option = typer.Option(None, _flag(name), metavar=f"{kind.__name__.upper()}|none",
                               callback=_number_or_none(kind), **common)
-        annotation = Optional[str]
+        annotation = str | None
     else:
-        annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
+        annotation, option = kind | None, typer.Option(None, _flag(name), **common)
     return inspect.Parameter(PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 
-def _number_or_none(kind: type) -> Callable[[Optional[str]], Any]:
+def _choices(name: str, literal: object) -> type[enum.Enum]:
+    """An Enum of a Literal's values: typer lists them as the flag's choices."""
+    values = {str(c): str(c) for c in typing.get_args(literal)}
+    # mypy takes the functional API for a class only where the name is a literal
+    return enum.Enum(f"{name}_choice", values, type=str)  # type: ignore[return-value]  # a name made at run time
+
+
+def _number_or_none(kind: type) -> Callable[[str | None], Any]:
     """Parse a nullable number's flag: `kind`, or GIVEN_NONE for the word none."""
 
-    def parse(value: Optional[str]) -> Any:
+    def parse(value: str | None) -> Any:
         if value is None:
             return None
         if value.strip().lower() == NONE_WORD:
@@ -121,16 +129,17 @@ def _member_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     """One typer option for one MemberOptions field; None when the user does not give it."""
     kind, _ = _optional_of(field.annotation)
     common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": MEMBER_PANEL}
+    annotation: object  # the type typer reads the flag as
     if kind is bool:
-        annotation, option = Optional[bool], typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
+        annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
                                                           **common)
     elif typing.get_origin(kind) is Literal:
-        choices = enum.Enum(f"{name}_choice", {str(c): str(c) for c in typing.get_args(kind)}, type=str)
-        annotation, option = Optional[choices], typer.Option(None, _flag(name), **common)
+        choices = _choices(name, kind)
+        annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:  # shares as one word, 3/1, as in a member spec
-        annotation, option = Optional[str], typer.Option(None, _flag(name), metavar="A/B/...", **common)
+        annotation, option = str | None, typer.Option(None, _flag(name), metavar="A/B/...", **common)
     else:
-        annotation, option = Optional[kind], typer.Option(None, _flag(name), **common)
+        annotation, option = kind | None, typer.Option(None, _flag(name), **common)
     return inspect.Parameter(MEMBER_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option,
                              annotation=annotation)
 
@@ -157,7 +166,7 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, 
         added += [_none_parameter(name) for name in nullable]
         member_fields = flag_fields() if members else {}
         added += [_member_parameter(name, f) for name, f in member_fields.items()]
-        added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+        added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
                                        default=typer.Option(None, "--profile", rich_help_panel=PANEL,
                                                             help="TOML profile from `segfuse calibrate`: its "
                                                                  "settings, under the flags given here.")))
@@ -177,7 +186,7 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, 
 
         hints = typing.get_type_hints(command, include_extras=True)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own] + added
-        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
         run.__annotations__ = {p.name: p.annotation for p in params}
         return run
 
@@ -200,7 +209,7 @@ def member_flags() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         hints = typing.get_type_hints(command, include_extras=True)
         params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own]
         params += [_member_parameter(name, f) for name, f in fields.items()]
-        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what typer reads
         run.__annotations__ = {p.name: p.annotation for p in params}
         return run
 

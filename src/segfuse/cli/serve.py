@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -14,27 +14,27 @@ from .flags import ModelOpt, fusion_flags
 @app.command()
 @fusion_flags(members=True)
 def serve(
-    config: Annotated[Optional[str], typer.Option("--config", "-c", help="TOML config file (see docs/server.md).")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default 8000).")] = None,
+    config: Annotated[str | None, typer.Option("--config", "-c", help="TOML config file (see docs/server.md).")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
     model: ModelOpt = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
                                                    "(default: $SEGFUSE_API_KEY, else no auth).")] = None,
-    max_concurrent: Annotated[Optional[int], typer.Option(
+    max_concurrent: Annotated[int | None, typer.Option(
         "--max-concurrent", help="Generations in flight at once, their member work batched (default 4; "
                                  "1 runs one after another).")] = None,
-    queue_size: Annotated[Optional[int], typer.Option(
+    queue_size: Annotated[int | None, typer.Option(
         "--queue-size", help="Requests that may wait for a free slot (default 16).")] = None,
-    allowed_hosts: Annotated[Optional[str], typer.Option(
+    allowed_hosts: Annotated[str | None, typer.Option(
         "--allowed-hosts", help="Host header names served, comma-separated ('*': any); others get 400 "
         "(default: the bound host, localhost, 127.0.0.1, ::1). Name the proxy's public name here.")] = None,
-    max_tokens_limit: Annotated[Optional[int], typer.Option(
+    max_tokens_limit: Annotated[int | None, typer.Option(
         "--max-tokens-limit", min=1, help="The largest max_tokens a request may ask for; more gets 400 "
         "(default 4096; [limits] max_tokens).")] = None,
-    request_timeout: Annotated[Optional[float], typer.Option(
+    request_timeout: Annotated[float | None, typer.Option(
         "--request-timeout", min=0, help="Seconds one request may take, queueing included; then its answer "
         "ends where it is (default 600; 0: no deadline).")] = None,
-    limit_concurrency: Annotated[Optional[int], typer.Option(
+    limit_concurrency: Annotated[int | None, typer.Option(
         "--limit-concurrency", min=1, help="Requests in flight at once, from their headers to the end "
         "of their answer; more get 503 (default 64). Connections without a request do not count.")] = None,
     ray: Annotated[bool, typer.Option(

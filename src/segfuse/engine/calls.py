@@ -28,11 +28,12 @@ from typing import Any, Literal
 
 from ..backends.base import Member, MemberSession
 
-Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close"]
+Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close",
+                 "draft_many", "score_many"]
 # Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):
 # a scheduler runs them at once instead of spending a tick on them.
 CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})
-BATCHED = {"draft": "draft_many", "score": "score_many"}  # methods a batching member serves together
+BATCHED: dict[str, Method] = {"draft": "draft_many", "score": "score_many"}  # what a batching member serves together
 # Calls that read or write answer text (drafts, scores, prompt fits): the member calls a generation reports.
 COUNTED: frozenset[str] = frozenset({"draft", "score", "text_logprob"})
 
@@ -162,7 +163,7 @@ class CallRunner:
                 replies[i] = _timed(call)
             return
         # One batched call: every session waited for the whole of it.
-        batch = Call(first.member, None, BATCHED[first.method],  # type: ignore[arg-type]
+        batch = Call(first.member, None, BATCHED[first.method],
                      ([c.session for c in group], [c.args for c in group]))
         whole = _timed(batch)
         values = whole.value if not whole.failed else [whole.value] * len(group)
@@ -179,7 +180,7 @@ class CallRunner:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def __enter__(self) -> "CallRunner":
+    def __enter__(self) -> CallRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -118,6 +118,6 @@ class Lineup:
             named = next((s for s in seats if s.name == self.options.leader), None)
             if named is not None:
                 return named
-        sizes = [s.member.n_params for s in seats]
-        known = all(isinstance(n, int) and n > 0 for n in sizes)
-        return seats[pick_leader(sizes if known else [self.weights[s.name] for s in seats])]  # type: ignore[arg-type]
+        sizes = [n for s in seats if isinstance(n := s.member.n_params, int) and n > 0]
+        known = len(sizes) == len(seats)
+        return seats[pick_leader(sizes if known else [self.weights[s.name] for s in seats])]

@@ -224,8 +224,8 @@ class Generation:
         at = self.answer.round(round_no, o.max_tokens)
         leader = self.lineup.leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
-        live = (self.answer.stream(leader.name, round_no, phases.stops(leader, o))  # type: ignore[union-attr]
-                if solo and self.lineup.answers_alone() else None)
+        live = (self.answer.stream(leader.name, round_no, phases.stops(leader, o))
+                if leader is not None and solo and self.lineup.answers_alone() else None)
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
@@ -245,8 +245,8 @@ class Generation:
             return (yield from self._take_over(round_no))
         if not drafted:
             return Stop("length")
-        if solo:
-            return Decision(gated_how(confidence, o), drafted, phases.alone(drafted, leader),  # type: ignore[arg-type]
+        if solo and leader is not None:  # (solo implies a leader)
+            return Decision(gated_how(confidence, o), drafted, phases.alone(drafted, leader),
                             leader, confidence, calls_before)
         return (yield from self._vote(at, drafted, leader, confidence, calls_before))
 

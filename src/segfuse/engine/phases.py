@@ -98,7 +98,8 @@ def gate(leader_draft: Draft, options: FusionOptions, *, answer: str, last: str,
     """
     own = leader_draft.own_scores
     confidence = mean_probability(own.logprobs) if own else 0.0
-    passes = leader_draft.eligible and gate_passes(confidence, options.gate) and not (  # type: ignore[arg-type]
+    gated = options.gate is not None and gate_passes(confidence, options.gate)  # (a leader implies a gate)
+    passes = leader_draft.eligible and gated and not (
         patient and degenerates(options, answer, leader_draft.candidate.text, last))
     return GateCheck(passes, confidence)
 
@@ -315,7 +316,8 @@ def prompt_prior(seats: Seats, messages: Sequence[Message], temperature: float) 
     fits = seats.survivors(chosen, outcomes, 0, "prompt fit")
     for seat, (logprob, n_bytes) in fits:
         seat.bpb = bits_per_byte(logprob, n_bytes) if n_bytes else None
-    if not all(seat.bpb is not None for seat, _ in fits):
+    bpbs = [seat.bpb for seat, _ in fits if seat.bpb is not None]
+    if len(bpbs) < len(fits):
         return None
-    prior = prompt_weights([seat.bpb for seat, _ in fits], temperature)  # type: ignore[misc]
+    prior = prompt_weights(bpbs, temperature)
     return {seat.name: w for (seat, _), w in zip(fits, prior)}

@@ -61,15 +61,15 @@ class Scheduler:
         """Advance every flight to its next member calls, then run all those calls."""
         for flight in list(self.flights):
             self._advance(flight)
-        waiting = [f for f in self.flights if f.pending is not None]
-        for flight in waiting:
-            if flight.live and isinstance(flight.pending, LiveCalls):
-                flight.pending.outlet.listen(flight.on_event)  # called on the thread that runs the call
-        calls = [call for f in waiting for call in f.pending.calls]  # type: ignore[union-attr]
+        waiting = [(f, f.pending) for f in self.flights if f.pending is not None]
+        for flight, pending in waiting:
+            if flight.live and isinstance(pending, LiveCalls):
+                pending.outlet.listen(flight.on_event)  # called on the thread that runs the call
+        calls = [call for _, pending in waiting for call in pending.calls]
         replies = self.runner.run(calls) if calls else []
         at = 0
-        for flight in waiting:
-            n = len(flight.pending.calls)  # type: ignore[union-attr]
+        for flight, pending in waiting:
+            n = len(pending.calls)
             flight.reply, flight.pending = replies[at : at + n], None
             at += n
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..backends.base import Member, MemberSession
 from ..errors import MemberFailedError
-from ..types import Departure
+from ..types import Departure, DepartureKind
 from .calls import COUNTED, Asking, Call, Calls, Method
 from .live import LiveCalls, Outlet
 
@@ -94,9 +94,9 @@ class Seats:
                 kept.append((seat, outcome))
         return kept
 
-    def depart(self, seat: Seat, round_no: int, kind: str, reason: str) -> None:
+    def depart(self, seat: Seat, round_no: int, kind: DepartureKind, reason: str) -> None:
         """`seat` leaves the query (its session is closed by the next :meth:`release`)."""
-        departure = Departure(seat.name, round_no, kind, reason)  # type: ignore[arg-type]
+        departure = Departure(seat.name, round_no, kind, reason)
         self.departures.append(departure)
         self.round_departures.append(departure)
         if seat in self.active:

@@ -26,7 +26,7 @@ class Transcript:
         self.text = ""
         self.segments: list[Segment] = []
         self.rounds: list[RoundRecord] = []
-        self.stats = Stats(wins={name: 0 for name in names})
+        self.stats = Stats(wins=dict.fromkeys(names, 0))
         self.live: LeaderStream | None = None  # this round's, when the leader answers alone
         self.started = time.perf_counter()
 

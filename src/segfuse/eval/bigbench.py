@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 DATA_DIR = Path("../shared/data/bigbench")
 TASKS: tuple[str, ...] = (
@@ -40,16 +41,17 @@ class Item:
 
 
 @cache
-def load_task(task: str, data_dir: str | Path = DATA_DIR) -> dict:
+def load_task(task: str, data_dir: str | Path = DATA_DIR) -> dict[str, Any]:
     path = Path(data_dir) / f"{task}.json"
     if not path.is_file():
         raise FileNotFoundError(f"no BIG-bench task file {path} (tasks: {', '.join(TASKS)})")
-    return json.loads(path.read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
 
 
-def context_of(task: dict, example: dict) -> str:
+def context_of(task: dict[str, Any], example: dict[str, Any]) -> str:
     """The cloze context of one example under its task's framing."""
-    text = (task.get("task_prefix", "") + task.get("example_input_prefix", "\nQ: ") + example["input"]
+    text: str = (task.get("task_prefix", "") + task.get("example_input_prefix", "\nQ: ") + example["input"]
             + task.get("example_output_prefix", "\nA: "))
     return text.lstrip("\n")
 
@@ -65,6 +67,6 @@ def items(task: str, start: int = 0, stop: int | None = None, data_dir: str | Pa
     return out
 
 
-def doc_to_text(doc: dict, task: dict) -> str:
+def doc_to_text(doc: dict[str, Any], task: dict[str, Any]) -> str:
     """lm-eval's view of an example (a row of ``examples``)."""
     return context_of(task, doc)

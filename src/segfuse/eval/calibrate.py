@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -68,7 +68,7 @@ def calibrate(task: Task, out: str | Path, *, members: Sequence[str] | None, gri
     run = json.loads((folder / f"{task.name}.run.json").read_text())
     profile = write_profile(folder / "profile.toml", options, {
         "task": task.name, "data": str(data) if data else None, "members": run["members"], "leader": name,
-        "settings": run["settings"], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "settings": run["settings"], "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "chosen": asdict(chosen), "grid": [asdict(s) for s in settings],
     })
     return profile, settings, chosen

@@ -14,13 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..likelihood import NORMS, RULES, Rule
+from ..likelihood import NORMS, RULES, Norm, Rule
 from ..likelihood_weights import ScoredItem, fit_weights, item_from_record
 
-Split = dict[str, list[tuple[int, ScoredItem, float]]]  # task -> (index, item, seconds of all members)
+Rows = list[tuple[int, ScoredItem, float]]  # (index, item, seconds of all members)
+Split = dict[str, Rows]  # task -> its rows
+System = Callable[[ScoredItem], bool]  # right or not on an item
 
 
 def load_split(folder: str | Path, stop: int | None = None) -> tuple[Split, dict[str, float]]:
@@ -42,9 +44,9 @@ def load_split(folder: str | Path, stop: int | None = None) -> tuple[Split, dict
     return split, {n: sum(v) / len(v) for n, v in seconds.items()}
 
 
-def member_system(name: str, norm: str):
+def member_system(name: str, norm: Norm) -> System:
     def right(item: ScoredItem) -> bool:
-        only = Rule(norm=norm).fuse({name: item.members[name]})  # type: ignore[arg-type]
+        only = Rule(norm=norm).fuse({name: item.members[name]})
         return item.right(only)
     return right
 
@@ -67,12 +69,12 @@ def outcomes(split: Split, study: Split | None) -> dict[str, dict[str, list[bool
     return out
 
 
-def _picked(names: list[str], rows, study_rows) -> list[bool]:
+def _picked(names: list[str], rows: Rows, study_rows: Rows | None) -> list[bool]:
     """Right or not for the member (and unit) that did best on the task's study rows (else on the other
     half of its rows, by index parity): selection without pooling, the baseline calibrated weights face."""
     systems = [member_system(n, norm) for n in names for norm in NORMS]
 
-    def best(on: list[ScoredItem]):
+    def best(on: list[ScoredItem]) -> System:
         return max(systems, key=lambda right: sum(right(item) for item in on))
 
     if study_rows is not None:
@@ -81,7 +83,7 @@ def _picked(names: list[str], rows, study_rows) -> list[bool]:
     return [best([it for i, it, _ in rows if i % 2 != index % 2])(item) for index, item, _ in rows]
 
 
-def _calibrated(rule: Rule, rows, study_rows) -> list[bool]:
+def _calibrated(rule: Rule, rows: Rows, study_rows: Rows | None) -> list[bool]:
     """Right or not under weights fitted per task: on the study rows, else by parity cross-fitting."""
     if study_rows is not None:
         weights = fit_weights(rule, [item for _, item, _ in study_rows])
@@ -105,7 +107,7 @@ def sign_test(wins: int, losses: int) -> float:
     if n == 0:
         return 1.0
     k = min(wins, losses)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / (1 << n))
 
 
 def paired(a: Mapping[str, list[bool]], b: Mapping[str, list[bool]]) -> dict[str, tuple[int, int]]:

@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING, Any
 
 from .bigbench import items
 
+if TYPE_CHECKING:
+    from ..ensemble import Ensemble
 
-def measure(ensemble, task: str, start: int, stop: int) -> dict:
+
+def measure(ensemble: Ensemble, task: str, start: int, stop: int) -> dict[str, Any]:
     together = alone = 0.0
     chosen = items(task, start, stop)
     for item in chosen:
@@ -35,7 +39,7 @@ def measure(ensemble, task: str, start: int, stop: int) -> dict:
             "ratio": round(together / alone, 4), "items_per_s": round(len(chosen) / together, 4)}
 
 
-def measure_batched(ensemble, task: str, start: int, stop: int) -> dict:
+def measure_batched(ensemble: Ensemble, task: str, start: int, stop: int) -> dict[str, Any]:
     chosen = [(item.context, list(item.choices)) for item in items(task, start, stop)]
     ensemble.score(*chosen[0])  # warm-up (weights paged in, buffers grown) before either is timed
     one_s = batched_s = 0.0
@@ -48,10 +52,10 @@ def measure_batched(ensemble, task: str, start: int, stop: int) -> dict:
             else:
                 batched = ensemble.score_many(chosen)
                 batched_s += time.perf_counter() - began
-    failed = [str(b) for b in batched if isinstance(b, Exception)]
-    if failed:
-        raise RuntimeError(f"items failed when batched: {failed}")
-    gap = {name: max(abs(x.logprob - y.logprob) for a, b in zip(alone, batched)
+    scored = [b for b in batched if not isinstance(b, Exception)]
+    if len(scored) < len(batched):
+        raise RuntimeError(f"items failed when batched: {[str(b) for b in batched if isinstance(b, Exception)]}")
+    gap = {name: max(abs(x.logprob - y.logprob) for a, b in zip(alone, scored)
                      for x, y in zip(a.members[name], b.members[name])) for name in ensemble.names}
     n = 2 * len(chosen)  # every item scored twice each way
     return {"task": task, "items": len(chosen), "slots": ensemble.slots, "one_at_a_time_s": round(one_s, 3),

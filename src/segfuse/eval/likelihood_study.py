@@ -16,12 +16,16 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..likelihood import ItemScores
 from .bigbench import DATA_DIR, TASKS, Item, items
 
+if TYPE_CHECKING:
+    from ..ensemble import Ensemble
 
-def record_of(item: Item, scored: ItemScores) -> dict:
+
+def record_of(item: Item, scored: ItemScores) -> dict[str, Any]:
     """The JSON record of one scored item."""
     return {
         "task": item.task,
@@ -47,7 +51,7 @@ def done_indices(path: Path) -> set[int]:
     return found
 
 
-def run(ensemble, tasks: Sequence[str], start: int, stop: int, out_dir: str | Path,
+def run(ensemble: Ensemble, tasks: Sequence[str], start: int, stop: int, out_dir: str | Path,
         data_dir: str | Path = DATA_DIR, progress: bool = True) -> int:
     """Score items ``start..stop`` of each task with every member of `ensemble`; returns items written."""
     out = Path(out_dir)

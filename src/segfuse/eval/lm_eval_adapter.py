@@ -64,7 +64,7 @@ class ModelArgsError(ValueError):
     """A model_args key the segfuse model does not take."""
 
 
-def task_manager():
+def task_manager() -> Any:  # lm_eval has no type information
     """An lm-eval TaskManager that also knows the local segfuse task configs."""
     from lm_eval.tasks import TaskManager
 
@@ -72,7 +72,7 @@ def task_manager():
 
 
 @register_model("segfuse")
-class SegfuseLM(LM):
+class SegfuseLM(LM):  # type: ignore[misc]  # lm_eval has no type information: LM is Any
     """The ensemble (or any registered eval system) behind lm-eval's LM interface."""
 
     def __init__(

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..backends.base import Member
 from ..errors import InvalidRequestError
 from ..likelihood import ItemScores, Rule, score_items, weight_pairs
+
+if TYPE_CHECKING:
+    from ..ensemble import Ensemble
 
 RULE_NAMES = ("loglinear", "mixture-byte", "mixture-whole")
 
@@ -43,7 +47,7 @@ class LikelihoodScoring:
     batch: int = 1
 
     @classmethod
-    def build(cls, ensemble, system: str, rule: Rule) -> LikelihoodScoring:
+    def build(cls, ensemble: Ensemble, system: str, rule: Rule) -> LikelihoodScoring:
         """`system` ``member:NAME`` scores with that member alone; any other, with every member."""
         picked = ensemble.pick([system.split(":", 1)[1]] if system.startswith("member:") else None)
         rule.member_weights([m.name for m in picked])  # refuse bad weights before any request

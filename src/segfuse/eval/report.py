@@ -170,7 +170,7 @@ def mcnemar_p(only_a: int, only_b: int) -> float:
     n = only_a + only_b
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / (1 << n)
     return min(1.0, 2 * tail)
 
 
@@ -320,9 +320,8 @@ def _section(
             unit = "answers" if row.system == "rerank" else "segments"
             shares = ", ".join(f"{m} {c / total:.0%}" for m, c in sorted(row.wins.items()))
             parts.append(f"- `{row.system}` {unit} won: {shares}")
-    for row in rows:
-        if row.errors:
-            parts.append(f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)")
+    parts += [f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)"
+              for row in rows if row.errors]
     versus = comparisons(task, rows, records, common)
     if versus:
         parts += ["", versus]

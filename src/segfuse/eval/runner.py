@@ -18,7 +18,7 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +146,7 @@ def run_eval(
         names = resolve_systems(systems, ensemble.names)
         _check_run_file(run_file, {
             "task": task.name, "settings": _recorded(settings), "members": ensemble.names, "systems": names,
-            "data": str(data or task.default_data), "started": datetime.now(timezone.utc).isoformat(),
+            "data": str(data or task.default_data), "started": datetime.now(UTC).isoformat(),
             "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
         })
         pending = [(item, name) for item in items for name in names if (item.id, name) not in done]
@@ -245,7 +245,7 @@ def _short(system: str) -> str:
     return system.split(":", 1)[-1].split("-")[0] if system.startswith("member:") else system
 
 
-def _progress(total: int, label: str, enabled: bool):
+def _progress(total: int, label: str, enabled: bool) -> Any:  # tqdm has no type information
     from tqdm import tqdm
 
     return tqdm(total=total, desc=label, unit="run", disable=not enabled, dynamic_ncols=True)

@@ -22,7 +22,7 @@ A variant of the engine is one line::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,21 +91,30 @@ def register(name: str, fn: SystemFn) -> None:
     SYSTEMS[name] = fn
 
 
-def fusion_system(members: Sequence[str] | None = None, **extra_options: object) -> SystemFn:
-    """A system running the engine on `members` (default: all) with `extra_options` added to FusionOptions.
+def split_members(values: Mapping[str, object]) -> tuple[list[str] | None, dict[str, object]]:
+    """The ``members`` of fusion settings (None: all), and the FusionOptions fields."""
+    members = values.get("members")
+    chosen = [str(m) for m in members] if isinstance(members, list | tuple) else None
+    return chosen, {k: v for k, v in values.items() if k != "members"}
+
+
+def fusion_system(**options: object) -> SystemFn:
+    """A system running the engine with `options` added to FusionOptions, on the ``members`` they name
+    (default: all).
 
     With ``RunSettings.hedge_persist`` a Hedge preset carries its weights from
     one item to the next (``ItemContext.carried``, kept by the runner and
     restored from the JSONL records on resume): a per-task prior.
     """
+    members, extra_options = split_members(options)
 
     def run(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
-        options = FusionOptions.build(
+        fusion = FusionOptions.build(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
             window=s.window, stop=s.stop, **{**extra_options, **s.options},
         )
-        persist = s.hedge_persist and options.hedge
-        request = FusionRequest.of(messages, options, members=members,
+        persist = s.hedge_persist and fusion.hedge
+        request = FusionRequest.of(messages, fusion, members=members,
                                    weights=ctx.carried.get(ctx.system) if persist else None)
         output = fused(ctx.ensemble, request)
         if persist and output.weights:
@@ -135,15 +144,16 @@ def _member(name: str) -> SystemFn:
 
 # Presets name their switches explicitly, so a recorded "specfuse" stays plain fusion whatever
 # the engine's defaults; the knobs of Model Exit and Hedge are the documented option defaults.
-PLAIN = dict(exit=False, hedge=False, guard=False, gate=None, prior="uniform", accept_margin=None)  # the paper's
+PLAIN = {"exit": False, "hedge": False, "guard": False, "gate": None, "prior": "uniform",
+         "accept_margin": None}  # the paper's
 register("specfuse", fusion_system(**PLAIN))
 register("specfuse+exit", fusion_system(**{**PLAIN, "exit": True}))
 register("specfuse+hedge", fusion_system(**{**PLAIN, "hedge": True}))
 register("specfuse+exit+hedge", fusion_system(**{**PLAIN, "exit": True, "hedge": True}))
 register("rerank", _rerank)
 # Everything the selection study switches, named: leader by prompt fit, gate, guard, prior.
-LEAD = dict(exit=False, hedge=False, guard=True, prior="uniform", gate=0.5, leader="auto", exit_votes="all",
-            accept_margin=None)
+LEAD = {"exit": False, "hedge": False, "guard": True, "prior": "uniform", "gate": 0.5, "leader": "auto",
+        "exit_votes": "all", "accept_margin": None}
 register("specfuse+guard", fusion_system(**{**PLAIN, "guard": True}))
 register("specfuse+lead", fusion_system(**LEAD))
 GATE = {**LEAD, "guard": False}  # the default engine since the 512-token study
@@ -174,7 +184,7 @@ def parse_fusion(spec: str) -> dict[str, object]:
             except ValueError:
                 value = text
         values[key] = value
-    FusionOptions.build(**{k: v for k, v in values.items() if k != "members"})  # fail early on a bad value
+    FusionOptions.build(**split_members(values)[1])  # fail early on a bad value
     return values
 
 
@@ -202,8 +212,8 @@ def resolve_systems(spec: str | Sequence[str], member_names: Sequence[str]) -> l
                     f"{item}: not a member of this run", f"members: {', '.join(member_names)}"
                 )
             if item.startswith(FUSION_PREFIX):
-                chosen = parse_fusion(item[len(FUSION_PREFIX):]).get("members") or []
-                unknown = [m for m in chosen if m not in member_names]  # type: ignore[union-attr]
+                chosen, _ = split_members(parse_fusion(item[len(FUSION_PREFIX):]))
+                unknown = [m for m in chosen or [] if m not in member_names]
                 if unknown:
                     raise InvalidRequestError(f"{item}: {unknown[0]} is not a member of this run",
                                               f"members: {', '.join(member_names)}")

@@ -61,7 +61,7 @@ class Task:
     default_max_tokens: int
     primary: str  # the metric shown in the progress bar and plots
     metrics: tuple[str, ...]
-    parse: Callable[[dict, int], Item]
+    parse: Callable[[dict[str, Any], int], Item]
     score: Callable[[Item, str], dict[str, Any]]
     instruction_metrics: tuple[str, ...] = field(default=())  # per-instruction lists, pooled in reports
 
@@ -159,7 +159,7 @@ def gsm8k_reference(answer: str) -> float:
     return value
 
 
-def _gsm8k_parse(row: dict, index: int) -> Item:
+def _gsm8k_parse(row: dict[str, Any], index: int) -> Item:
     return Item(
         id=f"gsm8k-{index}",
         index=index,
@@ -191,7 +191,7 @@ IFEVAL_PROMPT_METRICS = ("prompt_level_strict_acc", "prompt_level_loose_acc")
 IFEVAL_INST_METRICS = ("inst_level_strict_acc", "inst_level_loose_acc")
 
 
-def _ifeval_parse(row: dict, index: int) -> Item:
+def _ifeval_parse(row: dict[str, Any], index: int) -> Item:
     doc = {
         "key": row["key"],
         "prompt": row["prompt"],
@@ -292,7 +292,7 @@ def jsonl_task(checker: str | None) -> Task:
                                   f"add --checker, one of {', '.join(CHECKERS)}")
     check = _check_function(checker)
 
-    def parse(row: dict, index: int) -> Item:
+    def parse(row: dict[str, Any], index: int) -> Item:
         prompt = row.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidRequestError(f"line {index + 1} has no \"prompt\" text", 'write {"prompt": ..., "answer": ...}')

@@ -53,7 +53,7 @@ from .responses.store import ResponseStore
 from .serving import APIError, api_error
 from .shared import Shared
 from .state import ServerState, key_check
-from .wire import Health, MemberOccupancy, ModelCard, ModelList, QueueState
+from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker import Worker
 
 log = logging.getLogger("segfuse.server")
@@ -183,7 +183,8 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health", response_model=Health)
     async def health(request: Request) -> JSONResponse:
-        status, error = state.status, state.error
+        status: HealthStatus = state.status
+        error = state.error
         if status == "ok" and worker.fatal is not None:  # the process exits: a supervisor restarts it
             status, error = "failed", f"the worker stopped: {worker.fatal}"
         elif status == "ok" and (stall := worker.stalled) is not None:

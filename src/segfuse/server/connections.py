@@ -210,7 +210,7 @@ def h11_protocol(limits: LimitsSection) -> type:
             if not self.transport.is_closing():
                 self.transport.close()
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._track()
 

@@ -296,7 +296,6 @@ def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> Stre
 
 
 __all__ = [
-    "worked",
     "KEEPALIVE_FRAME",
     "KEEPALIVE_S",
     "APIError",
@@ -315,4 +314,5 @@ __all__ = [
     "segment_info",
     "sse",
     "usage_of",
+    "worked",
 ]

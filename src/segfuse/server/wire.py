@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+HealthStatus = Literal["ok", "loading", "failed", "stalled"]  # GET /health's; stalled: a worker step hangs
+
 # --------------------------------------------------------------------------- requests
 
 MAX_CACHE_SALT_CHARS = 256
@@ -230,7 +232,7 @@ class CopyState(BaseModel):
 class Health(BaseModel):
     """``GET /health``: readiness plus the work counters tests and operators read."""
 
-    status: Literal["ok", "loading", "failed", "stalled"]
+    status: HealthStatus
     model: str
     members: list[str]
     error: str | None = None

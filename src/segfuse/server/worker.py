@@ -83,7 +83,7 @@ class Worker:
         self.max_concurrent = max_concurrent
         self.stall_after_s = stall_after_s
         self.fatal_after = fatal_after
-        self.counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._ensemble: Ensemble | None = None
         self._waiting: deque[Job] = deque()
         self._running: set[Job] = set()

@@ -20,7 +20,7 @@ default but never guesses past it:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,7 +126,8 @@ def _default(repo: Repo, keys: list[str]) -> str:
     if not keys:
         raise UnknownModelError(f"{repo.name()} holds no GGUF model file",
                                 "segfuse's local members are GGUF files (an MLX or safetensors model is not one)")
-    for wanted in (lambda q: q == "Q4_K_M", lambda q: q.startswith(("Q4", "IQ4"))):
+    preferred: tuple[Callable[[str], bool], ...] = (lambda q: q == "Q4_K_M", lambda q: q.startswith(("Q4", "IQ4")))
+    for wanted in preferred:
         chosen = [k for k in keys if wanted(quant_of(k) or "")]
         if len(chosen) == 1:
             return chosen[0]

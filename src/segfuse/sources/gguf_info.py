@@ -60,7 +60,7 @@ class _Header:
         size = struct.calcsize(fmt)
         if self.pos + size > self.end:
             raise _Truncated
-        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        value: int | float | bool = struct.unpack_from(fmt, self.data, self.pos)[0]
         self.pos += size
         return value
 
@@ -164,7 +164,11 @@ def _parse(path: Path, data: mmap.mmap, size: int) -> GGUFInfo:
     needed = _data_end(header, tensors, alignment if isinstance(alignment, int) and alignment > 0 else 32)
     if size < needed:
         raise _Truncated(f"{size} of {needed} bytes")
-    text = lambda key: values[key] if isinstance(values.get(key), str) else None  # noqa: E731
+
+    def text(key: str) -> str | None:
+        value = values.get(key)
+        return value if isinstance(value, str) else None
+
     splits = values.get("split.count")
     return GGUFInfo(
         path=path,

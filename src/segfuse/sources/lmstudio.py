@@ -28,7 +28,7 @@ def _homes() -> list[Path]:
             homes.append(Path(pointer.read_text(encoding="utf-8").strip()).expanduser())
     except OSError:
         pass
-    return homes + [Path.home() / ".lmstudio", Path.home() / ".cache" / "lm-studio"]
+    return [*homes, Path.home() / ".lmstudio", Path.home() / ".cache" / "lm-studio"]
 
 
 def roots() -> list[Path]:

@@ -137,7 +137,8 @@ def draft_many(sessions: Sequence[BatchSession],
     """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
     ready, out = _prepare(sessions, lambda i, s: s.sync())
     try:
-        drafts = draft_batch([sessions[i] for i in ready], [requests[i] for i in ready])
+        drafts: Sequence[DraftTokens | Exception] = draft_batch([sessions[i] for i in ready],
+                                                                [requests[i] for i in ready])
     except Exception as exc:  # the decode failed for all of them
         drafts = [exc] * len(ready)
     for i, draft in zip(ready, drafts):

@@ -81,6 +81,8 @@ class LlamaCppMember(LocalMember):
 
     capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True)
     vocab: Vocabulary
+    slots: int  # always known here
+    options: MemberOptions | None = None  # what load() made it with
 
     def __init__(
         self,
@@ -199,12 +201,13 @@ class LlamaCppMember(LocalMember):
         held, stray = self.private.cells()  # deterministic sessions' own contexts
         return replace(seen, cache_cells=seen.cache_cells + held, stray_cells=seen.stray_cells + stray)
 
-    def draft_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]
+    # These take only the member's own sessions (narrower than Member's: the engine never mixes members).
+    def draft_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]  # (see above)
                    requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
         """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
         return batch.draft_many(sessions, requests)
 
-    def score_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]
+    def score_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]  # (see above)
                    texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
         """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
         return batch.score_many(sessions, texts)

@@ -26,15 +26,15 @@ _LOG_TAIL: deque[str] = deque(maxlen=40)
 _LOG_ECHO = os.environ.get("SEGFUSE_LLAMA_LOG") == "1"
 
 
-@lc.llama_log_callback
 def _on_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     line = text.decode("utf-8", "replace")
     _LOG_TAIL.append(line)
     if _LOG_ECHO:
-        print(line, end="", file=sys.stderr)
+        sys.stderr.write(line)
 
 
-lc.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
+_LLAMA_LOG_CALLBACK = lc.llama_log_callback(_on_llama_log)  # kept: llama.cpp holds a pointer to it
+lc.llama_log_set(_LLAMA_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
 def log_excerpt() -> str:

@@ -43,7 +43,7 @@ class LlamaCppSession(CachedSession):
     then only counted.
     """
 
-    verified: dict[str, InSequence]  # type: ignore[assignment]
+    verified: dict[str, InSequence]  # type: ignore[assignment]  # it verifies only into its own sequences
     streams_text = True
 
     def __init__(self, prompt: list[int], seed: int | None, *, vocab: Vocabulary, softmax: LogSoftmax,

@@ -13,6 +13,7 @@ from typing import Any
 
 import llama_cpp as lc
 import numpy as np
+import numpy.typing as npt
 
 from ...errors import MemberLoadError
 from ...models import PromptFormat
@@ -45,7 +46,7 @@ class Vocabulary(LocalVocabulary):
         self.eog_ids = self._end_tokens(path)
         self.specials = self._special_texts()
 
-    def _end_tokens(self, path: Path) -> np.ndarray:
+    def _end_tokens(self, path: Path) -> npt.NDArray[np.int64]:
         """Every end-of-generation token (EOS, EOT, <|im_end|>, ...)."""
         is_eog, vocab = lc.llama_vocab_is_eog, self._vocab
         ids = np.array([t for t in range(self.n_vocab) if is_eog(vocab, t)], dtype=np.int64)

@@ -18,7 +18,7 @@ from typing import Any
 from ...errors import InvalidRequestError, PromptTooLongError
 from ...types import PromptToken
 from .http import RemoteServerError
-from .logprobs import Entry, choices_of, entries_of, pieces_of
+from .logprobs import Entry, choices_of, entries_of, known_logprobs, pieces_of
 from .server import Server
 
 PROBE_TEXT = "The capital of France is"
@@ -36,9 +36,7 @@ def echoed_match(echoed: list[Entry], generated: list[Entry]) -> list[float] | N
     tokens = [e.token for e in generated]
     at = next((i for i in range(len(echoed) - len(tokens), -1, -1)
                if [e.token for e in echoed[i : i + len(tokens)]] == tokens), None)
-    if at is None or any(e.logprob is None for e in echoed[at : at + len(tokens)]):
-        return None
-    return [float(e.logprob) for e in echoed[at : at + len(tokens)]]  # type: ignore[arg-type]
+    return None if at is None else known_logprobs(echoed[at : at + len(tokens)])
 
 
 def echo_probe(server: Server, prompt: str) -> tuple[list[float], list[float]] | None:
@@ -51,7 +49,8 @@ def echo_probe(server: Server, prompt: str) -> tuple[list[float], list[float]] |
     if not generated:
         return None
     got = echoed_match(server.echo([prompt + text])[0].entries, generated)
-    return None if got is None else (got, [float(e.logprob) for e in generated])  # type: ignore[arg-type]
+    wanted = known_logprobs(generated)  # all there: `generated` keeps only the tokens that have one
+    return None if got is None or wanted is None else (got, wanted)
 
 
 def raw_echo_agrees(server: Server) -> bool:

@@ -34,7 +34,7 @@ class RetryPolicy:
     max_backoff_s: float = 4.0
 
     def delay(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * (2**attempt))
+        return min(self.max_backoff_s, self.backoff_s * (2.0**attempt))
 
 
 class CompletionClient:

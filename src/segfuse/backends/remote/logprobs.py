@@ -143,11 +143,25 @@ def tail(entries: Sequence[Entry], n_generated: int, n_chars: int, *, last: int 
     return picked
 
 
+def known_logprobs(entries: Sequence[Entry]) -> list[float] | None:
+    """Each entry's log-probability; None where one is missing."""
+    found = [e.logprob for e in entries if e.logprob is not None]
+    return found if len(found) == len(entries) else None
+
+
+def candidate_logprobs(entries: Sequence[Entry]) -> list[float]:
+    """Each entry's log-probability: a candidate token without one is the server's fault."""
+    found = known_logprobs(entries)
+    if found is None:
+        raise RemoteServerError("the server gave no log-probability for a candidate token", "")
+    return found
+
+
 def scores_of(picked: Sequence[Entry]) -> TokenScores:
     """Servers give log-probabilities, not logits: they stand in for both."""
-    lps = tuple(float(e.logprob) for e in picked)  # type: ignore[arg-type]
-    tops = tuple(e.top for e in picked) if all(e.top is not None for e in picked) else None
-    return TokenScores(lps, lps, tops)  # type: ignore[arg-type]
+    lps = tuple(candidate_logprobs(picked))
+    tops = [e.top for e in picked if e.top is not None]
+    return TokenScores(lps, lps, tuple(tops) if len(tops) == len(picked) else None)
 
 
 def logsumexp(values: Sequence[float]) -> float:

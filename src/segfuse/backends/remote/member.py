@@ -210,7 +210,7 @@ def parse_target(target: str) -> tuple[str, dict[str, Any]]:
     return url, options
 
 
-def load(target: str, shared: "MemberOptions | None" = None) -> RemoteMember:
+def load(target: str, shared: MemberOptions | None = None) -> RemoteMember:
     """Registry entry. Of the ensemble's `shared` options only n_ctx applies: a fallback when neither
     the spec nor the server says the context size (the server keeps its own threads, cache and GPUs)."""
     url, from_spec = parse_target(target)

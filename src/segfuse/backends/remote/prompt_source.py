@@ -15,6 +15,7 @@ tokens come from the model's own metadata (docs/design.md#templates), read from:
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -106,9 +107,9 @@ def _from_gguf(path: Path) -> PromptSource:
         def text(token: int) -> str:
             if token < 0:
                 return ""
-            buf = (lc.ctypes.c_char * 256)()
+            buf = (ctypes.c_char * 256)()
             n = lc.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
-            return bytes(buf[: max(n, 0)]).decode("utf-8", "replace")
+            return buf.raw[: max(n, 0)].decode("utf-8", "replace")
 
         # Every end-of-generation token the vocabulary declares, as the llama.cpp backend sums them.
         eog = [t for t in range(lc.llama_vocab_n_tokens(vocab)) if lc.llama_vocab_is_eog(vocab, t)]

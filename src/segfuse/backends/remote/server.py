@@ -52,7 +52,7 @@ def list_models(client: CompletionClient) -> list[dict[str, Any]]:
     """The models a server lists at ``/models`` (at least one, else RemoteServerError)."""
     data = client.get("/models")
     listed = data.get("data") if isinstance(data, dict) else None
-    if not listed:
+    if not listed or not isinstance(listed, list):
         raise RemoteServerError(f"{client.base_url}/models lists no model", "is this an OpenAI-compatible /v1 URL?")
     return listed
 

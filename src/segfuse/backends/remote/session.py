@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ...types import DraftTokens, Sampling, TokenScores
 from ..base import MemberSession, OnText
 from .http import RemoteServerError
-from .logprobs import entries_of, logsumexp, pieces_of, scores_of, tail
+from .logprobs import candidate_logprobs, entries_of, logsumexp, pieces_of, scores_of, tail
 from .prompt_source import PromptSource
 from .server import Server, as_int
 
@@ -80,7 +80,7 @@ class RemoteSession(MemberSession):
         echoes = self.server.echo([context + end for end in ends])
         self.stats["requests"] += 1 if self.server.batch else len(ends)
         ends_found = [tail(e.entries, e.n_generated, 0, last=1)[0] for e in echoes]
-        return logsumexp([float(e.logprob) for e in ends_found])  # type: ignore[arg-type]
+        return logsumexp(candidate_logprobs(ends_found))
 
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
         unique = [t for t in dict.fromkeys(texts) if t]

@@ -76,7 +76,7 @@ def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] |
             if quantizer is not None and getattr(quantizer, "packed_modules", None):
                 return None  # weights stay in GGUF blocks (transformers' GGUF kernels): nothing to cache
             # The weights were dequantized into plain tensors: it is an ordinary checkpoint now.
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module types attributes as tensors or modules
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.save_pretrained(tmp)
@@ -112,6 +112,6 @@ def load_checkpoint(source: Path, *, device: str, dtype: torch.dtype, trust_remo
         raise MemberLoadError(f"transformers could not load {directory}: {exc}",
                               "is it a complete causal-LM checkpoint? (trust_remote_code is off)") from None
     if device != "auto":
-        model.to(device)
-    model.eval()
+        model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) override misleads mypy
+    model.eval()  # type: ignore[no-untyped-call]  # transformers' override of eval has no annotations
     return tokenizer, model

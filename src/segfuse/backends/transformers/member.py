@@ -142,7 +142,7 @@ def parse_target(target: str) -> tuple[str, dict[str, Any]]:
     return split_target(target, TARGET_KEYS, "transformers")
 
 
-def load(target: str, shared: "MemberOptions | None" = None) -> TransformersMember:
+def load(target: str, shared: MemberOptions | None = None) -> TransformersMember:
     """Registry entry: an embedded model name (its GGUF), a GGUF path or a model directory,
     optionally followed by ``#NAME,KEY=VALUE,...`` (see parse_target).
 

@@ -9,10 +9,26 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from ..prefix_cache import PrefixCache
 
 PREFIX_ENTRIES = 8  # cached prefixes at most (each a copy of its keys and values, within the bound)
+
+
+def attention_layers(cache: DynamicCache) -> list[CacheLayerMixin]:
+    """The cache's layers, each of which keeps keys and values (a layer of linear attention keeps none)."""
+    layers = [layer for layer in cache.layers if isinstance(layer, CacheLayerMixin)]
+    if len(layers) != len(cache.layers):
+        raise TypeError("a model with layers of linear attention is not supported by the transformers member")
+    return layers
+
+
+def keys_values(layer: CacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values (a layer the model has run)."""
+    if layer.keys is None or layer.values is None:
+        raise ValueError("a cache layer the model has not run")
+    return layer.keys, layer.values
 
 
 class StoredPrefixes:
@@ -20,8 +36,10 @@ class StoredPrefixes:
 
     def __init__(self, cells: int) -> None:
         self._stored: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per entry: each layer's K, V
-        self.cache: PrefixCache[int] = PrefixCache(cells, range(PREFIX_ENTRIES),
-                                                   lambda handle: self._stored.pop(handle, None))
+        self.cache: PrefixCache[int] = PrefixCache(cells, range(PREFIX_ENTRIES), self._drop)
+
+    def _drop(self, handle: int) -> None:
+        self._stored.pop(handle, None)
 
     def restore(self, cache: DynamicCache, prompt: list[int], salt: str | None = None) -> int:
         """Put the longest prefix of `prompt` cached under `salt` into the empty `cache`; how many tokens
@@ -40,7 +58,7 @@ class StoredPrefixes:
         """Keep the keys and values of `tokens`, the first positions of `cache`, in the prefix cache
         (under `salt`)."""
         def copy(handle: int, n: int) -> None:
-            self._stored[handle] = [(layer.keys[..., :n, :].clone(), layer.values[..., :n, :].clone())
-                                    for layer in cache.layers]
+            self._stored[handle] = [(keys[..., :n, :].clone(), values[..., :n, :].clone())
+                                    for keys, values in map(keys_values, attention_layers(cache))]
 
         self.cache.store(tokens, copy, salt)

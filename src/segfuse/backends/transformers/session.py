@@ -16,7 +16,7 @@ from ...errors import PromptTooLongError
 from ...types import DraftTokens, Sampling, TokenScores
 from ..base import OnText, TextSoFar
 from ..cached import CachedSession, DraftState, Verified, top_alternatives
-from .prefixes import StoredPrefixes
+from .prefixes import StoredPrefixes, attention_layers, keys_values
 from .tokens import Vocabulary
 from .weights import Weights
 
@@ -155,9 +155,9 @@ class TransformersSession(CachedSession):
         self.stats.verify += sum(lengths)
         self.stats.verify_calls += 1
         self.stats.decode_calls += 1
-        layers = self.cache.layers
-        keys = [layer.keys[..., n_cache:, :] for layer in layers]
-        values = [layer.values[..., n_cache:, :] for layer in layers]
+        layers = [keys_values(layer) for layer in attention_layers(self.cache)]
+        keys = [k[..., n_cache:, :] for k, _ in layers]
+        values = [v[..., n_cache:, :] for _, v in layers]
         _crop(self.cache, n_cache)
         at = 0
         for text, ids in zip(texts, encoded):
@@ -174,9 +174,10 @@ class TransformersSession(CachedSession):
 
     def _adopt(self, candidate: Verified, n_prefix: int) -> None:
         assert isinstance(candidate, _KeysValues)
-        for layer, k, v in zip(self.cache.layers, candidate.keys, candidate.values):
-            layer.keys = torch.cat([layer.keys, k], dim=-2)
-            layer.values = torch.cat([layer.values, v], dim=-2)
+        for layer, k, v in zip(attention_layers(self.cache), candidate.keys, candidate.values):
+            keys, values = keys_values(layer)
+            layer.keys = torch.cat([keys, k], dim=-2)
+            layer.values = torch.cat([values, v], dim=-2)
 
     def close(self) -> None:
         """Drop the context; its first ``n_cached`` positions stay in the member's prefix cache."""

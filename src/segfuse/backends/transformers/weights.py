@@ -57,7 +57,8 @@ class Weights:
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
         )
-        return out.logits[0].float()
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
 
     def block_mask(self, n_prefix: int, n_hidden: int, lengths: Sequence[int]) -> Any:
         """Additive 4-D mask for candidates after a prefix (and a hidden pending draft).

@@ -22,13 +22,13 @@ def load(task: str, start: int = 0, stop: int | None = None, data_dir: str = str
     return {"test": datasets.Dataset.from_list(rows)}
 
 
-def doc_to_text(doc: dict) -> str:
-    return doc["context"]
+def doc_to_text(doc: dict[str, Any]) -> str:
+    return str(doc["context"])
 
 
-def doc_to_choice(doc: dict) -> list[str]:
+def doc_to_choice(doc: dict[str, Any]) -> list[str]:
     return list(doc["choices"])
 
 
-def doc_to_target(doc: dict) -> int:
+def doc_to_target(doc: dict[str, Any]) -> int:
     return int(doc["gold"])

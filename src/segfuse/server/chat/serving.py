@@ -100,7 +100,7 @@ def _choice(job: Job, result: Result) -> Choice:
     logprobs = None
     if job.logprobs:
         logprobs = ChoiceLogprobs(content=None if call else chat_logprobs(result.logprobs(), job.request.top_logprobs))
-    return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)  # type: ignore[arg-type]
+    return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)
 
 
 def chat_logprobs(tokens: list[TokenLogprob], k: int) -> list[TokenLogprobInfo]:
@@ -124,7 +124,7 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Any],
 def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
            info: FusionInfo | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
     chunk = ChatCompletionChunk(id=job.id, created=int(job.created), model=model,
-                                choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],  # type: ignore[arg-type]
+                                choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
                                 segfuse=info)
     return sse(chunk.model_dump(mode="json", exclude={"usage"}))
 
@@ -198,8 +198,8 @@ async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[],
                     yield _segment_chunk(job, model, pending)
                 for frame in _closing(job, model, item.result, started, held, include_usage, detailed):
                     yield frame
-            elif (frame := failure_frame(item, detailed)) is not None:
-                yield frame
+            elif (failed := failure_frame(item, detailed)) is not None:
+                yield failed
         yield sse("[DONE]")
     finally:
         cancel()  # a no-op when the job already ended

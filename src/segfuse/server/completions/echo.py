@@ -77,12 +77,17 @@ async def read_prompts(state: ServerState, http: Request, request: CompletionReq
             for i, prompt in enumerate(request.prompts)]
     submit(state, jobs, detailed, request.user, param="prompt")
     try:
-        values = await asyncio.gather(*(worked(job, disconnected(http), lambda j=job: state.worker.cancel(j),
-                                               detailed) for job in jobs))
+        values = await asyncio.gather(*(worked(job, disconnected(http), partial(state.worker.cancel, job), detailed)
+                                        for job in jobs))
     finally:
         for job in jobs:
             state.worker.cancel(job)  # a no-op for those that ended
-    return [list(v) for v in values]  # type: ignore[call-overload]
+    return [_read_tokens(v) for v in values]
+
+
+def _read_tokens(value: object) -> list[PromptToken]:
+    assert isinstance(value, list)  # what _read returned
+    return list(value)
 
 
 def echo_logprobs(tokens: Sequence[PromptToken], k: int) -> CompletionLogprobs:

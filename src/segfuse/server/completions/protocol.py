@@ -29,7 +29,7 @@ class CompletionRequest(GenerationRequest):
         if isinstance(value, list) and isinstance(value[0], list):
             if not all(value):
                 raise ValueError("a token-array prompt is empty")
-            ids = [t for item in value for t in item]  # type: ignore[union-attr]
+            ids = [t for item in value for t in item]
         else:
             ids = [t for t in value if isinstance(t, int)] if isinstance(value, list) else []
         if any(t < 0 for t in ids):
@@ -52,9 +52,10 @@ class CompletionRequest(GenerationRequest):
         value = self.prompt
         if isinstance(value, str):
             return [value]
-        if value and isinstance(value[0], int):
-            return [list(value)]  # type: ignore[arg-type]
-        return list(value)  # type: ignore[arg-type]
+        ids = [t for t in value if isinstance(t, int)]
+        if ids:  # one prompt of token ids
+            return [ids]
+        return [p for p in value if not isinstance(p, int)]
 
 
 COMPLETION_PARAMETERS: tuple[str, ...] = tuple(CompletionRequest.model_fields)

@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -134,7 +135,7 @@ def _choice(index: int, prompt: str, result: Result, request: CompletionRequest,
     if echo is not None:
         logprobs = joined(echo_logprobs(echo, request.logprobs or 0), logprobs)
     return CompletionChoice(index=index, text=before + result.text, logprobs=logprobs,
-                            finish_reason=finish_reason_of(result))  # type: ignore[arg-type]
+                            finish_reason=finish_reason_of(result))
 
 
 def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
@@ -151,7 +152,7 @@ async def complete(jobs: list[Job], request: CompletionRequest, texts: Sequence[
     job (client gone, or another prompt's answer failed); `detailed`: internal error texts unredacted;
     `echoes`: each prompt's echoed tokens, reported before the answer's."""
     try:
-        outcomes = await asyncio.gather(*(finished(job, disconnected, lambda j=job: cancel(j), detailed)
+        outcomes = await asyncio.gather(*(finished(job, disconnected, partial(cancel, job), detailed)
                                           for job in jobs))
     finally:
         for job in jobs:
@@ -189,7 +190,7 @@ async def stream(job: Job, request: CompletionRequest, text: str, model: str,
                 yield _chunk(job, model, CompletionChoice(text=item.segment.text, logprobs=logprobs))
             elif isinstance(item, DoneEvent):
                 result = item.result
-                yield _chunk(job, model, CompletionChoice(text="", finish_reason=finish_reason_of(result)),  # type: ignore[arg-type]
+                yield _chunk(job, model, CompletionChoice(text="", finish_reason=finish_reason_of(result)),
                              result_info(result, started, detailed))
                 if request.include_usage:
                     usage = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[],

@@ -105,7 +105,7 @@ class MessagesRequest(BaseModel):
 class CountTokensRequest(MessagesRequest):
     """The body of ``POST /v1/messages/count_tokens``: a Messages request without the answer's budget."""
 
-    max_tokens: int = Field(1, ge=1)  # type: ignore[assignment]
+    max_tokens: int = Field(1, ge=1)
 
 
 MESSAGES_PARAMETERS: tuple[str, ...] = tuple(MessagesRequest.model_fields)
@@ -160,7 +160,7 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
         return None
     kind = choice.get("type")
     if kind in ("auto", "none"):
-        return kind
+        return str(kind)
     if kind == "any":
         return "required"
     if kind == "tool" and isinstance(choice.get("name"), str):

@@ -23,6 +23,7 @@ from .. import limits as checks
 from .. import parsing
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
+from ..jobs import prompt_tokens
 from ..parsing import Endpoint
 from ..serving import (
     KEEPALIVE_S,
@@ -38,7 +39,7 @@ from ..serving import (
     usage_of,
 )
 from ..state import ServerState, members_for, require_members, submit
-from ..worker import Job, Started, prompt_tokens
+from ..worker import Job, Started
 from .protocol import (
     MESSAGES_NEUTRAL,
     MESSAGES_PARAMETERS,
@@ -132,7 +133,7 @@ def content_of(job: Job, result: Result) -> list[dict[str, Any]]:
 def message_body(job: Job, model: str, result: Result, started: Started | None,
                  detailed: bool = False) -> AnthropicResponse:
     return AnthropicResponse(id=job.id, model=model, content=content_of(job, result),
-                             stop_reason=stop_reason(job, result), usage=_usage(result, started),  # type: ignore[arg-type]
+                             stop_reason=stop_reason(job, result), usage=_usage(result, started),
                              segfuse=full_info(result, started, detailed))
 
 
@@ -142,7 +143,7 @@ def _event(kind: str, **fields: Any) -> str:
 
 def _start(job: Job, model: str, started: Started | None) -> str:
     prompt = max(started.prompt_tokens.values(), default=0) if started else 0
-    message = {"id": job.id, "type": "message", "role": "assistant", "model": model, "content": [],
+    message: dict[str, Any] = {"id": job.id, "type": "message", "role": "assistant", "model": model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}
     return _event("message_start", message=message)
 

@@ -183,7 +183,7 @@ class ResponseWriter:
             frames = [] if opened else self.text_events("".join(held) or None)
             frames += self.closing_text(result.text)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return frames + [self.event(kind, response=body)]
+        return [*frames, self.event(kind, response=body)]
 
     async def stream(self, cancel: Callable[[], None]) -> AsyncIterator[str]:
         """response.created at once, response.in_progress when the worker takes the job, the answer's text
