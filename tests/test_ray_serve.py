@@ -37,10 +37,10 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip ins
 import anthropic  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
+
 from helpers import wait_for  # noqa: E402
 from live_app import serve_app  # noqa: E402
 from ray_cluster import HEAD, WORKER, LoopbackCluster  # noqa: E402
-
 from segfuse import Ensemble  # noqa: E402
 from segfuse.bench.processes import segfuse_server  # noqa: E402
 from segfuse.config import ServerConfig  # noqa: E402

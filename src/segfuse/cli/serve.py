@@ -41,10 +41,10 @@ def serve(
         "--ray", help="Serve on Ray: the front end as Ray Serve replicas behind Serve's proxy (on --host/--port), "
         "each member's copies as Ray actors (-m SPEC#replicas=K). A local Ray instance unless --ray-address "
         "(\\[ray] in the config; docs/deploy.md).")] = False,
-    ray_address: Annotated[Optional[str], typer.Option(
+    ray_address: Annotated[str | None, typer.Option(
         "--ray-address", help="With --ray (implied): the Ray cluster to join (HOST:PORT, auto) instead of a "
         "local instance.")] = None,
-    replicas: Annotated[Optional[int], typer.Option(
+    replicas: Annotated[int | None, typer.Option(
         "--replicas", min=1, help="With --ray: front-end replicas (default 1).")] = None,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,

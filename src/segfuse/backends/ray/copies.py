@@ -15,7 +15,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -70,7 +70,7 @@ class Copies:
         except (RayActorError, GetTimeoutError) as exc:
             raise self.lost(copy, exc) from exc
         copy.load = done.load
-        return done
+        return cast(Done, done)
 
     def lost(self, copy: Copy, why: BaseException) -> CopyLost:
         """Mark `copy` down; the error a call that met it raises."""

@@ -53,13 +53,14 @@ class MemberHost:
         if hasattr(self.member, "slot_wait_s"):
             # A full copy refuses a session at once: its one thread must not wait for a slot that only a
             # close queued behind it could free. The caller tries another copy, or waits and retries.
-            self.member.slot_wait_s = 0.0  # type: ignore[attr-defined]
+            self.member.slot_wait_s = 0.0
         self.book = SessionBook(self.incarnation)
         self.loop = MemberLoop(self.member, self.book, expire_s=expire_s, gather_s=gather_ms / 1000)
         context = ray.get_runtime_context()
         m = self.member
+        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray leaves it untyped
         self.about = HostInfo(m.name, m.capabilities, m.slots, m.n_params, m.placement, context.get_node_id(),
-                              ray.util.get_node_ip_address(), os.getpid(), self.incarnation)
+                              address, os.getpid(), self.incarnation)
 
     async def info(self) -> HostInfo | Exception:
         """Where this copy runs and what it loaded; the load error instead where loading failed."""

@@ -67,7 +67,7 @@ class Job:
     items: Sequence[tuple[Any, ...]] = ()
     work: Work | None = None
     on_text: Callable[[int, str], None] | None = None  # (item, text so far) of a draft that streams
-    future: Future = field(default_factory=Future)
+    future: Future[Any] = field(default_factory=Future)
     sids: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
@@ -144,7 +144,7 @@ class MemberLoop:
         """Calls queued for the thread now."""
         return self._queue.qsize()
 
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job) -> Future[Any]:
         """Queue `job`; its sessions count as touched from now (they cannot expire while it waits)."""
         self.book.touch(job.sids)
         self._queue.put(job)

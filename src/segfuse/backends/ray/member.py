@@ -24,7 +24,7 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.exceptions import RayActorError
@@ -181,10 +181,10 @@ class RayMember(Member):
         raise CopyLost(f"no copy of {self.name} is up", "Ray restarts its copies where it can; retry later")
 
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:
-        return self._any("prompt_tokens", list(messages))
+        return cast("list[int] | None", self._any("prompt_tokens", list(messages)))
 
     def tokenize_text(self, text: str) -> list[int] | None:
-        return self._any("tokenize_text", text)
+        return cast("list[int] | None", self._any("tokenize_text", text))
 
     def lead_tokens(self) -> list[int]:
         if self._lead is None:
@@ -192,10 +192,10 @@ class RayMember(Member):
         return list(self._lead)
 
     def detokenize(self, tokens: Sequence[int]) -> str | None:
-        return self._any("detokenize", list(tokens))
+        return cast("str | None", self._any("detokenize", list(tokens)))
 
     def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
-        return self._any("echo", prompt if isinstance(prompt, str) else list(prompt), top_k)
+        return cast(list[PromptToken], self._any("echo", prompt if isinstance(prompt, str) else list(prompt), top_k))
 
     # --- what the copies hold --------------------------------------------------------------------------
     def occupancy(self) -> Occupancy:
@@ -217,8 +217,8 @@ class RayMember(Member):
                 copy.held = self.copies.get(copy, ref)
             except CopyLost:
                 continue
-            copy.load = copy.held.sessions  # type: ignore[union-attr]
-            copy.info = copy.held.info  # type: ignore[union-attr]  # new where Ray restarted it since
+            copy.load = copy.held.sessions
+            copy.info = copy.held.info  # new where Ray restarted it since
 
     def view(self) -> list[dict[str, Any]]:
         """Each copy: where it runs, whether it is up, its sessions and free slots, the calls waiting for it,
@@ -281,7 +281,7 @@ def _prefix_total(stats: list[PrefixStats | None]) -> PrefixStats | None:
     if not stats or any(s is None for s in stats):
         return None
     fields = PrefixStats.__dataclass_fields__
-    return PrefixStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})  # type: ignore[misc]
+    return PrefixStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})
 
 
 def join(address: str | None) -> None:

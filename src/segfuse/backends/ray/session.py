@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ...errors import NoFreeSlotError
 from ...types import DraftTokens, Message, Sampling, TokenScores
@@ -35,9 +35,9 @@ class Owner(Protocol):
     copies: Copies
     stats: Counter[str]
 
-    def draft_many(self, sessions: Sequence[MemberSession], requests: Sequence[Any]) -> list[Any]: ...
+    def draft_many(self, sessions: Sequence[RaySession], requests: Sequence[Any]) -> list[Any]: ...
 
-    def score_many(self, sessions: Sequence[MemberSession], requests: Sequence[Any]) -> list[Any]: ...
+    def score_many(self, sessions: Sequence[RaySession], requests: Sequence[Any]) -> list[Any]: ...
 
 SLOT_WAIT_S = 30.0  # how long opening a session waits for a free slot on some copy (as a local member does)
 
@@ -140,10 +140,10 @@ class RaySession(MemberSession):
         raise CopyLost(f"{self.m.name}: the session was lost on every copy", "the member leaves the answer")
 
     def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
-        return _value(self.m.draft_many([self], [(max_tokens, sampling, on_text)])[0])
+        return cast(DraftTokens, _value(self.m.draft_many([self], [(max_tokens, sampling, on_text)])[0]))
 
     def score(self, texts: Sequence[str]) -> list[TokenScores]:
-        return _value(self.m.score_many([self], [(texts,)])[0])
+        return cast(list[TokenScores], _value(self.m.score_many([self], [(texts,)])[0]))
 
     def accept(self, text: str) -> None:
         self.call("accept", (text,))
@@ -154,10 +154,10 @@ class RaySession(MemberSession):
         self.constraint = constraint
 
     def text_logprob(self, text: str) -> tuple[float, int]:
-        return self.call("text_logprob", (text,))
+        return cast(tuple[float, int], self.call("text_logprob", (text,)))
 
     def counters(self) -> dict[str, int]:
-        return self._once("counters", ())  # work on a copy that is gone is gone with it: not read again
+        return cast(dict[str, int], self._once("counters", ()))  # work on a copy that is gone is gone with it: not read again
 
     def close(self) -> None:
         """Close on the copy (nothing to free where it is gone); its answer's prefix is that copy's now."""
