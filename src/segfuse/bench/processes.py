@@ -59,22 +59,25 @@ def wait_until_serving(process: subprocess.Popen[bytes], url: str, timeout: floa
         time.sleep(0.25)
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """Linux: a preexec_fn that makes the child get SIGTERM if this process dies without cleaning up
+def _parent_death_signal() -> Callable[[], None]:
+    """A preexec_fn: the child acts on SIGINT (a process started in the background inherits it ignored, and
+    the servers stop gracefully on it), and on Linux gets SIGTERM if this process dies without cleaning up
     (e.g. SIGKILL). libc is looked up here, in the parent: the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
 
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+            prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+        except (OSError, AttributeError):
+            prctl = None
 
-    def set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    def set_up() -> None:  # pragma: no cover - runs in the child between fork and exec
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
-    return set_pdeathsig
+    return set_up
 
 
 def stop(process: subprocess.Popen[bytes], first: int, grace: float, *, group: bool = False) -> None:

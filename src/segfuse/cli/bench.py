@@ -51,6 +51,13 @@ Chat = Annotated[bool, typer.Option(
     "--chat", help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
                    "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "
                    "cache (docs/performance.md).")]
+Ray = Annotated[bool, typer.Option(
+    "--ray", help="--serve: `segfuse serve --ray` (a local Ray instance on 127.0.0.2) beside `segfuse serve`, the "
+                  "same traffic in alternating blocks (default 1 and 4 users, --reps pairs); with --soak, the soak "
+                  "against `serve --ray` (docs/performance.md, docs/reliability.md).")]
+Replicas = Annotated[int | None, typer.Option(
+    "--replicas", help="--ray: front-end replicas of `serve --ray` (default 1); the single-process server gets "
+                       "max_concurrent x replicas.")]
 Followers = Annotated[bool, typer.Option(
     "--followers", help="--serve: what the members the default never asks cost: the leader-alone default, "
                         "eager followers and model=<leader>, side by side (docs/performance.md).")]
@@ -62,19 +69,21 @@ def bench(lengths: Lengths = "128,256", reps: Reps = 3, model: ModelOpt = None, 
           out: Out = None, rss: Rss = True, serve: Serve = False, concurrency: Concurrency = DEFAULT_LEVELS,
           requests: Requests = None, max_tokens: MaxTokens = None, max_concurrent: MaxConcurrent = None,
           threads: Threads = None, remote: Remote = False, cache_dir: CacheOpt = None, soak: Soak = None,
-          seed: Seed = None, chat: Chat = False, followers: Followers = False) -> None:
+          seed: Seed = None, chat: Chat = False, followers: Followers = False, ray: Ray = False,
+          replicas: Replicas = None) -> None:
     """Time plain fusion (gate none, accept-margin none: every member drafts and votes every round)
     against its members, the floor, the reference method and response level, and the default (the
     leader alone) against the leader by itself; the systems and their options are printed first.
 
     With --serve: measure the server under concurrent users instead (docs/performance.md); with
-    --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md).
+    --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md); with --ray, `segfuse serve --ray`.
     """
     levels_given = concurrency != DEFAULT_LEVELS
     _check_flags(serve, concurrency=levels_given, requests=requests is not None,
                  max_tokens=max_tokens is not None, max_concurrent=max_concurrent is not None,
                  threads=threads is not None, remote=remote, cache_dir=cache_dir is not None,
-                 soak=soak is not None, seed=seed is not None, chat=chat, followers=followers)
+                 soak=soak is not None, seed=seed is not None, chat=chat, followers=followers, ray=ray,
+                 replicas=replicas is not None)
     if chat:
         _bench_chat(reps, max_tokens or 32, threads or 1, out)
     elif followers:
@@ -83,6 +92,9 @@ def bench(lengths: Lengths = "128,256", reps: Reps = 3, model: ModelOpt = None, 
     elif soak is not None:
         _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
                     cache_dir)
+    elif ray:
+        _bench_serve_ray(concurrency if levels_given else "1,4", requests or 8, max_tokens or 32, reps, model,
+                         threads, max_concurrent or 4, replicas or 1, out, cache_dir)
     elif serve:
         _bench_serve(concurrency, requests, max_tokens or 32, model, threads, max_concurrent, remote, out,
                      cache_dir)
@@ -106,6 +118,11 @@ def _check_flags(serve: bool, **given: bool) -> None:
     if given["followers"] and (given["remote"] or given["max_concurrent"]):
         raise SegfuseError("--followers runs local members on one server as wide as its widest level",
                             "leave out --remote and --max-concurrent")
+    if given["replicas"] and not given["ray"]:
+        raise SegfuseError("--replicas: front-end replicas of `serve --ray`", "add --ray")
+    if given["ray"] and (given["chat"] or given["followers"] or given["remote"] or given["soak"]):
+        raise SegfuseError("--ray runs the members as Ray copies, beside a single-process server",
+                            "leave out --chat, --followers, --remote and --soak")
     if given["soak"] and given["concurrency"]:
         raise SegfuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
                             "leave out --concurrency with --soak")
@@ -139,6 +156,20 @@ def _bench_serve(concurrency: str, requests: int | None, max_tokens: int, model:
                              threads=threads, max_concurrent=max_concurrent, remote=remote,
                              out=Path(out or "runs/bench-serve.json"), cache_dir=cache_dir, log=err.print)
     bench_serve.print_report(report, Console(width=200, highlight=False))
+    err.print(f"wrote {report['out']}")
+
+
+def _bench_serve_ray(concurrency: str, requests: int, max_tokens: int, reps: int, model: list[str] | None,
+                     threads: int | None, max_concurrent: int, replicas: int, out: str | None,
+                     cache_dir: str | None) -> None:
+    _require_serving_clients("segfuse bench --serve --ray", remote=False)
+    require("ray", "segfuse bench --serve --ray")
+    from ..bench import ray_serving
+
+    report = ray_serving.run(_levels(concurrency), requests=requests, max_tokens=max_tokens, reps=reps,
+                             models=model or None, threads=threads, max_concurrent=max_concurrent, replicas=replicas,
+                             cache_dir=cache_dir, out=Path(out or "runs/bench-serve-ray.json"), log=err.print)
+    ray_serving.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 ROW_FIELDS = ("index", "node_ip", "node_id", "pid", "placement", "up", "sessions", "slots", "free_slots", "waiting",
-              "prefix_hits")
+              "prefix_hits", "stats")
 
 
 @dataclass(frozen=True)
