@@ -13,7 +13,7 @@ import llama_cpp as lc
 import numpy as np
 
 from ...errors import MemberLoadError, PromptTooLongError
-from .runtime import log_excerpt
+from .runtime import COMPUTE, log_excerpt
 
 
 def _no_room() -> bool:
@@ -29,15 +29,17 @@ class Context:
     """
 
     def __init__(self, model: Any, *, name: str, n_ctx: int, n_batch: int, n_seq: int, threads: int,
-                 n_vocab: int, max_outputs: int, window: int, shape: str) -> None:
+                 n_vocab: int, max_outputs: int, window: int, shape: str,
+                 compute: Callable[..., Any] = COMPUTE.run) -> None:
         self.name = name
+        self.compute = compute  # where its decodes run: the process's compute thread, or here (side by side)
         self.window = window
         self.n_vocab = n_vocab
         self.n_batch = n_batch
         self.n_seq = n_seq
         self.max_outputs = max(1, max_outputs)  # logits rows one decode asks for (see decode)
         self.make_room: Callable[[], bool] = _no_room
-        self._ctx = _create(model, n_ctx, n_batch, n_seq, threads, shape)
+        self._ctx = compute(_create, model, n_ctx, n_batch, n_seq, threads, shape)
         self._mem = lc.llama_get_memory(self._ctx)
         self.n_cells = lc.llama_n_ctx(self._ctx)
         self._init_batch(n_batch)
@@ -78,6 +80,13 @@ class Context:
                 start, seen = end, 0
         return np.concatenate(parts)
 
+    def _decode_batch(self, batch: Any) -> int:
+        """llama_decode's status for the filled batch (on the compute thread)."""
+        status = int(lc.llama_decode(self._ctx, batch))
+        while status == 1 and self.make_room():  # no room: cached prefixes give way first
+            status = int(lc.llama_decode(self._ctx, batch))
+        return status
+
     def reserve_outputs(self, n_ctx: int) -> None:
         """Grow llama.cpp's logits buffer to ``max_outputs`` rows now, once, rather than in steps while serving."""
         n = min(self.max_outputs, self.n_batch, n_ctx)
@@ -97,9 +106,7 @@ class Context:
         seq_ptrs = batch.seq_id
         for i, seq in enumerate(seqs):
             seq_ptrs[i][0] = seq
-        status = lc.llama_decode(self._ctx, batch)
-        while status == 1 and self.make_room():  # no room: cached prefixes give way first
-            status = lc.llama_decode(self._ctx, batch)
+        status = self.compute(self._decode_batch, batch)
         if status == 1:
             raise PromptTooLongError(f"{self.name}: the context window ({self.window} tokens) is full",
                                      "shorten the prompt or lower --max-tokens")

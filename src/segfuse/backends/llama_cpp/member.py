@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,9 @@ from .context import Context
 from .echo import echo_tokens
 from .private import PrivateContexts
 from .runtime import (
+    COMPUTE,
     LogSoftmax,
+    compute_here,
     gpu_layers_for,
     init_backend,
     load_model,
@@ -137,8 +140,9 @@ class LlamaCppMember(LocalMember):
     def _load(self, gpu_layers: int | None, main_gpu: int, split: str, tensor_split: tuple[float, ...] | None,
               threads: int | None, side_by_side: str | None) -> None:
         """The weights, where they run, the threads for what stays on the CPU, and whether to run side by side."""
-        self._model, self.model_params = load_model(self.path, gpu_layers=gpu_layers_for(gpu_layers),
-                                                    main_gpu=main_gpu, split=split, tensor_split=tensor_split)
+        self._model, self.model_params = COMPUTE.run(partial(load_model, self.path, gpu_layers=gpu_layers_for(gpu_layers),
+                                                             main_gpu=main_gpu, split=split,
+                                                             tensor_split=tensor_split))
         total = lc.llama_model_n_layer(self._model) + 1  # llama.cpp counts the output layer as one more
         self.gpu_layers = offloaded_layers(self.model_params["n_gpu_layers"], total - 1)
         self.placement = placement(self.gpu_layers, total, main_gpu, split)
@@ -146,6 +150,9 @@ class LlamaCppMember(LocalMember):
         self.capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True,
                                          parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total))
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
+        # Where its decodes run: side by side (wholly on a GPU), on the thread that calls it; else on the one
+        # thread every member on the CPU computes on (runtime.ComputeThread says why).
+        self.compute = compute_here if self.capabilities.parallel_safe else COMPUTE.run
 
     def _open_context(self, n_ctx: int, n_batch: int, max_outputs: int, cells: int, entries: int) -> Context:
         """A context of `slots` windows of `n_ctx` tokens, 8 sequences per slot, and `cells` cells in
@@ -154,7 +161,7 @@ class LlamaCppMember(LocalMember):
             return Context(self._model, name=self.name, n_ctx=n_ctx * self.slots + cells, n_batch=n_batch,
                            n_seq=SEQS_PER_SESSION * self.slots + entries, threads=self.threads,
                            n_vocab=self.vocab.n_vocab, max_outputs=max_outputs, window=n_ctx,
-                           shape=f"{self.slots} x {n_ctx} tokens for {self.path}")
+                           shape=f"{self.slots} x {n_ctx} tokens for {self.path}", compute=self.compute)
         except MemberLoadError:
             lc.llama_model_free(self._model)
             raise
@@ -166,7 +173,8 @@ class LlamaCppMember(LocalMember):
         ctx = Context(self._model, name=self.name, n_ctx=self.n_ctx + shared.n_batch, n_batch=shared.n_batch,
                       n_seq=SEQS_PER_SESSION, threads=self.threads, n_vocab=self.vocab.n_vocab,
                       max_outputs=shared.max_outputs, window=self.n_ctx,
-                      shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)")
+                      shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)",
+                      compute=self.compute)
         ctx.reserve_outputs(self.n_ctx)
         return ctx
 
