@@ -60,6 +60,38 @@ def peak_rss_self_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and every process below it (a `serve --ray` command's Ray instance and its workers)."""
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie, ended but not yet reaped, counts as ended)."""
+    import psutil
+
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.Error:
+            continue
+    return running
+
+
+def tree_rss_mb(pid: int) -> float | None:
+    """Resident memory of a process and every process below it, in MiB (pages they share count in each)."""
+    sizes = [rss_mb(p) for p in tree_pids(pid)]
+    known = [s for s in sizes if s is not None]
+    return sum(known) if known else None
+
+
 def rss_mb(pid: int) -> float | None:
     """Resident memory of a running process (VmRSS), in MiB; None if it cannot be read."""
     try:

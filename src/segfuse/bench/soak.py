@@ -43,8 +43,9 @@ from .accounting import (
     tally,
     targets,
 )
-from .machine import git, loadavg, machine, rss_mb
+from .machine import alive, git, loadavg, machine, rss_mb, tree_pids, tree_rss_mb
 from .processes import MemberServer, SegfuseServer, segfuse_server, sigterm_as_interrupt
+from .ray_serving import NODE_IP as RAY_NODE_IP
 from .soak_client import SoakClient
 from .traffic import NORMAL, Action, Mix, Phase, plan, probe, warmup
 
@@ -68,6 +69,8 @@ class SoakSettings:
     queue_size: int = 8  # above the most in flight (8) less max_concurrent, so that only bursts get 429
     n_ctx: int = 512
     remote: bool = False
+    ray: bool = False  # `segfuse serve --ray` (a local Ray instance on one node) instead of `segfuse serve`
+    replicas: int = 1  # its front-end replicas
     cache_dir: str | None = None
     request_timeout_s: float = 300.0
     sample_s: float | None = None  # default: the run / 300, at least 2 s
@@ -87,19 +90,24 @@ class SoakSettings:
     def validate(self) -> None:
         if self.duration_s <= 0 or self.max_tokens < 1 or self.max_concurrent < 1 or self.queue_size < 1:
             raise SegfuseError("the soak needs a positive duration, --max-tokens, max_concurrent and queue size")
+        if self.ray and self.remote:
+            raise SegfuseError("--ray runs the members as Ray copies", "leave out --remote with --ray")
         if self.remote and self.models:
             raise SegfuseError("--remote starts its own members", "leave out -m/--model with --remote")
         if self.n_ctx < 256:
             raise SegfuseError(f"n_ctx {self.n_ctx} is too small for the soak's prompts", "use at least 256")
 
     def server_config(self, members: list[str], api_key: str) -> dict[str, dict[str, Any]]:
-        return {
+        config: dict[str, dict[str, Any]] = {
             "server": {"api_key": api_key, "max_concurrent": self.max_concurrent, "queue_size": self.queue_size,
                        "max_body_bytes": MAX_BODY_BYTES},
             "members": {"models": members or None, "threads": self.threads, "n_ctx": self.n_ctx,
                         "cache_dir": self.cache_dir},
             "defaults": {"max_tokens": self.max_tokens},
         }
+        if self.ray:
+            config["ray"] = {"replicas": self.replicas, "node_ip": RAY_NODE_IP}
+        return config
 
 
 class Soak:
@@ -121,11 +129,16 @@ class Soak:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    def rss(self) -> float | None:
+        """The server's resident memory: its process's, or on Ray its whole tree's (copies, front ends, Ray)."""
+        pid = self.server.process.pid
+        return tree_rss_mb(pid) if self.settings.ray else rss_mb(pid)
+
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict[str, Any]:
         before = self._counters(), self._metrics()
-        start_rss = rss_mb(self.server.process.pid)
+        start_rss = self.rss()
         with self._background(self._sample, "soak-sampler"), self._background(self._disrupt, "soak-disrupt"):
             self._warm_up()
             self._traffic()
@@ -178,7 +191,7 @@ class Soak:
         entry = {"t_s": self.now(), "label": label, "idle_wait_s": time.monotonic() - t_wait,
                  "waiting": health["queue"]["waiting"], "running": health["queue"]["running"],
                  "accepted": health["counters"]["accepted"], "occupancy": health.get("occupancy", {}),
-                 "held": held(health), "cached_cells": cached(health), "rss_mb": rss_mb(self.server.process.pid)}
+                 "held": held(health), "cached_cells": cached(health), "rss_mb": self.rss()}
         if send_probe:
             record = self.client.send(probe(next(self._extra), self.settings.mix))
             self.records.append(record)
@@ -215,7 +228,7 @@ class Soak:
             except Exception:  # a busy moment: skip this sample
                 continue
             cells = [o.get("cache_cells") or 0 for o in health.get("occupancy", {}).values()]
-            self.samples.append({"t_s": self.now(), "rss_mb": rss_mb(self.server.process.pid),
+            self.samples.append({"t_s": self.now(), "rss_mb": self.rss(),
                                  "waiting": health["queue"]["waiting"], "running": health["queue"]["running"],
                                  "accepted": health["counters"]["accepted"], "cache_cells": sum(cells)})
 
@@ -317,25 +330,46 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
     with sigterm_as_interrupt(), ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="segfuse-soak-")))
         members, disrupt = _members(settings, workdir, stack, log)
-        log(f"starting `segfuse serve` (max_concurrent {settings.max_concurrent}, queue {settings.queue_size}, "
+        log(f"starting `segfuse serve{' --ray' if settings.ray else ''}` (max_concurrent {settings.max_concurrent}, queue {settings.queue_size}, "
             f"n_ctx {settings.n_ctx})…")
-        server = stack.enter_context(segfuse_server(workdir, "soak", settings.server_config(members,
-                                                     secrets.token_hex(16)), startup_s=startup_s))
+        config = settings.server_config(members, secrets.token_hex(16))
+        server = stack.enter_context(segfuse_server(workdir, "soak", config, startup_s=startup_s,
+                                                    extra_args=("--ray",) if settings.ray else ()))
+        tree = tree_pids(server.process.pid)  # before the traffic: what the server started, Ray's workers too
         report["members"] = server.health()["members"]
         log(f"soaking {', '.join(report['members'])} for {settings.duration_s:.0f} s (seed {settings.seed})…")
         raw = Soak(server, settings, log, disrupt).run()
+        report["processes"] = {"pids": sorted(set(tree) | set(tree_pids(server.process.pid)))}
         if out is not None:  # the server's log outlives its temporary folder, beside the report
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(server.log, Path(out).with_suffix(".server.log"))
             report["server_log"] = str(Path(out).with_suffix(".server.log"))
     report["loadavg"]["end"] = loadavg()
     report.update(summarise(raw))
+    _check_leftovers(report, log)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
         report["out"] = str(out)
     return report
+
+
+def _check_leftovers(report: dict[str, Any], log: Log, wait_s: float = 30.0) -> None:
+    """After the server stopped: which of its processes (on Ray, its instance and workers) still run; a check."""
+    pids = report["processes"]["pids"]
+    deadline = time.monotonic() + wait_s
+    left = alive(pids)
+    while left and time.monotonic() < deadline:  # Ray's workers end a few seconds after its raylet
+        time.sleep(0.5)
+        left = alive(left)
+    report["processes"]["left"] = left
+    if left:
+        log(f"   {len(left)} of the server's {len(pids)} processes still run after it stopped: {left}")
+    check = Check("no process of the server left once it stopped", f"{len(pids)} processes",
+                  f"{len(left)} still running", not left)
+    report["checks"].append(asdict(check))
+    report["all_checks_ok"] = report["all_checks_ok"] and check.ok
 
 
 def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,

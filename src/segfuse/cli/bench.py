@@ -91,7 +91,7 @@ def bench(lengths: Lengths = "128,256", reps: Reps = 3, model: ModelOpt = None, 
                          model, threads, out)
     elif soak is not None:
         _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
-                    cache_dir)
+                    cache_dir, ray=ray, replicas=replicas or 1)
     elif ray:
         _bench_serve_ray(concurrency if levels_given else "1,4", requests or 8, max_tokens or 32, reps, model,
                          threads, max_concurrent or 4, replicas or 1, out, cache_dir)
@@ -120,9 +120,9 @@ def _check_flags(serve: bool, **given: bool) -> None:
                             "leave out --remote and --max-concurrent")
     if given["replicas"] and not given["ray"]:
         raise SegfuseError("--replicas: front-end replicas of `serve --ray`", "add --ray")
-    if given["ray"] and (given["chat"] or given["followers"] or given["remote"] or given["soak"]):
-        raise SegfuseError("--ray runs the members as Ray copies, beside a single-process server",
-                            "leave out --chat, --followers, --remote and --soak")
+    if given["ray"] and (given["chat"] or given["followers"] or given["remote"]):
+        raise SegfuseError("--ray runs the members as Ray copies (beside a single-process server, or soaked)",
+                            "leave out --chat, --followers and --remote")
     if given["soak"] and given["concurrency"]:
         raise SegfuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
                             "leave out --concurrency with --soak")
@@ -231,17 +231,20 @@ def soak_path(out: str | None) -> Path:
 
 def _bench_soak(duration: str, seed: int, requests: int | None, max_tokens: int, model: list[str] | None,
                 threads: int | None, max_concurrent: int | None, remote: bool, out: str | None,
-                cache_dir: str | None) -> None:
+                cache_dir: str | None, *, ray: bool = False, replicas: int = 1) -> None:
     from ..bench.duration import parse_duration
 
     seconds = parse_duration(duration)
     _require_serving_clients("segfuse bench --serve --soak", remote)
+    if ray:
+        require("ray", "segfuse bench --serve --soak --ray")
     from ..bench import soak as bench_soak
     from ..bench import soak_report
 
     settings = bench_soak.SoakSettings(duration_s=seconds, seed=seed, max_tokens=max_tokens, max_requests=requests,
                                        models=tuple(model or ()), threads=threads,
-                                       max_concurrent=max_concurrent or 4, remote=remote, cache_dir=cache_dir)
+                                       max_concurrent=max_concurrent or 4, remote=remote, cache_dir=cache_dir,
+                                       ray=ray, replicas=replicas)
     path = soak_path(out)
     report = bench_soak.run(settings, out=path, log=err.print)
     soak_report.print_report(report, Console(width=200, highlight=False))
