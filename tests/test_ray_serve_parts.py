@@ -174,3 +174,31 @@ def test_the_application_builder_takes_serve_settings_and_a_config_file(tmp_path
     assert front.init_args[0]["server"]["port"] == 8100 and front.init_args[0]["ray"]["enabled"]
     with pytest.raises(ConfigError, match="unknown override 'bogus'"):
         build({"bogus": 1})
+
+
+# --- a client gone ---------------------------------------------------------------------------------------
+
+
+def test_a_request_serve_cancelled_reads_as_a_disconnect():
+    """Serve's proxy cancels the request when its client goes away; the app must see ASGI's disconnect
+    (its streams end the answer as cancelled), not Ray's error escaping as an unhandled one."""
+    from ray.exceptions import TaskCancelledError
+
+    from segfuse.server.ray.front import ReplicaHeader
+
+    heard, sent = [], []
+
+    async def app(scope, receive, send):
+        heard.append(await receive())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def receive():
+        raise TaskCancelledError()
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(ReplicaHeader(app, "r1")(  # type: ignore[arg-type]
+        {"type": "http"}, receive, send))
+    assert heard == [{"type": "http.disconnect"}]
+    assert (b"x-segfuse-replica", b"r1") in sent[0]["headers"]

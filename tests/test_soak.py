@@ -361,3 +361,17 @@ def test_soak_out_may_name_a_folder_or_a_file(tmp_path):
     assert (tmp_path / "new").is_dir()
     assert soak_path(str(tmp_path / "deep" / "run.json")) == tmp_path / "deep" / "run.json"
     assert (tmp_path / "deep").is_dir()
+
+
+def test_the_log_check_reads_past_rays_line_prefixes(tmp_path):
+    """On Ray, a replica's lines reach the server's log behind a coloured "(ServeReplica:... pid=N) "."""
+    from segfuse.bench.soak import log_errors
+
+    log = tmp_path / "server.log"
+    log.write_text("\x1b[36m(ServeReplica:segfuse:Front pid=25398)\x1b[0m INFO a request\n"
+                   "\x1b[36m(ServeReplica:segfuse:Front pid=25398)\x1b[0m Traceback (most recent call last):\n"
+                   "\x1b[36m(ServeReplica:segfuse:Front pid=25398, ip=127.0.0.3)\x1b[0m Traceback (most recent call last):\n"
+                   "plain line\n")
+    found = log_errors(log)
+    assert found["count"] == 2
+    assert found["first"][0].startswith("Traceback")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import tempfile
 import threading
@@ -273,9 +274,15 @@ class Soak:
         }
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAY_PREFIX = re.compile(r"^\([^)]* pid=\d+(?:, ip=[^)]*)?\) ")
+
+
 def log_errors(path: Path, keep: int = 5) -> dict[str, Any]:
     """Tracebacks and ERROR lines in the server's log: how many, and the first few."""
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    text = path.read_text(errors="replace") if path.exists() else ""
+    # Ray prefixes a worker's lines with its colour and name, "(ServeReplica:... pid=N) ": read past them.
+    lines = [RAY_PREFIX.sub("", line) for line in ANSI.sub("", text).splitlines()]
     found = [i for i, line in enumerate(lines) if line.startswith("Traceback") or " ERROR " in line]
     return {"count": len(found), "first": ["\n".join(lines[i : i + 12]) for i in found[:keep]]}
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...backends.ray.member import RayMember
@@ -29,7 +30,12 @@ REPLICA_HEADER = "x-segfuse-replica"
 
 
 class ReplicaHeader:
-    """ASGI middleware: every response says which replica answered."""
+    """ASGI middleware: every response says which replica answered, and a client gone is a disconnect.
+
+    When a client goes away, Serve's proxy cancels the request, and the replica's ``receive`` raises
+    Ray's TaskCancelledError where ASGI says ``{"type": "http.disconnect"}``; the app's streams listen for
+    the latter (they end the answer as cancelled), so it is translated here rather than logged as an error.
+    """
 
     def __init__(self, app: ASGIApp, replica: str) -> None:
         self.app, self.value = app, replica.encode()
@@ -44,7 +50,13 @@ class ReplicaHeader:
                 message["headers"] = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.value)]
             await send(message)
 
-        await self.app(scope, receive, named)
+        async def listened() -> Message:
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, listened, named)
 
 
 @serve.ingress()
