@@ -28,14 +28,25 @@ from segfuse import Ensemble
 from segfuse.config import ServerConfig
 from segfuse.server.app import create_app, uvicorn_settings
 
-PROMPTS = ["Name a primary colour.", "What is the capital of France?", "Say hello in Spanish.",
-           "Name a large planet.", "What is two plus two?", "Name a fruit that is yellow."]
+PROMPTS = [
+    "Name a primary colour.",
+    "What is the capital of France?",
+    "Say hello in Spanish.",
+    "Name a large planet.",
+    "What is two plus two?",
+    "Name a fruit that is yellow.",
+]
 
 
 def _chat(prompt: str, model: str, n: int) -> tuple[str, dict[str, Any], Callable[[str, str], bool]]:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "stream": True}
-    return "/v1/chat/completions", body, lambda event, data: bool(
-        data.startswith("{") and (json.loads(data)["choices"] or [{}])[0].get("delta", {}).get("content"))
+    return (
+        "/v1/chat/completions",
+        body,
+        lambda event, data: bool(
+            data.startswith("{") and (json.loads(data)["choices"] or [{}])[0].get("delta", {}).get("content")
+        ),
+    )
 
 
 def _messages(prompt: str, model: str, n: int) -> tuple[str, dict[str, Any], Callable[[str, str], bool]]:
@@ -51,8 +62,9 @@ def _responses(prompt: str, model: str, n: int) -> tuple[str, dict[str, Any], Ca
 APIS = {"chat": _chat, "messages": _messages, "responses": _responses}
 
 
-def first_content(client: httpx.Client, path: str, body: dict[str, Any], is_content: Callable[[str, str], bool]
-                  ) -> float | None:
+def first_content(
+    client: httpx.Client, path: str, body: dict[str, Any], is_content: Callable[[str, str], bool]
+) -> float | None:
     """Seconds from sending the request to its first frame with answer text (None: the answer had none)."""
     started = time.perf_counter()
     seen: float | None = None
@@ -68,8 +80,9 @@ def first_content(client: httpx.Client, path: str, body: dict[str, Any], is_cont
 
 
 def serve(ensemble: Ensemble) -> tuple[uvicorn.Server, threading.Thread, str]:
-    config = ServerConfig.model_validate({"server": {"port": 0, "log_level": "warning"},
-                                          "defaults": {"temperature": 0}})
+    config = ServerConfig.model_validate(
+        {"server": {"port": 0, "log_level": "warning"}, "defaults": {"temperature": 0}}
+    )
     runner = uvicorn.Server(uvicorn.Config(create_app(config, ensemble), **uvicorn_settings(config)))
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
@@ -93,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             first_content(client, *_chat(PROMPTS[0], args.model, 2))  # warm-up, not counted
             for i in range(args.rounds):
                 prompt, order = PROMPTS[i % len(PROMPTS)], list(APIS)
-                order = order[i % 3:] + order[:i % 3]  # each API goes first, second and third as often
-                seen = {name: first_content(client, *APIS[name](prompt, args.model, args.max_tokens))
-                        for name in order}
+                order = order[i % 3 :] + order[: i % 3]  # each API goes first, second and third as often
+                seen = {name: first_content(client, *APIS[name](prompt, args.model, args.max_tokens)) for name in order}
                 for name, seconds in seen.items():
                     if seconds is not None:
                         times[name].append(seconds)
@@ -104,11 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         runner.should_exit = True
         thread.join(30)
     medians = {name: statistics.median(values) for name, values in times.items() if values}
-    report = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads,
-              "median_first_content_s": {k: round(v, 4) for k, v in medians.items()},
-              "ratio_to_chat": {k: round(v / medians["chat"], 3) for k, v in medians.items()},
-              "median_paired_ratio": {k: round(statistics.median(v), 3) for k, v in paired.items() if v},
-              "samples": {k: len(v) for k, v in times.items()}}
+    report = {
+        "model": args.model,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "median_first_content_s": {k: round(v, 4) for k, v in medians.items()},
+        "ratio_to_chat": {k: round(v / medians["chat"], 3) for k, v in medians.items()},
+        "median_paired_ratio": {k: round(statistics.median(v), 3) for k, v in paired.items() if v},
+        "samples": {k: len(v) for k, v in times.items()},
+    }
     json.dump(report, sys.stdout, indent=2)
     print()
     return 0

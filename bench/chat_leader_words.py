@@ -38,36 +38,75 @@ def main() -> None:
     args = parser.parse_args()
     from segfuse.models import CATALOGUE, model_path
 
-    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
-              "settings": {"reps": args.reps, "max_tokens": args.max_tokens, "threads": args.threads,
-                           "turns": args.turns, "users": args.users, "sections": None, "leader": LEADER,
-                           "systems": ["cache", "llama-server"]},
-              "loadavg": {"start": loadavg()}, "replies": []}
-    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="segfuse-leader-words-") as tmp, \
-            ExitStack() as stack:
-        config = {"server": {"api_key": "bench-key", "max_concurrent": 1},
-                  "members": {"threads": args.threads, "prefix_cache_cells": None}}
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git(),
+        "settings": {
+            "reps": args.reps,
+            "max_tokens": args.max_tokens,
+            "threads": args.threads,
+            "turns": args.turns,
+            "users": args.users,
+            "sections": None,
+            "leader": LEADER,
+            "systems": ["cache", "llama-server"],
+        },
+        "loadavg": {"start": loadavg()},
+        "replies": [],
+    }
+    with (
+        sigterm_as_interrupt(),
+        tempfile.TemporaryDirectory(prefix="segfuse-leader-words-") as tmp,
+        ExitStack() as stack,
+    ):
+        config = {
+            "server": {"api_key": "bench-key", "max_concurrent": 1},
+            "members": {"threads": args.threads, "prefix_cache_cells": None},
+        }
         ours = stack.enter_context(segfuse_server(Path(tmp), "cache", config))
-        anchor = stack.enter_context(llama_cpp_server(
-            model_path(CATALOGUE[LEADER]), Path(tmp) / "llama-server.log", threads=args.threads, n_ctx=4096,
-            extra_args=("--cache", "true")))
-        servers = [Target("cache", ours.api, "bench-key", "segfuse", ours.health),
-                   Target("llama-server", anchor.url, "", LEADER)]
+        anchor = stack.enter_context(
+            llama_cpp_server(
+                model_path(CATALOGUE[LEADER]),
+                Path(tmp) / "llama-server.log",
+                threads=args.threads,
+                n_ctx=4096,
+                extra_args=("--cache", "true"),
+            )
+        )
+        servers = [
+            Target("cache", ours.api, "bench-key", "segfuse", ours.health),
+            Target("llama-server", anchor.url, "", LEADER),
+        ]
         for server in servers:  # warm-up: the first request of a process pays for loading pages
             ask(server, -1, "warm-up", 0, [{"role": "user", "content": "Hello."}], 4)
         for rep in range(args.reps):
-            for server in (servers if rep % 2 == 0 else servers[::-1]):
+            for server in servers if rep % 2 == 0 else servers[::-1]:
                 replies = one_repetition(server, rep, args.max_tokens, args.turns, args.users)
                 report["replies"] += [asdict(r) for r in replies]
-                print(f"rep {rep + 1} {server.name:12} load {loadavg()} "
-                      + " ".join(f"{r.kind[0]}{r.index}:{r.ttfs_s or 0:.2f}" for r in replies), flush=True)
+                print(
+                    f"rep {rep + 1} {server.name:12} load {loadavg()} "
+                    + " ".join(f"{r.kind[0]}{r.index}:{r.ttfs_s or 0:.2f}" for r in replies),
+                    flush=True,
+                )
     report["loadavg"]["end"] = loadavg()
     report["summary"] = summarise(report["replies"], args.turns, args.users)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     ratios = report["summary"]["ratios"]
-    print(json.dumps({k: ratios[k] for k in ("chat_ttfs_cache_over_anchor", "chat_first_words_cache_over_anchor",
-                                             "chat_total_cache_over_anchor")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: ratios[k]
+                for k in (
+                    "chat_ttfs_cache_over_anchor",
+                    "chat_first_words_cache_over_anchor",
+                    "chat_total_cache_over_anchor",
+                )
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

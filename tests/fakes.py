@@ -48,8 +48,12 @@ class ScriptedSession(MemberSession):
         """One token per text at the member's preference; its top choice is its favourite text's probability."""
         self.scored.append(list(texts))
         favourite = max(self.prefs.values(), default=0.1)
-        return [TokenScores((math.log(self.prefs.get(t, 0.1)),), (0.0,),
-                            (math.log(max(favourite, self.prefs.get(t, 0.1))),)) for t in texts]
+        return [
+            TokenScores(
+                (math.log(self.prefs.get(t, 0.1)),), (0.0,), (math.log(max(favourite, self.prefs.get(t, 0.1))),)
+            )
+            for t in texts
+        ]
 
     def accept(self, text):
         self.accepted.append(text)
@@ -76,8 +80,7 @@ class FittedSession(ScriptedSession):
 class ScriptedMember(Member):
     """Hands out the given session(s): one for every request, or a new one per request from a factory."""
 
-    def __init__(self, name, session=None, *, factory=None, capabilities=NOTHING_MORE, slots=None,
-                 n_params=None):
+    def __init__(self, name, session=None, *, factory=None, capabilities=NOTHING_MORE, slots=None, n_params=None):
         self.name = name
         self.session = session
         self.factory = factory

@@ -96,15 +96,26 @@ API_KEY = "test-key"
 
 
 @contextmanager
-def live_server(tmp: Path, *, queue_size: int = 8, max_body_bytes: int = 65536, max_concurrent: int = 2,
-                startup_s: float = 180.0, prefix_cache_cells: int | None = None,
-                extra_args: tuple[str, ...] = ()) -> Iterator[SegfuseServer]:
+def live_server(
+    tmp: Path,
+    *,
+    queue_size: int = 8,
+    max_body_bytes: int = 65536,
+    max_concurrent: int = 2,
+    startup_s: float = 180.0,
+    prefix_cache_cells: int | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[SegfuseServer]:
     """A real `segfuse serve` with the default members, an API key, a small queue and body limit,
     running `max_concurrent` generations together (`prefix_cache_cells`: its bound; None, the default;
     `extra_args`: more `serve` flags)."""
     config = {
-        "server": {"api_key": API_KEY, "queue_size": queue_size, "max_concurrent": max_concurrent,
-                   "max_body_bytes": max_body_bytes},
+        "server": {
+            "api_key": API_KEY,
+            "queue_size": queue_size,
+            "max_concurrent": max_concurrent,
+            "max_body_bytes": max_body_bytes,
+        },
         # One llama.cpp thread per member: on a busy 2-core machine, threads that spin-wait for
         # each other made rounds 3-6x slower than a single thread (measured: 3.0 vs 10.9-18.7 s
         # per 4-token request while other jobs ran).

@@ -32,12 +32,20 @@ class Live:
 
 @contextmanager
 def live(ensemble: Any, *, limits: dict[str, Any] | None = None, **server: Any) -> Iterator[Live]:
-    config = ServerConfig.model_validate({
-        "server": {"api_key": KEY, "port": 0, "queue_size": 4, "max_concurrent": 2, "log_level": "warning",
-                   **server},
-        "limits": {"max_tokens": 64, "max_stops": 4, "max_messages": 40, "max_tools": 4, **(limits or {})},
-        "defaults": {"max_tokens": 8, "temperature": 0},
-    })
+    config = ServerConfig.model_validate(
+        {
+            "server": {
+                "api_key": KEY,
+                "port": 0,
+                "queue_size": 4,
+                "max_concurrent": 2,
+                "log_level": "warning",
+                **server,
+            },
+            "limits": {"max_tokens": 64, "max_stops": 4, "max_messages": 40, "max_tools": 4, **(limits or {})},
+            "defaults": {"max_tokens": 8, "temperature": 0},
+        }
+    )
     with serve_app(config, ensemble) as (url, state):
         yield Live(url, state)
 

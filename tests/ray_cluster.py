@@ -16,8 +16,17 @@ import psutil
 
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 CPUS_PER_NODE = 2
-RAY_NAMES = ("raylet", "gcs_server", "ray::", "default_worker", "dashboard", "log_monitor", "monitor.py",
-             "runtime_env", "agent")
+RAY_NAMES = (
+    "raylet",
+    "gcs_server",
+    "ray::",
+    "default_worker",
+    "dashboard",
+    "log_monitor",
+    "monitor.py",
+    "runtime_env",
+    "agent",
+)
 
 
 class LoopbackCluster:
@@ -32,8 +41,10 @@ class LoopbackCluster:
         import ray
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "node_ip_address": HEAD, "num_cpus": CPUS_PER_NODE, "include_dashboard": False})
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"node_ip_address": HEAD, "num_cpus": CPUS_PER_NODE, "include_dashboard": False},
+        )
         try:
             self.cluster.add_node(node_ip_address=WORKER, num_cpus=CPUS_PER_NODE)
             ray.init(address=self.cluster.address, _node_ip_address=HEAD)

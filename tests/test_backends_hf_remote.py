@@ -175,8 +175,9 @@ def test_transformers_prefix_cache_serves_the_next_turn(hf_member):
     finally:
         cold.close()
     assert warm_draft.pieces[0] == cold_draft.pieces[0]
-    same = next((i for i, (a, b) in enumerate(zip(warm_draft.pieces, cold_draft.pieces)) if a != b),
-                len(warm_draft.pieces))
+    same = next(
+        (i for i, (a, b) in enumerate(zip(warm_draft.pieces, cold_draft.pieces)) if a != b), len(warm_draft.pieces)
+    )
     # the prefix ran in another batch than cold: float rounding only
     assert max(abs(a - b) for a, b in zip(warm_draft.logprobs[:same], cold_draft.logprobs[:same])) < 0.05
     assert hf_member.prefix_cache.stats().cells <= hf_member.prefix_cache.bound
@@ -221,7 +222,9 @@ def test_remote_scores_match_local(remote_member, lc_member):
 
 def test_mixed_local_and_remote_ensemble(server_url):
     with Ensemble([f"remote:{server_url}#smol-remote", "smollm2-135m"], threads=1) as ensemble:
-        result = ensemble.generate("Name three primary colors.", max_tokens=16, seed=7, window=8, gate=None)  # every round votes
+        result = ensemble.generate(
+            "Name three primary colors.", max_tokens=16, seed=7, window=8, gate=None
+        )  # every round votes
     assert result.text.strip()
     assert result.models == ["smol-remote", "smollm2-135m"]
     assert result.stats.rounds >= 1
@@ -232,9 +235,26 @@ def test_mixed_local_and_remote_ensemble(server_url):
 
 def test_cli_generate_with_remote_member(server_url):
     out = subprocess.run(
-        [str(Path(sys.executable).with_name("segfuse")), "generate", "Say hi.",
-         "-m", f"remote:{server_url}#smol-remote", "-m", "smollm2-135m", "--max-tokens", "12", "--seed", "1", "--threads", "1", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        [
+            str(Path(sys.executable).with_name("segfuse")),
+            "generate",
+            "Say hi.",
+            "-m",
+            f"remote:{server_url}#smol-remote",
+            "-m",
+            "smollm2-135m",
+            "--max-tokens",
+            "12",
+            "--seed",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
@@ -283,7 +303,6 @@ def test_ignore_eos_runs_to_the_window(hf_member, remote_member):
             session.close()
         assert ended.finished  # the question is answered within 12 tokens...
         assert not forced.finished and len(forced.pieces) == 12  # ...unless ending is banned
-
 
 
 def test_prompt_fit_prior_falls_back_to_uniform_with_a_remote_member(server_url):

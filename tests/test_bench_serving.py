@@ -60,8 +60,9 @@ def test_bench_chat_reuses_the_turns_and_the_shared_system_prompt(tmp_path):
     from segfuse.bench.chat_script import MANUAL, POLICY, excerpt
 
     out = tmp_path / "bench-chat.json"
-    report = bench_chat.run(reps=1, max_tokens=4, threads=1, turns=2, users=2, sections=0, out=out,
-                            log=lambda line: None)
+    report = bench_chat.run(
+        reps=1, max_tokens=4, threads=1, turns=2, users=2, sections=0, out=out, log=lambda line: None
+    )
 
     replies = report["replies"]
     assert not [r for r in replies if r["error"]], [r["error"] for r in replies if r["error"]]
@@ -86,8 +87,9 @@ def test_bench_followers_compares_the_default_with_eager_followers_and_the_leade
     pytest.importorskip("openai")
     from segfuse.bench import followers as bench_followers
 
-    report = bench_followers.run([1], requests=2, max_tokens=4, threads=1, reps=1, out=tmp_path / "f.json",
-                                 log=lambda line: None)
+    report = bench_followers.run(
+        [1], requests=2, max_tokens=4, threads=1, reps=1, out=tmp_path / "f.json", log=lambda line: None
+    )
     systems = report["summary"]["systems"]
     assert set(systems) == {"lazy", "eager", "leader"}
     for system in systems.values():

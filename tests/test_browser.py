@@ -37,9 +37,18 @@ def browser(tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run", "--window-size=1200,900", f"--user-data-dir={tmp_path / 'profile'}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1200,900",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
@@ -58,7 +67,8 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     browser.get_log("browser")  # drop the 401 of the first, keyless visit
     browser.refresh()
     legend = WebDriverWait(browser, 30).until(
-        lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, "#legend .member")] or None)
+        lambda d: [e.text for e in d.find_elements(By.CSS_SELECTOR, "#legend .member")] or None
+    )
     assert legend == MEMBERS
 
     tokens = browser.find_element(By.ID, "max-tokens")
@@ -102,8 +112,12 @@ def test_page_streams_coloured_segments(server, browser, tmp_path):
     browser.find_element(By.ID, "hedge").click()
     browser.find_element(By.ID, "prompt").send_keys("Which one is the warmest?")
     browser.find_element(By.ID, "send").click()
-    WebDriverWait(browser, 400).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".turn.assistant .summary")) == 2
-                                      and d.find_elements(By.CSS_SELECTOR, ".turn.assistant:nth-of-type(4) .bar"))
+    WebDriverWait(browser, 400).until(
+        lambda d: (
+            len(d.find_elements(By.CSS_SELECTOR, ".turn.assistant .summary")) == 2
+            and d.find_elements(By.CSS_SELECTOR, ".turn.assistant:nth-of-type(4) .bar")
+        )
+    )
     second = browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[1]
     assert "Hedge weights" in second.find_element(By.CLASS_NAME, "summary").text
     assert len(second.find_elements(By.CSS_SELECTOR, ".bar")) == 2 * len(MEMBERS)
@@ -131,11 +145,14 @@ def test_a_json_answer_is_shown_formatted(server, browser, tmp_path):
     browser.find_element(By.ID, "prompt").send_keys("Describe a cat as JSON with its name and age.")
     browser.find_element(By.ID, "send").click()
     block = WebDriverWait(browser, 400).until(
-        lambda d: (found := d.find_elements(By.CSS_SELECTOR, ".turn.assistant .summary pre.json")) and found[0])
+        lambda d: (found := d.find_elements(By.CSS_SELECTOR, ".turn.assistant .summary pre.json")) and found[0]
+    )
     value = json.loads(block.text)
     assert isinstance(value, dict) and value
     assert "\n  " in block.text  # indented, one key per line
-    text = browser.execute_script("return Array.from(document.querySelectorAll('.turn.assistant .answer .seg'))"
-                                  ".map((s) => s.textContent).join('')")
+    text = browser.execute_script(
+        "return Array.from(document.querySelectorAll('.turn.assistant .answer .seg'))"
+        ".map((s) => s.textContent).join('')"
+    )
     assert json.loads(text) == value  # the coloured segments still show who wrote what
     assert browser.save_screenshot(str(tmp_path / "segfuse-json.png"))

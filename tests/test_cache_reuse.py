@@ -105,8 +105,9 @@ def test_a_batch_asking_for_more_rows_than_max_outputs_is_decoded_in_parts(defau
     import numpy as np
 
     member = next(m for m in default_ensemble.members if m.name == "smollm2-135m")
-    tokens = member.vocab.tokenize("The quick brown fox jumps over the lazy dog. " * 12, add_special=True,
-                             parse_special=False)[: 2 * member.context.max_outputs + 10]
+    tokens = member.vocab.tokenize(
+        "The quick brown fox jumps over the lazy dog. " * 12, add_special=True, parse_special=False
+    )[: 2 * member.context.max_outputs + 10]
     n, wanted = len(tokens), np.array(tokens[1:])
 
     def logprobs(max_outputs):

@@ -15,9 +15,19 @@ from segfuse.eval.tasks import jsonl_task
 from segfuse.profiles import load_profile, write_profile
 
 SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
-QUESTIONS = [("What is 2 + 2?", "4"), ("What is 3 + 5?", "8"), ("What is 10 - 7?", "3"), ("What is 6 times 7?", "42"),
-             ("What is 9 + 1?", "10"), ("What is 12 / 4?", "3"), ("What is 5 + 5?", "10"), ("What is 7 - 2?", "5"),
-             ("What is 2 times 8?", "16"), ("What is 100 - 1?", "99"), ("What is 1 + 1?", "2")]
+QUESTIONS = [
+    ("What is 2 + 2?", "4"),
+    ("What is 3 + 5?", "8"),
+    ("What is 10 - 7?", "3"),
+    ("What is 6 times 7?", "42"),
+    ("What is 9 + 1?", "10"),
+    ("What is 12 / 4?", "3"),
+    ("What is 5 + 5?", "10"),
+    ("What is 7 - 2?", "5"),
+    ("What is 2 times 8?", "16"),
+    ("What is 100 - 1?", "99"),
+    ("What is 1 + 1?", "2"),
+]
 
 
 def record(system, i, correct, seconds=1.0):
@@ -30,8 +40,11 @@ def test_compare_pairs_each_setting_with_the_leader_item_by_item():
     records += [record("fusion:gate=0.5/accept_margin=1.0", i, i < 6 and i != 0, 2.2) for i in range(10)]
     records += [record("fusion:gate=0.5/accept_margin=none", i, i < 4, 3.0) for i in range(10)]
     records.append({"system": leader, "id": "jsonl-99", "correct": True, "total_s": 1.0})  # not paired: left out
-    settings = compare(records, {f"jsonl-{i}" for i in range(10)},
-                       [leader, "fusion:gate=0.5/accept_margin=1.0", "fusion:gate=0.5/accept_margin=none"])
+    settings = compare(
+        records,
+        {f"jsonl-{i}" for i in range(10)},
+        [leader, "fusion:gate=0.5/accept_margin=1.0", "fusion:gate=0.5/accept_margin=none"],
+    )
     first, second = settings
     assert (first.correct, first.items, first.only_this, first.only_leader, first.leader_correct) == (5, 10, 1, 1, 5)
     assert first.time_ratio == pytest.approx(1.1)
@@ -50,7 +63,7 @@ def test_choose_takes_the_cheapest_setting_that_gains_or_the_leader_alone():
 
 def test_a_profile_round_trips_none_and_rejects_what_fusion_options_reject(tmp_path):
     path = write_profile(tmp_path / "p.toml", {"gate": 0.5, "accept_margin": None}, {"task": "ifeval", "items": 40})
-    assert "accept_margin = \"none\"" in path.read_text()
+    assert 'accept_margin = "none"' in path.read_text()
     assert load_profile(path) == {"gate": 0.5, "accept_margin": None}
     (tmp_path / "bad.toml").write_text("[fusion]\nwindow = 0\n")
     with pytest.raises(InvalidRequestError, match="window"):
@@ -79,7 +92,7 @@ def test_jsonl_tasks_check_answers_and_say_what_is_wrong_with_the_file(tmp_path)
         jsonl_task(None)
     with pytest.raises(InvalidRequestError, match="unknown checker"):
         jsonl_task("vibes")
-    with pytest.raises(InvalidRequestError, match="line 2 has no \"answer\""):
+    with pytest.raises(InvalidRequestError, match='line 2 has no "answer"'):
         number.load(write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}]))
     (tmp_path / "broken.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{oops\n')
     with pytest.raises(InvalidRequestError, match="line 2 is not JSON"):
@@ -110,19 +123,37 @@ def test_calibrate_refuses_too_few_items_and_a_missing_checker(tmp_path):
 @pytest.mark.models
 @pytest.mark.timeout(900)
 def test_a_tiny_real_calibration_writes_a_profile_that_generate_loads(tmp_path):
-    data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": q + " Answer with the number only.", "answer": a}
-                                              for q, a in QUESTIONS[:10]])
+    data = write_jsonl(
+        tmp_path / "q.jsonl", [{"prompt": q + " Answer with the number only.", "answer": a} for q, a in QUESTIONS[:10]]
+    )
     members = ["-m", "smollm2-135m", "-m", "qwen2.5-coder-0.5b"]
     out = tmp_path / "cal"
-    args = ["calibrate", "jsonl", "--data", str(data), "--checker", "number", *members, "--max-tokens", "12",
-            "--threads", "1", "--setting", "gate=0.5/accept_margin=2.0", "--setting", "gate=0.9/accept_margin=none",
-            "--out", str(out), "--no-progress"]
+    args = [
+        "calibrate",
+        "jsonl",
+        "--data",
+        str(data),
+        "--checker",
+        "number",
+        *members,
+        "--max-tokens",
+        "12",
+        "--threads",
+        "1",
+        "--setting",
+        "gate=0.5/accept_margin=2.0",
+        "--setting",
+        "gate=0.9/accept_margin=none",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     done = run_cli(*args)
     assert done.returncode == 0, done.stderr
     profile = out / "profile.toml"
     fusion = load_profile(profile)
     text = profile.read_text()
-    assert "leader = \"qwen2.5-coder-0.5b\"" in text and "[calibration.chosen]" in text
+    assert 'leader = "qwen2.5-coder-0.5b"' in text and "[calibration.chosen]" in text
     assert set(fusion) <= {"gate", "accept_margin"} and "profile:" in done.stderr
     records = [json.loads(line) for line in (out / "jsonl.jsonl").read_text().splitlines()]
     assert len(records) == 30  # the leader and two settings on ten items
@@ -130,13 +161,35 @@ def test_a_tiny_real_calibration_writes_a_profile_that_generate_loads(tmp_path):
     assert len((out / "jsonl.jsonl").read_text().splitlines()) == 30
 
     # generate loads a profile under its flags: every round a vote (gate 1.5) unless --gate says otherwise
-    (tmp_path / "vote.toml").write_text("[fusion]\ngate = 1.5\naccept_margin = \"none\"\n")
-    base = ["generate", "--json", *members, "--threads", "1", "--max-tokens", "8", "--temperature", "0",
-            "--profile", str(tmp_path / "vote.toml"), "What is 2 + 2?"]
+    (tmp_path / "vote.toml").write_text('[fusion]\ngate = 1.5\naccept_margin = "none"\n')
+    base = [
+        "generate",
+        "--json",
+        *members,
+        "--threads",
+        "1",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--profile",
+        str(tmp_path / "vote.toml"),
+        "What is 2 + 2?",
+    ]
     voted = json.loads(run_cli(*base).stdout)
     assert voted["rounds"] and not any(r["gated"] for r in voted["rounds"])
     gated = json.loads(run_cli(*base, "--gate", "0").stdout)
     assert all(r["gated"] for r in gated["rounds"])
-    with_calibrated = run_cli("generate", "--json", *members, "--threads", "1", "--max-tokens", "8",
-                              "--profile", str(profile), "What is 2 + 2?")
+    with_calibrated = run_cli(
+        "generate",
+        "--json",
+        *members,
+        "--threads",
+        "1",
+        "--max-tokens",
+        "8",
+        "--profile",
+        str(profile),
+        "What is 2 + 2?",
+    )
     assert with_calibrated.returncode == 0 and json.loads(with_calibrated.stdout)["text"]

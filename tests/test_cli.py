@@ -16,8 +16,14 @@ QWEN = ["-m", "qwen2.5-coder-0.5b", "--threads", "1", "--temperature", "0", "--j
 
 
 def segfuse(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*SEGFUSE, *args], input=stdin if stdin is not None else "", capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*SEGFUSE, *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.models
@@ -29,8 +35,14 @@ def test_the_prompt_can_be_piped_in():
 
 @pytest.mark.models
 def test_a_piped_document_and_a_prompt_make_one_message():
-    done = segfuse("generate", "What is the secret word? Answer with the word only.", "--max-tokens", "8", *QWEN,
-                    stdin="The secret word is PINEAPPLE.")
+    done = segfuse(
+        "generate",
+        "What is the secret word? Answer with the word only.",
+        "--max-tokens",
+        "8",
+        *QWEN,
+        stdin="The secret word is PINEAPPLE.",
+    )
     assert done.returncode == 0, done.stderr
     assert "pineapple" in json.loads(done.stdout)["text"].lower()
 
@@ -61,10 +73,12 @@ def test_no_prompt_at_all_is_a_clear_error():
 
 @pytest.mark.slow
 def test_cli_user_errors_are_one_line_without_traceback():
-    for args, needle in ((["generate", "-m", "nope", "hi"], "unknown model"),
-                         (["generate", "--window", "0", "hi"], "window"),
-                         (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
-                         (["generate", "   "], "empty")):
+    for args, needle in (
+        (["generate", "-m", "nope", "hi"], "unknown model"),
+        (["generate", "--window", "0", "hi"], "window"),
+        (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
+        (["generate", "   "], "empty"),
+    ):
         proc = segfuse(*args)
         assert proc.returncode == 2, args
         assert needle in proc.stderr
@@ -74,8 +88,13 @@ def test_cli_user_errors_are_one_line_without_traceback():
 
 def only_embedded(home) -> dict[str, str]:
     """An environment whose tools (Ollama, Hugging Face, LM Studio, llama.cpp) hold no models."""
-    return {"HOME": str(home), "SEGFUSE_CACHE_DIR": str(catalogue.cache_dir()), "OLLAMA_MODELS": str(home / "none"),
-            "HF_HUB_CACHE": str(home / "none"), "LLAMA_CACHE": str(home / "none")}
+    return {
+        "HOME": str(home),
+        "SEGFUSE_CACHE_DIR": str(catalogue.cache_dir()),
+        "OLLAMA_MODELS": str(home / "none"),
+        "HF_HUB_CACHE": str(home / "none"),
+        "LLAMA_CACHE": str(home / "none"),
+    }
 
 
 @pytest.mark.slow
@@ -94,8 +113,18 @@ def test_the_model_list_never_cuts_a_name_at_80_columns(tmp_path):
 def test_the_model_list_as_json_and_paths(tmp_path):
     rows = json.loads(segfuse("models", "--json", env=only_embedded(tmp_path)).stdout)
     assert [r["name"] for r in rows] == list(catalogue.CATALOGUE)
-    assert {"name", "ready", "path", "install", "default", "source", "size", "quantisation", "architecture",
-            "chat_template"} <= set(rows[0])
+    assert {
+        "name",
+        "ready",
+        "path",
+        "install",
+        "default",
+        "source",
+        "size",
+        "quantisation",
+        "architecture",
+        "chat_template",
+    } <= set(rows[0])
     paths = segfuse("models", "--paths", env=only_embedded(tmp_path)).stdout.splitlines()
     assert [line.split("\t")[0] for line in paths] == list(catalogue.CATALOGUE)
 
@@ -117,16 +146,24 @@ main()
 """
 
 
-@pytest.mark.parametrize("args, blocked, extra", [
-    (["serve"], {"fastapi"}, "server"),
-    (["eval", "gsm8k", "--limit", "1"], {"lm_eval"}, "eval"),
-    (["bench"], {"matplotlib"}, "bench"),
-    (["generate", "hi", "-m", "transformers:/nowhere"], {"transformers"}, "hf"),
-])
+@pytest.mark.parametrize(
+    "args, blocked, extra",
+    [
+        (["serve"], {"fastapi"}, "server"),
+        (["eval", "gsm8k", "--limit", "1"], {"lm_eval"}, "eval"),
+        (["bench"], {"matplotlib"}, "bench"),
+        (["generate", "hi", "-m", "transformers:/nowhere"], {"transformers"}, "hf"),
+    ],
+)
 @pytest.mark.slow
 def test_a_missing_extra_says_which_pip_line_fixes_it(args, blocked, extra):
-    done = subprocess.run([sys.executable, "-c", BLOCKED.format(blocked=blocked, args=args)], input="",
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKED.format(blocked=blocked, args=args)],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     message = done.stderr.strip()
     assert len(message.splitlines()) == 1 and "Traceback" not in message

@@ -40,6 +40,7 @@ def test_special_tokens_a_server_skips_in_generated_text_are_empty():
 
 
 def test_an_end_token_listed_after_the_text_is_empty():
-    entries = entries_of({"tokens": ["Paris", ".", "<|im_end|>"], "text_offset": [0, 5, 6],
-                          "token_logprobs": [None] * 3})
+    entries = entries_of(
+        {"tokens": ["Paris", ".", "<|im_end|>"], "text_offset": [0, 5, 6], "token_logprobs": [None] * 3}
+    )
     assert pieces_of("Paris.", entries) == ["Paris", ".", ""]

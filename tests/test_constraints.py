@@ -7,8 +7,12 @@ import pytest
 from segfuse.constraints import Constraint, TextMatcher
 from segfuse.errors import InvalidRequestError
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def test_a_candidate_may_extend_the_answer_only_within_the_schema():
@@ -46,11 +50,14 @@ def test_a_grammar_constrains_too():
     assert constraint.check("no") is None and constraint.check("nope") is not None
 
 
-@pytest.mark.parametrize("schema, words", [
-    ({"type": "objectx"}, "not a valid JSON schema"),
-    ({"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}}, "not a valid JSON schema"),
-    ("not a schema", "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "objectx"}, "not a valid JSON schema"),
+        ({"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}}, "not a valid JSON schema"),
+        ("not a schema", "must be a JSON object"),
+    ],
+)
 def test_a_bad_schema_is_the_callers_error(schema, words):
     with pytest.raises(InvalidRequestError) as caught:
         Constraint.json_schema(schema)

@@ -24,9 +24,16 @@ def test_deterministic_answers_are_a_lone_fresh_answer_among_cached_and_batched_
         member = ensemble.members[0]
         first = ensemble.generate(TARGET, options=deterministic)  # the first request on a fresh member
         ensemble.generate(TARGET, options=plain)  # now the target's prompt and answer are cached
-        mixed = run_all([ensemble.steps(FusionRequest.of(TARGET, deterministic)), ensemble.steps(FusionRequest.of(OTHERS[0], plain)),
-                         ensemble.steps(FusionRequest.of(TARGET, plain)), ensemble.steps(FusionRequest.of(OTHERS[1], plain)),
-                         ensemble.steps(FusionRequest.of(TARGET, deterministic))], max_concurrent=3)
+        mixed = run_all(
+            [
+                ensemble.steps(FusionRequest.of(TARGET, deterministic)),
+                ensemble.steps(FusionRequest.of(OTHERS[0], plain)),
+                ensemble.steps(FusionRequest.of(TARGET, plain)),
+                ensemble.steps(FusionRequest.of(OTHERS[1], plain)),
+                ensemble.steps(FusionRequest.of(TARGET, deterministic)),
+            ],
+            max_concurrent=3,
+        )
         assert not [r for r in mixed if isinstance(r, BaseException)], mixed
         assert first.text.strip() and mixed[0].text == mixed[4].text == first.text
         assert first.counters[LEADER]["reused"] == mixed[0].counters[LEADER]["reused"] == 0

@@ -42,9 +42,14 @@ from segfuse.bench.processes import SegfuseServer, free_port, running, wait_unti
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-ENV = {**{k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"},
-       "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "SEGFUSE_THREADS": "1", "PYTHONUNBUFFERED": "1",
-       "NO_COLOR": "1"}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"},
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "SEGFUSE_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "NO_COLOR": "1",
+}
 DOC_SERVER = ("127.0.0.1:8000", "localhost:8000")  # where the docs' server listens: the shared one's port here
 # The shared server: the one docs/evaluation.md starts in the background for lm-eval (the README's and
 # docs/server.md's clients need no more), with the test's limits.
@@ -85,8 +90,16 @@ def collect(path: Path) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         skip, output = NOT_RUN.search(before), OUTPUT_OF.search(before)
-        blocks.append(Block(path, i + 1, opening.group(1), "\n".join(lines[i + 1:end]),
-                            skip.group(1) if skip else None, output.group(1) if output else None))
+        blocks.append(
+            Block(
+                path,
+                i + 1,
+                opening.group(1),
+                "\n".join(lines[i + 1 : end]),
+                skip.group(1) if skip else None,
+                output.group(1) if output else None,
+            )
+        )
         i = end + 1
     return blocks
 
@@ -186,8 +199,8 @@ def parse_cli(argv: list[str], reference: bool = False) -> None:
         if reference and (type(exc).__name__ == "MissingParameter" or "requires an argument" in str(exc)):
             return
         raise
-    fusion = {k[len(PREFIX):]: _plain(v) for k, v in ctx.params.items() if k.startswith(PREFIX) and v is not None}
-    fusion.update({k[len(NONE_PREFIX):]: None for k, v in ctx.params.items() if k.startswith(NONE_PREFIX) and v})
+    fusion = {k[len(PREFIX) :]: _plain(v) for k, v in ctx.params.items() if k.startswith(PREFIX) and v is not None}
+    fusion.update({k[len(NONE_PREFIX) :]: None for k, v in ctx.params.items() if k.startswith(NONE_PREFIX) and v})
     if fusion:
         FusionOptions.build(**fusion)
 
@@ -229,11 +242,19 @@ def test_every_segfuse_command_in_the_docs_parses():
 
 
 # Flags the docs name in passing that belong to other programs (vLLM, SGLang, lm-eval, llm, llama-cpp-python).
-OTHER_PROGRAMS_FLAGS = {"--apply_chat_template": "lm_eval", "--include_path": "lm_eval", "--tasks": "lm_eval",
-                        "--batch_size": "lm_eval", "--schema": "llm",
-                        "--cache": "llama_cpp.server", "--enable-prefix-caching": "vllm", "--max-logprobs": "vllm",
-                        "--served-model-name": "vllm", "--dtype": "vllm",
-                        "--disable-radix-cache": "sglang"}
+OTHER_PROGRAMS_FLAGS = {
+    "--apply_chat_template": "lm_eval",
+    "--include_path": "lm_eval",
+    "--tasks": "lm_eval",
+    "--batch_size": "lm_eval",
+    "--schema": "llm",
+    "--cache": "llama_cpp.server",
+    "--enable-prefix-caching": "vllm",
+    "--max-logprobs": "vllm",
+    "--served-model-name": "vllm",
+    "--dtype": "vllm",
+    "--disable-radix-cache": "sglang",
+}
 
 
 def cli_flags() -> dict[str, list[list[str]]]:
@@ -359,14 +380,21 @@ def override(argv: list[str], flag: str, value: str) -> list[str]:
     """`argv` with `flag value` set: replaced where given, appended where not."""
     if flag in argv:
         i = argv.index(flag)
-        return [*argv[:i + 1], value, *argv[i + 2:]]
+        return [*argv[: i + 1], value, *argv[i + 2 :]]
     return [*argv, flag, value]
 
 
 def run(argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT, timeout: float = 600) -> str:
     """Run a command; fail with its output unless it exits 0; return stdout and stderr together."""
-    done = subprocess.run(argv, cwd=cwd, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    done = subprocess.run(
+        argv,
+        cwd=cwd,
+        env={**ENV, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{done.stdout[-4000:]}"
     return done.stdout
 
@@ -379,9 +407,11 @@ def limited(argv: list[str], tmp: Path, server: SegfuseServer | None) -> list[st
     """A docs command with the test's limits: one item, a few tokens, one thread, its own folders and port."""
     name, args = program(argv), argv[1:]
     evaluates = name in ("lm_eval", "segfuse-lm-eval") or (
-        name == "segfuse" and args[:1] == ["eval"] and "--report" not in args)
+        name == "segfuse" and args[:1] == ["eval"] and "--report" not in args
+    )
     assert not evaluates or "--limit" in args, (
-        f"`{shlex.join(argv)}` as written runs every item of its task (hours): give it a --limit")
+        f"`{shlex.join(argv)}` as written runs every item of its task (hours): give it a --limit"
+    )
     args = [tmp / a if a.startswith("runs/") else a for a in args]
     args = [str(a) for a in args]
     if name == "segfuse" and evaluates:
@@ -414,7 +444,8 @@ def run_shell_block(block: Block, tmp: Path, request: pytest.FixtureRequest) -> 
             server = request.getfixturevalue("server") if needs_server else None
             assert name in ("segfuse", "segfuse-lm-eval", "lm_eval", "curl", "llm"), (
                 f"{block.name}: the test does not know how to run `{line}`: teach it, or mark the block "
-                "<!-- not run: reason -->")
+                "<!-- not run: reason -->"
+            )
             outputs.append(run(limited(argv, tmp, server), env=env))
     return outputs
 
@@ -437,8 +468,8 @@ def serve_once(block: Block, line: str, argv: list[str], tmp: Path) -> str:
     return log.read_text()
 
 
-LEGEND = re.compile(r"^■ ")                # the line naming the members, before the answer
-STATS = re.compile(r"^\d+ rounds? · ")      # the summary line that follows the answer
+LEGEND = re.compile(r"^■ ")  # the line naming the members, before the answer
+STATS = re.compile(r"^\d+ rounds? · ")  # the summary line that follows the answer
 NUMBER = re.compile(r"(?<![\w.-])\d+(?:\.\d+)?(?![\w-])")  # a number, not a digit of a name
 
 
@@ -453,9 +484,12 @@ def stats_shape(text: str) -> str:
     flat = " ".join(text.split())
     cut = "finish: length" in flat
     pieces = re.split(f"({NUMBER.pattern} tokens|{NUMBER.pattern})", flat)
-    return r"\s*".join(literal(piece) if i % 2 == 0 or (cut and piece.endswith(" tokens"))
-                        else NUMBER.pattern + (r"\s*tokens" if piece.endswith(" tokens") else "")
-                        for i, piece in enumerate(pieces))
+    return r"\s*".join(
+        literal(piece)
+        if i % 2 == 0 or (cut and piece.endswith(" tokens"))
+        else NUMBER.pattern + (r"\s*tokens" if piece.endswith(" tokens") else "")
+        for i, piece in enumerate(pieces)
+    )
 
 
 def sample_pattern(sample: str) -> str:
@@ -468,7 +502,7 @@ def sample_pattern(sample: str) -> str:
     if legend is None or stats is None or stats <= legend:
         return literal(sample)
     end = next(i for i in range(stats, len(lines)) if "finish:" in lines[i]) + 1
-    head, answer = literal("\n".join(lines[:legend + 1])), r"\S.*?"
+    head, answer = literal("\n".join(lines[: legend + 1])), r"\S.*?"
     summary, tail = stats_shape("\n".join(lines[stats:end])), literal("\n".join(lines[end:]))
     return r"\s*".join(part for part in (head, answer, summary, tail) if part)
 
@@ -481,12 +515,16 @@ def sample_matches(sample: str, output: str) -> bool:
 def test_a_generation_sample_is_matched_by_its_shape_not_its_text():
     """Another CPU's greedy answer of the same shape matches; another finish reason, or another token count
     where the budget fixes it, does not."""
-    sample = ("question: Why?\n■ a  ■ b\nThe sky is blue because of Rayleigh scattering.\n"
-              "8 rounds · 64 tokens · … tok/s · first segment … s · total … s · 48 member calls (6.0/round) ·\n"
-              "wins: a 3, b-0.5b 5 · finish: length\nhint as written")
-    other = ("question: Why?\n■ a  ■ b\nBecause of refraction, which is a process\n"
-             "7 rounds · 64 tokens · 9.1 tok/s · first segment 0.2 s · total 7.0 s · 42 member calls (6.0/round) · "
-             "wins: a 4, b-0.5b 3 · finish: length\nhint as written\n")
+    sample = (
+        "question: Why?\n■ a  ■ b\nThe sky is blue because of Rayleigh scattering.\n"
+        "8 rounds · 64 tokens · … tok/s · first segment … s · total … s · 48 member calls (6.0/round) ·\n"
+        "wins: a 3, b-0.5b 5 · finish: length\nhint as written"
+    )
+    other = (
+        "question: Why?\n■ a  ■ b\nBecause of refraction, which is a process\n"
+        "7 rounds · 64 tokens · 9.1 tok/s · first segment 0.2 s · total 7.0 s · 42 member calls (6.0/round) · "
+        "wins: a 4, b-0.5b 3 · finish: length\nhint as written\n"
+    )
     assert sample_matches(sample, other)
     assert not sample_matches(sample, other.replace("finish: length", "finish: stop"))
     assert not sample_matches(sample, other.replace("64 tokens", "60 tokens"))
@@ -524,8 +562,9 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
         server = request.getfixturevalue("server")
         (tmp_path / "extra-openai-models.yaml").write_text(at(server, block.text))
         model = re.search(r"model_id:\s*(\S+)", block.text).group(1)
-        answer = run([executable("llm"), "-m", model, "Say hi.", "-o", "max_tokens", "8"],
-                     env={"LLM_USER_PATH": str(tmp_path)})
+        answer = run(
+            [executable("llm"), "-m", model, "Say hi.", "-o", "max_tokens", "8"], env={"LLM_USER_PATH": str(tmp_path)}
+        )
         assert answer.strip()
     elif block.lang == "toml" and "[server]" in block.text:  # `segfuse serve --config` reads it
         from segfuse.config import build_config
@@ -533,8 +572,10 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
         (tmp_path / "segfuse.toml").write_text(block.text)
         build_config(tmp_path / "segfuse.toml")
     else:
-        pytest.fail(f"{block.name}: no rule runs a `{block.lang or 'plain'}` block like this: teach the test, "
-                    "or mark it <!-- not run: reason -->")
+        pytest.fail(
+            f"{block.name}: no rule runs a `{block.lang or 'plain'}` block like this: teach the test, "
+            "or mark it <!-- not run: reason -->"
+        )
 
 
 def test_every_module_the_design_names_exists():
@@ -544,9 +585,12 @@ def test_every_module_the_design_names_exists():
     files = [p.relative_to(package).as_posix() for p in package.rglob("*") if "__pycache__" not in p.parts]
     named = [s for s in inline_code(ROOT / "docs" / "design.md") if re.fullmatch(r"[\w/]+\.py|[\w/]+/", s)]
     assert len(named) > 40
-    missing = [s for s in named if s.rstrip("/") not in ("src", "src/segfuse")
-               and not any(f == s.removeprefix("segfuse/").rstrip("/") or f.endswith("/" + s.rstrip("/"))
-                           for f in files)]
+    missing = [
+        s
+        for s in named
+        if s.rstrip("/") not in ("src", "src/segfuse")
+        and not any(f == s.removeprefix("segfuse/").rstrip("/") or f.endswith("/" + s.rstrip("/")) for f in files)
+    ]
     assert not missing, f"docs/design.md names modules that are not in src/segfuse: {missing}"
 
 
@@ -583,7 +627,8 @@ def test_readme_one_liners_run(server, tmp_path):
             assert json.loads(output)["choices"][0]["text"]
         elif program(argv) == "lm_eval":  # a generation task, or a multiple-choice one (log-likelihoods)
             assert ("segfuse_gsm8k" in output and "exact_match" in output) or (
-                "segfuse_bigbench" in output and "acc_norm" in output), output[-2000:]
+                "segfuse_bigbench" in output and "acc_norm" in output
+            ), output[-2000:]
         else:
             assert output.strip()
 
@@ -633,15 +678,31 @@ def test_calibrate_table_keeps_settings_apart_at_80_columns():
     assert all(line.endswith("│") and len(line) <= 80 for line in rows)  # nothing cut at the right edge
     first_column = "".join(line.split("│")[1] for line in rows)
     assert "".join(first_column.split()) == "".join(
-        (s.spec + (" ← chosen" if s is settings[2] else "")).replace(" ", "") for s in settings)
+        (s.spec + (" ← chosen" if s is settings[2] else "")).replace(" ", "") for s in settings
+    )
 
 
 @pytest.mark.models
 @pytest.mark.timeout(900)
 def test_segfuse_lm_eval_refuses_unknown_model_args():
-    done = subprocess.run([executable("segfuse-lm-eval"), "--model", "segfuse", "--model_args",
-                           "system=default,max_tokns=8", "--tasks", "segfuse_gsm8k", "--limit", "1"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            executable("segfuse-lm-eval"),
+            "--model",
+            "segfuse",
+            "--model_args",
+            "system=default,max_tokns=8",
+            "--tasks",
+            "segfuse_gsm8k",
+            "--limit",
+            "1",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "unknown model_args for the segfuse model: max_tokns" in done.stderr and "max_tokens" in done.stderr
 
@@ -665,8 +726,10 @@ def test_token_array_prompts_are_the_leaders_tokens_and_others_a_clear_refusal(s
 @pytest.mark.timeout(1200)
 def test_bench_runs_to_its_table_naming_its_systems(tmp_path):
     """`make bench` (`segfuse bench`) with a short answer and one repetition: the table, the JSON, the systems."""
-    printed = run([executable("segfuse"), "bench", "--lengths", "12", "--reps", "1", "--no-rss",
-                   "--out", str(tmp_path)], env={"COLUMNS": "240"})
+    printed = run(
+        [executable("segfuse"), "bench", "--lengths", "12", "--reps", "1", "--no-rss", "--out", str(tmp_path)],
+        env={"COLUMNS": "240"},
+    )
     report = json.loads((tmp_path / "bench.json").read_text())
     plain = report["systems"]["plain fusion"]
     assert plain["gate"] is None and plain["accept_margin"] is None

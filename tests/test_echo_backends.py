@@ -46,8 +46,7 @@ def gemma_url(tmp_path_factory) -> Iterator[str]:
         pytest.skip("Gemma 3 270M is not prepared")
     from segfuse.bench.processes import llama_cpp_server
 
-    with llama_cpp_server(model_path(GEMMA), tmp_path_factory.mktemp("gemma") / "gemma.log",
-                          n_ctx=GEMMA_CTX) as server:
+    with llama_cpp_server(model_path(GEMMA), tmp_path_factory.mktemp("gemma") / "gemma.log", n_ctx=GEMMA_CTX) as server:
         yield server.url
 
 

@@ -47,20 +47,55 @@ def samples(folder: Path) -> list[dict]:
 
 
 def lm_eval(server, tmp: Path, model: str, endpoint: str, *extra: str, more_args: str = "") -> list[dict]:
-    args = (f"base_url={server.api}/{endpoint},model=segfuse,tokenizer_backend=None,num_concurrent=1,"
-            f"max_retries=1{more_args}")
-    run([str(BIN / "lm_eval"), "--model", model, "--model_args", args, "--include_path", str(TASKS),
-         "--tasks", "segfuse_gsm8k", "--limit", "2", "--gen_kwargs", "max_gen_toks=48", "--log_samples",
-         "--output_path", str(tmp), *extra], env={**OFFLINE, "OPENAI_API_KEY": server.api_key})
+    args = (
+        f"base_url={server.api}/{endpoint},model=segfuse,tokenizer_backend=None,num_concurrent=1,"
+        f"max_retries=1{more_args}"
+    )
+    run(
+        [
+            str(BIN / "lm_eval"),
+            "--model",
+            model,
+            "--model_args",
+            args,
+            "--include_path",
+            str(TASKS),
+            "--tasks",
+            "segfuse_gsm8k",
+            "--limit",
+            "2",
+            "--gen_kwargs",
+            "max_gen_toks=48",
+            "--log_samples",
+            "--output_path",
+            str(tmp),
+            *extra,
+        ],
+        env={**OFFLINE, "OPENAI_API_KEY": server.api_key},
+    )
     return samples(tmp)
 
 
 def test_lm_eval_chat_completions_scores_like_our_adapter(server, tmp_path):
-    served = lm_eval(server, tmp_path / "served", "local-chat-completions", "chat/completions",
-                     "--apply_chat_template")
-    run([str(BIN / "segfuse-lm-eval"), "--model", "segfuse", "--model_args",
-         "system=default,threads=1,prefix_cache_cells=0", "--tasks", "segfuse_gsm8k", "--limit", "2",
-         "--gen_kwargs", "max_gen_toks=48", "--log_samples", "--output_path", str(tmp_path / "adapter")])
+    served = lm_eval(server, tmp_path / "served", "local-chat-completions", "chat/completions", "--apply_chat_template")
+    run(
+        [
+            str(BIN / "segfuse-lm-eval"),
+            "--model",
+            "segfuse",
+            "--model_args",
+            "system=default,threads=1,prefix_cache_cells=0",
+            "--tasks",
+            "segfuse_gsm8k",
+            "--limit",
+            "2",
+            "--gen_kwargs",
+            "max_gen_toks=48",
+            "--log_samples",
+            "--output_path",
+            str(tmp_path / "adapter"),
+        ]
+    )
     adapter = samples(tmp_path / "adapter")
     assert [s["doc_id"] for s in served] == [s["doc_id"] for s in adapter] == [0, 1]
     assert [s["resps"] for s in served] == [s["resps"] for s in adapter]  # greedy: the same answers
@@ -82,14 +117,26 @@ def test_lm_eval_local_completions_sends_the_raw_prompt(server, tmp_path):
 def test_litellm_chat_streamed_and_not(server):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
     litellm = pytest.importorskip("litellm", reason="the test extra installs litellm")
-    ask = {"model": "openai/segfuse", "api_base": server.api, "api_key": server.api_key, "temperature": 0,
-           "max_tokens": 12, "messages": [{"role": "user", "content": "Say hi in French."}]}
+    ask = {
+        "model": "openai/segfuse",
+        "api_base": server.api,
+        "api_key": server.api_key,
+        "temperature": 0,
+        "max_tokens": 12,
+        "messages": [{"role": "user", "content": "Say hi in French."}],
+    }
     whole = litellm.completion(**ask)
     text = whole.choices[0].message.content
     assert text and whole.usage.completion_tokens > 0
     assert "".join(c.choices[0].delta.content or "" for c in litellm.completion(**ask, stream=True)) == text
-    raw = litellm.text_completion(model="text-completion-openai/segfuse", api_base=server.api,
-                                  api_key=server.api_key, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0)
+    raw = litellm.text_completion(
+        model="text-completion-openai/segfuse",
+        api_base=server.api,
+        api_key=server.api_key,
+        prompt="1, 2, 3, 4,",
+        max_tokens=6,
+        temperature=0,
+    )
     assert raw.choices[0].text.startswith(" 5")
 
 
@@ -100,8 +147,8 @@ def test_litellm_chat_streamed_and_not(server):
 def llm_home(tmp_path, server):
     """An `llm` user directory: the server as an extra OpenAI model, its key, and a segfuse.toml."""
     (tmp_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: segfuse-remote\n  model_name: segfuse\n  api_base: \"{server.api}\"\n"
-        "  api_key_name: segfuse\n")
+        f'- model_id: segfuse-remote\n  model_name: segfuse\n  api_base: "{server.api}"\n  api_key_name: segfuse\n'
+    )
     (tmp_path / "keys.json").write_text(json.dumps({"segfuse": server.api_key}))
     (tmp_path / "segfuse.toml").write_text("[members]\nthreads = 1\n\n[defaults]\nmax_tokens = 24\n")
     return {**OFFLINE, "LLM_USER_PATH": str(tmp_path)}
@@ -111,17 +158,22 @@ def test_llm_lists_and_runs_segfuse_in_process(llm_home):
     llm = str(BIN / "llm")
     listed = run([llm, "models"], env=llm_home)
     assert "Segfuse: segfuse" in listed and "segfuse-remote" in listed
-    answer = run([llm, "-m", "segfuse", "Name three primary colors.", "-o", "gate", "0.5",
-                  "-o", "accept_margin", "2"], env=llm_home)
+    answer = run(
+        [llm, "-m", "segfuse", "Name three primary colors.", "-o", "gate", "0.5", "-o", "accept_margin", "2"],
+        env=llm_home,
+    )
     assert "red" in answer.lower()
-    extracted = run([llm, "-m", "segfuse", "--schema", "name, age int", "Extract: Maria Lopez is 34.",
-                     "-o", "max_tokens", "48"], env=llm_home)
+    extracted = run(
+        [llm, "-m", "segfuse", "--schema", "name, age int", "Extract: Maria Lopez is 34.", "-o", "max_tokens", "48"],
+        env=llm_home,
+    )
     assert json.loads(extracted) == {"name": "Maria Lopez", "age": 34}
     with pytest.raises(AssertionError, match="gate"):  # a bad option is llm's own clear error
         run([llm, "-m", "segfuse", "hi", "-o", "gate", "7"], env=llm_home)
 
 
 def test_llm_reaches_a_running_server(llm_home):
-    answer = run([str(BIN / "llm"), "-m", "segfuse-remote", "Say hi in French.", "-o", "max_tokens", "12"],
-                 env=llm_home)
+    answer = run(
+        [str(BIN / "llm"), "-m", "segfuse-remote", "Say hi in French.", "-o", "max_tokens", "12"], env=llm_home
+    )
     assert "bonjour" in answer.lower()

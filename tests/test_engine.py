@@ -18,7 +18,14 @@ from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
 
 def run(members, **options):
     # Plain fusion unless a test asks for Model Exit or Hedge: these tests check the round mechanics.
-    options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion
+    options = {
+        "exit": False,
+        "hedge": False,
+        "gate": None,
+        "guard": False,
+        "accept_margin": None,
+        **options,
+    }  # plain fusion
     events = list(fuse(members, FusionRequest.of("q", FusionOptions.build(**options))))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result
@@ -144,11 +151,18 @@ def test_hedge_weights_are_recorded_and_favour_the_consensus_member():
 def test_model_exit_removes_a_lagging_member_but_never_the_last():
     drafts = [([b" w", b"."], False)] * 8 + [([b""], True)]
     good = {" w.": 0.9, " v.": 0.05, " u.": 0.05}
-    sessions = [ScriptedSession(list(drafts), good),
-                ScriptedSession([([b" v", b"."], False)] * 8 + [([b""], True)], good),
-                ScriptedSession([([b" u", b"."], False)] * 8 + [([b""], True)], good)]
-    _, result = run([ScriptedMember(n, s) for n, s in zip("abc", sessions)], exit=True, exit_warmup=2,
-                    exit_entropy=0.99, exit_min_active=1)
+    sessions = [
+        ScriptedSession(list(drafts), good),
+        ScriptedSession([([b" v", b"."], False)] * 8 + [([b""], True)], good),
+        ScriptedSession([([b" u", b"."], False)] * 8 + [([b""], True)], good),
+    ]
+    _, result = run(
+        [ScriptedMember(n, s) for n, s in zip("abc", sessions)],
+        exit=True,
+        exit_warmup=2,
+        exit_entropy=0.99,
+        exit_min_active=1,
+    )
     exits = [d for d in result.departures if d.kind == "exit"]
     assert {d.model for d in exits} == {"b", "c"}
     assert all(d.round >= 2 for d in exits)
@@ -163,8 +177,7 @@ def test_model_exit_removes_a_lagging_member_but_never_the_last():
 def test_a_confident_leader_wins_alone_and_the_others_only_follow():
     strong = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.9, "": 0.9}, bpb=0.8)
     weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.99}, bpb=1.4)
-    events, result = run([fitted("weak", weak), fitted("strong", strong)],
-                         gate=0.5, prior="prompt")
+    events, result = run([fitted("weak", weak), fitted("strong", strong)], gate=0.5, prior="prompt")
     assert result.text == " Four."
     records = [e.record for e in events if isinstance(e, RoundEvent)]
     assert all(r.gated and r.leader == "strong" for r in records)
@@ -177,8 +190,7 @@ def test_a_confident_leader_wins_alone_and_the_others_only_follow():
 def test_an_unsure_leader_calls_a_full_round():
     strong = FittedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.3, " Five.": 0.1}, bpb=0.8)
     weak = FittedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.2, " Four.": 0.6}, bpb=1.4)
-    events, result = run([fitted("weak", weak), fitted("strong", strong)],
-                         gate=0.5, prior="prompt", leader="strong")
+    events, result = run([fitted("weak", weak), fitted("strong", strong)], gate=0.5, prior="prompt", leader="strong")
     first = next(e for e in events if isinstance(e, RoundEvent)).record
     assert not first.gated and first.leader == "strong"
     assert first.confidence == pytest.approx(0.3)
@@ -204,8 +216,9 @@ def test_the_guard_keeps_a_loop_from_winning():
 
     def pair():
         a = ScriptedSession([([loop.encode()], False)] * 2 + [([b""], True)], {loop: 0.95, fresh: 0.2, "": 0.9})
-        b = ScriptedSession([([loop.encode()], False), ([fresh.encode()], False), ([b""], True)],
-                            {loop: 0.9, fresh: 0.3, "": 0.9})
+        b = ScriptedSession(
+            [([loop.encode()], False), ([fresh.encode()], False), ([b""], True)], {loop: 0.9, fresh: 0.3, "": 0.9}
+        )
         return [ScriptedMember("a", a), ScriptedMember("b", b)]
 
     _, unguarded = run(pair())
@@ -242,8 +255,11 @@ def consulting_round(**options):
     leader = ScriptedSession([([b" Four", b"."], False), ([b""], True)], {" Four.": 0.3, " Five.": 0.05, "": 0.9})
     weak1 = ScriptedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.9, " Four.": 0.05, "": 0.9})
     weak2 = ScriptedSession([([b" Five", b"."], False), ([b""], True)], {" Five.": 0.9, " Four.": 0.05, "": 0.9})
-    members = [ScriptedMember("weak1", weak1, n_params=1), ScriptedMember("lead", leader, n_params=9),
-               ScriptedMember("weak2", weak2, n_params=1)]
+    members = [
+        ScriptedMember("weak1", weak1, n_params=1),
+        ScriptedMember("lead", leader, n_params=9),
+        ScriptedMember("weak2", weak2, n_params=1),
+    ]
     _events, result = run(members, gate=0.5, **options)
     return result, (leader, weak1, weak2)
 
@@ -255,7 +271,9 @@ def test_a_proposal_the_leader_rejects_cannot_win_however_the_others_vote():
     first = verified.rounds[0]
     assert verified.text.startswith(" Four.") and first.winner == "lead" and not first.gated
     assert first.decision == "rejected"
-    assert set(first.consulted) == {"weak1", "weak2"} and all(v.startswith("rejected") for v in first.consulted.values())
+    assert set(first.consulted) == {"weak1", "weak2"} and all(
+        v.startswith("rejected") for v in first.consulted.values()
+    )
     assert leader.scored[0] == [" Five."]  # the leader scored the proposal once, in one call
     assert weak1.scored == weak2.scored == []  # nothing was accepted: the others verified nothing
 
@@ -301,8 +319,11 @@ def test_a_standby_member_catches_up_once_and_finishes_when_the_leader_fails():
     leader = BrokenSession(list(words), {" one.": 0.9}, fail_at=2)
     big = ScriptedSession(list(words[1:]), {" two.": 0.9, "": 0.9})
     small = ScriptedSession(list(words), {})
-    members = [ScriptedMember("small", small, n_params=1), ScriptedMember("lead", leader, n_params=9),
-               ScriptedMember("big", big, n_params=5)]
+    members = [
+        ScriptedMember("small", small, n_params=1),
+        ScriptedMember("lead", leader, n_params=9),
+        ScriptedMember("big", big, n_params=5),
+    ]
     _events, result = run(members, gate=0.5, accept_margin=0.0)
     assert result.text == " one. two."
     assert big.accepted == [" one.", " two.", ""]  # the answer so far at once, then each segment
@@ -365,8 +386,10 @@ def test_under_a_constraint_members_that_cannot_draft_under_it_only_verify():
 
     a = ConstrainedSession([([b'{"a"', b": 1}"], True)], {'{"a": 1}': 0.5})
     remote = ScriptedSession([([b"prose"], False)], {'{"a": 1}': 0.6})
-    members = [ScriptedMember("a", a, capabilities=Capabilities(constrained=True), n_params=1),
-               ScriptedMember("remote", remote, n_params=10**9)]  # the largest, yet it cannot lead here
+    members = [
+        ScriptedMember("a", a, capabilities=Capabilities(constrained=True), n_params=1),
+        ScriptedMember("remote", remote, n_params=10**9),
+    ]  # the largest, yet it cannot lead here
     for gate in (None, 0.5):
         a.drafts, remote.drafted = [([b'{"a"', b": 1}"], True)], 0
         options = FusionOptions.build(gate=gate, accept_margin=None, exit=False, hedge=False, guard=False)

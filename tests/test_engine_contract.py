@@ -47,22 +47,30 @@ def parameters(path: Path) -> dict[str, int]:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             a = node.args
             names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
-            counts[f"{node.name}:{node.lineno}"] = (len(names) - (names[:1] in (["self"], ["cls"]))
-                                                    + bool(a.vararg) + bool(a.kwarg))
+            counts[f"{node.name}:{node.lineno}"] = (
+                len(names) - (names[:1] in (["self"], ["cls"])) + bool(a.vararg) + bool(a.kwarg)
+            )
     return counts
 
 
 def test_no_engine_function_takes_more_than_six_parameters():
-    long = [f"{path.name} {where} takes {n}" for path in modules() for where, n in parameters(path).items()
-            if n > MOST_PARAMETERS]
+    long = [
+        f"{path.name} {where} takes {n}"
+        for path in modules()
+        for where, n in parameters(path).items()
+        if n > MOST_PARAMETERS
+    ]
     assert not long, long
 
 
 def test_the_checks_see_what_they_look_for(tmp_path):
     """The two readings above find an upward import and a long signature where there is one."""
     sample = tmp_path / "sample.py"
-    sample.write_text("from ..server import app\nfrom ..types import Event\nimport segfuse.cli.flags\n"
-                      "def f(a, b, c, d, e, *, g, h): ...\n"
-                      "class C:\n    def m(self, a, b, c, d, e, **more): ...\n", encoding="utf-8")
+    sample.write_text(
+        "from ..server import app\nfrom ..types import Event\nimport segfuse.cli.flags\n"
+        "def f(a, b, c, d, e, *, g, h): ...\n"
+        "class C:\n    def m(self, a, b, c, d, e, **more): ...\n",
+        encoding="utf-8",
+    )
     assert imported(sample) & set(ABOVE) == {"server", "cli"}
     assert parameters(sample) == {"f:4": 7, "m:6": 6}

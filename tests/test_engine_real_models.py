@@ -32,7 +32,14 @@ def close_logprobs(a, b):
 
 
 def run(members, messages=QUESTION, **options):
-    options = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None, **options}  # plain fusion unless a test asks otherwise
+    options = {
+        "exit": False,
+        "hedge": False,
+        "gate": None,
+        "guard": False,
+        "accept_margin": None,
+        **options,
+    }  # plain fusion unless a test asks otherwise
     events = list(fuse(members, FusionRequest.of(messages, FusionOptions.build(**options))))
     return events, events[-1].result
 
@@ -190,9 +197,22 @@ def test_gguf_path_member_and_duplicate_names(default_ensemble):
 
 def test_cli_json_output():
     proc = subprocess.run(
-        [sys.executable, "-m", "segfuse.cli", "generate", "--json", "--no-gate", "--max-tokens", "24", "--seed", "1",
-         "Name three primary colors."],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "segfuse.cli",
+            "generate",
+            "--json",
+            "--no-gate",
+            "--max-tokens",
+            "24",
+            "--seed",
+            "1",
+            "Name three primary colors.",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -208,10 +228,26 @@ def test_cli_json_output():
 def test_cli_json_with_exit_and_hedge_shows_weights_and_exits_per_round():
     # Default Model Exit knobs on a GSM8K-style question: the lagging members leave after warm-up.
     proc = subprocess.run(
-        [sys.executable, "-m", "segfuse.cli", "generate", "--json", "--no-gate", "--exit", "--hedge", "--temperature", "0",
-         "--max-tokens", "64", "--threads", "1",
-         "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "segfuse.cli",
+            "generate",
+            "--json",
+            "--no-gate",
+            "--exit",
+            "--hedge",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "64",
+            "--threads",
+            "1",
+            "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -226,8 +262,17 @@ def test_cli_json_with_exit_and_hedge_shows_weights_and_exits_per_round():
 
 def test_model_exit_forces_members_out_and_the_answer_completes(recording):
     # Aggressive knobs: after one round, members below the average share leave.
-    _, result = run(recording, EXPLAIN, max_tokens=48, temperature=0, exit=True, exit_warmup=1,
-                    exit_entropy=1.0, exit_fraction=1.0, exit_min_active=1)
+    _, result = run(
+        recording,
+        EXPLAIN,
+        max_tokens=48,
+        temperature=0,
+        exit=True,
+        exit_warmup=1,
+        exit_entropy=1.0,
+        exit_fraction=1.0,
+        exit_min_active=1,
+    )
     exits = [d for d in result.departures if d.kind == "exit"]
     assert exits, "some member should have exited"
     assert len(exits) <= 2  # never the last member

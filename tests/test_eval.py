@@ -32,6 +32,7 @@ SEGFUSE = [sys.executable, "-m", "segfuse.cli"]
 
 # --- GSM8K metric --------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -77,6 +78,7 @@ def test_gsm8k_loads_local_data_with_offset():
 
 # --- IFEval through lm-eval's implementation -----------------------------------
 
+
 def _ifeval_item(instructions, kwargs, prompt="Write something."):
     doc = {"key": 1, "prompt": prompt, "instruction_id_list": instructions, "kwargs": kwargs}
     return Item("ifeval-1", 0, prompt, doc)
@@ -106,8 +108,9 @@ def test_ifeval_known_pass_and_fail():
 def test_ifeval_scores_one_answer_the_same_every_time():
     # lm_eval picks a random letter to count when the item's is not a-z (IFEval item 1129 asks for 6 "!"),
     # so without a seed the same answer scored differently from one call to the next.
-    item = _ifeval_item(["keywords:letter_frequency"],
-                        [{"let_relation": "at least", "letter": "!", "let_frequency": 6}])
+    item = _ifeval_item(
+        ["keywords:letter_frequency"], [{"let_relation": "at least", "letter": "!", "let_frequency": 6}]
+    )
     answer = "Sunnis ice cream! Gentle! On the stomach! Try it! Today! Now! " + "abcdefghijklmnopqrstuvwxyz " * 3
     scores = {IFEVAL.score(item, answer)["inst_level_loose_acc"][0] for _ in range(20)}
     assert len(scores) == 1
@@ -123,11 +126,13 @@ def test_punkt_data_is_written_in_nltk_format(tmp_path, monkeypatch):
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])  # only the folder just written
     tokenizer = PunktTokenizer("english")
     assert tokenizer.tokenize("Dr. Watson met Mr. Holmes. They talked.") == [
-        "Dr. Watson met Mr. Holmes.", "They talked."
+        "Dr. Watson met Mr. Holmes.",
+        "They talked.",
     ]
 
 
 # --- systems and reports on hand-made records -----------------------------------
+
 
 def test_resolve_systems_expands_members_and_orders_them_first():
     names = ["a", "b"]
@@ -146,9 +151,18 @@ def test_wilson_interval():
 
 def test_summary_uses_only_items_every_system_finished():
     def rec(i, system, ok):
-        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
-                "total_s": 1.0, "ttft_s": 0.5, "member_calls": 3, "tokens": 10,
-                "wins": {"x": 2, "y": 1} if system == "specfuse" else None}
+        return {
+            "id": f"gsm8k-{i}",
+            "index": i,
+            "system": system,
+            "correct": ok,
+            "exact_match": ok,
+            "total_s": 1.0,
+            "ttft_s": 0.5,
+            "member_calls": 3,
+            "tokens": 10,
+            "wins": {"x": 2, "y": 1} if system == "specfuse" else None,
+        }
 
     records = [rec(0, "specfuse", True), rec(0, "rerank", False), rec(1, "specfuse", True)]
     rows, common = summarise(GSM8K, records)
@@ -160,8 +174,18 @@ def test_summary_uses_only_items_every_system_finished():
 @pytest.mark.slow
 def test_systems_that_went_further_get_their_own_section(tmp_path):
     def rec(i, system, ok):
-        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
-                "total_s": 1.0, "ttft_s": 0.5, "member_calls": 3, "tokens": 10, "rounds": 1}
+        return {
+            "id": f"gsm8k-{i}",
+            "index": i,
+            "system": system,
+            "correct": ok,
+            "exact_match": ok,
+            "total_s": 1.0,
+            "ttft_s": 0.5,
+            "member_calls": 3,
+            "tokens": 10,
+            "rounds": 1,
+        }
 
     # `specfuse` and `rerank` finished items 0-3, `specfuse+exit` only 0-1, `member:a` 0-2.
     coverage = {"member:a": 3, "specfuse": 4, "rerank": 4, "specfuse+exit": 2}
@@ -195,12 +219,25 @@ def test_mcnemar_exact_p_values():
 
 def test_paired_comparison_and_calls_per_round():
     def rec(i, system, ok, calls=6, rounds=None):
-        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
-                "total_s": 1.0, "ttft_s": 0.5, "member_calls": calls, "tokens": 10, "rounds": rounds}
+        return {
+            "id": f"gsm8k-{i}",
+            "index": i,
+            "system": system,
+            "correct": ok,
+            "exact_match": ok,
+            "total_s": 1.0,
+            "ttft_s": 0.5,
+            "member_calls": calls,
+            "tokens": 10,
+            "rounds": rounds,
+        }
 
     outcomes = {"member:a": [1, 1, 0, 0], "specfuse": [1, 0, 0, 1], "specfuse+exit": [1, 1, 1, 0]}
-    records = [rec(i, s, bool(ok), calls=6 if s == "specfuse" else 3, rounds=None if s.startswith("member") else 2)
-               for s, row in outcomes.items() for i, ok in enumerate(row)]
+    records = [
+        rec(i, s, bool(ok), calls=6 if s == "specfuse" else 3, rounds=None if s.startswith("member") else 2)
+        for s, row in outcomes.items()
+        for i, ok in enumerate(row)
+    ]
     rows, common = summarise(GSM8K, records)
     by = {r.system: r for r in rows}
     assert by["specfuse"].calls_per_round == 3.0 and by["specfuse+exit"].calls_per_round == 1.5
@@ -226,6 +263,7 @@ def test_carried_weights_resume_from_the_latest_earlier_item():
 
 # --- real runs through the CLI --------------------------------------------------
 
+
 def _cli(*args, check=True):
     env = {**os.environ, "SEGFUSE_THREADS": os.environ.get("SEGFUSE_THREADS", "1")}
     done = subprocess.run([*SEGFUSE, *args], capture_output=True, text=True, env=env, timeout=600)
@@ -238,8 +276,19 @@ def _cli(*args, check=True):
 def gsm8k_run(tmp_path_factory):
     """Every system on two GSM8K items with short answers: the real models, end to end."""
     out = tmp_path_factory.mktemp("eval")
-    args = ("eval", "gsm8k", "--limit", "2", "--max-tokens", "24", "--systems", "specfuse,rerank,members",
-            "--out", str(out), "--no-progress")
+    args = (
+        "eval",
+        "gsm8k",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "24",
+        "--systems",
+        "specfuse,rerank,members",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     done = _cli(*args)
     return out, args, done
 
@@ -261,8 +310,11 @@ def test_cli_run_writes_records_table_and_plots(gsm8k_run):
     for r in reranked:
         assert r["ttft_s"] == r["total_s"] and sum(r["wins"].values()) == 1
         # The winner is one of the members' own answers, written once and reused.
-        alone = {x["system"].split(":", 1)[1]: x["output"] for x in records
-                 if x["id"] == r["id"] and x["system"].startswith("member:")}
+        alone = {
+            x["system"].split(":", 1)[1]: x["output"]
+            for x in records
+            if x["id"] == r["id"] and x["system"].startswith("member:")
+        }
         winner = next(m for m, w in r["wins"].items() if w)
         assert r["output"] == alone[winner]
     assert "| `specfuse` | 2 |" in done.stdout
@@ -318,14 +370,22 @@ def test_report_rebuilds_from_jsonl(gsm8k_run):
 def test_ifeval_run_in_process(tmp_path):
     from segfuse.eval.runner import run_eval
 
-    path = run_eval("ifeval", tmp_path, systems="member:smollm2-135m", members=["smollm2-135m"],
-                    limit=1, max_tokens=16, progress=False)
+    path = run_eval(
+        "ifeval",
+        tmp_path,
+        systems="member:smollm2-135m",
+        members=["smollm2-135m"],
+        limit=1,
+        max_tokens=16,
+        progress=False,
+    )
     (record,) = read_records(path)
     assert record["id"] == "ifeval-1000" and len(record["inst_level_strict_acc"]) == 3
     assert set(record) >= {"prompt_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc"}
 
 
 # --- the lm-evaluation-harness adapter ------------------------------------------
+
 
 @pytest.mark.models
 def test_lm_eval_model_is_registered_and_generates():
@@ -361,8 +421,9 @@ def test_lm_eval_bigbench_group_runs_offline_and_one_member_gives_its_own_scores
     # No prefix cache: every item is decoded on an empty cache, so scores do not depend on the order.
     lm = SegfuseLM(models="smollm2-135m", system="member:smollm2-135m", threads=1, prefix_cache_cells=0)
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=["segfuse_bigbench_mc"], task_manager=task_manager(),
-                                      limit=1, log_samples=True)
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=["segfuse_bigbench_mc"], task_manager=task_manager(), limit=1, log_samples=True
+        )
         assert "acc,none" in out["results"]["segfuse_bigbench_mc"]
         for task in TASKS:
             name = "segfuse_bigbench_" + task.replace("-", "_")
@@ -392,12 +453,14 @@ def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
         lm.scoring.rule = Rule.parse("loglinear-whole", {"smollm2-135m": 3, "gemma3-270m": 1})
         weighted = lm.loglikelihood(requests, disable_tqdm=True)
         assert [v for v, _ in weighted] == pytest.approx(
-            [0.75 * a.logprob + 0.25 * b.logprob for a, b in zip(*rows)], abs=1e-3)
+            [0.75 * a.logprob + 0.25 * b.logprob for a, b in zip(*rows)], abs=1e-3
+        )
         assert [g for _, g in weighted] == [a.greedy and b.greedy for a, b in zip(*rows)]
         (rolling,) = lm.loglikelihood_rolling([_Request("The cat sat on the mat.")], disable_tqdm=True)
         texts = lm.ensemble.score("", ["The cat sat on the mat."], rule="loglinear-whole")
-        assert rolling == pytest.approx(0.75 * texts.members["smollm2-135m"][0].logprob
-                                        + 0.25 * texts.members["gemma3-270m"][0].logprob, abs=1e-3)
+        assert rolling == pytest.approx(
+            0.75 * texts.members["smollm2-135m"][0].logprob + 0.25 * texts.members["gemma3-270m"][0].logprob, abs=1e-3
+        )
         with pytest.raises(InvalidRequestError, match="unknown rule"):
             SegfuseLM(models="smollm2-135m", rule="median")
         with pytest.raises(InvalidRequestError, match="bad weights"):
@@ -412,14 +475,24 @@ def test_lm_eval_cli_runs_a_local_task_with_the_segfuse_model():
     script = os.path.join(os.path.dirname(sys.executable), "segfuse-lm-eval")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [script, "--model", "segfuse", "--model_args",
-         "models=smollm2-135m,system=member:smollm2-135m,max_tokens=16,threads=1",
-         "--tasks", "segfuse_gsm8k", "--limit", "1"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            script,
+            "--model",
+            "segfuse",
+            "--model_args",
+            "models=smollm2-135m,system=member:smollm2-135m,max_tokens=16,threads=1",
+            "--tasks",
+            "segfuse_gsm8k",
+            "--limit",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "|segfuse_gsm8k|" in done.stdout and "exact_match" in done.stdout
-
 
 
 # --- selection study: screening systems and the report's loop columns ---------------
@@ -429,7 +502,12 @@ def test_fusion_systems_parse_options_and_refuse_bad_ones():
     from segfuse.eval.systems import get_system, parse_fusion
 
     assert parse_fusion("gate=0.7/guard=true/exit=false/prior=prompt/leader=qwen") == {
-        "gate": 0.7, "guard": True, "exit": False, "prior": "prompt", "leader": "qwen"}
+        "gate": 0.7,
+        "guard": True,
+        "exit": False,
+        "prior": "prompt",
+        "leader": "qwen",
+    }
     assert parse_fusion("gate=none/window=6") == {"gate": None, "window": 6}
     get_system("fusion:gate=0.5/guard=true")  # resolves to a runnable system
     with pytest.raises(InvalidRequestError, match="bad fusion option"):
@@ -441,13 +519,28 @@ def test_fusion_systems_parse_options_and_refuse_bad_ones():
 
 def test_report_counts_answers_at_the_limit_and_looping_answers():
     loop = "The total is 5 apples and 3 pears. " * 4
-    def rec(i, system, ok, output, finish):
-        return {"id": f"gsm8k-{i}", "index": i, "system": system, "correct": ok, "exact_match": ok,
-                "total_s": 1.0, "ttft_s": 0.5, "member_calls": 3, "tokens": 10, "output": output,
-                "finish_reason": finish}
 
-    records = [rec(0, "member:a", True, "The answer is 8.", "stop"), rec(1, "member:a", False, loop, "length"),
-               rec(0, "default", True, "The answer is 8.", "stop"), rec(1, "default", True, "So 8.", "stop")]
+    def rec(i, system, ok, output, finish):
+        return {
+            "id": f"gsm8k-{i}",
+            "index": i,
+            "system": system,
+            "correct": ok,
+            "exact_match": ok,
+            "total_s": 1.0,
+            "ttft_s": 0.5,
+            "member_calls": 3,
+            "tokens": 10,
+            "output": output,
+            "finish_reason": finish,
+        }
+
+    records = [
+        rec(0, "member:a", True, "The answer is 8.", "stop"),
+        rec(1, "member:a", False, loop, "length"),
+        rec(0, "default", True, "The answer is 8.", "stop"),
+        rec(1, "default", True, "So 8.", "stop"),
+    ]
     rows, common = summarise(GSM8K, records)
     by = {r.system: r for r in rows}
     assert (by["member:a"].at_limit, by["member:a"].looping) == (0.5, 0.5)

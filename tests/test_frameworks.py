@@ -37,8 +37,9 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def chat_model(server):
     langchain_openai = pytest.importorskip("langchain_openai", reason="the test extra installs langchain-openai")
-    return langchain_openai.ChatOpenAI(base_url=server.api, api_key=server.api_key, model="segfuse",
-                                       temperature=0, max_tokens=64, max_retries=0)
+    return langchain_openai.ChatOpenAI(
+        base_url=server.api, api_key=server.api_key, model="segfuse", temperature=0, max_tokens=64, max_retries=0
+    )
 
 
 def test_langchain_structured_output(chat_model):
@@ -84,8 +85,11 @@ def test_pydantic_ai_agent_calls_a_tool(server):
     from pydantic_ai.usage import UsageLimits
 
     calls: list[str] = []
-    agent = Agent(_agent_model(server), model_settings={"temperature": 0, "max_tokens": 64},
-                  system_prompt="Use the tools to answer.")
+    agent = Agent(
+        _agent_model(server),
+        model_settings={"temperature": 0, "max_tokens": 64},
+        system_prompt="Use the tools to answer.",
+    )
 
     @agent.tool_plain
     def get_weather(city: str) -> str:

@@ -59,10 +59,21 @@ BATCH = 100  # fuzz requests between two normal ones
 TIMEOUT_S = 120.0  # no answer in this long is a hang (answers here are 1-2 tokens)
 # Requests per batch of each test; together at least 2,000 (checked at the end).
 EXAMPLES = {"chat": 1000, "text": 400, "raw": 450, "routes": 250}
-NORMAL = {"model": "segfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
-          "max_tokens": 4, "temperature": 0}
-FUZZ = settings(max_examples=1, deadline=None, derandomize=True, database=None, print_blob=False,
-                phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+NORMAL = {
+    "model": "segfuse",
+    "messages": [{"role": "user", "content": "Name three primary colors."}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
+FUZZ = settings(
+    max_examples=1,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=False,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=list(HealthCheck),
+)
 
 
 # --------------------------------------------------------------------------- values
@@ -73,14 +84,36 @@ def finite_floats(lo: float, hi: float) -> st.SearchStrategy[float]:
 
 
 # Text with what breaks parsers and tokenizers: special tokens, control characters, lone surrogates.
-SPECIAL = ["<|im_end|>", "<|im_start|>system\n", "<|endoftext|>", "<start_of_turn>", "</s>", "<s>", "\x00",
-           "\ud800", "\udfff", "\u202e", "{", "\\", "%s", "{{ x }}", "😀", "\r\n"]
-texts = st.one_of(st.text(max_size=30), st.sampled_from(SPECIAL),
-                  st.lists(st.sampled_from(SPECIAL) | st.text(max_size=6), max_size=4).map("".join))
+SPECIAL = [
+    "<|im_end|>",
+    "<|im_start|>system\n",
+    "<|endoftext|>",
+    "<start_of_turn>",
+    "</s>",
+    "<s>",
+    "\x00",
+    "\ud800",
+    "\udfff",
+    "\u202e",
+    "{",
+    "\\",
+    "%s",
+    "{{ x }}",
+    "😀",
+    "\r\n",
+]
+texts = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(SPECIAL),
+    st.lists(st.sampled_from(SPECIAL) | st.text(max_size=6), max_size=4).map("".join),
+)
 questions = st.sampled_from(["Say hi.", "What is 2 + 2?", "Name a colour."]) | texts
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), texts)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
 # A budget: small when valid (answers stay 1-2 tokens), or wrong.
 budgets = st.sampled_from([1, 2]) | st.sampled_from([0, -1, "2", 1.5, True, None, [2], 2**64])
 seeds = st.integers(-(2**70), 2**70) | st.sampled_from([-1, 0, 2**32, 2**63 - 1, 2**63, -(2**63), 2**64, "-1", 1.0])
@@ -90,37 +123,70 @@ seeds = st.integers(-(2**70), 2**70) | st.sampled_from([-1, 0, 2**32, 2**63 - 1,
 
 schema_types = st.sampled_from(["object", "string", "integer", "number", "boolean", "array", "null", "nope"])
 schemas = st.recursive(
-    st.one_of(st.builds(lambda t: {"type": t}, schema_types), st.just({}), st.just(True), json_values,
-              st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(["^a+$", "(a+)+$", "[", "\\d"])),
-              st.builds(lambda e: {"enum": e}, st.lists(scalars, max_size=3))),
+    st.one_of(
+        st.builds(lambda t: {"type": t}, schema_types),
+        st.just({}),
+        st.just(True),
+        json_values,
+        st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(["^a+$", "(a+)+$", "[", "\\d"])),
+        st.builds(lambda e: {"enum": e}, st.lists(scalars, max_size=3)),
+    ),
     lambda inner: st.one_of(
-        st.builds(lambda p, r: {"type": "object", "properties": p, "required": r},
-                  st.dictionaries(st.text(max_size=5), inner, max_size=3), st.lists(st.text(max_size=5), max_size=2)),
+        st.builds(
+            lambda p, r: {"type": "object", "properties": p, "required": r},
+            st.dictionaries(st.text(max_size=5), inner, max_size=3),
+            st.lists(st.text(max_size=5), max_size=2),
+        ),
         st.builds(lambda i, n: {"type": "array", "items": i, "minItems": n}, inner, st.integers(-1, 3)),
         st.builds(lambda a: {"anyOf": a}, st.lists(inner, max_size=3)),
         st.builds(lambda s: {"$ref": s}, st.sampled_from(["#", "#/definitions/x", "http://example.com/s"])),
     ),
-    max_leaves=6)
+    max_leaves=6,
+)
 tool_names = st.sampled_from(["lookup", "add", "get_weather"]) | texts
 tools = st.one_of(
-    st.builds(lambda n, p, d: {"type": "function", "function": {"name": n, "parameters": p, "description": d}},
-              tool_names, schemas, texts),
+    st.builds(
+        lambda n, p, d: {"type": "function", "function": {"name": n, "parameters": p, "description": d}},
+        tool_names,
+        schemas,
+        texts,
+    ),
     st.builds(lambda f: {"type": "function", "function": f}, json_values),
-    json_values)
-tool_choices = st.sampled_from(["none", "auto", "required", "any"]) | st.builds(
-    lambda n: {"type": "function", "function": {"name": n}}, tool_names) | json_values
+    json_values,
+)
+tool_choices = (
+    st.sampled_from(["none", "auto", "required", "any"])
+    | st.builds(lambda n: {"type": "function", "function": {"name": n}}, tool_names)
+    | json_values
+)
 response_formats = st.one_of(
     st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}, {"type": "yaml"}]),
-    st.builds(lambda s, n: {"type": "json_schema", "json_schema": {"name": n, "schema": s, "strict": True}},
-              schemas, texts),
-    json_values)
-tool_calls = st.lists(st.one_of(
-    st.builds(lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
-              texts | json_values, tool_names | json_values, st.just("{}") | texts | json_values),
-    json_values), max_size=2)
-parts = st.lists(st.builds(lambda t: {"type": "text", "text": t}, texts)
-                 | st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, texts) | json_values, max_size=3)
-roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | st.sampled_from(["function", "", "USER"])
+    st.builds(
+        lambda s, n: {"type": "json_schema", "json_schema": {"name": n, "schema": s, "strict": True}}, schemas, texts
+    ),
+    json_values,
+)
+tool_calls = st.lists(
+    st.one_of(
+        st.builds(
+            lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
+            texts | json_values,
+            tool_names | json_values,
+            st.just("{}") | texts | json_values,
+        ),
+        json_values,
+    ),
+    max_size=2,
+)
+parts = st.lists(
+    st.builds(lambda t: {"type": "text", "text": t}, texts)
+    | st.builds(lambda u: {"type": "image_url", "image_url": {"url": u}}, texts)
+    | json_values,
+    max_size=3,
+)
+roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | st.sampled_from(
+    ["function", "", "USER"]
+)
 
 
 @st.composite
@@ -128,10 +194,12 @@ def message(draw: st.DrawFn, role: Any = None) -> Any:
     if draw(st.integers(0, 15)) == 0:
         return draw(json_values)  # not a message at all
     m: dict[str, Any] = {"role": role if role is not None else draw(roles)}
-    m["content"] = draw(st.one_of(questions, parts, st.none(), json_values)) if draw(st.booleans()) else draw(
-        questions)
-    for name, values in (("name", texts | json_values), ("tool_calls", tool_calls),
-                         ("tool_call_id", texts | json_values)):
+    m["content"] = draw(st.one_of(questions, parts, st.none(), json_values)) if draw(st.booleans()) else draw(questions)
+    for name, values in (
+        ("name", texts | json_values),
+        ("tool_calls", tool_calls),
+        ("tool_call_id", texts | json_values),
+    ):
         if draw(st.integers(0, 5)) == 0:
             m[name] = draw(values)
     return m
@@ -160,14 +228,25 @@ OPTION_VALUES = {  # fusion options: small answers when valid; every type of wro
 
 def option_values(name: str) -> st.SearchStrategy[Any]:
     annotation = str(FusionOptions.model_fields[name].annotation)
-    typed = (st.booleans() if "bool" in annotation else st.integers(-3, 400) if "int" in annotation
-             else st.floats() if "float" in annotation else texts)
+    typed = (
+        st.booleans()
+        if "bool" in annotation
+        else st.integers(-3, 400)
+        if "int" in annotation
+        else st.floats()
+        if "float" in annotation
+        else texts
+    )
     return OPTION_VALUES.get(name, typed | json_values)
 
 
-fusion_options = st.lists(st.sampled_from(sorted(FusionOptions.model_fields)) | st.text(max_size=8), max_size=3,
-                          unique=True).flatmap(lambda names: st.fixed_dictionaries(
-                              {k: option_values(k) if k in FusionOptions.model_fields else json_values for k in names}))
+fusion_options = st.lists(
+    st.sampled_from(sorted(FusionOptions.model_fields)) | st.text(max_size=8), max_size=3, unique=True
+).flatmap(
+    lambda names: st.fixed_dictionaries(
+        {k: option_values(k) if k in FusionOptions.model_fields else json_values for k in names}
+    )
+)
 
 SHARED = {  # GenerationRequest's fields, chat and text alike
     "model": st.sampled_from(["segfuse", *MEMBERS]) | texts | json_values,
@@ -197,8 +276,14 @@ CHAT_FIELDS = {
 }
 TEXT_FIELDS = {
     **SHARED,
-    "prompt": st.one_of(questions, st.lists(questions, max_size=3), st.lists(st.integers(-5, 200000), max_size=4),
-                        st.just([]), st.lists(questions, min_size=17, max_size=17), json_values),
+    "prompt": st.one_of(
+        questions,
+        st.lists(questions, max_size=3),
+        st.lists(st.integers(-5, 200000), max_size=4),
+        st.just([]),
+        st.lists(questions, min_size=17, max_size=17),
+        json_values,
+    ),
     "echo": st.booleans() | json_values,
     "logprobs": st.integers(-1, 7) | json_values,
 }
@@ -208,14 +293,22 @@ def others(neutral: dict[str, tuple[Any, ...]]) -> st.SearchStrategy[dict[str, A
     """Parameters outside the models: tolerated, neutral (at their neutral value or not), fusion options at
     the top level, unknown names."""
     names = st.sampled_from(sorted({*TOLERATED_PARAMETERS, *neutral, *FusionOptions.model_fields}))
-    pairs = st.tuples(names, json_values) | st.tuples(st.sampled_from(sorted(neutral)), st.none()) | st.sampled_from(
-        [(k, v) for k, values in neutral.items() for v in values]) | st.tuples(st.text(max_size=10), json_values)
+    pairs = (
+        st.tuples(names, json_values)
+        | st.tuples(st.sampled_from(sorted(neutral)), st.none())
+        | st.sampled_from([(k, v) for k, values in neutral.items() for v in values])
+        | st.tuples(st.text(max_size=10), json_values)
+    )
     return st.lists(pairs, max_size=2).map(dict)
 
 
 @st.composite
-def bodies(draw: st.DrawFn, fields: dict[str, st.SearchStrategy[Any]], base: dict[str, st.SearchStrategy[Any]],
-           neutral: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+def bodies(
+    draw: st.DrawFn,
+    fields: dict[str, st.SearchStrategy[Any]],
+    base: dict[str, st.SearchStrategy[Any]],
+    neutral: dict[str, tuple[Any, ...]],
+) -> dict[str, Any]:
     """A valid core (`base`), a few fields drawn over it, sometimes extra parameters or a field left out."""
     body = {name: draw(strategy) for name, strategy in base.items()}
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
@@ -227,8 +320,9 @@ def bodies(draw: st.DrawFn, fields: dict[str, st.SearchStrategy[Any]], base: dic
     return body
 
 
-chat_bodies = bodies(CHAT_FIELDS, {"messages": conversations(), "max_tokens": st.sampled_from([1, 2])},
-                     NEUTRAL_PARAMETERS)
+chat_bodies = bodies(
+    CHAT_FIELDS, {"messages": conversations(), "max_tokens": st.sampled_from([1, 2])}, NEUTRAL_PARAMETERS
+)
 text_bodies = bodies(TEXT_FIELDS, {"prompt": questions, "max_tokens": st.sampled_from([1, 2])}, COMPLETION_NEUTRAL)
 
 
@@ -261,18 +355,46 @@ raw_payloads = st.one_of(
     st.builds(lambda b, n: encode(b)[:n], chat_bodies, st.integers(0, 80)),  # truncated
     st.builds(encode, json_values),
     st.builds(deep, st.sampled_from([10, 100, 1000, 5000, 30000])),
-    st.sampled_from([b"", b"null", b"{}", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}',
-                     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-                     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_tokens": 1}',
-                     b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}',
-                     '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'.encode("utf-16")]),
+    st.sampled_from(
+        [
+            b"",
+            b"null",
+            b"{}",
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}',
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "max_tokens": 1}',
+            b'\xef\xbb\xbf{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}',
+            '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'.encode("utf-16"),
+        ]
+    ),
 )
-content_types = st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",
-                                 "application/x-www-form-urlencoded", "multipart/form-data", "", "application/jsonx",
-                                 "APPLICATION/JSON"])
+content_types = st.sampled_from(
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data",
+        "",
+        "application/jsonx",
+        "APPLICATION/JSON",
+    ]
+)
 BEARER = f"Bearer {API_KEY}"
-keys = st.sampled_from([BEARER, None, "Bearer wrong", f"bearer {API_KEY}", f"Basic {API_KEY}", f"Bearer  {API_KEY}",
-                        API_KEY, "Bearer " + "x" * 5000, f"{BEARER}x", f"Bearer {API_KEY[:-1]}"])
+keys = st.sampled_from(
+    [
+        BEARER,
+        None,
+        "Bearer wrong",
+        f"bearer {API_KEY}",
+        f"Basic {API_KEY}",
+        f"Bearer  {API_KEY}",
+        API_KEY,
+        "Bearer " + "x" * 5000,
+        f"{BEARER}x",
+        f"Bearer {API_KEY[:-1]}",
+    ]
+)
 
 
 @st.composite
@@ -294,14 +416,37 @@ path_texts = st.text(st.characters(min_codepoint=32, max_codepoint=126, exclude_
 def route_requests(draw: st.DrawFn) -> Request:
     """The other routes: models by any id, the tokenizer's, health, metrics, the web view, static files,
     unknown paths."""
-    path = draw(st.one_of(
-        st.builds(lambda m: f"/v1/models/{m}", st.sampled_from(["segfuse", *MEMBERS]) | path_texts),
-        st.sampled_from(["/tokenize", "/detokenize", "/tokenizer_info", f"/m/{MEMBERS[0]}/tokenize",
-                         f"/m/{MEMBERS[0]}/v1/completions"]),
-        st.builds(lambda m: f"/m/{m}/tokenizer_info", st.sampled_from(["segfuse", *MEMBERS]) | path_texts),
-        st.sampled_from(["/v1/models", "/health", "/metrics", "/", "/openapi.json", "/static/index.html",
-                         "/static/../../../../etc/passwd", "/static/..%2f..%2f..%2fetc%2fpasswd", "/v1", "/v2/x"]),
-        st.builds(lambda p: f"/static/{p}", path_texts), st.builds(lambda p: f"/v1/{p}", path_texts)))
+    path = draw(
+        st.one_of(
+            st.builds(lambda m: f"/v1/models/{m}", st.sampled_from(["segfuse", *MEMBERS]) | path_texts),
+            st.sampled_from(
+                [
+                    "/tokenize",
+                    "/detokenize",
+                    "/tokenizer_info",
+                    f"/m/{MEMBERS[0]}/tokenize",
+                    f"/m/{MEMBERS[0]}/v1/completions",
+                ]
+            ),
+            st.builds(lambda m: f"/m/{m}/tokenizer_info", st.sampled_from(["segfuse", *MEMBERS]) | path_texts),
+            st.sampled_from(
+                [
+                    "/v1/models",
+                    "/health",
+                    "/metrics",
+                    "/",
+                    "/openapi.json",
+                    "/static/index.html",
+                    "/static/../../../../etc/passwd",
+                    "/static/..%2f..%2f..%2fetc%2fpasswd",
+                    "/v1",
+                    "/v2/x",
+                ]
+            ),
+            st.builds(lambda p: f"/static/{p}", path_texts),
+            st.builds(lambda p: f"/v1/{p}", path_texts),
+        )
+    )
     method = draw(st.sampled_from(["GET"] * 5 + ["POST", "HEAD", "OPTIONS", "DELETE"]))
     body = draw(st.none() | raw_payloads) if method == "POST" else None
     return Request(method, path, body, {"Content-Type": "application/json"}, draw(keys))
@@ -345,14 +490,17 @@ class Fuzz:
             self.unsendable[batch] += 1
             return
         except httpx.TransportError as exc:
-            self.failures.append(f"the connection broke ({type(exc).__name__}: {exc})\n  request: "
-                                 f"{request.brief()}{self.tracebacks()}")
+            self.failures.append(
+                f"the connection broke ({type(exc).__name__}: {exc})\n  request: {request.brief()}{self.tracebacks()}"
+            )
             return
         self.statuses[response.status_code] += 1
         problem = self.judge(request, response, raw)
         if problem:
-            self.failures.append(f"{problem}\n  request: {request.brief()}\n  response: {response.status_code} "
-                                 f"{raw[:400]!r}{self.tracebacks()}")
+            self.failures.append(
+                f"{problem}\n  request: {request.brief()}\n  response: {response.status_code} "
+                f"{raw[:400]!r}{self.tracebacks()}"
+            )
         if self.sent[batch] % BATCH == 0:
             self.after_batch(f"{batch} request {self.sent[batch]}")
 
@@ -383,8 +531,11 @@ class Fuzz:
     def judge_answer(request: Request, response: httpx.Response, raw: bytes) -> str | None:
         chat = request.path == "/v1/chat/completions"
         if response.headers.get("content-type", "").startswith("text/event-stream"):
-            frames = [line[len("data: "):] for line in raw.decode("utf-8", "replace").splitlines()
-                      if line.startswith("data: ")]
+            frames = [
+                line[len("data: ") :]
+                for line in raw.decode("utf-8", "replace").splitlines()
+                if line.startswith("data: ")
+            ]
             if not frames or frames[-1] != "[DONE]":
                 return "a stream without [DONE] at its end"
             for frame in frames[:-1]:
@@ -405,7 +556,7 @@ class Fuzz:
     def tracebacks(self) -> str:
         """Tracebacks the server logged since the last look."""
         text = self.server.log.read_text(errors="replace")
-        new, self._log_offset = text[self._log_offset:], len(text)
+        new, self._log_offset = text[self._log_offset :], len(text)
         found = re.findall(r"Traceback \(most recent call last\):.*?(?=\n\S+ (?:INFO|ERROR|WARNING)|\Z)", new, re.S)
         return "".join(f"\n  server traceback:\n{t[-2500:]}" for t in found[:1])
 
@@ -416,9 +567,18 @@ class Fuzz:
 
     def idle(self) -> dict[str, Any]:
         health = self.http.get("/health", headers={"Authorization": f"Bearer {API_KEY}"}).json()
-        return health if (not health["queue"]["waiting"] and not health["queue"]["running"]
-                          and all(o["free_slots"] == o["slots"] and not o["cache_cells"] and not o["stray_cells"]
-                                  for o in health["occupancy"].values())) else {}
+        return (
+            health
+            if (
+                not health["queue"]["waiting"]
+                and not health["queue"]["running"]
+                and all(
+                    o["free_slots"] == o["slots"] and not o["cache_cells"] and not o["stray_cells"]
+                    for o in health["occupancy"].values()
+                )
+            )
+            else {}
+        )
 
     def after_batch(self, label: str) -> None:
         """The server still answers a normal request, the same as before, and holds nothing when idle."""
@@ -428,14 +588,16 @@ class Fuzz:
             self.failures.append(f"hang: the normal request after {label} got no answer in {TIMEOUT_S:.0f} s")
             raise Wedged(self.failures[-1]) from None
         if text != self.baseline:
-            self.failures.append(f"after {label} the normal request answered {text!r}, before the fuzz "
-                                 f"{self.baseline!r}")
+            self.failures.append(
+                f"after {label} the normal request answered {text!r}, before the fuzz {self.baseline!r}"
+            )
         try:
             wait_for(self.idle, 60, what="an idle server")
         except AssertionError:
             health = self.http.get("/health", headers={"Authorization": f"Bearer {API_KEY}"}).json()
-            self.failures.append(f"after {label} the server holds something: queue {health['queue']}, "
-                                 f"occupancy {health['occupancy']}")
+            self.failures.append(
+                f"after {label} the server holds something: queue {health['queue']}, occupancy {health['occupancy']}"
+            )
 
     def check(self, batch: str) -> None:
         """The batch's end: a last normal request, then every failure seen so far, reported."""
@@ -444,8 +606,7 @@ class Fuzz:
         failures, self.failures = self.failures, []
         if failures:
             shown = "\n\n".join(failures[:6])
-            pytest.fail(f"{len(failures)} failures in {self.sent[batch]} {batch} requests:\n\n{shown}",
-                        pytrace=False)
+            pytest.fail(f"{len(failures)} failures in {self.sent[batch]} {batch} requests:\n\n{shown}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -458,14 +619,18 @@ def fuzz(tmp_path_factory) -> Iterator[Fuzz]:
         "members": {"threads": 1, "n_ctx": 512},
         "defaults": {"max_tokens": 2},  # a request that sets no budget answers 1-2 tokens too
     }
-    with segfuse_server(tmp_path_factory.mktemp("fuzz"), "fuzz", config, startup_s=300) as server, \
-            httpx.Client(base_url=server.url, timeout=httpx.Timeout(TIMEOUT_S, connect=10)) as http:
+    with (
+        segfuse_server(tmp_path_factory.mktemp("fuzz"), "fuzz", config, startup_s=300) as server,
+        httpx.Client(base_url=server.url, timeout=httpx.Timeout(TIMEOUT_S, connect=10)) as http,
+    ):
         state = Fuzz(server, http)
         state.baseline = state.normal()
         assert state.baseline.strip()
         yield state
-        print(f"\nfuzz: {sum(state.sent.values())} generated requests {dict(state.sent)}, "
-              f"statuses {dict(sorted(state.statuses.items()))}, not sendable {dict(state.unsendable)}")
+        print(
+            f"\nfuzz: {sum(state.sent.values())} generated requests {dict(state.sent)}, "
+            f"statuses {dict(sorted(state.statuses.items()))}, not sendable {dict(state.unsendable)}"
+        )
 
 
 def run_batch(fuzz: Fuzz, batch: str, requests: st.SearchStrategy[Request]) -> None:

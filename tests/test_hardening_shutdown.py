@@ -23,19 +23,28 @@ GRACEFUL_S = 30  # uvicorn's timeout_graceful_shutdown: how long a stream could 
 def test_sigterm_ends_an_open_stream_with_an_error_frame_and_the_process_exits(tmp_path):
     if not catalogue.is_ready(catalogue.CATALOGUE[MEMBER]):
         pytest.fail(f"model not prepared: {MEMBER}; run `make models`", pytrace=False)
-    config = {"server": {"api_key": API_KEY, "max_concurrent": 1},
-              "members": {"models": [MEMBER], "threads": 1}}
+    config = {"server": {"api_key": API_KEY, "max_concurrent": 1}, "members": {"models": [MEMBER], "threads": 1}}
     with segfuse_server(tmp_path, "shutdown", config) as server:
-        body = {"messages": [{"role": "user", "content": "Count from 1 to 1000."}], "max_tokens": 1000,
-                "stream": True, "temperature": 0, "segfuse": {"ignore_eos": True}}
+        body = {
+            "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
+            "max_tokens": 1000,
+            "stream": True,
+            "temperature": 0,
+            "segfuse": {"ignore_eos": True},
+        }
         frames: list[str] = []
-        with httpx.stream("POST", f"{server.api}/chat/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {server.api_key}"}) as response:
+        with httpx.stream(
+            "POST",
+            f"{server.api}/chat/completions",
+            json=body,
+            timeout=120,
+            headers={"Authorization": f"Bearer {server.api_key}"},
+        ) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                frames.append(line[len("data: "):])
+                frames.append(line[len("data: ") :])
                 if len(frames) == 4:  # role, prompt sizes, then segments: it is generating
                     server.process.send_signal(signal.SIGTERM)
         try:

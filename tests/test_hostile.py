@@ -27,8 +27,12 @@ pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
 SLOTS = 4  # `segfuse serve`'s default max_concurrent: one slot per generation in flight, per member
 TIMEOUT_S = 120.0
-NORMAL = {"model": "segfuse", "messages": [{"role": "user", "content": "Name three primary colors."}],
-          "max_tokens": 4, "temperature": 0}
+NORMAL = {
+    "model": "segfuse",
+    "messages": [{"role": "user", "content": "Name three primary colors."}],
+    "max_tokens": 4,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +46,19 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
-                      timeout=httpx.Timeout(TIMEOUT_S, connect=10)) as session:
+    with httpx.Client(
+        base_url=server.url,
+        headers={"Authorization": f"Bearer {server.api_key}"},
+        timeout=httpx.Timeout(TIMEOUT_S, connect=10),
+    ) as session:
         yield session
 
 
 @pytest.fixture(scope="module")
 def soak_client(server):
-    client = SoakClient(server.url, server.api_key, n_ctx=4096, max_body_bytes=65536, t0=time.monotonic(),
-                        request_timeout_s=TIMEOUT_S)
+    client = SoakClient(
+        server.url, server.api_key, n_ctx=4096, max_body_bytes=65536, t0=time.monotonic(), request_timeout_s=TIMEOUT_S
+    )
     yield client
     client.close()
 
@@ -80,13 +88,16 @@ def held(health: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("index", range(len(HOSTILE)), ids=[h.name for h in HOSTILE])
-def test_after_hostile_requests_the_server_answers_normally_and_holds_nothing(server, http, soak_client, baseline,
-                                                                               index):
+def test_after_hostile_requests_the_server_answers_normally_and_holds_nothing(
+    server, http, soak_client, baseline, index
+):
     hostile = HOSTILE[index]
     for i in range(SLOTS + 1):
         record = soak_client.send(Action(i, -1, -1, "hostile", index, 2, 0.0, 0))
-        assert record.as_expected, (f"{hostile.name}: {record.outcome} (status {record.status}, {record.code}), "
-                                    f"expected {sorted(hostile.outcomes)}: {record.detail}\n{server.log_tail()}")
+        assert record.as_expected, (
+            f"{hostile.name}: {record.outcome} (status {record.status}, {record.code}), "
+            f"expected {sorted(hostile.outcomes)}: {record.detail}\n{server.log_tail()}"
+        )
     assert normal(http) == baseline  # answered, and the same greedy answer as before any hostile request
     health = server.health()  # at once: with nothing in flight, what it shows was read after the last release
     assert not held(health), held(health)
@@ -95,13 +106,19 @@ def test_after_hostile_requests_the_server_answers_normally_and_holds_nothing(se
 
 
 ROUNDS = 8  # a race: the more rounds, the likelier a regression shows
-STAY = {"model": "segfuse", "messages": [{"role": "user", "content": "Count from one to one hundred."}],
-        "max_tokens": 40, "temperature": 0, "stream": True, "segfuse": {"ignore_eos": True}}
+STAY = {
+    "model": "segfuse",
+    "messages": [{"role": "user", "content": "Count from one to one hundred."}],
+    "max_tokens": 40,
+    "temperature": 0,
+    "stream": True,
+    "segfuse": {"ignore_eos": True},
+}
 
 
 def text_of(line: str) -> str:
     """The answer text an SSE chunk carries (none in the role, usage or extension chunks)."""
-    choices = json.loads(line[len("data: "):]).get("choices") or [{}]
+    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
     return choices[0].get("delta", {}).get("content") or ""
 
 

@@ -40,8 +40,10 @@ def full_decode(member, context: str, text: str) -> float:
     member.context.seq_rm(0, -1, -1)
     try:
         rows = member.context.decode(tokens, list(range(len(tokens))), [0] * len(tokens), [True] * len(tokens))
-        return sum(float(rows[len(prompt) + i - 1][t]) - member.softmax.lse(rows[len(prompt) + i - 1])
-                   for i, t in enumerate(cont))
+        return sum(
+            float(rows[len(prompt) + i - 1][t]) - member.softmax.lse(rows[len(prompt) + i - 1])
+            for i, t in enumerate(cont)
+        )
     finally:
         member.context.seq_rm(0, -1, -1)
 
@@ -156,8 +158,10 @@ def test_pooling_rules():
 
 
 def test_fitted_weights_follow_the_member_that_is_right():
-    items = [ScoredItem({"good": [_score(-1.0, 1), _score(-5.0, 1)], "bad": [_score(-9.0, 1), _score(-1.0, 1)]},
-                        (0,)) for _ in range(5)]
+    items = [
+        ScoredItem({"good": [_score(-1.0, 1), _score(-5.0, 1)], "bad": [_score(-9.0, 1), _score(-1.0, 1)]}, (0,))
+        for _ in range(5)
+    ]
     weights = fit_weights(Rule.parse("loglinear-whole"), items)
     assert weights["good"] > weights["bad"]
     assert all(Rule("loglinear", "whole", weights).fuse(i.members)[0] > -3 for i in items)

@@ -101,8 +101,12 @@ def test_each_items_failure_is_its_own_and_no_slot_is_kept(member, monkeypatch):
     context = "Q: What is 80 plus 29?\nA:"
     many = [f" {n}" for n in range(100, 110)]  # two groups of choices
     long_text = " word" * 600  # over one batch (n_batch 512 tokens): scored in pieces
-    given = [(context, [" 109", " 108"]), ("word " * 5000, [" a"]), (context, []),
-             ("Q: Name a colour.\nA:", [*many, long_text])]
+    given = [
+        (context, [" 109", " 108"]),
+        ("word " * 5000, [" a"]),
+        (context, []),
+        ("Q: Name a colour.\nA:", [*many, long_text]),
+    ]
     sizes = spy_batches(member, monkeypatch)
     out = score_items([member], given)
     assert max(sizes) == 2  # the context over the window took no part in the decode

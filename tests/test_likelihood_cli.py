@@ -21,8 +21,18 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_score_prints_every_member_and_the_pool_as_json_and_as_a_table():
-    done = _run(*SEGFUSE, "score", "Q: What is the capital of France?\nA: ", "Paris", "Berlin", "a potato",
-                *TWO, "--rule", "loglinear-whole", "--json")
+    done = _run(
+        *SEGFUSE,
+        "score",
+        "Q: What is the capital of France?\nA: ",
+        "Paris",
+        "Berlin",
+        "a potato",
+        *TWO,
+        "--rule",
+        "loglinear-whole",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     assert [c["text"] for c in data["choices"]] == [" Paris", " Berlin", " a potato"]
@@ -47,8 +57,19 @@ def test_score_refuses_bad_input_clearly():
 
 
 def test_study_records_resume_and_calibrate_fits_pooling_weights(tmp_path):
-    study = [sys.executable, "-m", "segfuse.eval.likelihood_study", "--models", "smollm2-135m|gemma3-270m",
-             "--tasks", "arithmetic-2_digit_addition", "--threads", "1", "--out", str(tmp_path / "study")]
+    study = [
+        sys.executable,
+        "-m",
+        "segfuse.eval.likelihood_study",
+        "--models",
+        "smollm2-135m|gemma3-270m",
+        "--tasks",
+        "arithmetic-2_digit_addition",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "study"),
+    ]
     first = _run(*study, "--start", "0", "--stop", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     again = _run(*study, "--start", "0", "--stop", "3")  # resumes: only item 2 is new
@@ -59,8 +80,17 @@ def test_study_records_resume_and_calibrate_fits_pooling_weights(tmp_path):
     assert again.stderr.count("arithmetic-2_digit_addition ") == 1
     assert set(records[0]["members"]) == {"smollm2-135m", "gemma3-270m"} and records[0]["correct"] == [6]
 
-    fitted = _run(*SEGFUSE, "calibrate", "pooling", "--data", str(tmp_path / "study"), "--rule", "mixture-byte",
-                  "--out", str(tmp_path / "cal"))
+    fitted = _run(
+        *SEGFUSE,
+        "calibrate",
+        "pooling",
+        "--data",
+        str(tmp_path / "study"),
+        "--rule",
+        "mixture-byte",
+        "--out",
+        str(tmp_path / "cal"),
+    )
     assert fitted.returncode == 0, fitted.stderr[-2000:]
     saved = json.loads((tmp_path / "cal" / "pooling.json").read_text())
     assert saved["rule"] == "mixture-byte" and saved["items"] == 3

@@ -20,8 +20,31 @@ from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
 
 # --- what may go out early: never more than the round's segment keeps ----------------------
 
-PIECES = ["Hello", " world", ",", " ", "  ", "\t", "\n", "\n\n", " caf", "é", " 12", "3", ".", " The", "re",
-          " x", "Question", ":", " Q", "\u00e9t\u00e9", " ", "!", "'s"]
+PIECES = [
+    "Hello",
+    " world",
+    ",",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n\n",
+    " caf",
+    "é",
+    " 12",
+    "3",
+    ".",
+    " The",
+    "re",
+    " x",
+    "Question",
+    ":",
+    " Q",
+    "\u00e9t\u00e9",
+    " ",
+    "!",
+    "'s",
+]
 
 
 def _kept(pieces: list[str], finished: bool, answer: str, stops: tuple[str, ...]) -> str:
@@ -117,9 +140,14 @@ def test_leader_alone_streams_small_chunks_that_join_to_the_same_answer(uncached
         extra = {"stop": ["."]}
     elif case == "json":
         prompt = "Give a JSON object with a name and an age for a person."
-        constraint = Constraint.json_schema({"type": "object", "properties": {"name": {"type": "string"},
-                                                                             "age": {"type": "integer"}},
-                                             "required": ["name", "age"]}, where="test")
+        constraint = Constraint.json_schema(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+            },
+            where="test",
+        )
     # No prefix cache: both answers read the prompt afresh, in the same cells (see the fixture).
     whole_events, whole = _run(uncached_ensemble, False, prompt, constraint, **extra)
     events, result = _run(uncached_ensemble, True, prompt, constraint, **extra)
@@ -166,7 +194,7 @@ def test_the_cli_prints_the_leader_text_piece_by_piece(default_ensemble):
         def flush(self) -> None:
             text = self.getvalue()
             if len(text) > self._at:
-                self.pieces.append(text[self._at:])
+                self.pieces.append(text[self._at :])
                 self._at = len(text)
 
     sink = Flushes()
@@ -197,15 +225,23 @@ def client(tmp_path_factory):
         assert server.health()["counters"]["failed"] == 0, server.log_tail()
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.models
 @pytest.mark.parametrize("case", ["plain", "stop", "json_schema", "consulting"])
 def test_the_server_streams_the_leader_text_in_small_chunks(client, case):
-    ask: dict = {"model": "segfuse", "max_tokens": 24, "temperature": 0,
-                 "messages": [{"role": "user", "content": PROMPT}]}
+    ask: dict = {
+        "model": "segfuse",
+        "max_tokens": 24,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": PROMPT}],
+    }
     if case == "stop":
         ask["stop"] = ["."]
     elif case == "json_schema":

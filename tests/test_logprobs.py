@@ -11,9 +11,10 @@ def segment(text: str, pieces: list[bytes], logprobs: list[float], model: str = 
 
 
 def test_tokens_of_several_authors_join_to_the_answer():
-    segments = [segment("Hello", [b"Hel", b"lo"], [-0.5, -0.25], "a",
-                        [((b"Hel", -0.5), (b"Hi", -1.0)), ((b"lo", -0.25),)]),
-                segment(" world", [b" world"], [-1.0], "b")]
+    segments = [
+        segment("Hello", [b"Hel", b"lo"], [-0.5, -0.25], "a", [((b"Hel", -0.5), (b"Hi", -1.0)), ((b"lo", -0.25),)]),
+        segment(" world", [b" world"], [-1.0], "b"),
+    ]
     tokens = answer_logprobs(segments)
     assert [t.text for t in tokens] == ["Hel", "lo", " world"]
     assert [t.model for t in tokens] == ["a", "a", "b"]

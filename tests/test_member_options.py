@@ -26,13 +26,20 @@ CPU_ONLY = pytest.mark.skipif(can_offload(), reason="this llama-cpp-python can o
 
 def loaded_with(member: LlamaCppMember) -> dict:
     """What the member was loaded with, read back from the member and from llama.cpp (while it is open)."""
-    return {"n_gpu_layers": member.model_params["n_gpu_layers"], "threads": member.threads, "n_ctx": member.n_ctx,
-            "cells": member.prefix_cache.bound, "context": member.context.n_cells, "slots": member.slots,
-            "options": member.options}
+    return {
+        "n_gpu_layers": member.model_params["n_gpu_layers"],
+        "threads": member.threads,
+        "n_ctx": member.n_ctx,
+        "cells": member.prefix_cache.bound,
+        "context": member.context.n_cells,
+        "slots": member.slots,
+        "options": member.options,
+    }
 
 
-def assert_reached(loaded: dict | LlamaCppMember, n_ctx: int = 512, threads: int = 1, gpu_layers: int = 3,
-                   cells: int = 256) -> None:
+def assert_reached(
+    loaded: dict | LlamaCppMember, n_ctx: int = 512, threads: int = 1, gpu_layers: int = 3, cells: int = 256
+) -> None:
     got = loaded if isinstance(loaded, dict) else loaded_with(loaded)
     assert got["n_gpu_layers"] == gpu_layers
     assert got["threads"] == threads
@@ -60,6 +67,7 @@ def loaded(monkeypatch):
 
 # --- each entry point -------------------------------------------------------------------------
 
+
 @pytest.mark.models
 def test_cli_flags_reach_the_member(loaded):
     from segfuse.cli import app
@@ -76,10 +84,12 @@ def test_profile_members_table_reaches_the_member_under_the_flags(loaded, tmp_pa
     from segfuse.cli import app
 
     profile = tmp_path / "profile.toml"
-    profile.write_text("[fusion]\nmax_tokens = 2\n\n[members]\nn_ctx = 512\nthreads = 2\ngpu_layers = 3\n"
-                       "prefix_cache_cells = 256\n")
-    done = CliRunner().invoke(app, ["generate", "-m", MODEL, "--profile", str(profile), "--threads", "1",
-                                    "--json", "Hi"])
+    profile.write_text(
+        "[fusion]\nmax_tokens = 2\n\n[members]\nn_ctx = 512\nthreads = 2\ngpu_layers = 3\nprefix_cache_cells = 256\n"
+    )
+    done = CliRunner().invoke(
+        app, ["generate", "-m", MODEL, "--profile", str(profile), "--threads", "1", "--json", "Hi"]
+    )
     assert done.exit_code == 0, done.output
     (member,) = loaded
     assert_reached(member)  # threads: the flag's 1 over the profile's 2
@@ -104,8 +114,10 @@ def test_server_config_members_section_reaches_the_member(tmp_path):
     from segfuse.server.app import create_app, load_ensemble
 
     toml = tmp_path / "segfuse.toml"
-    toml.write_text(f'[server]\nmax_concurrent = 1\n\n[members]\nmodels = ["{MODEL}"]\nn_ctx = 512\nthreads = 1\n'
-                    "gpu_layers = 3\nprefix_cache_cells = 256\n")
+    toml.write_text(
+        f'[server]\nmax_concurrent = 1\n\n[members]\nmodels = ["{MODEL}"]\nn_ctx = 512\nthreads = 1\n'
+        "gpu_layers = 3\nprefix_cache_cells = 256\n"
+    )
     config = build_config(toml)
     with load_ensemble(config) as ensemble:
         (member,) = ensemble.members
@@ -123,8 +135,13 @@ def test_server_flags_go_over_the_members_section(tmp_path):
     toml = tmp_path / "segfuse.toml"
     toml.write_text("[members]\ngpu_layers = 3\nthreads = 2\n")
     config = build_config(toml, threads=1, main_gpu=1, split="row")
-    assert config.members.load_options().given() == {"n_ctx": 4096, "threads": 1, "gpu_layers": 3, "main_gpu": 1,
-                                                     "split": "row"}
+    assert config.members.load_options().given() == {
+        "n_ctx": 4096,
+        "threads": 1,
+        "gpu_layers": 3,
+        "main_gpu": 1,
+        "split": "row",
+    }
     toml.write_text("[members]\ngpu_layer = 3\n")
     with pytest.raises(ConfigError, match=r"members\.gpu_layer"):
         build_config(toml)
@@ -194,6 +211,7 @@ def test_lm_eval_model_args_reach_the_member():
 
 # --- refusals -----------------------------------------------------------------------------------
 
+
 def test_an_unknown_spec_key_names_the_member_and_the_allowed_keys():
     with pytest.raises(InvalidRequestError, match=f"gpu_layer.*{MODEL}#gpu_layer=3") as caught:
         Ensemble([f"{MODEL}#gpu_layer=3"])
@@ -213,6 +231,7 @@ def test_an_unknown_ensemble_option_is_refused_before_any_load(loaded):
 
 
 # --- GPU offload ----------------------------------------------------------------------------------
+
 
 @CPU_ONLY
 @pytest.mark.models

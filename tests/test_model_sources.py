@@ -40,6 +40,7 @@ def _embedded_files():
 
 # --- the tools' layouts ---------------------------------------------------------------------------
 
+
 def _link(target: Path, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_symlink():
@@ -61,16 +62,30 @@ def ollama_layer(store: Path, media_type: str, content: Path | bytes) -> dict:
 
 def ollama_model(store: Path, where: str, model: Path | None = SMOL, extra: tuple[dict, ...] = ()) -> Path:
     """manifests/HOST/NAMESPACE/MODEL/TAG: a model layer (the GGUF), Ollama's template, params and license."""
-    config = ollama_layer(store, "application/vnd.docker.container.image.v1+json",
-                          b'{"model_format":"gguf","model_family":"llama","file_type":"Q4_1"}')
+    config = ollama_layer(
+        store,
+        "application/vnd.docker.container.image.v1+json",
+        b'{"model_format":"gguf","model_family":"llama","file_type":"Q4_1"}',
+    )
     layers = [ollama_layer(store, "application/vnd.ollama.image.model", model)] if model else []
-    layers += [ollama_layer(store, "application/vnd.ollama.image.template", OLLAMA_TEMPLATE),
-               ollama_layer(store, "application/vnd.ollama.image.params", b'{"stop":["<|im_end|>"]}'),
-               ollama_layer(store, "application/vnd.ollama.image.license", b"Apache License 2.0"), *extra]
+    layers += [
+        ollama_layer(store, "application/vnd.ollama.image.template", OLLAMA_TEMPLATE),
+        ollama_layer(store, "application/vnd.ollama.image.params", b'{"stop":["<|im_end|>"]}'),
+        ollama_layer(store, "application/vnd.ollama.image.license", b"Apache License 2.0"),
+        *extra,
+    ]
     manifest = store / "manifests" / where
     manifest.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest."
-                                    "v2+json", "config": config, "layers": layers}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                "config": config,
+                "layers": layers,
+            }
+        )
+    )
     return manifest
 
 
@@ -106,14 +121,15 @@ def llama_cache_model(cache: Path, repo_id: str, tag: str, rfilename: str, model
     """llama.cpp's flat cache (before 2026): manifest=ORG=REPO=TAG.json and the file as ORG_REPO_FILE."""
     cache.mkdir(parents=True, exist_ok=True)
     (cache / f"manifest={repo_id.replace('/', '=')}={tag}.json").write_text(
-        json.dumps({"ggufFile": {"rfilename": rfilename, "size": model.stat().st_size}}))
+        json.dumps({"ggufFile": {"rfilename": rfilename, "size": model.stat().st_size}})
+    )
     return _link(model, cache / f"{repo_id}_{rfilename}".replace("/", "_"))
 
 
 CHECKPOINT = {
     "config.json": b'{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "torch_dtype": "bfloat16"}',
     "tokenizer_config.json": b'{"chat_template": "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", '
-                             b'"eos_token": "<|im_end|>"}',
+    b'"eos_token": "<|im_end|>"}',
 }
 
 
@@ -127,25 +143,37 @@ def home(tmp_path, monkeypatch) -> Path:
     ollama = tmp_path / ".ollama" / "models"
     ollama_model(ollama, "registry.ollama.ai/library/smollm2/135m")
     ollama_model(ollama, "registry.ollama.ai/someone/smol/latest")
-    ollama_model(ollama, "registry.ollama.ai/library/llava/7b",
-                 extra=(ollama_layer(ollama, "application/vnd.ollama.image.projector", b"GGUF projector"),))
-    ollama_model(ollama, "registry.ollama.ai/library/imported/latest", model=None,
-                 extra=(ollama_layer(ollama, "application/vnd.ollama.image.tensor; name=w; dtype=BF16", b"w"),))
+    ollama_model(
+        ollama,
+        "registry.ollama.ai/library/llava/7b",
+        extra=(ollama_layer(ollama, "application/vnd.ollama.image.projector", b"GGUF projector"),),
+    )
+    ollama_model(
+        ollama,
+        "registry.ollama.ai/library/imported/latest",
+        model=None,
+        extra=(ollama_layer(ollama, "application/vnd.ollama.image.tensor; name=w; dtype=BF16", b"w"),),
+    )
     hub = tmp_path / ".cache" / "huggingface" / "hub"
     hf_repo(hub, "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", {"smollm2-135m-instruct-q4_1.gguf": SMOL})
-    hf_repo(hub, "bartowski/SmolLM2-135M-Instruct-GGUF", {
-        f"SmolLM2-135M-Instruct-{q}.gguf": SMOL for q in ("Q8_0", "Q4_K_M", "Q5_K_S")} | {
-        "mmproj-SmolLM2-135M-Instruct-f16.gguf": SMOL, "README.md": b"# SmolLM2 GGUF\n"})
+    hf_repo(
+        hub,
+        "bartowski/SmolLM2-135M-Instruct-GGUF",
+        {f"SmolLM2-135M-Instruct-{q}.gguf": SMOL for q in ("Q8_0", "Q4_K_M", "Q5_K_S")}
+        | {"mmproj-SmolLM2-135M-Instruct-f16.gguf": SMOL, "README.md": b"# SmolLM2 GGUF\n"},
+    )
     hf_repo(hub, "unsloth/gemma-3-270m-GGUF", {"gemma-3-270m-Q8_0.gguf": GEMMA, "gemma-3-270m-Q6_K.gguf": GEMMA})
     hf_repo(hub, "Qwen/tiny-chat", CHECKPOINT)
     lmstudio = tmp_path / ".lmstudio" / "models"
     lmstudio_model(lmstudio, "lmstudio-community/gemma-3-270m-GGUF", {"gemma-3-270m-Q4_K_M.gguf": GEMMA})
     lmstudio_model(lmstudio, "lmstudio-community/SmolLM2-135M-Instruct-GGUF", {"SmolLM2-135M-Instruct-Q4_1.gguf": SMOL})
-    lmstudio_model(lmstudio, "mlx-community/SmolLM2-135M-Instruct-4bit", {"model.safetensors": b"{}",
-                                                                          "config.json": b"{}"})
+    lmstudio_model(
+        lmstudio, "mlx-community/SmolLM2-135M-Instruct-4bit", {"model.safetensors": b"{}", "config.json": b"{}"}
+    )
     llama_cache = tmp_path / ".cache" / "llama.cpp"
-    llama_cache_model(llama_cache, "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "latest",
-                      "smollm2-135m-instruct-q4_1.gguf", SMOL)
+    llama_cache_model(
+        llama_cache, "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "latest", "smollm2-135m-instruct-q4_1.gguf", SMOL
+    )
     _link(GEMMA, llama_cache / "gemma-3-270m-it-qat-Q4_0.gguf")  # a `llama-cli -mu URL` download
     return tmp_path
 
@@ -162,6 +190,7 @@ def error_of(name: str, **kwargs) -> SegfuseError:
 
 # --- `segfuse models` ------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     done = segfuse("models", "--json")
@@ -169,10 +198,20 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     rows = {r["name"]: r for r in json.loads(done.stdout)}
     embedded = [n for n, r in rows.items() if r["source"] == "embedded"]
     assert embedded == list(catalogue.CATALOGUE)
-    smol = {"size": SMOL.stat().st_size, "quantisation": "Q4_1", "architecture": "llama", "chat_template": True,
-            "status": "ready"}
-    gemma = {"size": GEMMA.stat().st_size, "quantisation": "Q4_K_M", "architecture": "gemma3",
-             "chat_template": False, "status": "ready"}
+    smol = {
+        "size": SMOL.stat().st_size,
+        "quantisation": "Q4_1",
+        "architecture": "llama",
+        "chat_template": True,
+        "status": "ready",
+    }
+    gemma = {
+        "size": GEMMA.stat().st_size,
+        "quantisation": "Q4_K_M",
+        "architecture": "gemma3",
+        "chat_template": False,
+        "status": "ready",
+    }
     expected = {
         "ollama:smollm2:135m": ("ollama", smol),
         "ollama:someone/smol:latest": ("ollama", smol),
@@ -194,7 +233,10 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
         assert rows[name]["status"] == "refused" and rows[name]["detail"], name
     checkpoint = rows["transformers:hf:Qwen/tiny-chat"]
     assert (checkpoint["architecture"], checkpoint["quantisation"], checkpoint["chat_template"]) == (
-        "qwen2", "bfloat16", True)
+        "qwen2",
+        "bfloat16",
+        True,
+    )
     assert not any("mmproj" in n or "mlx-community" in n for n in rows)  # projectors and MLX folders are no members
 
     table = segfuse("models")
@@ -223,28 +265,45 @@ def test_every_listed_name_selects_the_file_listed_with_it(home):
 
 # --- names as the tools write them ----------------------------------------------------------------
 
+
 def test_names_as_each_tool_writes_them(home):
     ollama_blob = home / ".ollama" / "models" / "blobs" / f"sha256-{SMOL_SPEC.sha256}"
-    for name in ("ollama:smollm2:135m", "ollama:library/smollm2:135m", "ollama:registry.ollama.ai/library/smollm2:135m",
-                 "ollama:SmolLM2:135M", "ollama:someone/smol", "ollama:someone/smol:latest"):
+    for name in (
+        "ollama:smollm2:135m",
+        "ollama:library/smollm2:135m",
+        "ollama:registry.ollama.ai/library/smollm2:135m",
+        "ollama:SmolLM2:135M",
+        "ollama:someone/smol",
+        "ollama:someone/smol:latest",
+    ):
         _label, path, prompt = resolve(name)
         assert path == ollama_blob and prompt is None, name
     assert resolve("ollama:smollm2:135m")[0] == "smollm2:135m"  # the member's display name
 
     snapshot = home / ".cache" / "huggingface" / "hub" / "models--bartowski--SmolLM2-135M-Instruct-GGUF" / "snapshots"
-    picked = {name: resolve(name)[1] for name in (
-        "hf:bartowski/SmolLM2-135M-Instruct-GGUF", "hf:bartowski/SmolLM2-135M-Instruct-GGUF:q8_0",
-        "hf:bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q5_K_S.gguf")}
+    picked = {
+        name: resolve(name)[1]
+        for name in (
+            "hf:bartowski/SmolLM2-135M-Instruct-GGUF",
+            "hf:bartowski/SmolLM2-135M-Instruct-GGUF:q8_0",
+            "hf:bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q5_K_S.gguf",
+        )
+    }
     assert [p.name for p in picked.values()] == [
-        "SmolLM2-135M-Instruct-Q4_K_M.gguf", "SmolLM2-135M-Instruct-Q8_0.gguf", "SmolLM2-135M-Instruct-Q5_K_S.gguf"]
+        "SmolLM2-135M-Instruct-Q4_K_M.gguf",
+        "SmolLM2-135M-Instruct-Q8_0.gguf",
+        "SmolLM2-135M-Instruct-Q5_K_S.gguf",
+    ]
     assert all(p.parent == snapshot / REV for p in picked.values())
     assert resolve("hf:bartowski/SmolLM2-135M-Instruct-GGUF")[0] == "SmolLM2-135M-Instruct-Q4_K_M"
 
     assert resolve("lmstudio:lmstudio-community/gemma-3-270m-GGUF")[1].resolve() == GEMMA.resolve()
     assert resolve("lmstudio:lmstudio-community/gemma-3-270m-GGUF:Q4_K_M")[1].resolve() == GEMMA.resolve()
     cached = home / ".cache" / "llama.cpp" / "HuggingFaceTB_SmolLM2-135M-Instruct-GGUF_smollm2-135m-instruct-q4_1.gguf"
-    for name in ("llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
-                 "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:latest"):
+    for name in (
+        "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+        "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:latest",
+    ):
         assert resolve(name)[1] == cached, name
     assert resolve("llamacache:gemma-3-270m-it-qat-Q4_0.gguf")[1].name == "gemma-3-270m-it-qat-Q4_0.gguf"
 
@@ -293,6 +352,7 @@ def test_the_tools_environment_variables_move_their_folders(home, tmp_path_facto
 
 # --- choosing among quantisations -------------------------------------------------------------------
 
+
 def test_several_quantisations_without_a_q4_are_an_error_listing_them(home):
     error = error_of("hf:unsloth/gemma-3-270m-GGUF")
     assert isinstance(error, UnknownModelError)
@@ -319,15 +379,28 @@ def test_a_quantisation_or_file_the_repository_lacks_lists_what_it_has(home):
 
 # --- clear errors ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, closest, where", [
-    ("ollama:smollm2:136m", "ollama:smollm2:135m", ".ollama/models"),
-    ("hf:HuggingFaceTB/SmolLM2-135M-Instruct-GUFF", "hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
-     ".cache/huggingface/hub"),
-    ("lmstudio:lmstudio-community/gemma-3-27m-GGUF", "lmstudio:lmstudio-community/gemma-3-270m-GGUF",
-     ".lmstudio/models"),
-    ("llamacache:HuggingFaceTB/SmolLM2-135M-Instruct", "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
-     ".cache/llama.cpp"),
-])
+
+@pytest.mark.parametrize(
+    "name, closest, where",
+    [
+        ("ollama:smollm2:136m", "ollama:smollm2:135m", ".ollama/models"),
+        (
+            "hf:HuggingFaceTB/SmolLM2-135M-Instruct-GUFF",
+            "hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+            ".cache/huggingface/hub",
+        ),
+        (
+            "lmstudio:lmstudio-community/gemma-3-27m-GGUF",
+            "lmstudio:lmstudio-community/gemma-3-270m-GGUF",
+            ".lmstudio/models",
+        ),
+        (
+            "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct",
+            "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+            ".cache/llama.cpp",
+        ),
+    ],
+)
 def test_a_name_not_found_lists_the_closest_and_where_it_looked(home, name, closest, where):
     error = error_of(name)
     assert isinstance(error, UnknownModelError)
@@ -348,24 +421,32 @@ def test_a_bare_name_of_a_model_found_on_disk_is_suggested_with_its_prefix(home)
     assert "did you mean ollama:smollm2:135m" in error.hint and "known models: smollm2-135m" in error.hint
 
 
-@pytest.mark.parametrize("name", ["hf:SmolLM2-GGUF", "hf:ORG/REPO:", "lmstudio:gemma", "llamacache:a/b/c",
-                                  "ollama:a/b/c/d:tag", "ollama:smollm2:"])
+@pytest.mark.parametrize(
+    "name",
+    ["hf:SmolLM2-GGUF", "hf:ORG/REPO:", "lmstudio:gemma", "llamacache:a/b/c", "ollama:a/b/c/d:tag", "ollama:smollm2:"],
+)
 def test_a_malformed_name_says_how_to_write_it(home, name):
     error = error_of(name)
     assert "bad" in error.message and "write" in error.hint
 
 
-@pytest.mark.parametrize("model, extra, reason", [
-    ("llava:7b", None, "separate projector layer"),
-    ("imported:latest", None, "imported from safetensors"),
-    ("lora:latest", "application/vnd.ollama.image.adapter", "LoRA adapter"),
-    ("twice:latest", "application/vnd.ollama.image.model", "2 model layers"),
-])
+@pytest.mark.parametrize(
+    "model, extra, reason",
+    [
+        ("llava:7b", None, "separate projector layer"),
+        ("imported:latest", None, "imported from safetensors"),
+        ("lora:latest", "application/vnd.ollama.image.adapter", "LoRA adapter"),
+        ("twice:latest", "application/vnd.ollama.image.model", "2 model layers"),
+    ],
+)
 def test_an_ollama_model_that_is_not_one_gguf_is_refused_with_the_reason(home, model, extra, reason):
     if extra:
         store = home / ".ollama" / "models"
-        ollama_model(store, "registry.ollama.ai/library/" + model.replace(":", "/"),
-                     extra=(ollama_layer(store, extra, b"GGUF, but a second file"),))
+        ollama_model(
+            store,
+            "registry.ollama.ai/library/" + model.replace(":", "/"),
+            extra=(ollama_layer(store, extra, b"GGUF, but a second file"),),
+        )
     error = error_of(f"ollama:{model}")
     assert isinstance(error, ModelFileError)
     assert error.message.startswith(f"ollama:{model} cannot be a member: ") and reason in error.message
@@ -378,8 +459,10 @@ def test_an_ollama_manifest_without_a_model_layer_or_readable_json_is_refused(ho
     broken = store / "manifests" / "registry.ollama.ai" / "library" / "broken" / "latest"
     broken.parent.mkdir(parents=True)
     broken.write_text('{"layers": [')
-    assert "manifest" in error_of("ollama:broken").message and "ollama pull broken:latest" in error_of(
-        "ollama:broken").hint
+    assert (
+        "manifest" in error_of("ollama:broken").message
+        and "ollama pull broken:latest" in error_of("ollama:broken").hint
+    )
 
 
 def _unreadable(path: Path) -> None:
@@ -450,6 +533,7 @@ def _write_gguf(path: Path, values: dict[str, str]) -> None:
 
 # --- the models at work ------------------------------------------------------------------------------
 
+
 @pytest.mark.models  # llama.cpp reads each file's template
 def test_template_sources_read_sourced_models(home):
     """`remote:...#template=NAME`: a remote member's chat template from a model on disk."""
@@ -464,18 +548,34 @@ def test_template_sources_read_sourced_models(home):
 @pytest.mark.models
 def test_generate_with_members_named_each_way(home):
     """The same SmolLM2 file named through every tool answers exactly as the embedded model does."""
-    run = ["generate", "What is the capital of France?", "--max-tokens", "8", "--temperature", "0",
-           "--threads", "1", "--json"]
+    run = [
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--threads",
+        "1",
+        "--json",
+    ]
     alone = segfuse(*run, "-m", "smollm2-135m")
     assert alone.returncode == 0, alone.stderr
-    names = ["ollama:smollm2:135m", "hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
-             "lmstudio:lmstudio-community/SmolLM2-135M-Instruct-GGUF",
-             "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"]
+    names = [
+        "ollama:smollm2:135m",
+        "hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+        "lmstudio:lmstudio-community/SmolLM2-135M-Instruct-GGUF",
+        "llamacache:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF",
+    ]
     fused = segfuse(*run, *[arg for name in names for arg in ("-m", name)])
     assert fused.returncode == 0, fused.stderr
     result = json.loads(fused.stdout)
-    assert result["models"] == ["smollm2:135m", "smollm2-135m-instruct-q4_1", "SmolLM2-135M-Instruct-Q4_1",
-                                "smollm2-135m-instruct-q4_1#2"]
+    assert result["models"] == [
+        "smollm2:135m",
+        "smollm2-135m-instruct-q4_1",
+        "SmolLM2-135M-Instruct-Q4_1",
+        "smollm2-135m-instruct-q4_1#2",
+    ]
     assert result["text"] and result["text"] == json.loads(alone.stdout)["text"]
 
 
@@ -488,8 +588,11 @@ def test_a_cached_checkpoint_is_a_transformers_member(home):
     from segfuse.backends.transformers.load import convert_gguf, pick_dtype
 
     checkpoint = convert_gguf(SMOL, pick_dtype("auto", "cpu"), None)  # SmolLM2 as a plain checkpoint (cached)
-    hf_repo(home / ".cache" / "huggingface" / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct",
-            {f.name: f for f in checkpoint.iterdir() if f.is_file()})
+    hf_repo(
+        home / ".cache" / "huggingface" / "hub",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        {f.name: f for f in checkpoint.iterdir() if f.is_file()},
+    )
     member = load_member("transformers:hf:HuggingFaceTB/SmolLM2-135M-Instruct", threads=1)
     with Ensemble([member]) as ensemble:
         result = ensemble.generate("What is the capital of France?", max_tokens=8, temperature=0)

@@ -72,11 +72,16 @@ def test_the_wheel_installs_into_a_fresh_environment_and_generates(dist: Path, t
 
     command = venv / "bin" / "segfuse"
     assert run([command, "--version"]).strip() == f"segfuse {PROJECT['version']}"
-    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(Path.home()), "NO_COLOR": "1",
-           "HF_HUB_OFFLINE": "1"}
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(Path.home()), "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
     run([command, "models", "prepare"], env=env)
-    done = subprocess.run([str(command), "generate", "--max-tokens", "8", "--threads", "1", "Say hi."],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(command), "generate", "--max-tokens", "8", "--threads", "1", "Say hi."],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip(), done.stderr  # the answer on stdout; the legend and the summary on stderr
     assert "■ smollm2-135m" in done.stderr

@@ -25,11 +25,13 @@ def probs(table: dict[str, dict[str, float]]) -> dict[str, dict[str, TokenScores
 
 def test_rank_normalises_per_verifier_and_sums_weighted_votes():
     drafts = [draft("a", " red."), draft("b", " blue."), draft("c", " green.")]
-    known = probs({
-        "a": {" red.": 0.6, " blue.": 0.3, " green.": 0.1},
-        "b": {" red.": 0.2, " blue.": 0.6, " green.": 0.2},
-        "c": {" red.": 0.5, " blue.": 0.1, " green.": 0.4},
-    })
+    known = probs(
+        {
+            "a": {" red.": 0.6, " blue.": 0.3, " green.": 0.1},
+            "b": {" red.": 0.2, " blue.": 0.6, " green.": 0.2},
+            "c": {" red.": 0.5, " blue.": 0.1, " green.": 0.4},
+        }
+    )
     ranking = rank(drafts, known, [1 / 3] * 3, PLAIN, Round(1, "", ""))
     assert ranking.scores["b"] == pytest.approx([0.2, 0.6, 0.2])
     assert ranking.totals == pytest.approx([(0.6 + 0.2 + 0.5) / 3, (0.3 + 0.6 + 0.1) / 3, (0.1 + 0.2 + 0.4) / 3])

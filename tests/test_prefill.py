@@ -27,15 +27,21 @@ from segfuse.server.serving import api_error
 from segfuse.tools import parse_tools, tool_constraint
 from segfuse.types import DoneEvent, Message
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "city"],
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+}
 PREFILL = '{"name":'
 ASK = [Message("system", "Answer in JSON."), Message("user", "Extract the person: Maria Lopez, 34, lives in Seville.")]
 CONTINUED = [*ASK, Message("assistant", PREFILL)]
 
 # A ChatML-like template that trims contents (as Gemma's and many others do).
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _template(template: str):
@@ -45,9 +51,13 @@ def _template(template: str):
 def _hf(template: str, messages: list[Message], bos: str = "<s>", eos: str = "</s>") -> str:
     """Hugging Face's own rendering with continue_final_message."""
     hf = pytest.importorskip("transformers.utils.chat_template_utils", reason="the hf extra is not installed")
-    rendered, _ = hf.render_jinja_template([[{"role": m.role, "content": m.content} for m in messages]],
-                                        chat_template=template, continue_final_message=True, bos_token=bos,
-                                        eos_token=eos)
+    rendered, _ = hf.render_jinja_template(
+        [[{"role": m.role, "content": m.content} for m in messages]],
+        chat_template=template,
+        continue_final_message=True,
+        bos_token=bos,
+        eos_token=eos,
+    )
     return rendered[0]
 
 
@@ -58,23 +68,34 @@ def test_a_template_leaves_the_final_assistant_message_open():
     text = chat_prompt(_template(CHATML), CONTINUED, "m")
     assert text.endswith("<|im_start|>assistant\n" + PREFILL) and text == _hf(CHATML, CONTINUED)
     padded = [*ASK, Message("assistant", "  Sure")]  # leading whitespace: as the trimming template writes it
-    assert chat_prompt(_template(CHATML), padded, "m").endswith("assistant\nSure") and \
-        chat_prompt(_template(CHATML), padded, "m") == _hf(CHATML, padded)
+    assert chat_prompt(_template(CHATML), padded, "m").endswith("assistant\nSure") and chat_prompt(
+        _template(CHATML), padded, "m"
+    ) == _hf(CHATML, padded)
     closed = chat_prompt(_template(CHATML), ASK, "m")  # no prefill: the generation prompt as before
     assert closed == render_chat(CHATML, ASK, "<s>", "</s>") and closed.endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("template, why", [
-    ("{% for m in messages %}[{{ m['role'] }}]{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
-     "{% endfor %}", "drops"),
-    ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | upper }}{% endfor %}", "rewrites"),
-    ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}|{{ m['content'] }}{% endfor %}", "repeats"),
-    ("{% for m in messages %}{% if '{' in m['content'] %}JSON:{% endif %}{{ m['content'] }}{% endfor %}",
-     "reads it"),
-], ids=["drops", "rewrites", "repeats", "reads-it"])
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        (
+            "{% for m in messages %}[{{ m['role'] }}]{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+            "{% endfor %}",
+            "drops",
+        ),
+        ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | upper }}{% endfor %}", "rewrites"),
+        ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}|{{ m['content'] }}{% endfor %}", "repeats"),
+        (
+            "{% for m in messages %}{% if '{' in m['content'] %}JSON:{% endif %}{{ m['content'] }}{% endfor %}",
+            "reads it",
+        ),
+    ],
+    ids=["drops", "rewrites", "repeats", "reads-it"],
+)
 def test_a_template_that_cannot_leave_the_message_open_is_a_clear_400(template, why):
-    with pytest.raises(InvalidRequestError, match="chat template of m cannot leave an assistant message open"
-                       ) as caught:
+    with pytest.raises(
+        InvalidRequestError, match="chat template of m cannot leave an assistant message open"
+    ) as caught:
         chat_prompt(_template(template), CONTINUED, "m")
     assert api_error(caught.value).status == 400
     chat_prompt(_template(template), ASK, "m")  # without a prefill the same template is fine
@@ -112,8 +133,17 @@ def test_a_constraint_reads_the_prefill_first():
         person.check_prefill("Sure! ")
     with pytest.raises(InvalidRequestError, match="cannot begin an answer"):
         person.check_prefill('{"nickname":')  # not a property: the schema allows none besides its three
-    weather = parse_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}])
+    weather = parse_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ]
+    )
     tool_constraint(weather, "auto").check_prefill('{"name":')  # begins a call
     tool_constraint(weather, "auto").check_prefill("Sure")  # begins text
     tool_constraint(weather, "required").check_prefill('{"name": "get_weather", "arguments": {"city":')
@@ -162,8 +192,9 @@ def test_the_ensemble_answers_only_the_continuation_and_the_schema_holds_for_the
     assert result.stats.finish_reason == "stop" and result.valid is True, (result.text, result.invalid_reason)
     assert not result.text.startswith(PREFILL) and result.text.startswith(' "')  # the grammar's separator
     jsonschema.validate(json.loads(PREFILL + result.text), PERSON)
-    fused = uncached_ensemble.generate(CONTINUED, temperature=0, max_tokens=48, json_schema=PERSON, gate=None,
-                                       accept_margin=None)  # every member drafts under the grammar
+    fused = uncached_ensemble.generate(
+        CONTINUED, temperature=0, max_tokens=48, json_schema=PERSON, gate=None, accept_margin=None
+    )  # every member drafts under the grammar
     assert {c.model for r in fused.rounds for c in r.candidates} == set(uncached_ensemble.names)
     assert fused.valid is True and fused.stats.finish_reason == "stop", fused.text
     jsonschema.validate(json.loads(PREFILL + fused.text), PERSON)

@@ -20,11 +20,12 @@ from segfuse.types import Message, Result
 
 pytestmark = pytest.mark.models
 
-SYSTEM = ("You are a patient tutor. Answer in one or two short sentences. The school's library opens at 8 and "
-          "closes at 17 on weekdays; on Saturdays it opens at 10 and closes at 14; it is closed on Sundays. "
-          "Students may borrow five books at a time, for three weeks, and renew them twice.")
-TURNS = ["When does the library open on Saturdays?", "And how many books may I borrow?",
-         "Can I renew them?"]
+SYSTEM = (
+    "You are a patient tutor. Answer in one or two short sentences. The school's library opens at 8 and "
+    "closes at 17 on weekdays; on Saturdays it opens at 10 and closes at 14; it is closed on Sundays. "
+    "Students may borrow five books at a time, for three weeks, and renew them twice."
+)
+TURNS = ["When does the library open on Saturdays?", "And how many books may I borrow?", "Can I renew them?"]
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 VOTE = {**GREEDY, "gate": None, "accept_margin": None}  # every round a full vote: every member decodes
 
@@ -77,8 +78,12 @@ def test_in_a_vote_every_member_reuses_its_cache_and_scores_as_without_it(pair):
     warm = chat(on, VOTE)
     assert set(warm[1].counters) == set(on.names)  # every member read the prompt and followed the answer
     assert_later_turns_reuse(warm, warm)
-    messages = [Message("system", SYSTEM), Message("user", TURNS[0]), Message("assistant", warm[0].text),
-                Message("user", TURNS[1])]
+    messages = [
+        Message("system", SYSTEM),
+        Message("user", TURNS[0]),
+        Message("assistant", warm[0].text),
+        Message("user", TURNS[1]),
+    ]
     assert_scores_agree(on, off, messages, [" You may borrow five books.", " Five."])
     idle_and_consistent(on)
 
@@ -101,8 +106,10 @@ def assert_scores_agree(on: Ensemble, off: Ensemble, messages: list[Message], te
 
 def test_concurrent_users_sharing_a_system_prompt_answer_the_same(pair):
     off, on = pair
-    users = [[Message("system", SYSTEM), Message("user", q)] for q in
-             ("Is the library open on Sunday?", "How long is a loan?", "When does it close on weekdays?")]
+    users = [
+        [Message("system", SYSTEM), Message("user", q)]
+        for q in ("Is the library open on Sunday?", "How long is a loan?", "When does it close on weekdays?")
+    ]
     on.generate(users[0], **GREEDY)  # the system prompt is now cached
     expected = [r.text for r in off.generate_many(users, **GREEDY)]
     assert [r.text for r in on.generate_many(users, **GREEDY)] == expected

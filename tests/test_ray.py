@@ -82,8 +82,11 @@ def events(members, **options) -> list:
 # --- answers ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [{"gate": None}, {}, {"gate": None, "prior": "prompt", "json_object": True}],
-                         ids=["plain", "default", "prompt-fit-json"])
+@pytest.mark.parametrize(
+    "options",
+    [{"gate": None}, {}, {"gate": None, "prior": "prompt", "json_object": True}],
+    ids=["plain", "default", "prompt-fit-json"],
+)
 def test_greedy_answers_equal_the_same_members_loaded_locally(ray_defaults, local_defaults, options):
     remote, local = events(ray_defaults, **options), events(local_defaults, **options)
     answer, expected = remote[-1].result, local[-1].result
@@ -207,8 +210,9 @@ def test_a_conversations_next_turn_goes_to_the_copy_that_read_it(cluster):
         before = {row["copy"]: row["prefix_hits"] for row in member.view()}
         holder = member.start(chat, seed=0, reserve=16)  # the same prompt again, held open: more load there
         assert holder.copy.index == here
-        second = ensemble.generate([*chat, Message("assistant", first.text), Message("user", "And three more?")],
-                                   gate=None, **GREEDY)
+        second = ensemble.generate(
+            [*chat, Message("assistant", first.text), Message("user", "And three more?")], gate=None, **GREEDY
+        )
         holder.close()
         assert second.text.strip() and second.counters[SMALL]["reused"] > 0
         member.refresh()
@@ -239,8 +243,12 @@ def test_a_copy_killed_between_rounds_the_session_is_read_again_on_the_other(clu
         assert member.stats["reread"] == 1
         copy = killed[0]
         old_pid = copy.info.pid
-        wait_for(lambda: member.refresh() or (copy.up and copy.info.pid != old_pid), 120, 0.5,
-                 "the killed copy to be restarted")
+        wait_for(
+            lambda: member.refresh() or (copy.up and copy.info.pid != old_pid),
+            120,
+            0.5,
+            "the killed copy to be restarted",
+        )
     finally:
         member.close()
 
@@ -297,7 +305,8 @@ def test_calls_cancelled_mid_draft_and_while_waiting_leave_the_copy_serving(clus
         first, second = (member.start([Message("user", p)], seed=0, reserve=16) for p in (PROMPT, "Say hello."))
         handle, greedy = first.copy.handle, Sampling(0.0, 1.0, 0)
         drafting = handle.draft.options(num_returns="streaming").remote(
-            [(first.sid, 300, Sampling(0.0, 1.0, 0, ignore_eos=True), True)])
+            [(first.sid, 300, Sampling(0.0, 1.0, 0, ignore_eos=True), True)]
+        )
         assert isinstance(ray.get(next(drafting)), tuple)  # (item, text so far): it is drafting
         waiting = handle.session.remote(second.sid, "accept", (" Hello",))
         wait_for(lambda: member.refresh() or member.view()[0]["waiting"], 60, 0.05, "the accept to wait its turn")
@@ -321,16 +330,21 @@ def test_a_caller_killed_mid_draft_leaves_the_copy_free_and_its_session_expires(
     the draft (its thread never waits for a caller), serves the next caller, and closes the dead caller's
     session once no call touched it for expire_s, which frees its slot."""
     settings = RaySettings(cpus=0.25, expire_s=2)
-    hosts = create_hosts(SMALL, MemberOptions.build({**OPTIONS, "slots": 2}), settings,
-                         name=EXPIRING, namespace=EXPIRING)
+    hosts = create_hosts(
+        SMALL, MemberOptions.build({**OPTIONS, "slots": 2}), settings, name=EXPIRING, namespace=EXPIRING
+    )
     member = RayMember(hosts, settings, owned=True)
-    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    caller = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys
         import ray
         from segfuse.backends.ray.member import RayMember
         from segfuse.types import Message, Sampling
         ray.init(address={cluster.address!r}, namespace={EXPIRING!r}, _node_ip_address={HEAD!r})
-        member = RayMember([ray.get_actor({EXPIRING + '-0'!r})])
+        member = RayMember([ray.get_actor({EXPIRING + "-0"!r})])
         session = member.start([Message("user", "Tell a long story.")], seed=0, reserve=16)
         told = []
 
@@ -341,7 +355,12 @@ def test_a_caller_killed_mid_draft_leaves_the_copy_free_and_its_session_expires(
                 sys.stdin.readline()  # killed while it waits here, its draft still running on the copy
 
         session.draft(400, Sampling(0.0, 1.0, 0, ignore_eos=True), on_text)
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert caller.stdout.readline().strip() == "drafting"
         caller.send_signal(signal.SIGKILL)
@@ -380,11 +399,16 @@ def costs(member) -> tuple[float, float, object, object]:
     session = member.start([Message("user", PROMPT)], seed=0, reserve=16)
     greedy = Sampling(0.0, 1.0, 0)
     try:
+
         def drop() -> None:
             session.accept("")
 
-        return (median_ms(lambda: session.draft(1, greedy), drop), median_ms(lambda: session.score(CANDIDATES), drop),
-                session.draft(1, greedy), session.score(CANDIDATES))
+        return (
+            median_ms(lambda: session.draft(1, greedy), drop),
+            median_ms(lambda: session.score(CANDIDATES), drop),
+            session.draft(1, greedy),
+            session.score(CANDIDATES),
+        )
     finally:
         session.close()
 

@@ -55,8 +55,12 @@ MEMBERS = {"threads": 1, "prefix_cache_cells": 0, "n_ctx": 1024}  # both sides: 
 SERVER = {"api_key": KEY, "max_concurrent": 2, "queue_size": 8, "log_level": "warning", "hedge_persist": True}
 REPLICAS = 2
 SLOTS = SERVER["max_concurrent"] * REPLICAS  # what each Ray copy holds; the local members hold as many
-CONFIG = {"server": SERVER, "members": MEMBERS, "limits": {"max_tokens": 64},
-          "defaults": {"max_tokens": 10, "temperature": 0}}
+CONFIG = {
+    "server": SERVER,
+    "members": MEMBERS,
+    "limits": {"max_tokens": 64},
+    "defaults": {"max_tokens": 10, "temperature": 0},
+}
 COPY = "cpus=0.25"  # each copy asks Ray for a quarter CPU (it runs one thread): all fit on 2 x 2 CPUs
 RAY_MODELS = [f"{SMALL}#replicas=2,{COPY}", *[f"{name}#{COPY}" for name in DEFAULT_MODELS if name != SMALL]]
 PLAIN = {"gate": None, "window": 4}  # every member drafts every round (no streamed drafts): many short rounds
@@ -74,10 +78,14 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def ray_server(cluster, tmp_path_factory):
-    config = {**CONFIG, "members": {**MEMBERS, "models": RAY_MODELS},
-              "ray": {"address": cluster.address, "node_ip": HEAD, "replicas": REPLICAS, "frontend_cpus": 0.25}}
-    with segfuse_server(tmp_path_factory.mktemp("ray"), "ray-serve", config, startup_s=420,
-                        extra_args=("--ray",)) as running:
+    config = {
+        **CONFIG,
+        "members": {**MEMBERS, "models": RAY_MODELS},
+        "ray": {"address": cluster.address, "node_ip": HEAD, "replicas": REPLICAS, "frontend_cpus": 0.25},
+    }
+    with segfuse_server(
+        tmp_path_factory.mktemp("ray"), "ray-serve", config, startup_s=420, extra_args=("--ray",)
+    ) as running:
         yield running
 
 
@@ -111,20 +119,36 @@ def answers(url: str) -> dict:
     """One greedy answer of each API, reduced to what must not differ between two servers."""
     client = oai(url)
     chat = client.chat.completions.create(model="segfuse", messages=CHAT)
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       client.chat.completions.create(model="segfuse", messages=CHAT, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="segfuse", messages=CHAT, stream=True)
+        if c.choices
+    )
     text = client.completions.create(model="segfuse", prompt="Once upon a time", extra_body={"segfuse": PLAIN})
     echo = client.completions.create(model="segfuse", prompt="The sky is blue", echo=True, logprobs=2, max_tokens=0)
     messages = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=300).messages.create(
-        model="segfuse", max_tokens=10, messages=CHAT)
+        model="segfuse", max_tokens=10, messages=CHAT
+    )
     response = client.responses.create(model="segfuse", input="Say hello politely.", max_output_tokens=10)
-    events = [e.type for e in client.responses.create(model="segfuse", input="Say hello politely.",
-                                                      max_output_tokens=10, stream=True)]
-    refused = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=60,
-                         json={"model": "segfuse", "messages": CHAT, "max_tokens": 10_000})
+    events = [
+        e.type
+        for e in client.responses.create(
+            model="segfuse", input="Say hello politely.", max_output_tokens=10, stream=True
+        )
+    ]
+    refused = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=60,
+        json={"model": "segfuse", "messages": CHAT, "max_tokens": 10_000},
+    )
     return {
-        "chat": (chat.choices[0].message.content, chat.choices[0].finish_reason, chat.usage.completion_tokens,
-                 [s["model"] for s in chat.model_extra["segfuse"]["segments"]]),
+        "chat": (
+            chat.choices[0].message.content,
+            chat.choices[0].finish_reason,
+            chat.usage.completion_tokens,
+            [s["model"] for s in chat.model_extra["segfuse"]["segments"]],
+        ),
         "chat streamed": streamed,
         "text": (text.choices[0].text, text.choices[0].finish_reason),
         "echo": echo.choices[0].logprobs.model_dump(),
@@ -204,8 +228,9 @@ def test_a_previous_response_chain_goes_across_the_replicas(ray_server):
     raw = client.responses.with_raw_response.create(model=SMALL, input="Count: one.", max_output_tokens=4)
     previous, replicas = raw.parse(), [raw.headers[REPLICA_HEADER]]
     for turn in range(12):
-        raw = client.responses.with_raw_response.create(model=SMALL, input=f"And {turn}?", max_output_tokens=4,
-                                                        previous_response_id=previous.id)
+        raw = client.responses.with_raw_response.create(
+            model=SMALL, input=f"And {turn}?", max_output_tokens=4, previous_response_id=previous.id
+        )
         previous = raw.parse()
         assert previous.status in ("completed", "incomplete") and previous.previous_response_id
         replicas.append(raw.headers[REPLICA_HEADER])
@@ -216,8 +241,9 @@ def test_a_previous_response_chain_goes_across_the_replicas(ray_server):
 
 
 def hedged(url: str) -> tuple[dict, str]:
-    raw = oai(url).chat.completions.with_raw_response.create(model="segfuse", messages=CHAT, max_tokens=8,
-                                                             extra_body={"segfuse": {**PLAIN, "hedge": True}})
+    raw = oai(url).chat.completions.with_raw_response.create(
+        model="segfuse", messages=CHAT, max_tokens=8, extra_body={"segfuse": {**PLAIN, "hedge": True}}
+    )
     return raw.parse().model_extra["segfuse"]["weights"], raw.headers.get(REPLICA_HEADER)
 
 
@@ -240,8 +266,12 @@ def test_hedge_weights_carry_from_one_replica_to_the_next(ray_server, local_serv
 def stream_lines(url: str, body: dict):
     """A streamed chat request's response and its SSE data lines (a generator)."""
     client = httpx.Client(timeout=300)
-    request = client.build_request("POST", f"{url}/v1/chat/completions", headers=AUTH,
-                                   json={"model": "segfuse", "messages": CHAT, "stream": True, **body})
+    request = client.build_request(
+        "POST",
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        json={"model": "segfuse", "messages": CHAT, "stream": True, **body},
+    )
     response = client.send(request, stream=True)
     return response, (line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: "))
 
@@ -254,8 +284,12 @@ def text_of(lines) -> tuple[str, list[dict]]:
 
 def test_a_copy_killed_mid_stream_the_answer_completes_the_same(ray_server, local_server):
     body = {"max_tokens": 24, "segfuse": PLAIN}
-    expected = oai(local_server).chat.completions.create(model="segfuse", messages=CHAT, max_tokens=24,
-                                                         extra_body={"segfuse": PLAIN}).choices[0].message.content
+    expected = (
+        oai(local_server)
+        .chat.completions.create(model="segfuse", messages=CHAT, max_tokens=24, extra_body={"segfuse": PLAIN})
+        .choices[0]
+        .message.content
+    )
     response, lines = stream_lines(ray_server.url, body)
     first = ""
     for line in lines:
@@ -269,8 +303,15 @@ def test_a_copy_killed_mid_stream_the_answer_completes_the_same(ray_server, loca
     response.close()
     assert first + rest == expected and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert not any("error" in c for c in chunks)
-    wait_for(lambda: all(r["up"] and r["pid"] != busy[0]["pid"] for r in health(ray_server.url)["copies"][SMALL])
-             and not health(ray_server.url)["degraded"], 120, 1.0, "Ray to restart the killed copy")
+    wait_for(
+        lambda: (
+            all(r["up"] and r["pid"] != busy[0]["pid"] for r in health(ray_server.url)["copies"][SMALL])
+            and not health(ray_server.url)["degraded"]
+        ),
+        120,
+        1.0,
+        "Ray to restart the killed copy",
+    )
 
 
 def front_replicas_running() -> int:
@@ -361,7 +402,11 @@ def test_a_port_in_use_ends_the_command_with_status_3_saying_so():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "segfuse.cli", "serve", "--ray", "--port", str(port), "-m", SMALL,
-                                 "--threads", "1"], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "segfuse.cli", "serve", "--ray", "--port", str(port), "-m", SMALL, "--threads", "1"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert result.returncode == 3, result.stderr[-2000:]
     assert f"could not listen on 127.0.0.1:{port}" in result.stdout + result.stderr

@@ -38,8 +38,11 @@ def figures(requests: float, queued: float, free_slots: float) -> list:
 
 def values(families) -> dict[str, float]:
     text = generate_latest(Families(families)).decode()  # type: ignore[arg-type]
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#") and "_created" not in line}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#") and "_created" not in line
+    }
 
 
 def test_counters_and_gauges_add_up_over_replicas_and_the_copies_are_read_once():
@@ -124,8 +127,9 @@ def test_a_finished_stream_a_plain_response_and_a_client_gone_are_left_alone():
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     assert len(run_asgi(EndStreams(finished), "/v1/chat/completions")) == 2
-    gone = run_asgi(EndStreams(dying_stream(b"data: {}\n\n", False, read=True)), "/v1/chat/completions",
-                    disconnect=True)
+    gone = run_asgi(
+        EndStreams(dying_stream(b"data: {}\n\n", False, read=True)), "/v1/chat/completions", disconnect=True
+    )
     assert len(gone) == 2
 
     async def plain_json(scope, receive, send):
@@ -144,12 +148,24 @@ def test_a_frame_cut_in_the_middle_is_closed_before_the_error():
 
 
 def test_each_member_becomes_copies_and_remote_members_stay_clients():
-    config = build_config(models=["smollm2-135m#replicas=2,cpus=0.5,slots=3", "ray:gemma3-270m#threads=2",
-                                  "remote:http://127.0.0.1:9/v1#far"], enabled=True, replicas=3, max_concurrent=2,
-                          frontend_cpus=0.25, threads=1)
+    config = build_config(
+        models=[
+            "smollm2-135m#replicas=2,cpus=0.5,slots=3",
+            "ray:gemma3-270m#threads=2",
+            "remote:http://127.0.0.1:9/v1#far",
+        ],
+        enabled=True,
+        replicas=3,
+        max_concurrent=2,
+        frontend_cpus=0.25,
+        threads=1,
+    )
     planned = plan(config)
-    assert [(p.inner, p.settings.replicas) for p in planned] == [("smollm2-135m#slots=3", 2),
-                                                                 ("gemma3-270m#threads=2", 1), (None, 1)]
+    assert [(p.inner, p.settings.replicas) for p in planned] == [
+        ("smollm2-135m#slots=3", 2),
+        ("gemma3-270m#threads=2", 1),
+        (None, 1),
+    ]
     assert copy_options(config).slots == 6  # a slot for each generation of each front end
     assert cpus_asked(config) == (3 * 0.25 + 2 * 0.5 + 2.0, 2.0)  # front ends, smollm2's copies, gemma's threads
 
@@ -198,7 +214,10 @@ def test_a_request_serve_cancelled_reads_as_a_disconnect():
     async def send(message):
         sent.append(message)
 
-    asyncio.run(ReplicaHeader(app, "r1")(  # type: ignore[arg-type]
-        {"type": "http"}, receive, send))
+    asyncio.run(
+        ReplicaHeader(app, "r1")(  # type: ignore[arg-type]
+            {"type": "http"}, receive, send
+        )
+    )
     assert heard == [{"type": "http.disconnect"}]
     assert (b"x-segfuse-replica", b"r1") in sent[0]["headers"]

@@ -35,12 +35,18 @@ def test_the_spec_splits_the_ray_keys_from_the_inner_members():
     assert parse_target("transformers:/m/x#device=cuda,replicas=3")[0] == "transformers:/m/x#device=cuda"
 
 
-@pytest.mark.parametrize("target, says", [
-    ("", "names no member"), ("ray:smollm2-135m", "names no member"),
-    ("smollm2-135m#replicas=0", "replicas must be at least 1"), ("smollm2-135m#replicas=two", "must be a number"),
-    ("smollm2-135m#cpus=0", "cpus must be more than 0"), ("smollm2-135m#expire_s=-1", "expire_s"),
-    ("smollm2-135m#restarts=-2", "restarts"),
-])
+@pytest.mark.parametrize(
+    "target, says",
+    [
+        ("", "names no member"),
+        ("ray:smollm2-135m", "names no member"),
+        ("smollm2-135m#replicas=0", "replicas must be at least 1"),
+        ("smollm2-135m#replicas=two", "must be a number"),
+        ("smollm2-135m#cpus=0", "cpus must be more than 0"),
+        ("smollm2-135m#expire_s=-1", "expire_s"),
+        ("smollm2-135m#restarts=-2", "restarts"),
+    ],
+)
 def test_a_bad_spec_is_refused_saying_what_is_wrong(target, says):
     with pytest.raises(InvalidRequestError, match=says):
         parse_target(target)
@@ -79,7 +85,7 @@ def test_affinity_finds_the_longest_known_prefix_and_forgets_the_oldest():
     affinity = Affinity(max_keys=4)
     short, long = prefix_keys([Message("user", "a")]), prefix_keys([Message("user", "a"), Message("user", "b")])
     affinity.remember(short, 0)
-    affinity.remember(long[len(short):], 1)  # read by another copy after the shared start
+    affinity.remember(long[len(short) :], 1)  # read by another copy after the shared start
     assert affinity.find(long) == 1 and affinity.find(short) == 0 and affinity.find(prefix_keys([])) is None
     affinity.remember(prefix_keys([Message("user", "c"), Message("user", "d")]), 2)  # 4 keys more: 8 > 4
     assert len(affinity) == 4 and affinity.find(short) is None and affinity.find(long) is None
@@ -89,10 +95,16 @@ def test_affinity_finds_the_longest_known_prefix_and_forgets_the_oldest():
 def test_without_a_ray_cluster_the_member_is_refused_with_the_fix():
     env_free = subprocess.run(
         [sys.executable, "-m", "segfuse.cli", "generate", "-m", "ray:smollm2-135m", "-m", "smollm2-135m", "hi"],
-        check=False, capture_output=True, text=True, timeout=120, env=_without("RAY_ADDRESS"))
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_without("RAY_ADDRESS"),
+    )
     assert env_free.returncode != 0
-    assert "need a Ray cluster" in env_free.stderr + env_free.stdout and "RAY_ADDRESS" in env_free.stderr + \
-        env_free.stdout
+    assert (
+        "need a Ray cluster" in env_free.stderr + env_free.stdout and "RAY_ADDRESS" in env_free.stderr + env_free.stdout
+    )
 
 
 def _without(name: str) -> dict[str, str]:

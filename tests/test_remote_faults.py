@@ -54,7 +54,9 @@ def test_two_remote_members_are_called_concurrently(tmp_path):
     with llama_cpp_server(SMOL, tmp_path / "a.log") as a, llama_cpp_server(SMOL, tmp_path / "b.log") as b:
         members = [Timed(load_member(f"remote:{a.url}#remote-a")), Timed(load_member(f"remote:{b.url}#remote-b"))]
         with Ensemble(members) as ens:
-            result = ens.generate(PROMPT, max_tokens=24, temperature=0.7, seed=3, exit=False, gate=None)  # both draft every round
+            result = ens.generate(
+                PROMPT, max_tokens=24, temperature=0.7, seed=3, exit=False, gate=None
+            )  # both draft every round
         assert result.text.strip()
         first, second = members[0].calls, members[1].calls
         assert len(first) == len(second) == result.stats.rounds

@@ -23,9 +23,11 @@ GREEDY = FusionOptions.build(temperature=0, max_tokens=4)
 def test_a_request_checks_its_conversation_and_prefill_when_it_is_made():
     made = FusionRequest.of([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}], GREEDY)
     assert made.messages == (Message("user", "Hi"),)  # an empty prefill is dropped: nothing to continue
-    for wrong, said in [([{"role": "robot", "content": "Hi"}], "bad message"), ("", "the prompt is empty"),
-                        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure "}],
-                         "ends with whitespace")]:
+    for wrong, said in [
+        ([{"role": "robot", "content": "Hi"}], "bad message"),
+        ("", "the prompt is empty"),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure "}], "ends with whitespace"),
+    ]:
         with pytest.raises(InvalidRequestError, match=said):
             FusionRequest.of(wrong, GREEDY)
     prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]
@@ -43,8 +45,14 @@ def test_a_request_keeps_what_it_was_made_with():
 
 
 def test_the_engine_reads_a_request_into_one_context():
-    salted = FusionRequest.of("Hi", FusionOptions.build(temperature=0, deterministic=True), top_logprobs=3,
-                              cache_salt="client-1", deadline=5.0, constraint=Constraint.json_object())
+    salted = FusionRequest.of(
+        "Hi",
+        FusionOptions.build(temperature=0, deterministic=True),
+        top_logprobs=3,
+        cache_salt="client-1",
+        deadline=5.0,
+        constraint=Constraint.json_object(),
+    )
     context = GenerationContext.of(salted)
     assert context.sampling.top_logprobs == context.top_logprobs == 3 and context.sampling.temperature == 0
     assert context.start_options == {"cache_salt": "client-1", "deterministic": True}
@@ -88,8 +96,11 @@ def test_every_way_in_validates_a_conversation_once(default_ensemble, validation
     validations.clear()
     with live(default_ensemble) as server:
         client = openai.OpenAI(base_url=server.api, api_key=KEY, max_retries=0, timeout=300)
-        chat = client.chat.completions.create(model=LEADER, max_tokens=4, messages=[
-            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}])
+        chat = client.chat.completions.create(
+            model=LEADER,
+            max_tokens=4,
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        )
         assert chat.choices[0].message.content and validations == [2]  # one conversation of two messages
         validations.clear()
         text = client.completions.create(model=LEADER, max_tokens=4, prompt=["Once upon", "A cat"])

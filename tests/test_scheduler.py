@@ -71,9 +71,14 @@ def test_a_cancelled_generation_leaves_and_closes_its_sessions_while_the_other_f
     scheduler = Scheduler()
     stop = {"b": False}
     for name in ("a", "b"):
-        scheduler.add(Flight(steps([member], name), lambda e, n=name: done.setdefault(n, e.result)
-                             if isinstance(e, DoneEvent) else None,
-                             lambda why, n=name: ends.__setitem__(n, why), lambda n=name: stop.get(n, False)))
+        scheduler.add(
+            Flight(
+                steps([member], name),
+                lambda e, n=name: done.setdefault(n, e.result) if isinstance(e, DoneEvent) else None,
+                lambda why, n=name: ends.__setitem__(n, why),
+                lambda n=name: stop.get(n, False),
+            )
+        )
     scheduler.tick()
     stop["b"] = True
     while len(scheduler):

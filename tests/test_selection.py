@@ -42,8 +42,10 @@ def test_a_looping_candidate_is_penalised_and_a_fresh_one_is_not():
 
 
 def test_a_stutter_of_the_last_segment_is_penalised():
-    assert degeneration("Janet lays 16 eggs per day.", " She eats three eggs.", " She eats three eggs.") \
+    assert (
+        degeneration("Janet lays 16 eggs per day.", " She eats three eggs.", " She eats three eggs.")
         == "repeats the last segment"
+    )
 
 
 def test_restating_a_phrase_once_is_not_a_loop():

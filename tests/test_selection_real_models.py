@@ -14,8 +14,9 @@ from segfuse.types import Message
 STORY = [Message("user", "Write two sentences about a cat.")]
 LOOP = " The cat sat on the mat."
 FRESH = " Then it jumped down and ran outside."
-ARITHMETIC = [Message("user", "Tom has 3 apples and buys 5 more. How many apples does he have now? "
-                              "Answer with the number.")]
+ARITHMETIC = [
+    Message("user", "Tom has 3 apples and buys 5 more. How many apples does he have now? Answer with the number.")
+]
 
 pytestmark = pytest.mark.models
 
@@ -42,8 +43,9 @@ def test_a_looping_candidate_loses_to_a_fresh_one(default_ensemble):
 
 
 def test_prompt_fit_picks_a_leader_and_the_gate_skips_rounds(default_ensemble):
-    options = FusionOptions.build(max_tokens=48, temperature=0, exit=False, hedge=False, guard=True,
-                                  prior="prompt", gate=0.5, accept_margin=None)
+    options = FusionOptions.build(
+        max_tokens=48, temperature=0, exit=False, hedge=False, guard=True, prior="prompt", gate=0.5, accept_margin=None
+    )
     result = list(fuse(default_ensemble.members, FusionRequest.of(ARITHMETIC, options)))[-1].result
     names = default_ensemble.names
     assert set(result.prompt_bpb) == set(names)
@@ -70,8 +72,7 @@ def test_gate_with_one_leader_reproduces_the_leader_alone(default_ensemble):
     leader = default_ensemble.members[1]
     alone = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False)
     solo = list(fuse([leader], FusionRequest.of(ARITHMETIC, alone)))[-1].result
-    gated = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False, gate=0.0,
-                                leader=leader.name)
+    gated = FusionOptions.build(max_tokens=32, temperature=0, exit=False, hedge=False, gate=0.0, leader=leader.name)
     fused = list(fuse(default_ensemble.members, FusionRequest.of(ARITHMETIC, gated)))[-1].result
     assert fused.text == solo.text
     assert fused.stats.gated_rounds == fused.stats.rounds

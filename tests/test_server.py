@@ -38,8 +38,9 @@ def server(tmp_path_factory):
         pytest.fail(f"models not prepared: {missing}; run `make models`", pytrace=False)
     # No prefix cache: tests here compare a streamed greedy answer with a whole one, and a prompt
     # prefilled in another batch split (as a cache hit is) sums in another order, which can flip a near tie.
-    with live_server(tmp_path_factory.mktemp("server"), queue_size=8, max_body_bytes=65536,
-                     prefix_cache_cells=0) as running:
+    with live_server(
+        tmp_path_factory.mktemp("server"), queue_size=8, max_body_bytes=65536, prefix_cache_cells=0
+    ) as running:
         yield running
         # Whatever the tests did, the server never crashed on a request.
         assert running.health()["counters"]["failed"] == 0, running.log_tail()
@@ -53,16 +54,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
-                      timeout=300) as session:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"}, timeout=300
+    ) as session:
         yield session
 
 
 @pytest.fixture(scope="module")
 def greedy(client):
     """One greedy non-streaming answer, shared by the tests that inspect it."""
-    return client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
-                                          temperature=0)
+    return client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0)
 
 
 def ext(obj) -> dict:
@@ -120,8 +121,14 @@ def test_non_streaming_completion_with_provenance(greedy):
 
 
 def test_streaming_reads_the_same_answer(client, greedy):
-    stream = client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="segfuse",
+        messages=user(QUESTION),
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     pieces, ended = [], 0
@@ -151,10 +158,12 @@ def test_streaming_reads_the_same_answer(client, greedy):
 
 def test_raw_sse_framing(http):
     """Role chunk first, `data: [DONE]` last; a raw body declared JSON (curl -H 'Content-Type: application/json')."""
-    body = json.dumps({"messages": user("Say hi."), "max_tokens": 4, "stream": True,
-                       "logprobs": False, "frequency_penalty": 0})  # OpenAI parameters at their neutral values
-    with http.stream("POST", "/v1/chat/completions", content=body,
-                     headers={"Content-Type": "application/json"}) as response:
+    body = json.dumps(
+        {"messages": user("Say hi."), "max_tokens": 4, "stream": True, "logprobs": False, "frequency_penalty": 0}
+    )  # OpenAI parameters at their neutral values
+    with http.stream(
+        "POST", "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         frames = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -189,21 +198,41 @@ BAD_REQUESTS = {
     "n 2": ({"messages": OK_MESSAGES, "n": 2}, 422, "invalid_value", "n"),
     "last message from the system": (
         {"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "hello"}]},
-        400, "invalid_messages", "messages"),
+        400,
+        "invalid_messages",
+        "messages",
+    ),
     "a prefill with no question before it": (
         {"messages": [{"role": "system", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        400, "invalid_messages", "messages"),
+        400,
+        "invalid_messages",
+        "messages",
+    ),
     "blank question": ({"messages": user("   ")}, 400, "invalid_messages", "messages"),
     "bad fusion option": ({"messages": OK_MESSAGES, "segfuse": {"window": 0}}, 400, "invalid_value", None),
     "unknown fusion option": ({"messages": OK_MESSAGES, "segfuse": {"bogus": 1}}, 400, "invalid_value", None),
     "unknown model": ({"messages": OK_MESSAGES, "model": "gpt-9"}, 404, "model_not_found", "model"),
-    "invalid JSON schema": ({"messages": OK_MESSAGES, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-        400, "invalid_value", "response_format"),
-    "json_schema without a schema": ({"messages": OK_MESSAGES, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "invalid_value", "response_format"),
-    "unknown response_format type": ({"messages": OK_MESSAGES, "response_format": {"type": "yaml"}},
-                                     400, "invalid_value", "response_format"),
+    "invalid JSON schema": (
+        {
+            "messages": OK_MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+        },
+        400,
+        "invalid_value",
+        "response_format",
+    ),
+    "json_schema without a schema": (
+        {"messages": OK_MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        400,
+        "invalid_value",
+        "response_format",
+    ),
+    "unknown response_format type": (
+        {"messages": OK_MESSAGES, "response_format": {"type": "yaml"}},
+        400,
+        "invalid_value",
+        "response_format",
+    ),
 }
 
 
@@ -272,8 +301,9 @@ def test_prompt_too_long_is_a_400_or_an_error_event(client, http):
 
 def test_stop_strings_reach_the_engine(client):
     # Every candidate is cut at its first space, so the answer is one word and ends there.
-    answer = client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
-                                            temperature=0, stop=[" "])
+    answer = client.chat.completions.create(
+        model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0, stop=[" "]
+    )
     text = answer.choices[0].message.content
     assert text.strip() and " " not in text
     assert answer.choices[0].finish_reason == "stop"
@@ -307,9 +337,19 @@ def _stream_until_first_segment(http, stack: ExitStack, prompt: str, max_tokens:
     """Open a stream and read it up to its first segment; returns the line iterator, which the
     caller must keep: a dropped iterator closes the connection (httpx), i.e. hangs up."""
     # ignore_eos: the generation runs to max_tokens, so it keeps the worker busy however fast the machine
-    response = stack.enter_context(http.stream("POST", "/v1/chat/completions", json={
-        "messages": user(prompt), "max_tokens": max_tokens, "stream": True, "temperature": 0,
-        "segfuse": {"ignore_eos": True, "gate": None}}))  # every round votes: slow enough to hold the worker
+    response = stack.enter_context(
+        http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "messages": user(prompt),
+                "max_tokens": max_tokens,
+                "stream": True,
+                "temperature": 0,
+                "segfuse": {"ignore_eos": True, "gate": None},
+            },
+        )
+    )  # every round votes: slow enough to hold the worker
     assert response.status_code == 200
     lines = response.iter_lines()
     for line in lines:
@@ -325,8 +365,11 @@ def test_disconnect_cancels_the_generation(http, server):
         rounds_at_hangup = server.health()["counters"]["rounds"]
         hung_up = time.monotonic()
     # The client has hung up mid-answer: the worker must stop at the end of the round.
-    after = health_when(server, lambda h: h["counters"]["cancelled"] > before["cancelled"]
-                        and not h["queue"]["running"], "the cancel counter")
+    after = health_when(
+        server,
+        lambda h: h["counters"]["cancelled"] > before["cancelled"] and not h["queue"]["running"],
+        "the cancel counter",
+    )
     stopped_after = time.monotonic() - hung_up
     c = after["counters"]
     assert c["cancelled"] == before["cancelled"] + 1
@@ -338,16 +381,21 @@ def test_disconnect_cancels_the_generation(http, server):
 def test_disconnect_cancels_a_non_streaming_request(server):
     before = server.health()["counters"]
     # Every round votes and the answer runs to max_tokens: the request outlives the hang-up however fast the machine.
-    body = json.dumps({"messages": user(LONG), "max_tokens": 400,
-                       "segfuse": {"ignore_eos": True, "gate": None}}).encode()
+    body = json.dumps(
+        {"messages": user(LONG), "max_tokens": 400, "segfuse": {"ignore_eos": True, "gate": None}}
+    ).encode()
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Authorization: Bearer " + server.api_key.encode() + b"\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
-                     b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer " + server.api_key.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         health_when(server, lambda h: h["counters"]["rounds"] > before["rounds"], "the first round")
-    after = health_when(server, lambda h: h["counters"]["cancelled"] > before["cancelled"]
-                        and not h["queue"]["running"], "the cancel counter")
+    after = health_when(
+        server,
+        lambda h: h["counters"]["cancelled"] > before["cancelled"] and not h["queue"]["running"],
+        "the cancel counter",
+    )
     assert after["counters"]["completed"] == before["completed"]
     assert after["counters"]["rounds"] - before["rounds"] <= 3
 
@@ -358,8 +406,13 @@ def test_full_queue_answers_429(http, client, server):
         held = [_stream_until_first_segment(http, running, LONG, max_tokens=400) for _ in range(2)]  # both slots
         with ExitStack() as queued:
             for i in range(8):  # fills every waiting slot
-                response = queued.enter_context(http.stream("POST", "/v1/chat/completions", json={
-                    "messages": user(f"Say {i}."), "max_tokens": 4, "stream": True}))
+                response = queued.enter_context(
+                    http.stream(
+                        "POST",
+                        "/v1/chat/completions",
+                        json={"messages": user(f"Say {i}."), "max_tokens": 4, "stream": True},
+                    )
+                )
                 assert response.status_code == 200
             health_when(server, lambda h: h["queue"]["waiting"] == 8, "8 waiting requests", timeout=30)
             full = http.post("/v1/chat/completions", json={"messages": OK_MESSAGES, "max_tokens": 4})
@@ -386,8 +439,7 @@ def test_load_8_clients_5_requests_each(client, server):
         for i in range(5):
             messages = user(f"Reply with the number {k * 5 + i}.")
             if i % 2:
-                stream = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=4,
-                                                        stream=True)
+                stream = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=4, stream=True)
                 chunks = list(stream)
                 finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 assert finish and finish[0] in ("stop", "length")
@@ -411,8 +463,12 @@ def test_load_8_clients_5_requests_each(client, server):
 
 # --------------------------------------------------------------------------- structured output
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
@@ -420,16 +476,23 @@ def test_response_format_json_schema(client):
     import jsonschema
 
     messages = user("Extract the person as JSON: Maria Lopez, 34, lives in Seville.")
-    answer = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=64, temperature=0,
-                                            response_format=PERSON_FORMAT)
+    answer = client.chat.completions.create(
+        model="segfuse", messages=messages, max_tokens=64, temperature=0, response_format=PERSON_FORMAT
+    )
     assert answer.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
-    streamed = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=64, temperature=0,
-                                              response_format=PERSON_FORMAT, stream=True)
+    streamed = client.chat.completions.create(
+        model="segfuse", messages=messages, max_tokens=64, temperature=0, response_format=PERSON_FORMAT, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == answer.choices[0].message.content
-    anything = client.chat.completions.create(model="segfuse", messages=user("Describe a cat as JSON."),
-                                              max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    anything = client.chat.completions.create(
+        model="segfuse",
+        messages=user("Describe a cat as JSON."),
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
 
@@ -443,21 +506,39 @@ def test_the_openai_clients_own_structured_parse(client):
         age: int
 
     parsed = client.chat.completions.parse(
-        model="segfuse", messages=user("Extract the person: Tom Baker, aged 51, lives in Leeds."),
-        max_tokens=64, temperature=0, response_format=Person)
+        model="segfuse",
+        messages=user("Extract the person: Tom Baker, aged 51, lives in Leeds."),
+        max_tokens=64,
+        temperature=0,
+        response_format=Person,
+    )
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person) and person.name and person.age > 0
 
 
 # --------------------------------------------------------------------------- tool calls
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                   "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now in a city.",
-                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                         "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def test_a_tool_round_trip(client):
@@ -465,8 +546,9 @@ def test_a_tool_round_trip(client):
     import jsonschema
 
     messages = user("What is the weather in Paris right now?")
-    first = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=64, temperature=0,
-                                           tools=[WEATHER, CLOCK], tool_choice="required")
+    first = client.chat.completions.create(
+        model="segfuse", messages=messages, max_tokens=64, temperature=0, tools=[WEATHER, CLOCK], tool_choice="required"
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -474,17 +556,29 @@ def test_a_tool_round_trip(client):
     tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
-    history = [*messages, choice.message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
-    final = client.chat.completions.create(model="segfuse", messages=history, max_tokens=48, temperature=0,
-                                           tools=[WEATHER, CLOCK], tool_choice="none")
+    history = [
+        *messages,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'},
+    ]
+    final = client.chat.completions.create(
+        model="segfuse", messages=history, max_tokens=48, temperature=0, tools=[WEATHER, CLOCK], tool_choice="none"
+    )
     assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
 
 
 def test_a_named_tool_call_streams_as_openai_streams_it(client):
-    chunks = list(client.chat.completions.create(
-        model="segfuse", messages=user("Weather in Oslo, in fahrenheit?"), max_tokens=64, temperature=0,
-        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="segfuse",
+            messages=user("Weather in Oslo, in fahrenheit?"),
+            max_tokens=64,
+            temperature=0,
+            tools=[WEATHER, CLOCK],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+        )
+    )
     calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert len(calls) == 1 and calls[0][0].index == 0 and calls[0][0].function.name == "get_weather"
     assert "city" in json.loads(calls[0][0].function.arguments)
@@ -493,8 +587,9 @@ def test_a_named_tool_call_streams_as_openai_streams_it(client):
 
 
 def test_auto_tool_choice_answers_text_or_a_call(client):
-    answer = client.chat.completions.create(model="segfuse", messages=user("Say hello to Ada."), max_tokens=24,
-                                            temperature=0, tools=[WEATHER])
+    answer = client.chat.completions.create(
+        model="segfuse", messages=user("Say hello to Ada."), max_tokens=24, temperature=0, tools=[WEATHER]
+    )
     choice = answer.choices[0]
     if choice.finish_reason == "tool_calls":
         assert choice.message.tool_calls[0].function.name == "get_weather"
@@ -502,13 +597,16 @@ def test_auto_tool_choice_answers_text_or_a_call(client):
         assert choice.message.content and not choice.message.content.lstrip().startswith("{")
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
 def test_bad_tools_get_a_400_naming_the_field(http, extra, param):
     body = {"messages": user("hi"), "max_tokens": 4, **extra}
     response = http.post("/v1/chat/completions", json=body)
@@ -527,14 +625,14 @@ def test_a_text_completion_continues_the_raw_prompt(client):
     assert choice.text.startswith(" 6,"), choice.text
     assert choice.finish_reason in ("stop", "length") and answer.usage.completion_tokens > 0
     assert 0 < answer.usage.prompt_tokens < 16  # the text alone, no template around it
-    echoed = client.completions.create(model="segfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0,
-                                       echo=True)
+    echoed = client.completions.create(model="segfuse", prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0, echo=True)
     assert echoed.choices[0].text == "1, 2, 3, 4, 5," + choice.text
 
 
 def test_text_completion_logprobs_are_the_answer_tokens(client):
-    answer = client.completions.create(model="segfuse", prompt="The capital of France is", max_tokens=10,
-                                       temperature=0, logprobs=3)
+    answer = client.completions.create(
+        model="segfuse", prompt="The capital of France is", max_tokens=10, temperature=0, logprobs=3
+    )
     choice = answer.choices[0]
     lp = choice.logprobs
     assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
@@ -546,11 +644,20 @@ def test_text_completion_logprobs_are_the_answer_tokens(client):
 
 def test_a_streamed_text_completion_matches_the_whole_one(client):
     whole = client.completions.create(model="segfuse", prompt="Once upon a time", max_tokens=16, temperature=0)
-    chunks = list(client.completions.create(model="segfuse", prompt="Once upon a time", max_tokens=16,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="segfuse",
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
-        [whole.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
@@ -564,31 +671,43 @@ def test_a_list_of_prompts_gets_a_choice_each(client):
 
 def test_chat_logprobs_cover_the_answer_exactly(client):
     members = set(MEMBERS)
-    answer = client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
-                                            temperature=0, logprobs=True, top_logprobs=2,
-                                            extra_body={"segfuse": {"gate": None, "accept_margin": None}})
+    answer = client.chat.completions.create(
+        model="segfuse",
+        messages=user(QUESTION),
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"segfuse": {"gate": None, "accept_margin": None}},
+    )
     content = answer.choices[0].logprobs.content
     assert "".join(t.token for t in content) == answer.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in content)
     authors = {(t.model_extra or {}).get("model") for t in content}
     assert authors <= members and authors == {s["model"] for s in ext(answer)["segments"]}
-    streamed = list(client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12,
-                                                   temperature=0, logprobs=True, stream=True))
+    streamed = list(
+        client.chat.completions.create(
+            model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0, logprobs=True, stream=True
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert "".join(tokens) == text and tokens
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 422, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "word " * 5000}, 400, None),
-    ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, 422, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "word " * 5000}, 400, None),
+        ("/v1/chat/completions", {"messages": user("x"), "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": user("x"), "logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+    ],
+)
 def test_bad_completions_and_logprobs_get_a_clear_error(http, path, body, status, param):
     response = http.post(path, json={"max_tokens": 4, **body})
     assert response.status_code == status, response.text

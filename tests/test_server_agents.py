@@ -44,8 +44,9 @@ def _model(server, api: str):
 
 @pytest.mark.parametrize("api", ["messages", "responses"])
 def test_a_typed_output(server, api):
-    agent = pydantic_ai.Agent(_model(server, api), output_type=Person,
-                              model_settings={"temperature": 0, "max_tokens": 64})
+    agent = pydantic_ai.Agent(
+        _model(server, api), output_type=Person, model_settings={"temperature": 0, "max_tokens": 64}
+    )
     person = agent.run_sync(EXTRACT).output
     assert person == Person(name="Maria Lopez", age=34, city="Seville")
 
@@ -58,8 +59,11 @@ def test_the_agent_runs_a_tool_and_answers(server, api):
     from pydantic_ai.usage import UsageLimits
 
     calls: list[str] = []
-    agent = pydantic_ai.Agent(_model(server, api), model_settings={"temperature": 0, "max_tokens": 48},
-                              system_prompt="Use the tools to answer.")
+    agent = pydantic_ai.Agent(
+        _model(server, api),
+        model_settings={"temperature": 0, "max_tokens": 48},
+        system_prompt="Use the tools to answer.",
+    )
 
     @agent.tool_plain
     def get_weather(city: str) -> str:

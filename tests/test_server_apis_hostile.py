@@ -18,14 +18,28 @@ pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 ODD: list[Any] = [None, -1, 1.5, "x", True, [], {"a": {"b": [None]}}]
 TOOL = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
 # Tools are mutated one at a time (``tool_variants``): a body that offers them costs a grammar per answer.
-MESSAGES = {"model": LEADER, "max_tokens": 1, "system": "Be brief.", "stop_sequences": ["\n\n"],
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
-            "metadata": {"user_id": "u1"}, "temperature": 0}
-RESPONSES = {"model": LEADER, "max_output_tokens": 1, "instructions": "Be brief.",
-             "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}],
-             "text": {"format": {"type": "text"}}, "temperature": 0, "store": False}
-TOOLS = {"/v1/messages": {"name": "look", "description": "Look it up", "input_schema": TOOL},
-         "/v1/responses": {"type": "function", "name": "look", "parameters": TOOL}}
+MESSAGES = {
+    "model": LEADER,
+    "max_tokens": 1,
+    "system": "Be brief.",
+    "stop_sequences": ["\n\n"],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
+    "metadata": {"user_id": "u1"},
+    "temperature": 0,
+}
+RESPONSES = {
+    "model": LEADER,
+    "max_output_tokens": 1,
+    "instructions": "Be brief.",
+    "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}],
+    "text": {"format": {"type": "text"}},
+    "temperature": 0,
+    "store": False,
+}
+TOOLS = {
+    "/v1/messages": {"name": "look", "description": "Look it up", "input_schema": TOOL},
+    "/v1/responses": {"type": "function", "name": "look", "parameters": TOOL},
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +66,9 @@ def tool_variants(body: dict[str, Any], tool: dict[str, Any]) -> list[dict[str, 
     return out + [{**body, "tools": [tool], "tool_choice": value} for value in ODD if value is not None]
 
 
-@pytest.mark.parametrize(("path", "body", "inner"), [("/v1/messages", MESSAGES, "messages"),
-                                                     ("/v1/responses", RESPONSES, "input")])
+@pytest.mark.parametrize(
+    ("path", "body", "inner"), [("/v1/messages", MESSAGES, "messages"), ("/v1/responses", RESPONSES, "input")]
+)
 def test_every_mutation_is_answered_in_the_apis_shape(server, path, body, inner):
     headers = {"x-api-key": KEY} if path == "/v1/messages" else {"Authorization": f"Bearer {KEY}"}
     statuses: dict[int, int] = {}

@@ -31,8 +31,11 @@ def test_defaults_bind_loopback_without_auth(monkeypatch):
 
 def test_file_then_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("SEGFUSE_API_KEY", "from-env")
-    path = write(tmp_path, '[server]\nport = 9000\nqueue_size = 2\n[members]\nmodels = ["smollm2-135m"]\n'
-                           "[defaults]\nmax_tokens = 32\nwindow = 6\n")
+    path = write(
+        tmp_path,
+        '[server]\nport = 9000\nqueue_size = 2\n[members]\nmodels = ["smollm2-135m"]\n'
+        "[defaults]\nmax_tokens = 32\nwindow = 6\n",
+    )
     config = build_config(path, port=9100)
     assert config.server.port == 9100 and config.server.queue_size == 2
     assert config.server.api_key == "from-env"  # the file sets none
@@ -47,17 +50,20 @@ def test_deterministic_is_a_default_from_the_file_or_the_flag(tmp_path):
     assert build_config(defaults={"deterministic": True}).fusion_defaults().deterministic  # serve --deterministic
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("[server\nport = 1", "not valid TOML"),
-    ("[server]\nprot = 8000", "server.prot: Extra inputs are not permitted"),
-    ("[server]\nport = 70000", "server.port: Input should be less than or equal to 65535"),
-    ('[server]\nport = "eighty"', "server.port"),
-    ("[members]\nn_ctx = 10", "members.n_ctx"),
-    ("[defaults]\nwindow = 0", "[defaults]"),
-    ("[defaults]\nbogus = 1", "[defaults]"),
-    ('[defaults]\ndeterministic = "yes"', "deterministic"),
-    ("[surprise]\nx = 1", "surprise"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[server\nport = 1", "not valid TOML"),
+        ("[server]\nprot = 8000", "server.prot: Extra inputs are not permitted"),
+        ("[server]\nport = 70000", "server.port: Input should be less than or equal to 65535"),
+        ('[server]\nport = "eighty"', "server.port"),
+        ("[members]\nn_ctx = 10", "members.n_ctx"),
+        ("[defaults]\nwindow = 0", "[defaults]"),
+        ("[defaults]\nbogus = 1", "[defaults]"),
+        ('[defaults]\ndeterministic = "yes"', "deterministic"),
+        ("[surprise]\nx = 1", "surprise"),
+    ],
+)
 def test_bad_config_says_where(tmp_path, text, expected):
     with pytest.raises(ConfigError) as caught:
         build_config(write(tmp_path, text))
@@ -72,8 +78,12 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.slow
 def test_cli_reports_a_bad_config_in_one_line(tmp_path):
     path = write(tmp_path, "[server]\nport = -1\n")
-    done = subprocess.run([sys.executable, "-m", "segfuse.cli", "serve", "--config", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "segfuse.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "server.port" in done.stderr and "Traceback" not in done.stderr
 
@@ -81,8 +91,9 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path):
 def test_no_members_answers_503(tmp_path):
     """Members that fail to load leave the server up, saying why, with 503 on completions."""
     config = build_config(models=["/nonexistent/model.gguf"], port=free_port())
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=config.server.port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=config.server.port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -30,8 +30,9 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with checked_server(tmp_path_factory.mktemp("deterministic"), max_concurrent=3,
-                        extra_args=("--deterministic",)) as running:
+    with checked_server(
+        tmp_path_factory.mktemp("deterministic"), max_concurrent=3, extra_args=("--deterministic",)
+    ) as running:
         yield running
 
 
@@ -43,8 +44,9 @@ def client(server):
 def ask(client: OpenAI, messages: list[dict[str, str]], deterministic: bool | None, **sampling: Any) -> str:
     """A chat completion's text, greedy unless `sampling` says; `deterministic` None: the request does not say."""
     extra = {"segfuse": {"deterministic": deterministic}} if deterministic is not None else None
-    reply = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=MAX_TOKENS,
-                                           **{"temperature": 0, **sampling}, extra_body=extra)
+    reply = client.chat.completions.create(
+        model="segfuse", messages=messages, max_tokens=MAX_TOKENS, **{"temperature": 0, **sampling}, extra_body=extra
+    )
     return reply.choices[0].message.content or ""
 
 
@@ -58,8 +60,14 @@ def test_eight_identical_requests_give_one_text_among_other_traffic(server, clie
     traffic: list[tuple[list[dict[str, Any]], bool]] = [
         (TARGET, False),  # the same request, sharing the cache: hits of the whole prompt
         ([SYSTEM, {"role": "user", "content": "Describe a forest."}], False),
-        ([*TARGET, {"role": "assistant", "content": "It halves the range each step."},
-          {"role": "user", "content": "Say it in fewer words."}], False),  # the target's prompt cached
+        (
+            [
+                *TARGET,
+                {"role": "assistant", "content": "It halves the range each step."},
+                {"role": "user", "content": "Say it in fewer words."},
+            ],
+            False,
+        ),  # the target's prompt cached
         ([{"role": "user", "content": "Write a haiku about autumn leaves."}], False),
         (TARGET, False),
         ([SYSTEM, {"role": "user", "content": "Describe the desert."}], False),  # the system prompt cached
@@ -88,23 +96,35 @@ def test_the_server_default_applies_to_a_request_that_does_not_say(server, clien
 
 def test_the_same_seed_gives_the_same_text_when_sampling(client):
     seeded = {"temperature": 0.9, "seed": 7}
-    jobs = [(TARGET, True, seeded), (TARGET, False, seeded), (TARGET, True, seeded),
-            ([SYSTEM, {"role": "user", "content": "Describe a forest."}], False, {}), (TARGET, True, seeded)]
+    jobs = [
+        (TARGET, True, seeded),
+        (TARGET, False, seeded),
+        (TARGET, True, seeded),
+        ([SYSTEM, {"role": "user", "content": "Describe a forest."}], False, {}),
+        (TARGET, True, seeded),
+    ]
     with ThreadPoolExecutor(3) as pool:
         texts = list(pool.map(lambda job: ask(client, job[0], job[1], **job[2]), jobs))
     sampled = [texts[0], texts[2], texts[4]]
     assert sampled[0].strip() and len(set(sampled)) == 1, sampled
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/chat/completions", {"messages": TARGET}),
-    ("/v1/completions", {"prompt": "Once upon a time"}),
-    ("/v1/messages", {"messages": TARGET, "max_tokens": 8}),
-    ("/v1/responses", {"input": "Hi"}),
-])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": TARGET}),
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+        ("/v1/messages", {"messages": TARGET, "max_tokens": 8}),
+        ("/v1/responses", {"input": "Hi"}),
+    ],
+)
 def test_a_value_that_is_not_a_boolean_is_refused_naming_the_field(server, path, body):
-    response = httpx.post(f"{server.url}{path}", json={**body, "segfuse": {"deterministic": "yes"}},
-                          headers={"Authorization": f"Bearer {server.api_key}"}, timeout=60)
+    response = httpx.post(
+        f"{server.url}{path}",
+        json={**body, "segfuse": {"deterministic": "yes"}},
+        headers={"Authorization": f"Bearer {server.api_key}"},
+        timeout=60,
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert "deterministic" in error["message"], error
@@ -114,6 +134,7 @@ def test_a_value_that_is_not_a_boolean_is_refused_naming_the_field(server, path,
 
 def test_the_openai_client_sees_the_refusal(client):
     with pytest.raises(BadRequestError) as refused:
-        client.chat.completions.create(model="segfuse", messages=TARGET, max_tokens=8,
-                                       extra_body={"segfuse": {"deterministic": 1}})
+        client.chat.completions.create(
+            model="segfuse", messages=TARGET, max_tokens=8, extra_body={"segfuse": {"deterministic": 1}}
+        )
     assert refused.value.body["param"] == "segfuse.deterministic", refused.value.body

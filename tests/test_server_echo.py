@@ -43,8 +43,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
-                      timeout=300) as session:
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"}, timeout=300
+    ) as session:
         yield session
 
 
@@ -101,17 +102,20 @@ def test_token_ids_read_as_the_text_they_spell_and_an_answer_follows(http):
     assert lp["text_offset"][-1] == len(CONTEXT)
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 422, None),
-    ("/v1/completions", {"prompt": [10**7], "echo": True, "logprobs": 1}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [-3]}, 422, "prompt"),
-    ("/v1/completions", {"prompt": "word " * 5000, "echo": True, "logprobs": 1, "max_tokens": 0}, 400, None),
-    ("/m/nobody/v1/completions", {"prompt": "x"}, 404, "model"),
-    (f"/m/{SMOL}/v1/completions", {"prompt": "x", "model": "segfuse"}, 400, "model"),
-    ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
-    ("/tokenize", {"prompt": "x", "extra": 1}, 400, "extra"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "stream"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 422, None),
+        ("/v1/completions", {"prompt": [10**7], "echo": True, "logprobs": 1}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [-3]}, 422, "prompt"),
+        ("/v1/completions", {"prompt": "word " * 5000, "echo": True, "logprobs": 1, "max_tokens": 0}, 400, None),
+        ("/m/nobody/v1/completions", {"prompt": "x"}, 404, "model"),
+        (f"/m/{SMOL}/v1/completions", {"prompt": "x", "model": "segfuse"}, 400, "model"),
+        ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+        ("/tokenize", {"prompt": "x", "extra": 1}, 400, "extra"),
+    ],
+)
 def test_bad_echo_and_token_input_gets_a_clear_error(http, path, body, status, param):
     reply = http.post(path, json={"max_tokens": 1, **body} if "completions" in path else body)
     assert reply.status_code == status, reply.text
@@ -128,14 +132,34 @@ LIMIT = 2
 
 def lm_eval_served(server, out: Path, path: str, model: str) -> list[dict]:
     """lm-eval's own `local-completions` on the task's first items, tokenizing through the server."""
-    args = (f"base_url={server.url}{path}/v1/completions,model={model},tokenizer_backend=remote,"
-            f"auth_token={server.api_key},num_concurrent=1,max_retries=1")
+    args = (
+        f"base_url={server.url}{path}/v1/completions,model={model},tokenizer_backend=remote,"
+        f"auth_token={server.api_key},num_concurrent=1,max_retries=1"
+    )
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": server.api_key}
-    done = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "local-completions",
-                           "--model_args", args, "--include_path", str(TASKS), "--tasks",
-                           "segfuse_bigbench_" + TASK.replace("-", "_"), "--limit", str(LIMIT), "--log_samples",
-                           "--output_path", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=800)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "lm_eval"),
+            "--model",
+            "local-completions",
+            "--model_args",
+            args,
+            "--include_path",
+            str(TASKS),
+            "--tasks",
+            "segfuse_bigbench_" + TASK.replace("-", "_"),
+            "--limit",
+            str(LIMIT),
+            "--log_samples",
+            "--output_path",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [samples] = out.rglob("samples_*.jsonl")
     return [json.loads(line) for line in samples.read_text().splitlines()]
@@ -154,8 +178,9 @@ def test_lm_eval_local_completions_scores_as_the_members_do(server, uncached_ens
         assert served_scores(one) == pytest.approx([s.logprob for s in own.members[SMOL]], abs=SAME_MEMBER)
         # The ensemble: the members' mean, attributed to the leader's tokens; the same choice wins.
         assert served_scores(sample) == pytest.approx(own.fused, abs=POOLED)
-        assert max(range(len(own.fused)), key=own.fused.__getitem__) == \
-            max(range(len(own.fused)), key=served_scores(sample).__getitem__)
+        assert max(range(len(own.fused)), key=own.fused.__getitem__) == max(
+            range(len(own.fused)), key=served_scores(sample).__getitem__
+        )
         assert sample["acc"] == float(own.best in item.correct)
     assert all(not math.isnan(v) for s in pooled for v in served_scores(s))
 

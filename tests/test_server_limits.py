@@ -35,10 +35,22 @@ pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 KEY = "limits-key"
 SAY_HI = [{"role": "user", "content": "Say hi."}]
 LEADER = "smollm2-135m"  # the quickest member, alone, for the requests that generate
-LIMITS = {"max_tokens": 64, "max_stops": 4, "max_stop_chars": 32, "max_prompts": 4, "max_messages": 40,
-          "max_content_chars": 20_000, "max_tools": 4, "max_tools_bytes": 8192, "max_schema_bytes": 4096,
-          "max_schema_depth": 16, "header_timeout_s": 2.0, "body_timeout_s": 2.0, "limit_concurrency": 8,
-          "max_header_bytes": 8192}
+LIMITS = {
+    "max_tokens": 64,
+    "max_stops": 4,
+    "max_stop_chars": 32,
+    "max_prompts": 4,
+    "max_messages": 40,
+    "max_content_chars": 20_000,
+    "max_tools": 4,
+    "max_tools_bytes": 8192,
+    "max_schema_bytes": 4096,
+    "max_schema_depth": 16,
+    "header_timeout_s": 2.0,
+    "body_timeout_s": 2.0,
+    "limit_concurrency": 8,
+    "max_header_bytes": 8192,
+}
 
 
 @dataclass
@@ -64,15 +76,23 @@ class Live:
 
 
 @contextmanager
-def live(ensemble, *, api_key: str | None = KEY, limits: dict[str, Any] | None = None,
-         **server: Any) -> Iterator[Live]:
+def live(ensemble, *, api_key: str | None = KEY, limits: dict[str, Any] | None = None, **server: Any) -> Iterator[Live]:
     """The app over `ensemble`, served by uvicorn in a thread as `segfuse serve` serves it."""
-    config = ServerConfig.model_validate({
-        "server": {"api_key": api_key, "port": 0, "queue_size": 4, "max_concurrent": 1, "log_level": "warning",
-                   "max_body_bytes": 2_000_000, **server},
-        "limits": {**LIMITS, **(limits or {})},
-        "defaults": {"max_tokens": 8, "temperature": 0},
-    })
+    config = ServerConfig.model_validate(
+        {
+            "server": {
+                "api_key": api_key,
+                "port": 0,
+                "queue_size": 4,
+                "max_concurrent": 1,
+                "log_level": "warning",
+                "max_body_bytes": 2_000_000,
+                **server,
+            },
+            "limits": {**LIMITS, **(limits or {})},
+            "defaults": {"max_tokens": 8, "temperature": 0},
+        }
+    )
     with serve_app(config, ensemble) as (url, state):
         yield Live(url, state)
 
@@ -138,20 +158,41 @@ LIMIT_CASES = {
     "messages": (chat(messages=SAY_HI * 41), "messages", "max_messages"),
     "content": (chat(messages=[{"role": "user", "content": "z" * 20_001}]), "messages", "max_content_chars"),
     "tools count": (chat(tools=[tool(f"t{i}") for i in range(5)]), "tools", "max_tools"),
-    "tools size": (chat(tools=[tool("t", {"type": "object", "description": "d" * 8200})]), "tools",
-                   "max_tools_bytes"),
-    "tool schema size": (chat(tools=[tool("t", {"type": "object", "properties": {
-        f"p{i}": {"type": "string"} for i in range(200)}})]), "tools[0].function.parameters", "max_schema_bytes"),
-    "tool schema depth": (chat(tools=[tool("t", nested_schema(9))]), "tools[0].function.parameters",
-                          "max_schema_depth"),
-    "schema size": (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}}}),
-        "response_format", "max_schema_bytes"),
-    "schema depth": (chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": nested_schema(9)}}), "response_format", "max_schema_depth"),
+    "tools size": (chat(tools=[tool("t", {"type": "object", "description": "d" * 8200})]), "tools", "max_tools_bytes"),
+    "tool schema size": (
+        chat(tools=[tool("t", {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}})]),
+        "tools[0].function.parameters",
+        "max_schema_bytes",
+    ),
+    "tool schema depth": (
+        chat(tools=[tool("t", nested_schema(9))]),
+        "tools[0].function.parameters",
+        "max_schema_depth",
+    ),
+    "schema size": (
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}},
+                },
+            }
+        ),
+        "response_format",
+        "max_schema_bytes",
+    ),
+    "schema depth": (
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(9)}}),
+        "response_format",
+        "max_schema_depth",
+    ),
     # ~100 levels used to answer 500 (the schema checker's recursion)
-    "schema nested 100 levels": (chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": nested_schema(100)}}), "response_format", "max_json_depth"),
+    "schema nested 100 levels": (
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(100)}}),
+        "response_format",
+        "max_json_depth",
+    ),
 }
 
 
@@ -168,23 +209,40 @@ def test_text_completion_limits_and_prompts_take_queue_places(server):
     body = {"model": LEADER, "prompt": ["Once"] * 5, "max_tokens": 2}
     error = error_of(server.post("/v1/completions", body), 400, "limit_exceeded", "prompt")
     assert "[limits] max_prompts" in error["message"]
-    error_of(server.post("/v1/completions", {**body, "prompt": "Once", "segfuse": {"stop": ["s"] * 5}}),
-             400, "limit_exceeded", "segfuse.stop")
+    error_of(
+        server.post("/v1/completions", {**body, "prompt": "Once", "segfuse": {"stop": ["s"] * 5}}),
+        400,
+        "limit_exceeded",
+        "segfuse.stop",
+    )
     # queue_size 4 and one slot: five places when idle. Four prompts fit; with two requests waiting they do
     # not, and the request is refused whole, before any prompt takes a place.
     answer = server.post("/v1/completions", {**body, "prompt": ["Once", "Twice", "Thrice", "Then"]})
     assert answer.status_code == 200 and len(answer.json()["choices"]) == 4, answer.text
     with ExitStack() as stack:
-        held = [stack.enter_context(httpx.stream(
-            "POST", f"{server.url}/v1/chat/completions", timeout=300,
-            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-            json={"model": LEADER, "messages": [{"role": "user", "content": "Count to 500."}], "max_tokens": 64,
-                  "stream": True})) for _ in range(4)]
+        held = [
+            stack.enter_context(
+                httpx.stream(
+                    "POST",
+                    f"{server.url}/v1/chat/completions",
+                    timeout=300,
+                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                    json={
+                        "model": LEADER,
+                        "messages": [{"role": "user", "content": "Count to 500."}],
+                        "max_tokens": 64,
+                        "stream": True,
+                    },
+                )
+            )
+            for _ in range(4)
+        ]
         # one running, three waiting: at most one free place (two, should one answer end meanwhile)
         wait_for(lambda: sum(server.state.worker.state()) == 4, 60, what="four requests in")
         accepted = server.state.worker.snapshot()["accepted"]
-        error = error_of(server.post("/v1/completions", {**body, "prompt": ["a", "b", "c", "d"]}), 429,
-                         "queue_full", "prompt")
+        error = error_of(
+            server.post("/v1/completions", {**body, "prompt": ["a", "b", "c", "d"]}), 429, "queue_full", "prompt"
+        )
         assert "4 prompts need 4 places" in error["message"], error
         assert server.state.worker.snapshot()["accepted"] == accepted  # no prompt took a place
         for response in held:
@@ -198,15 +256,28 @@ def test_text_completion_limits_and_prompts_take_queue_places(server):
 
 def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, default_ensemble):
     results = [{"role": "tool", "tool_call_id": f"c{i}", "content": f"r{i}"} for i in range(20_000)]
-    body = chat(messages=[*SAY_HI, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *results, *SAY_HI])
+    body = chat(
+        messages=[
+            *SAY_HI,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            *results,
+            *SAY_HI,
+        ]
+    )
     error_of(server.post("/v1/chat/completions", body), 400, "limit_exceeded", "messages")
     # Within a raised limit they are one user turn, in order (joined once, not by repeated concatenation).
     from segfuse.config import LimitsSection
     from segfuse.server.chat import planning
 
-    plan = planning.plan_chat(json.dumps(body).encode(), server.state.defaults,
-                              LimitsSection(max_messages=30_000, max_content_chars=1_000_000))
+    plan = planning.plan_chat(
+        json.dumps(body).encode(),
+        server.state.defaults,
+        LimitsSection(max_messages=30_000, max_content_chars=1_000_000),
+    )
     merged = [m for m in plan.generation.messages if m.role == "user" and m.content.startswith("Result of f (c0)")]
     assert len(merged) == 1 and merged[0].content.count("Result of ") == 20_000
     assert merged[0].content.index("Result of c19999:") > merged[0].content.index("Result of c9999:")
@@ -223,13 +294,20 @@ def test_requests_are_parsed_off_the_event_loop(server, monkeypatch):
         def run(*args, **kwargs):
             seen.append(threading.current_thread().name)
             return original(*args, **kwargs)
+
         return run
 
     monkeypatch.setattr(planning, "plan_chat", spy(planning.plan_chat))
     monkeypatch.setattr(parsing, "parse_request", spy(parsing.parse_request))
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    response = server.post("/v1/chat/completions", chat(model=LEADER, max_tokens=8, response_format={
-        "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}))
+    response = server.post(
+        "/v1/chat/completions",
+        chat(
+            model=LEADER,
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        ),
+    )
     assert response.status_code == 200, response.text
     assert server.post("/v1/completions", {"model": LEADER, "prompt": "Once", "max_tokens": 1}).status_code == 200
     assert len(seen) >= 2 and "test-uvicorn" not in seen, seen  # the loop runs on the uvicorn thread
@@ -239,10 +317,21 @@ def test_a_catastrophic_pattern_does_not_freeze_the_server(server):
     """patternProperties "^(a+)+$" against 40 a's and a '!': Python's re would backtrack for hours holding the
     GIL; the finished answer is checked by llguidance instead, which enforced the schema."""
     key = "a" * 40 + "!"
-    schema = {"type": "object", "properties": {key: {"const": 1}}, "required": [key],
-              "patternProperties": {"^(a+)+$": {}}, "additionalProperties": False}
-    response = server.post("/v1/chat/completions", chat(model=LEADER, max_tokens=48, response_format={
-        "type": "json_schema", "json_schema": {"name": "evil", "schema": schema}}))
+    schema = {
+        "type": "object",
+        "properties": {key: {"const": 1}},
+        "required": [key],
+        "patternProperties": {"^(a+)+$": {}},
+        "additionalProperties": False,
+    }
+    response = server.post(
+        "/v1/chat/completions",
+        chat(
+            model=LEADER,
+            max_tokens=48,
+            response_format={"type": "json_schema", "json_schema": {"name": "evil", "schema": schema}},
+        ),
+    )
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"]) == {key: 1}
@@ -255,10 +344,14 @@ def test_a_catastrophic_pattern_does_not_freeze_the_server(server):
 
 MALFORMED = {
     "function a string": ({"id": "c1", "type": "function", "function": "x"}, "messages.0.tool_calls.0.function"),
-    "id a list": ({"id": ["c1"], "type": "function", "function": {"name": "f", "arguments": "{}"}},
-                  "messages.0.tool_calls.0.id"),
-    "arguments a dict": ({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}},
-                         "messages.0.tool_calls.0.function.arguments"),
+    "id a list": (
+        {"id": ["c1"], "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        "messages.0.tool_calls.0.id",
+    ),
+    "arguments a dict": (
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Paris"}}},
+        "messages.0.tool_calls.0.function.arguments",
+    ),
 }
 
 
@@ -271,23 +364,33 @@ def test_malformed_tool_calls_are_4xx_naming_the_field(server, case):
 
 def test_a_body_nested_thousands_deep_is_a_400(server):
     error_of(server.post("/v1/chat/completions", b'{"messages": ' + b"[" * 100_000), 400, "limit_exceeded", "body")
-    error_of(server.post("/v1/chat/completions", chat(segfuse={"x": json.loads("[" * 80 + "]" * 80)})), 400,
-             "limit_exceeded", "segfuse")
+    error_of(
+        server.post("/v1/chat/completions", chat(segfuse={"x": json.loads("[" * 80 + "]" * 80)})),
+        400,
+        "limit_exceeded",
+        "segfuse",
+    )
 
 
 def test_a_lone_surrogate_is_a_400_naming_its_field(server):
     # JSON may spell half of a UTF-16 pair; no tokenizer can encode it (it was a 500 from the worker).
-    error_of(server.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
-             400, "invalid_value", "messages.0.content")
-    error_of(server.post("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 1}'), 400, "invalid_value",
-             "prompt")
+    error_of(
+        server.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
+        400,
+        "invalid_value",
+        "messages.0.content",
+    )
+    error_of(server.post("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 1}'), 400, "invalid_value", "prompt")
 
 
-@pytest.mark.parametrize("options, param", [
-    ({"seed": 2**64}, "seed"),
-    ({"segfuse": {"hedge_eta": 1e308}}, "segfuse.hedge_eta"),
-    ({"segfuse": {"hedge": True, "hedge_persist": True}}, "segfuse.hedge_persist"),
-])
+@pytest.mark.parametrize(
+    "options, param",
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"segfuse": {"hedge_eta": 1e308}}, "segfuse.hedge_eta"),
+        ({"segfuse": {"hedge": True, "hedge_persist": True}}, "segfuse.hedge_persist"),
+    ],
+)
 def test_refused_fusion_options_name_their_field(server, options, param):
     response = server.post("/v1/chat/completions", chat(model=LEADER, **options))
     assert response.status_code == 400, response.text
@@ -302,8 +405,10 @@ def test_cache_salt_is_a_bounded_request_field(server):
 
 def test_client_strings_are_logged_quoted(server, caplog):
     with caplog.at_level(logging.INFO, logger="segfuse.server"):
-        response = server.post("/v1/chat/completions", chat(model=LEADER, max_tokens=1,
-                                                            user="bob\n2026-01-01 INFO forged line" + "x" * 500))
+        response = server.post(
+            "/v1/chat/completions",
+            chat(model=LEADER, max_tokens=1, user="bob\n2026-01-01 INFO forged line" + "x" * 500),
+        )
     assert response.status_code == 200, response.text
     lines = [r.getMessage() for r in caplog.records if "for user" in r.getMessage()]
     assert lines and all("\n" not in line and len(line) < 200 for line in lines), lines
@@ -311,8 +416,9 @@ def test_client_strings_are_logged_quoted(server, caplog):
 
 
 def test_internal_texts_lose_paths_and_urls_without_the_key():
-    departure = Departure("m", 2, "fault", "ConnectionError: http://10.0.0.5:8080/v1 refused; "
-                                           "model /srv/models/secret-name.gguf")
+    departure = Departure(
+        "m", 2, "fault", "ConnectionError: http://10.0.0.5:8080/v1 refused; model /srv/models/secret-name.gguf"
+    )
     result = Result(text="", segments=[], rounds=[], stats=Stats(), models=["m"], departures=[departure])
     shown = result_info(result, None).departures[0]["reason"]
     assert "10.0.0.5" not in shown and "/srv/models" not in shown and "<url>" in shown and "<path>" in shown
@@ -327,16 +433,20 @@ def test_a_load_error_shows_its_path_only_to_the_key():
 
     with TestClient(create_app(config), base_url="http://127.0.0.1") as client:
         key = {"Authorization": f"Bearer {KEY}"}
-        health = wait_for(lambda: (h := client.get("/health", headers=key).json())["status"] == "failed" and h,
-                          120, what="the load to fail")
+        health = wait_for(
+            lambda: (h := client.get("/health", headers=key).json())["status"] == "failed" and h,
+            120,
+            what="the load to fail",
+        )
         assert "secret-model" in health["error"]
         assert client.get("/health").json() == {"status": "failed"}  # no key: the status only
         refused = client.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {KEY}"})
         assert refused.status_code == 503 and "secret-model" in refused.json()["error"]["message"]
     keyless = ServerConfig.model_validate({"members": {"models": [missing]}})
     with TestClient(create_app(keyless), base_url="http://127.0.0.1") as client:
-        health = wait_for(lambda: (h := client.get("/health").json())["status"] == "failed" and h, 120,
-                          what="the load to fail")
+        health = wait_for(
+            lambda: (h := client.get("/health").json())["status"] == "failed" and h, 120, what="the load to fail"
+        )
         assert "/nonexistent" not in health["error"] and "<path>" in health["error"]
         refused = client.post("/v1/chat/completions", json=chat()).json()["error"]["message"]
         assert "/nonexistent" not in refused
@@ -371,14 +481,20 @@ def test_a_keyless_server_shows_everything(default_ensemble):
 def test_json_endpoints_need_a_json_content_type(server):
     for path in ("/v1/chat/completions", "/v1/completions"):
         for kind in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
-            response = httpx.post(f"{server.url}{path}", content=json.dumps(chat()), timeout=60,
-                                  headers={"Authorization": f"Bearer {KEY}", **kind})
+            response = httpx.post(
+                f"{server.url}{path}",
+                content=json.dumps(chat()),
+                timeout=60,
+                headers={"Authorization": f"Bearer {KEY}", **kind},
+            )
             error_of(response, 415, "unsupported_media_type")
-        bare = httpx.post(f"{server.url}{path}", content=json.dumps(chat()), timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"})
+        bare = httpx.post(
+            f"{server.url}{path}", content=json.dumps(chat()), timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        )
         error_of(bare, 415, "unsupported_media_type")
-    response = server.post("/v1/chat/completions", {"model": "segfuse"},
-                           **{"Content-Type": "application/json; charset=utf-8"})
+    response = server.post(
+        "/v1/chat/completions", {"model": "segfuse"}, **{"Content-Type": "application/json; charset=utf-8"}
+    )
     error_of(response, 422, "invalid_value", "messages")  # past the media type check
 
 
@@ -424,8 +540,10 @@ def test_a_client_slow_to_send_its_headers_is_cut_off(server):
 
 def test_a_client_slow_to_send_its_body_gets_408(server):
     with _connect(server) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"messages\"")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"messages"'
+        )
         reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"body_timeout_s" in reply
@@ -443,8 +561,10 @@ def test_oversized_headers_are_refused(server):
 def _open_request(server: Live) -> socket.socket:
     """A connection whose request is in flight: its headers sent, its body still coming."""
     sock = _connect(server)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"messages\"")
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"messages"'
+    )
     return sock
 
 
@@ -472,8 +592,9 @@ def test_requests_in_flight_beyond_limit_concurrency_get_503(default_ensemble):
             assert busy.get("/health").status_code == 200  # accepted after them: they were all open by then
             for _ in range(limit):
                 stack.enter_context(_open_request(busy))
-            refused = wait_for(lambda: (r := busy.get("/health")).status_code == 503 and r, 30,
-                               what=f"{limit} requests in flight")
+            refused = wait_for(
+                lambda: (r := busy.get("/health")).status_code == 503 and r, 30, what=f"{limit} requests in flight"
+            )
             error_of(refused, 503, "server_busy")
             assert f"limit_concurrency {limit}" in refused.json()["error"]["message"]
             assert refused.headers["connection"] == "close"
@@ -515,8 +636,11 @@ def test_slow_sockets_from_one_address_do_not_starve_others(default_ensemble, ca
             print(f"answered in {took:.2f} s beside 200 slow sockets")
             assert response.status_code == 200, response.text  # at once: before, 503 until the deadline closed them
             assert took < limits["header_timeout_s"]
-            closed = wait_for(lambda: (n := sum(map(_closed_by_server, slow))) >= len(slow) - bound and n, 60,
-                              what=f"the server to close all but {bound} of the slow sockets")
+            closed = wait_for(
+                lambda: (n := sum(map(_closed_by_server, slow))) >= len(slow) - bound and n,
+                60,
+                what=f"the server to close all but {bound} of the slow sockets",
+            )
             assert closed >= len(slow) - bound
             refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused:")]
             assert 1 <= len(refusals) <= 2, refusals  # one line at once, the rest counted into one more
@@ -542,8 +666,10 @@ def test_pending_connections_close_the_oldest_past_each_bound():
 
 def test_a_request_past_its_deadline_ends_or_fails_clearly(default_ensemble):
     with live(default_ensemble, limits={"request_timeout_s": 0.001}) as hurried:
-        response = hurried.post("/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "Count from 1 to 300."}], "max_tokens": 64})
+        response = hurried.post(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Count from 1 to 300."}], "max_tokens": 64},
+        )
         if response.status_code == 200:  # admitted in time: the answer ended at the deadline
             body = response.json()
             assert body["segfuse"]["stats"]["finish_reason"] == "deadline", body["segfuse"]["stats"]

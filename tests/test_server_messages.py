@@ -14,8 +14,11 @@ from live_app import KEY, LEADER, idle, live
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
 HI = [{"role": "user", "content": "Say hi."}]
-WEATHER = {"name": "get_weather", "description": "The weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,26 +65,40 @@ def test_the_fused_model_answers_with_its_extension(client):
 
 
 def test_a_tool_round_trip(client):
-    first = client.messages.create(model=LEADER, max_tokens=48, tools=[WEATHER],
-                                   tool_choice={"type": "any"},
-                                   messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    first = client.messages.create(
+        model=LEADER,
+        max_tokens=48,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+    )
     assert first.stop_reason == "tool_use"
     call = first.content[0]
     assert call.type == "tool_use" and call.name == "get_weather"
     jsonschema.validate(call.input, WEATHER["input_schema"])
-    second = client.messages.create(model=LEADER, max_tokens=12, tools=[WEATHER],
-                                    tool_choice={"type": "none"}, messages=[
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": [block.model_dump() for block in first.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]}])
+    second = client.messages.create(
+        model=LEADER,
+        max_tokens=12,
+        tools=[WEATHER],
+        tool_choice={"type": "none"},
+        messages=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"}]},
+        ],
+    )
     assert second.content[0].type == "text" and second.content[0].text.strip()
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result were read
 
 
 def test_a_streamed_tool_call(client):
-    with client.messages.stream(model=LEADER, max_tokens=48, tools=[WEATHER],
-                                tool_choice={"type": "tool", "name": "get_weather"},
-                                messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
+    with client.messages.stream(
+        model=LEADER,
+        max_tokens=48,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
@@ -99,23 +116,43 @@ def test_bad_input_is_refused_in_anthropic_shape(server, client):
     missing = anthropic_error(post(server, {"model": LEADER, "messages": HI}), 400)
     assert missing["param"] == "max_tokens"
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]
-    assert "'image' is not supported" in anthropic_error(
-        post(server, {"model": LEADER, "max_tokens": 4, "messages": image}), 400)["message"]
+    assert (
+        "'image' is not supported"
+        in anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": image}), 400)["message"]
+    )
     orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]
-    assert "toolu_x" in anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": orphan}), 400)[
-        "message"]
-    anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": HI}, key="wrong"), 401,
-                    "authentication_error")
+    assert (
+        "toolu_x"
+        in anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": orphan}), 400)["message"]
+    )
+    anthropic_error(
+        post(server, {"model": LEADER, "max_tokens": 4, "messages": HI}, key="wrong"), 401, "authentication_error"
+    )
     anthropic_error(post(server, {"model": "claude-x", "max_tokens": 4, "messages": HI}), 404, "not_found_error")
-    assert anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": HI, "top_k": 5}), 400)[
-        "param"] == "top_k"
-    assert anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": HI,
-                                         "tool_choice": {"type": "maybe"}}), 400)["param"] == "tool_choice"
+    assert (
+        anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": HI, "top_k": 5}), 400)["param"]
+        == "top_k"
+    )
+    assert (
+        anthropic_error(
+            post(server, {"model": LEADER, "max_tokens": 4, "messages": HI, "tool_choice": {"type": "maybe"}}), 400
+        )["param"]
+        == "tool_choice"
+    )
     # [limits] apply, named by their Anthropic fields
-    assert anthropic_error(post(server, {"model": LEADER, "max_tokens": 10_000, "messages": HI}), 400)[
-        "code"] == "limit_exceeded"
-    assert anthropic_error(post(server, {"model": LEADER, "max_tokens": 4, "messages": HI,
-                                         "stop_sequences": ["a", "b", "c", "d", "e"]}), 400)["param"] == "stop_sequences"
+    assert (
+        anthropic_error(post(server, {"model": LEADER, "max_tokens": 10_000, "messages": HI}), 400)["code"]
+        == "limit_exceeded"
+    )
+    assert (
+        anthropic_error(
+            post(
+                server, {"model": LEADER, "max_tokens": 4, "messages": HI, "stop_sequences": ["a", "b", "c", "d", "e"]}
+            ),
+            400,
+        )["param"]
+        == "stop_sequences"
+    )
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=LEADER, max_tokens=4, messages=[])
     # still serving, nothing held
@@ -139,14 +176,21 @@ def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, 
     raw = {"x-api-key": KEY, "Content-Type": "application/json"}
     bad_json = httpx.post(f"{server.url}/v1/messages", content=b"{not json", headers=raw, timeout=60)
     assert anthropic_error(bad_json, 400)["code"] == "invalid_json"
-    as_form = httpx.post(f"{server.url}/v1/messages", content=b"{}", timeout=60,
-                         headers={**raw, "Content-Type": "text/plain"})
+    as_form = httpx.post(
+        f"{server.url}/v1/messages", content=b"{}", timeout=60, headers={**raw, "Content-Type": "text/plain"}
+    )
     assert anthropic_error(as_form, 415)["code"] == "unsupported_media_type"
     huge = {"model": LEADER, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 3_000_000}]}
     anthropic_error(post(server, huge), 413, "request_too_large")
-    surrogate = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}' % LEADER.encode()
-    assert anthropic_error(httpx.post(f"{server.url}/v1/messages", content=surrogate, headers=raw, timeout=60),
-                           400)["param"] == "messages.0.content"
+    surrogate = (
+        b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}' % LEADER.encode()
+    )
+    assert (
+        anthropic_error(httpx.post(f"{server.url}/v1/messages", content=surrogate, headers=raw, timeout=60), 400)[
+            "param"
+        ]
+        == "messages.0.content"
+    )
     cancelled = server.state.worker.snapshot()["cancelled"]
     body = {"model": "segfuse", "max_tokens": 64, "stream": True, "messages": HI}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers=raw, timeout=300) as response:

@@ -34,8 +34,11 @@ SAY_HI = [{"role": "user", "content": "Say hi."}]
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
     """Prometheus text -> {(sample name, labels): value}, through prometheus_client's own parser."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(metrics: dict, name: str, **labels: str) -> float:
@@ -54,8 +57,16 @@ class StubWorker:
     queue_size = 7
 
     def snapshot(self) -> dict[str, int]:
-        return {"accepted": 9, "rejected": 1, "started": 8, "completed": 5, "cancelled": 1, "invalid": 1,
-                "failed": 0, "rounds": 40}
+        return {
+            "accepted": 9,
+            "rejected": 1,
+            "started": 8,
+            "completed": 5,
+            "cancelled": 1,
+            "invalid": 1,
+            "failed": 0,
+            "rounds": 40,
+        }
 
     def view(self) -> tuple[int, int, dict[str, Occupancy]]:
         held = {"a": Occupancy(slots=4, free_slots=3, cache_cells=57), "b": Occupancy()}  # b cannot tell
@@ -65,8 +76,14 @@ class StubWorker:
 def test_metrics_read_the_worker_and_count_results():
     metrics, other = ServerMetrics(StubWorker()), ServerMetrics(StubWorker())  # per-app registries: no clash
     metrics.members(["a", "b"])
-    result = Result(text="hi", segments=[], rounds=[], stats=Stats(tokens=7), models=["a", "b"],
-                    departures=[Departure("a", 1, "fault", "crashed"), Departure("b", 2, "exit", "agreed")])
+    result = Result(
+        text="hi",
+        segments=[],
+        rounds=[],
+        stats=Stats(tokens=7),
+        models=["a", "b"],
+        departures=[Departure("a", 1, "fault", "crashed"), Departure("b", 2, "exit", "agreed")],
+    )
     metrics.first_segment(time.time() - 0.3)
     metrics.done(time.time() - 1.0, result)
     got = samples(metrics.render().decode())
@@ -90,15 +107,38 @@ def test_metrics_read_the_worker_and_count_results():
     assert apps[0].state.segfuse.metrics.registry is not apps[1].state.segfuse.metrics.registry
 
 
-NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "top_logprobs": None,
-           "logit_bias": {}, "tools": [], "tool_choice": "none", "functions": None, "function_call": None,
-           "response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "n": 1,
-           "metadata": {"team": "ops"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True}
-REFUSED = {"functions": [{"name": "f"}], "function_call": "auto",
-           "logit_bias": {"50256": -100}, "frequency_penalty": 0.5, "presence_penalty": -1,
-           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
-           "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
-           "bogus_field": 1, "window": 6}
+NEUTRAL = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0.0,
+    "logprobs": False,
+    "top_logprobs": None,
+    "logit_bias": {},
+    "tools": [],
+    "tool_choice": "none",
+    "functions": None,
+    "function_call": None,
+    "response_format": {"type": "text"},
+    "modalities": ["text"],
+    "audio": None,
+    "n": 1,
+    "metadata": {"team": "ops"},
+    "store": False,
+    "service_tier": "auto",
+    "parallel_tool_calls": True,
+}
+REFUSED = {
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "logit_bias": {"50256": -100},
+    "frequency_penalty": 0.5,
+    "presence_penalty": -1,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
+    "bogus_field": 1,
+    "window": 6,
+}
 
 
 def test_parameter_tables():
@@ -106,13 +146,18 @@ def test_parameter_tables():
     for name, bad in REFUSED.items():
         assert parsing.unsupported({"messages": SAY_HI, name: bad}, CHAT) == [name], name
     # strict: a boolean is not a number and a number is not a boolean
-    assert parsing.unsupported({"presence_penalty": False, "frequency_penalty": False}, CHAT) == \
-        ["presence_penalty", "frequency_penalty"]
+    assert parsing.unsupported({"presence_penalty": False, "frequency_penalty": False}, CHAT) == [
+        "presence_penalty",
+        "frequency_penalty",
+    ]
     # /v1/completions has its own table: suffix and best_of pass only at their neutral values
     text = {"prompt": "Once", "echo": False, "logprobs": 2, "suffix": "", "best_of": 1, "frequency_penalty": 0}
     assert parsing.unsupported(text, COMPLETIONS) == []
-    assert parsing.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI},
-                               COMPLETIONS) == ["suffix", "best_of", "messages"]
+    assert parsing.unsupported({"prompt": "Once", "suffix": "end", "best_of": 3, "messages": SAY_HI}, COMPLETIONS) == [
+        "suffix",
+        "best_of",
+        "messages",
+    ]
     error = parsing.unsupported_error(["window"], CHAT)
     assert error.status == 400 and error.detail.param == "window" and "'segfuse' object" in error.detail.message
 
@@ -121,8 +166,12 @@ def test_request_options_go_over_the_defaults_and_an_explicit_null_is_kept():
     from segfuse.options import FusionOptions
 
     defaults = FusionOptions.build(max_tokens=64, accept_margin=2.0)
-    request = parsing.parse_request(json.dumps({"messages": SAY_HI, "max_tokens": 8, "temperature": None,
-                                                "segfuse": {"accept_margin": None, "gate": 0.7}}).encode(), CHAT)
+    request = parsing.parse_request(
+        json.dumps(
+            {"messages": SAY_HI, "max_tokens": 8, "temperature": None, "segfuse": {"accept_margin": None, "gate": 0.7}}
+        ).encode(),
+        CHAT,
+    )
     options = parsing.fusion_options(request, defaults)
     assert (options.max_tokens, options.temperature, options.gate) == (8, defaults.temperature, 0.7)
     assert options.accept_margin is None  # null: every proposal goes to the vote, not the server's default
@@ -158,10 +207,20 @@ def scrape(server) -> dict:
 def test_metrics_move_after_a_completion_with_neutral_parameters(server, client):
     before = scrape(server)
     answer = client.chat.completions.create(
-        model="segfuse", messages=SAY_HI, max_tokens=4, temperature=0,
+        model="segfuse",
+        messages=SAY_HI,
+        max_tokens=4,
+        temperature=0,
         # OpenAI parameters at their neutral values, and harmless ones: accepted
-        frequency_penalty=0, presence_penalty=0, logprobs=False, n=1, response_format={"type": "text"},
-        logit_bias={}, metadata={"test": "ops"}, extra_body={"tools": [], "tool_choice": None})
+        frequency_penalty=0,
+        presence_penalty=0,
+        logprobs=False,
+        n=1,
+        response_format={"type": "text"},
+        logit_bias={},
+        metadata={"test": "ops"},
+        extra_body={"tools": [], "tool_choice": None},
+    )
     tokens = answer.usage.completion_tokens
     assert answer.choices[0].finish_reason in ("stop", "length") and tokens > 0
     after = scrape(server)
@@ -180,8 +239,9 @@ def test_metrics_move_after_a_completion_with_neutral_parameters(server, client)
         value(after, "segfuse_member_faults_total", member=member)
     # the counters are /health's
     health = server.health()
-    assert {o: value(after, "segfuse_requests_total", outcome=o) for o in OUTCOMES} == \
-        {o: health["counters"][o] for o in OUTCOMES}
+    assert {o: value(after, "segfuse_requests_total", outcome=o) for o in OUTCOMES} == {
+        o: health["counters"][o] for o in OUTCOMES
+    }
     assert value(after, "segfuse_max_concurrent") == health["queue"]["max_concurrent"]
 
 
@@ -189,31 +249,51 @@ def test_metrics_move_after_a_completion_with_neutral_parameters(server, client)
 @pytest.mark.timeout(600)
 def test_a_stream_with_neutral_parameters_is_observed(server):
     before = scrape(server)
-    body = {"messages": SAY_HI, "max_tokens": 4, "stream": True, "logit_bias": None, "tools": [],
-            "modalities": ["text"], "top_logprobs": None, "presence_penalty": 0.0, "store": True}
-    with httpx.stream("POST", f"{server.api}/chat/completions", json=body, timeout=300,
-                      headers={"Authorization": f"Bearer {server.api_key}"}) as response:
+    body = {
+        "messages": SAY_HI,
+        "max_tokens": 4,
+        "stream": True,
+        "logit_bias": None,
+        "tools": [],
+        "modalities": ["text"],
+        "top_logprobs": None,
+        "presence_penalty": 0.0,
+        "store": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{server.api}/chat/completions",
+        json=body,
+        timeout=300,
+        headers={"Authorization": f"Bearer {server.api_key}"},
+    ) as response:
         assert response.status_code == 200, response.read()
         frames = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert frames[-1] == "data: [DONE]"
     after = scrape(server)
-    assert value(after, "segfuse_request_latency_seconds_count") == \
-        value(before, "segfuse_request_latency_seconds_count") + 1
-    assert value(after, "segfuse_requests_total", outcome="completed") == \
-        value(before, "segfuse_requests_total", outcome="completed") + 1
+    assert (
+        value(after, "segfuse_request_latency_seconds_count")
+        == value(before, "segfuse_request_latency_seconds_count") + 1
+    )
+    assert (
+        value(after, "segfuse_requests_total", outcome="completed")
+        == value(before, "segfuse_requests_total", outcome="completed") + 1
+    )
 
 
-RAW_REFUSED = ["functions", "function_call", "logit_bias", "frequency_penalty",
-               "modalities", "bogus_field"]
+RAW_REFUSED = ["functions", "function_call", "logit_bias", "frequency_penalty", "modalities", "bogus_field"]
 
 
 @pytest.mark.models
 @pytest.mark.parametrize("name", RAW_REFUSED)
 def test_unsupported_parameter_gets_400_naming_it(server, name):
     accepted = server.health()["counters"]["accepted"]
-    response = httpx.post(f"{server.api}/chat/completions", timeout=30,
-                          headers={"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"},
-                          content=json.dumps({"messages": SAY_HI, "max_tokens": 4, name: REFUSED[name]}))
+    response = httpx.post(
+        f"{server.api}/chat/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {server.api_key}", "Content-Type": "application/json"},
+        content=json.dumps({"messages": SAY_HI, "max_tokens": 4, name: REFUSED[name]}),
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_parameter"

@@ -76,8 +76,7 @@ def test_two_members_decode_in_two_threads_at_once(side_by_side):
     """Each member's draft waits at a barrier for the other's: both are in flight together, or it breaks."""
     barrier = threading.Barrier(2, timeout=60)
     seen: dict[str, str] = {}
-    sessions = [m.start([Message("user", "Count to five.")], seed=0, reserve=8)
-                for m in side_by_side.members]
+    sessions = [m.start([Message("user", "Count to five.")], seed=0, reserve=8) for m in side_by_side.members]
 
     def meeting(member, session):
         draft = session.draft

@@ -43,8 +43,10 @@ from segfuse.errors import SegfuseError
 # --------------------------------------------------------------------------- durations
 
 
-@pytest.mark.parametrize("text, seconds", [("30m", 1800), ("90s", 90), ("1h30m", 5400), ("2.5m", 150), ("45", 45),
-                                           ("1h 5m 3s", 3903), (" 10S ", 10)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("30m", 1800), ("90s", 90), ("1h30m", 5400), ("2.5m", 150), ("45", 45), ("1h 5m 3s", 3903), (" 10S ", 10)],
+)
 def test_durations_are_read_as_people_write_them(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -162,8 +164,11 @@ def server_refusal(body: bytes, path: str) -> tuple[int, str | None, str | None]
 def test_the_malformed_traffic_follows_the_servers_contract():
     """Each malformed request the server's parsing decides on is refused there, as the soak expects: a
     parameter counts as malformed only if the server refuses it (logprobs, once refused, is served now)."""
-    decided_by_parsing = [m for m in MALFORMED if m.key and m.method == "POST" and not m.oversized
-                          and m.code not in ("model_not_found", "not_found")]
+    decided_by_parsing = [
+        m
+        for m in MALFORMED
+        if m.key and m.method == "POST" and not m.oversized and m.code not in ("model_not_found", "not_found")
+    ]
     assert len(decided_by_parsing) >= 10
     for m in decided_by_parsing:
         status, code, param = server_refusal(malformed_body(m, 65536), m.path) or (200, None, None)
@@ -193,21 +198,46 @@ def test_hostile_requests():
 # --------------------------------------------------------------------------- accounting
 
 
-def rec(index: int, kind: str, outcome: str, *, cycle: int = 0, start: float = 0.0, latency: float = 1.0,
-        response_id: str | None = None, finishes: int = 0) -> Record:
-    return Record(index, kind, 0, cycle, start, latency, outcome, tuple(sorted(KINDS[kind].expected)),
-                  response_id=response_id if response_id is not None else (f"id{index}" if outcome == "answered"
-                                                                            else None),
-                  finishes=finishes)
+def rec(
+    index: int,
+    kind: str,
+    outcome: str,
+    *,
+    cycle: int = 0,
+    start: float = 0.0,
+    latency: float = 1.0,
+    response_id: str | None = None,
+    finishes: int = 0,
+) -> Record:
+    return Record(
+        index,
+        kind,
+        0,
+        cycle,
+        start,
+        latency,
+        outcome,
+        tuple(sorted(KINDS[kind].expected)),
+        response_id=response_id if response_id is not None else (f"id{index}" if outcome == "answered" else None),
+        finishes=finishes,
+    )
 
 
-RECORDS = [rec(0, "stream", "answered", finishes=1), rec(1, "complete", "answered"),
-           rec(2, "drop_first", "abandoned"), rec(3, "timeout", "abandoned"), rec(4, "burst", "rejected"),
-           rec(5, "over_limit", "invalid"), rec(6, "malformed", "refused")]
+RECORDS = [
+    rec(0, "stream", "answered", finishes=1),
+    rec(1, "complete", "answered"),
+    rec(2, "drop_first", "abandoned"),
+    rec(3, "timeout", "abandoned"),
+    rec(4, "burst", "rejected"),
+    rec(5, "over_limit", "invalid"),
+    rec(6, "malformed", "refused"),
+]
 # The server's side of RECORDS: one abandoned request finished before its client left, one was cancelled.
 COUNTERS = {"accepted": 5, "rejected": 1, "started": 5, "completed": 3, "cancelled": 1, "invalid": 1, "failed": 0}
-METRICS = {acc.metric_key("segfuse_requests_total", {"outcome": o}): COUNTERS[o]
-           for o in ("completed", "cancelled", "invalid", "failed", "rejected")}
+METRICS = {
+    acc.metric_key("segfuse_requests_total", {"outcome": o}): COUNTERS[o]
+    for o in ("completed", "cancelled", "invalid", "failed", "rejected")
+}
 METRICS |= {"segfuse_requests_accepted_total": 5, "segfuse_request_latency_seconds_count": 3}
 IDLE = {"waiting": 0, "running": 0}
 
@@ -249,16 +279,19 @@ def test_a_wrong_answer_for_its_kind_is_caught():
 def test_metrics_that_disagree_with_health_are_caught():
     unobserved = METRICS | {"segfuse_request_latency_seconds_count": 2}  # a completion not observed
     assert failing(acc.agree(COUNTERS, unobserved)) == ["/metrics latency observations = completed"]
-    text = ('# TYPE segfuse_requests counter\nsegfuse_requests_total{outcome="completed"} 3.0\n'
-            "# TYPE segfuse_rounds counter\nsegfuse_rounds_total 7.0\n")
+    text = (
+        '# TYPE segfuse_requests counter\nsegfuse_requests_total{outcome="completed"} 3.0\n'
+        "# TYPE segfuse_rounds counter\nsegfuse_rounds_total 7.0\n"
+    )
     assert acc.parse_metrics(text) == {"segfuse_requests_total{outcome=completed}": 3.0, "segfuse_rounds_total": 7.0}
     assert acc.delta({"a": 1, "b": 2}, {"a": 4, "b": 2, "c": 1}) == {"a": 3, "b": 0, "c": 1}
 
 
 def test_latency_drift_compares_whole_cycles():
     def cycle(k: int, latency: float) -> list[Record]:
-        normal = [rec(10 * k + i, "stream", "answered", cycle=k, start=100.0 * k + i, latency=latency)
-                  for i in range(4)]
+        normal = [
+            rec(10 * k + i, "stream", "answered", cycle=k, start=100.0 * k + i, latency=latency) for i in range(4)
+        ]
         return [*normal, rec(10 * k + 9, "burst", "answered", cycle=k, start=100.0 * k + 9, latency=50.0)]
 
     assert acc.latency_tenths(cycle(0, 1.0), acc_kinds())["p95_ratio"] is None  # one cycle: nothing to compare
@@ -288,9 +321,13 @@ def test_targets_are_measured_and_judged_never_enforced():
 
 
 def test_held_names_members_holding_slots_or_cells_and_ignores_those_that_cannot_tell():
-    health = {"occupancy": {"a": {"slots": 4, "free_slots": 3, "cache_cells": 120},
-                            "b": {"slots": 4, "free_slots": 4, "cache_cells": 0},
-                            "remote": {"slots": None, "free_slots": None, "cache_cells": None}}}
+    health = {
+        "occupancy": {
+            "a": {"slots": 4, "free_slots": 3, "cache_cells": 120},
+            "b": {"slots": 4, "free_slots": 4, "cache_cells": 0},
+            "remote": {"slots": None, "free_slots": None, "cache_cells": None},
+        }
+    }
     assert held(health) == ["a: 1 slots", "a: 120 cells"]
     assert held({"occupancy": {}}) == []
 
@@ -336,17 +373,21 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
 # --------------------------------------------------------------------------- the command line
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--soak", "1m"], "add --serve"),
-    (["--serve", "--soak", "1x"], "not a duration"),
-    (["--serve", "--seed", "3"], "add --soak"),
-    (["--serve", "--soak", "1m", "--concurrency", "1,2"], "leave out --concurrency"),
-    (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--soak", "1m"], "add --serve"),
+        (["--serve", "--soak", "1x"], "not a duration"),
+        (["--serve", "--seed", "3"], "add --soak"),
+        (["--serve", "--soak", "1m", "--concurrency", "1,2"], "leave out --concurrency"),
+        (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
+    ],
+)
 @pytest.mark.slow
 def test_soak_options_are_checked_before_anything_starts(args, says):
-    done = subprocess.run([sys.executable, "-m", "segfuse.cli", "bench", *args], input="", capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "segfuse.cli", "bench", *args], input="", capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
@@ -368,10 +409,12 @@ def test_the_log_check_reads_past_rays_line_prefixes(tmp_path):
     from segfuse.bench.soak import log_errors
 
     log = tmp_path / "server.log"
-    log.write_text("\x1b[36m(ServeReplica:segfuse:Front pid=25398)\x1b[0m INFO a request\n"
-                   "\x1b[36m(ServeReplica:segfuse:Front pid=25398)\x1b[0m Traceback (most recent call last):\n"
-                   "\x1b[36m(ServeReplica:segfuse:Front pid=25398, ip=127.0.0.3)\x1b[0m Traceback (most recent call last):\n"
-                   "plain line\n")
+    log.write_text(
+        "\x1b[36m(ServeReplica:segfuse:Front pid=25398)\x1b[0m INFO a request\n"
+        "\x1b[36m(ServeReplica:segfuse:Front pid=25398)\x1b[0m Traceback (most recent call last):\n"
+        "\x1b[36m(ServeReplica:segfuse:Front pid=25398, ip=127.0.0.3)\x1b[0m Traceback (most recent call last):\n"
+        "plain line\n"
+    )
     found = log_errors(log)
     assert found["count"] == 2
     assert found["first"][0].startswith("Traceback")

@@ -13,11 +13,22 @@ from segfuse.models import CATALOGUE, is_ready
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
-ORDER = {"type": "object", "additionalProperties": False, "required": ["items", "total"],
-         "properties": {"items": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-                        "total": {"type": "number"}, "express": {"type": "boolean"}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "city"],
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+}
+ORDER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["items", "total"],
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "total": {"type": "number"},
+        "express": {"type": "boolean"},
+    },
+}
 PROMPTS = [
     ("Extract the person as JSON: Maria Lopez, 34, lives in Seville.", PERSON),
     ("Extract the person as JSON: Tom Baker (age 51) moved to Leeds last year.", PERSON),
@@ -50,8 +61,7 @@ def test_the_default_leader_answers_in_the_schema(ensemble, prompt, schema):
 @pytest.mark.parametrize("prompt, schema", PROMPTS[:2])
 def test_fused_rounds_keep_the_answer_valid(ensemble, prompt, schema):
     """Plain fusion: every member drafts (each under its own tokenizer's mask) and votes."""
-    result = ensemble.generate(prompt, temperature=0, max_tokens=96, json_schema=schema, gate=None,
-                               accept_margin=None)
+    result = ensemble.generate(prompt, temperature=0, max_tokens=96, json_schema=schema, gate=None, accept_margin=None)
     value = _valid(result, schema)
     assert len({c.model for r in result.rounds for c in r.candidates}) == 3  # all three drafted
     assert value["name"]
@@ -59,13 +69,24 @@ def test_fused_rounds_keep_the_answer_valid(ensemble, prompt, schema):
 
 def test_sampled_answers_stay_valid(ensemble):
     for seed in range(3):
-        _valid(ensemble.generate(PROMPTS[0][0], temperature=1.0, seed=seed, max_tokens=96, json_schema=PERSON,
-                                 gate=None, accept_margin=None), PERSON)
+        _valid(
+            ensemble.generate(
+                PROMPTS[0][0],
+                temperature=1.0,
+                seed=seed,
+                max_tokens=96,
+                json_schema=PERSON,
+                gate=None,
+                accept_margin=None,
+            ),
+            PERSON,
+        )
 
 
 def test_any_json_object(ensemble):
-    result = ensemble.generate("Give me a JSON object describing a cat.", temperature=0, max_tokens=96,
-                               json_object=True)
+    result = ensemble.generate(
+        "Give me a JSON object describing a cat.", temperature=0, max_tokens=96, json_object=True
+    )
     assert isinstance(json.loads(result.text), dict) and result.valid is True
 
 
@@ -83,7 +104,8 @@ def test_a_transformers_member_drafts_under_the_constraint_too():
     hf = load_member("transformers:smollm2-135m", threads=1)
     qwen = load_member("qwen2.5-coder-0.5b", threads=1)
     with Ensemble([hf, qwen]) as ens:
-        result = ens.generate(PROMPTS[0][0], temperature=0, max_tokens=96, json_schema=PERSON, gate=None,
-                              accept_margin=None)
+        result = ens.generate(
+            PROMPTS[0][0], temperature=0, max_tokens=96, json_schema=PERSON, gate=None, accept_margin=None
+        )
         _valid(result, PERSON)
         assert {c.model for r in result.rounds for c in r.candidates} == {hf.name, qwen.name}

@@ -11,9 +11,14 @@ from segfuse.errors import InvalidRequestError
 from segfuse.tools import chosen_tools, parse_tools, read_call, render, tool_constraint
 from segfuse.types import Message
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
-                                            "parameters": {"type": "object", "required": ["city"],
-                                                           "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an empty object
 CALL = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 
@@ -62,14 +67,17 @@ def test_a_call_is_read_back_with_json_arguments():
     assert read_call('{"name": "other", "arguments": {}}', parse_tools([WEATHER])) is None
 
 
-@pytest.mark.parametrize("tools, choice, words", [
-    ([{"type": "function", "function": {"description": "x"}}], None, "name"),
-    ([{"type": "retrieval"}], None, "function"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}], None, "JSON schema"),
-    ([WEATHER, WEATHER], None, "share a name"),
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
-    ([], "required", "needs tools"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, words",
+    [
+        ([{"type": "function", "function": {"description": "x"}}], None, "name"),
+        ([{"type": "retrieval"}], None, "function"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}], None, "JSON schema"),
+        ([WEATHER, WEATHER], None, "share a name"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ([], "required", "needs tools"),
+    ],
+)
 def test_bad_tools_are_the_callers_error(tools, choice, words):
     with pytest.raises(InvalidRequestError) as caught:
         chosen_tools(parse_tools(tools), choice)

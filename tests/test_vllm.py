@@ -39,8 +39,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.models, pytest.mark.timeout(600)]
 
 SERVED = "smollm2-135m-vllm"
 QUESTION = [Message("user", "What is the capital of France?")]
-CANDIDATES = ["The capital of France is Paris.", " Paris is", "It is Lyon, of course", "Paris",
-              "Berlin is the capital.", ""]
+CANDIDATES = [
+    "The capital of France is Paris.",
+    " Paris is",
+    "It is Lyon, of course",
+    "Paris",
+    "Berlin is the capital.",
+    "",
+]
 GREEDY = Sampling(temperature=0.0)
 PROBABILITY = 0.15  # per token, vLLM (bf16) vs llama.cpp (Q4_1)
 NORMALISED = 0.05
@@ -52,8 +58,10 @@ SEGFUSE = [str(Path(sys.executable).with_name("segfuse"))]
 def url() -> str:
     found = os.environ.get(URL_VARIABLE)
     if not found:
-        pytest.fail(f"{URL_VARIABLE} is not set: these tests need a vLLM server; run `make test-vllm`, which "
-                    "starts one", pytrace=False)
+        pytest.fail(
+            f"{URL_VARIABLE} is not set: these tests need a vLLM server; run `make test-vllm`, which starts one",
+            pytrace=False,
+        )
     try:
         listed = httpx.get(f"{found}/models", timeout=10).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as exc:
@@ -159,8 +167,11 @@ def test_a_generated_special_token_is_an_empty_piece(remote, url):
     """A special token vLLM writes is listed in the log-probabilities but left out of the text (its offsets
     still count it): an empty piece, as llama.cpp's members give control tokens, and the pieces spell the text."""
     prompt = "<|im_start|>user\nHi<|im_end|>\n"  # greedy: <|im_start|> first
-    reply = httpx.post(f"{url}/completions", json={"model": SERVED, "prompt": prompt, "max_tokens": 8,
-                                                   "temperature": 0, "logprobs": 1}, timeout=60).json()["choices"][0]
+    reply = httpx.post(
+        f"{url}/completions",
+        json={"model": SERVED, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1},
+        timeout=60,
+    ).json()["choices"][0]
     assert reply["logprobs"]["tokens"][0] == "<|im_start|>" and not reply["text"].startswith("<|im_start|>")
     drafted = draft(remote, 8, messages=[Message("raw", prompt)])
     assert drafted.pieces[0] == b"" and all(drafted.pieces[1:3])
@@ -189,8 +200,9 @@ def test_greedy_draft_agrees_with_llama_cpp_where_they_write_the_same(remote_ggu
     ours, theirs = draft(remote_gguf, 24, messages=prompt), draft(local, 24, messages=prompt)
     same = next((i for i, (a, b) in enumerate(zip(ours.pieces, theirs.pieces)) if a != b), 24)
     assert same >= 1  # the first token at least (measured: 22 of 24 here, then a near-tie flips)
-    assert max(abs(math.exp(a) - math.exp(b)) for a, b in zip(ours.logprobs[:same], theirs.logprobs[:same])) \
-        < PROBABILITY
+    assert (
+        max(abs(math.exp(a) - math.exp(b)) for a, b in zip(ours.logprobs[:same], theirs.logprobs[:same])) < PROBABILITY
+    )
 
 
 # --- verification ------------------------------------------------------------------------------
@@ -223,8 +235,9 @@ def test_echo_of_split_characters_matches_llama_cpp(remote, local, text):
 def test_a_prompt_over_the_window_is_refused_with_the_servers_count(remote, url):
     text = "Repeat this list: " + " ".join(f"item{i}" for i in range(700))
     prompt = remote.source.render([Message("user", text)])
-    counted = httpx.post(f"{url.removesuffix('/v1')}/tokenize", json={"model": SERVED, "prompt": prompt},
-                         timeout=30).json()["count"]
+    counted = httpx.post(
+        f"{url.removesuffix('/v1')}/tokenize", json={"model": SERVED, "prompt": prompt}, timeout=30
+    ).json()["count"]
     assert counted > 2048 > len(prompt.encode()) // 4  # a bytes/4 estimate would have let it through
     with pytest.raises(PromptTooLongError, match=f"the prompt is {counted} tokens"):
         remote.start([Message("user", text)], seed=1, reserve=31)
@@ -237,10 +250,30 @@ def test_fused_generation_beside_llama_cpp_members(url):
     """`segfuse generate` with vLLM's SmolLM2 beside llama.cpp's SmolLM2 and Qwen: every round every member
     verifies every candidate, and the two SmolLM2s score alike."""
     done = subprocess.run(
-        [*SEGFUSE, "generate", "Name three primary colors and explain why.", "--json", "--gate", "none",
-         "-m", f"remote:{url}#smollm2-vllm,template=smollm2-135m", "-m", "qwen2.5-coder-0.5b", "-m", "smollm2-135m",
-         "--max-tokens", "48", "--seed", "1", "--threads", "1"],
-        capture_output=True, text=True, timeout=500)
+        [
+            *SEGFUSE,
+            "generate",
+            "Name three primary colors and explain why.",
+            "--json",
+            "--gate",
+            "none",
+            "-m",
+            f"remote:{url}#smollm2-vllm,template=smollm2-135m",
+            "-m",
+            "qwen2.5-coder-0.5b",
+            "-m",
+            "smollm2-135m",
+            "--max-tokens",
+            "48",
+            "--seed",
+            "1",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["models"] == ["smollm2-vllm", "qwen2.5-coder-0.5b", "smollm2-135m"]
@@ -254,8 +287,10 @@ def test_fused_generation_beside_llama_cpp_members(url):
 @pytest.fixture(scope="module")
 def served(url, tmp_path_factory):
     """`segfuse serve` with the vLLM member and llama.cpp's SmolLM2."""
-    config = {"members": {"models": [f"remote:{url}#smollm2-vllm", "smollm2-135m"], "threads": 1},
-              "server": {"max_concurrent": 1}}
+    config = {
+        "members": {"models": [f"remote:{url}#smollm2-vllm", "smollm2-135m"], "threads": 1},
+        "server": {"max_concurrent": 1},
+    }
     with segfuse_server(tmp_path_factory.mktemp("serve"), "vllm", config, startup_s=300) as server:
         yield server
         assert server.health()["counters"]["failed"] == 0, server.log_tail()
@@ -275,12 +310,14 @@ def test_server_echoes_with_the_vllm_member(served, remote):
 
 def test_server_completes_text_and_chat_with_the_vllm_member(served):
     client = OpenAI(base_url=served.api, api_key="none")
-    text = client.completions.create(model="segfuse", prompt="The capital of France is", max_tokens=12,
-                                     temperature=0, seed=1, logprobs=1, echo=True)
+    text = client.completions.create(
+        model="segfuse", prompt="The capital of France is", max_tokens=12, temperature=0, seed=1, logprobs=1, echo=True
+    )
     choice = text.choices[0]
     assert choice.text.startswith("The capital of France is") and len(choice.text) > len("The capital of France is")
     assert "".join(choice.logprobs.tokens) == choice.text
-    chat = client.chat.completions.create(model="segfuse", messages=[{"role": "user", "content": "Name a fruit."}],
-                                          max_tokens=24, seed=1)
+    chat = client.chat.completions.create(
+        model="segfuse", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=24, seed=1
+    )
     assert chat.choices[0].message.content.strip()
     assert served.health()["members"] == ["smollm2-vllm", "smollm2-135m"]

@@ -114,8 +114,12 @@ def test_a_bad_request_is_invalid_and_a_dead_member_is_a_failure():
     def broken(messages):
         raise OSError("the model file vanished")
 
-    with Ensemble([ScriptedMember("ok", factory=lambda m: ScriptedSession(list(WORDS), {})),
-                   ScriptedMember("broken", factory=broken)]) as ensemble:
+    with Ensemble(
+        [
+            ScriptedMember("ok", factory=lambda m: ScriptedSession(list(WORDS), {})),
+            ScriptedMember("broken", factory=broken),
+        ]
+    ) as ensemble:
         worker = Worker(queue_size=4, max_concurrent=2)
         worker.start(ensemble)
         results, _ = run_jobs(worker, [job("x", FusionOptions.build(leader="nobody")), job("y", members=["broken"])])

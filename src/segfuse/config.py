@@ -55,18 +55,28 @@ class ServerSection(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     api_key: str | None = Field(None, min_length=1, description="required as 'Authorization: Bearer <key>'")
     model_id: str = Field("segfuse", min_length=1, description="the ensemble's name in /v1/models")
-    max_concurrent: int = Field(4, ge=1, le=MAX_CONCURRENT,
-                                description="generations in flight at once (1: one after another)")
+    max_concurrent: int = Field(
+        4, ge=1, le=MAX_CONCURRENT, description="generations in flight at once (1: one after another)"
+    )
     queue_size: int = Field(16, ge=0, le=10_000, description="requests waiting for a free slot")
     max_body_bytes: int = Field(1_000_000, ge=1024)
     log_level: str = Field("info", pattern="^(critical|error|warning|info|debug)$")
-    hedge_persist: bool = Field(False, description="requests with Hedge on start from the weights the last one "
-                                "ended with (state shared by every client: the operator's choice, never a request's)")
-    stall_after_s: float = Field(120.0, gt=0, le=86_400, description="a worker step running longer is stalled: "
-                                 "/health answers 503 with status stalled")
+    hedge_persist: bool = Field(
+        False,
+        description="requests with Hedge on start from the weights the last one "
+        "ended with (state shared by every client: the operator's choice, never a request's)",
+    )
+    stall_after_s: float = Field(
+        120.0,
+        gt=0,
+        le=86_400,
+        description="a worker step running longer is stalled: /health answers 503 with status stalled",
+    )
     allowed_hosts: list[str] | None = Field(
-        None, description="Host header values served, without the port ('*': any); default: the bound host, "
-        "localhost, 127.0.0.1 and ::1 (bound to every interface with an API key: any)")
+        None,
+        description="Host header values served, without the port ('*': any); default: the bound host, "
+        "localhost, 127.0.0.1 and ::1 (bound to every interface with an API key: any)",
+    )
 
     def hosts(self) -> frozenset[str] | None:
         """The Host names this server answers (lower case, no port); None: any.
@@ -93,33 +103,55 @@ class LimitsSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(4096, ge=1, le=1_000_000, description="the largest answer budget a request may ask "
-                            "for (max_tokens, max_completion_tokens, segfuse.max_tokens)")
+    max_tokens: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="the largest answer budget a request may ask "
+        "for (max_tokens, max_completion_tokens, segfuse.max_tokens)",
+    )
     max_stops: int = Field(16, ge=0, le=1024, description="stop strings per request (stop, segfuse.stop)")
     max_stop_chars: int = Field(256, ge=1, le=65_536, description="characters per stop string")
-    max_prompts: int = Field(8, ge=1, le=1024, description="prompts per text completion (each takes a place "
-                             "in the queue)")
+    max_prompts: int = Field(
+        8, ge=1, le=1024, description="prompts per text completion (each takes a place in the queue)"
+    )
     max_messages: int = Field(1024, ge=1, le=1_000_000, description="messages per chat request")
-    max_content_chars: int = Field(400_000, ge=1, description="characters of all messages' contents (or all "
-                                   "prompts) together")
+    max_content_chars: int = Field(
+        400_000, ge=1, description="characters of all messages' contents (or all prompts) together"
+    )
     max_tools: int = Field(128, ge=0, le=100_000, description="tools per request")
     max_tools_bytes: int = Field(262_144, ge=1, description="bytes of the tools' JSON together")
-    max_schema_bytes: int = Field(65_536, ge=1, description="bytes of one JSON schema (response_format, a "
-                                  "tool's parameters)")
+    max_schema_bytes: int = Field(
+        65_536, ge=1, description="bytes of one JSON schema (response_format, a tool's parameters)"
+    )
     max_schema_depth: int = Field(32, ge=1, le=1000, description="nesting of objects and arrays in one schema")
     max_json_depth: int = Field(64, ge=4, le=1000, description="nesting of objects and arrays in a request body")
-    request_timeout_s: float = Field(600.0, ge=0, description="how long one request may take, queueing "
-                                     "included; then its answer ends where it is (0: no deadline)")
-    header_timeout_s: float = Field(10.0, gt=0, description="how long a client may take to send a request's "
-                                    "line and headers")
+    request_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long one request may take, queueing "
+        "included; then its answer ends where it is (0: no deadline)",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="how long a client may take to send a request's line and headers"
+    )
     body_timeout_s: float = Field(30.0, gt=0, description="how long a client may take to send a request body")
-    limit_concurrency: int = Field(64, ge=1, description="requests in flight at once, from their headers to the "
-                                   "end of their answer (a stream holds one throughout); more get 503")
-    max_pending_connections: int = Field(256, ge=1, description="connections waiting for a request (sending "
-                                         "their headers, or idle between requests) that count, from all "
-                                         "addresses; past it the oldest is closed")
-    max_pending_per_client: int = Field(16, ge=1, description="the same from one client address; past it that "
-                                        "address's oldest is closed")
+    limit_concurrency: int = Field(
+        64,
+        ge=1,
+        description="requests in flight at once, from their headers to the "
+        "end of their answer (a stream holds one throughout); more get 503",
+    )
+    max_pending_connections: int = Field(
+        256,
+        ge=1,
+        description="connections waiting for a request (sending "
+        "their headers, or idle between requests) that count, from all "
+        "addresses; past it the oldest is closed",
+    )
+    max_pending_per_client: int = Field(
+        16, ge=1, description="the same from one client address; past it that address's oldest is closed"
+    )
     timeout_keep_alive_s: int = Field(5, ge=1, description="idle seconds before a kept-alive connection closes")
     max_header_bytes: int = Field(16_384, ge=1024, description="bytes of a request line and headers")
 
@@ -145,22 +177,38 @@ class RaySection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = Field(False, description="serve on Ray (--ray): front ends as Serve replicas, members as "
-                          "Ray actors")
-    address: str | None = Field(None, min_length=1, description="the cluster to join (HOST:PORT, auto); none: a "
-                                "local Ray instance this command starts and stops")
-    node_ip: str | None = Field(None, min_length=1, description="this machine's node address (default: "
-                                "127.0.0.2 for a local instance; never 127.0.0.1 or localhost)")
+    enabled: bool = Field(
+        False, description="serve on Ray (--ray): front ends as Serve replicas, members as Ray actors"
+    )
+    address: str | None = Field(
+        None,
+        min_length=1,
+        description="the cluster to join (HOST:PORT, auto); none: a local Ray instance this command starts and stops",
+    )
+    node_ip: str | None = Field(
+        None,
+        min_length=1,
+        description="this machine's node address (default: "
+        "127.0.0.2 for a local instance; never 127.0.0.1 or localhost)",
+    )
     replicas: int = Field(1, ge=1, le=256, description="front-end replicas behind Serve's proxy")
     frontend_cpus: float = Field(0.5, ge=0, description="CPUs each front-end replica asks Ray for")
-    local_cpus: int | None = Field(None, ge=1, description="CPUs the local instance declares (default: the "
-                                   "machine's, or what the members ask if more)")
-    app_name: str = Field("segfuse", min_length=1, pattern=r"^[A-Za-z0-9_-]+$",
-                          description="the Serve application's name")
-    proxy_location: Literal["HeadOnly", "EveryNode"] = Field("HeadOnly", description="where Serve runs its "
-                                                             "HTTP proxies")
-    proxy_timeout_s: float | None = Field(None, gt=0, description="Serve's http_options.request_timeout_s: "
-                                          "the proxy ends a request after this long (default: never)")
+    local_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="CPUs the local instance declares (default: the machine's, or what the members ask if more)",
+    )
+    app_name: str = Field(
+        "segfuse", min_length=1, pattern=r"^[A-Za-z0-9_-]+$", description="the Serve application's name"
+    )
+    proxy_location: Literal["HeadOnly", "EveryNode"] = Field(
+        "HeadOnly", description="where Serve runs its HTTP proxies"
+    )
+    proxy_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Serve's http_options.request_timeout_s: the proxy ends a request after this long (default: never)",
+    )
 
 
 class ServerConfig(BaseModel):
@@ -187,8 +235,9 @@ def _describe(exc: ValidationError, source: str) -> str:
     return f"invalid server configuration in {source}: " + "; ".join(lines)
 
 
-def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[str, Any] | None = None,
-                 **overrides: Any) -> ServerConfig:
+def build_config(
+    path: str | os.PathLike[str] | None = None, *, defaults: dict[str, Any] | None = None, **overrides: Any
+) -> ServerConfig:
     """Read the TOML file (if any), apply non-None ``section.key`` overrides, validate.
 
     ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
@@ -213,7 +262,11 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
         if isinstance(table, dict):  # else validation below reports the malformed section
             table.update(defaults)
     sections: dict[str, type[BaseModel]] = {
-        "server": ServerSection, "members": MembersSection, "limits": LimitsSection, "ray": RaySection}
+        "server": ServerSection,
+        "members": MembersSection,
+        "limits": LimitsSection,
+        "ray": RaySection,
+    }
     for key, value in overrides.items():
         if value is None or (key == "models" and not value):
             continue
@@ -238,6 +291,9 @@ def build_config(path: str | os.PathLike[str] | None = None, *, defaults: dict[s
     except SegfuseError as exc:
         raise ConfigError(f"[defaults] in {source}: {exc.message}", "see docs/server.md") from None
     if fusion.max_tokens > config.limits.max_tokens:
-        raise ConfigError(f"[defaults] max_tokens {fusion.max_tokens} is above [limits] max_tokens "
-                          f"{config.limits.max_tokens} in {source}", "lower the default or raise the limit")
+        raise ConfigError(
+            f"[defaults] max_tokens {fusion.max_tokens} is above [limits] max_tokens "
+            f"{config.limits.max_tokens} in {source}",
+            "lower the default or raise the limit",
+        )
     return config

@@ -38,8 +38,7 @@ def _llguidance() -> Any:
     try:
         import llguidance
     except ImportError as exc:  # pragma: no cover - llguidance is a core dependency
-        raise InvalidRequestError("structured output needs the llguidance package",
-                                  "pip install llguidance") from exc
+        raise InvalidRequestError("structured output needs the llguidance package", "pip install llguidance") from exc
     return llguidance
 
 
@@ -59,8 +58,10 @@ class Constraint:
     @classmethod
     def json_schema(cls, schema: Any, name: str | None = None, where: str = "json_schema.schema") -> Constraint:
         if not isinstance(schema, dict):
-            raise InvalidRequestError(f"{where} must be a JSON object (a JSON schema), not {type(schema).__name__}",
-                                      'e.g. {"type": "object", "properties": {"name": {"type": "string"}}}')
+            raise InvalidRequestError(
+                f"{where} must be a JSON object (a JSON schema), not {type(schema).__name__}",
+                'e.g. {"type": "object", "properties": {"name": {"type": "string"}}}',
+            )
         _check_schema(schema, where)
         return cls._build("json_schema", schema, name, where=where)
 
@@ -87,7 +88,8 @@ class Constraint:
             raise InvalidRequestError(
                 f"the final assistant message {prefill[:40]!r} cannot begin an answer in the requested format "
                 f"({self.kind if self.kind != 'lark' else 'a tool call or text'})",
-                "make the prefill the start of a valid answer, or drop it")
+                "make the prefill the start of a valid answer, or drop it",
+            )
 
     def check(self, text: str) -> str | None:
         """Why a finished answer does not satisfy the constraint (None: it does)."""
@@ -107,8 +109,9 @@ class Constraint:
             return None if TextMatcher(self).complete(text) else "it does not match the schema"
         import jsonschema
 
-        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(self.schema)(self.schema)
-                                                 .iter_errors(value))
+        error = jsonschema.exceptions.best_match(
+            jsonschema.validators.validator_for(self.schema)(self.schema).iter_errors(value)
+        )
         return None if error is None else f"it does not validate: {error.message}"
 
 
@@ -133,16 +136,20 @@ def _check_schema(schema: dict[str, Any], where: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
         path = "/".join(str(p) for p in exc.absolute_path)
-        raise InvalidRequestError(f"{where} is not a valid JSON schema{' at ' + path if path else ''}: "
-                                  f"{exc.message}", "see https://json-schema.org") from None
+        raise InvalidRequestError(
+            f"{where} is not a valid JSON schema{' at ' + path if path else ''}: {exc.message}",
+            "see https://json-schema.org",
+        ) from None
 
 
 def _check_grammar(compiled: str, where: str) -> None:
     """llguidance's verdict: a schema feature it cannot express is the caller's error too."""
     is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(compiled, None)
     if is_error:
-        raise InvalidRequestError(f"{where} cannot be enforced: {messages[0] if messages else 'invalid'}",
-                                  "simplify the schema (see docs/server.md, Structured output)")
+        raise InvalidRequestError(
+            f"{where} cannot be enforced: {messages[0] if messages else 'invalid'}",
+            "simplify the schema (see docs/server.md, Structured output)",
+        )
 
 
 # --- matchers -----------------------------------------------------------------------------------
@@ -186,7 +193,7 @@ class TextMatcher:
 
     def _follow(self, answer: bytes) -> bool:
         if answer.startswith(self._consumed):
-            new = answer[len(self._consumed):]
+            new = answer[len(self._consumed) :]
         else:
             self._matcher.reset()
             self._consumed, new = b"", answer
@@ -222,8 +229,10 @@ class TokenMatcher:
         ll = _llguidance()
         self._matcher = ll.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         if prefill and not self._matcher.consume_tokens(tokenizer.greedy_tokenize(prefill)):
-            raise InvalidRequestError(f"the prefill left the constraint: {self._matcher.get_error()}",
-                                      "make the prefill the start of a valid answer, or drop it")
+            raise InvalidRequestError(
+                f"the prefill left the constraint: {self._matcher.get_error()}",
+                "make the prefill the start of a valid answer, or drop it",
+            )
         self._consumed: list[int] = []
         self._n_vocab = n_vocab
         self._bitmask = np.full(((tokenizer.vocab_size + 31) // 32,), -1, dtype=np.int32)
@@ -243,8 +252,9 @@ class TokenMatcher:
 
     def push(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise InvalidRequestError(f"the answer left the constraint: {self._matcher.get_error()}",
-                                      "report this with the request")
+            raise InvalidRequestError(
+                f"the answer left the constraint: {self._matcher.get_error()}", "report this with the request"
+            )
         self._consumed.append(token)
 
     def pop(self, n: int) -> None:

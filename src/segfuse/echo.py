@@ -33,8 +33,9 @@ def attribute(reader: Sequence[PromptToken], other: Sequence[PromptToken]) -> li
     return sums
 
 
-def pool(reader: str, read: Mapping[str, Sequence[PromptToken]],
-         weights: Mapping[str, float] | None = None) -> list[PromptToken]:
+def pool(
+    reader: str, read: Mapping[str, Sequence[PromptToken]], weights: Mapping[str, float] | None = None
+) -> list[PromptToken]:
     """The `reader`'s tokens with the members' weighted mean log-probability each (uniform weights
     unless given); every member's tokens in `read` spell the same text."""
     names = list(read)
@@ -51,8 +52,11 @@ def pool(reader: str, read: Mapping[str, Sequence[PromptToken]],
             continue
         value = sum(w * lp for w, lp in parts)
         shift = value - token.logprob
-        pooled.append(PromptToken(token.id, token.text, token.start, token.end, value,
-                                  tuple((text, lp + shift) for text, lp in token.top)))
+        pooled.append(
+            PromptToken(
+                token.id, token.text, token.start, token.end, value, tuple((text, lp + shift) for text, lp in token.top)
+            )
+        )
     return pooled
 
 
@@ -72,15 +76,22 @@ def reader_of(members: Sequence[Member], named: str | None = None) -> Member:
     return members[0]
 
 
-def echo_text(members: Sequence[Member], prompt: str | Sequence[int], *, top_k: int = 0,
-              reader: str | None = None, weights: Mapping[str, float] | None = None
-              ) -> tuple[Member, list[PromptToken]]:
+def echo_text(
+    members: Sequence[Member],
+    prompt: str | Sequence[int],
+    *,
+    top_k: int = 0,
+    reader: str | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> tuple[Member, list[PromptToken]]:
     """Every member reads `prompt` (a text, or token ids of the reader's vocabulary); the reader and
     the pooled tokens (one member: its own). Raises InvalidRequestError for a member that cannot echo."""
     unable = [m.name for m in members if not m.capabilities.echo]
     if unable:
-        raise InvalidRequestError(f"member {unable[0]} cannot report a prompt's log-probabilities",
-                                  "ask for a member that can (llama.cpp members can), or drop echo")
+        raise InvalidRequestError(
+            f"member {unable[0]} cannot report a prompt's log-probabilities",
+            "ask for a member that can (llama.cpp members can), or drop echo",
+        )
     first = reader_of(members, reader)
     if isinstance(prompt, str):
         text = prompt

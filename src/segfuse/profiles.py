@@ -27,8 +27,10 @@ HEADER = "# written by `segfuse calibrate`; generate, chat, serve and eval load 
 def write_profile(path: str | Path, options: Mapping[str, Any], calibration: Mapping[str, Any]) -> Path:
     """Write `options` (validated FusionOptions fields) and the figures behind them."""
     FusionOptions.build(**options)
-    document = {"fusion": {k: NONE if v is None else v for k, v in options.items()},
-                "calibration": {k: v for k, v in calibration.items() if v is not None}}
+    document = {
+        "fusion": {k: NONE if v is None else v for k, v in options.items()},
+        "calibration": {k: v for k, v in calibration.items() if v is not None},
+    }
     target = Path(path)
     target.write_text(HEADER + tomli_w.dumps(document), encoding="utf-8")
     return target

@@ -40,8 +40,9 @@ def _compile(template: str) -> Template:
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: Sequence[Message], bos_token: str, eos_token: str,
-                add_generation_prompt: bool = True) -> str:
+def render_chat(
+    template: str, messages: Sequence[Message], bos_token: str, eos_token: str, add_generation_prompt: bool = True
+) -> str:
     """Render a chat template (by default with the generation prompt for the assistant turn)."""
     try:
         return _compile(template).render(
@@ -96,11 +97,13 @@ def _left_open(render: TemplateRender, messages: Sequence[Message], member: str)
     raise InvalidRequestError(
         f"the chat template of {member} cannot leave an assistant message open for the answer to continue: "
         "it drops, repeats or rewrites the message's content",
-        "end the conversation with a user message, or leave this member out")
+        "end the conversation with a user message, or leave this member out",
+    )
 
 
-def content_spans(render: Callable[[Sequence[Message]], str], messages: Sequence[Message],
-                  text: str) -> list[tuple[int, int]] | None:
+def content_spans(
+    render: Callable[[Sequence[Message]], str], messages: Sequence[Message], text: str
+) -> list[tuple[int, int]] | None:
     """Where the messages' contents lie in `text` = ``render(messages)`` (a chat template): character ranges.
 
     The template is rendered once more with a unique placeholder in place of each content; the
@@ -166,12 +169,15 @@ def validate_messages(messages: Sequence[Message]) -> None:
     if last.role == "assistant":
         _check_prefill(last.content)
         if len(messages) < 2 or messages[-2].role != "user":
-            raise InvalidRequestError("an assistant message to continue (a prefill) must follow a user message",
-                                      "put the question before it")
+            raise InvalidRequestError(
+                "an assistant message to continue (a prefill) must follow a user message", "put the question before it"
+            )
         last = messages[-2]
     if last.role != "user":
-        raise InvalidRequestError("the last message must be from the user, or from the assistant (a prefill "
-                                  "to continue) after the user's", "end the conversation with a question")
+        raise InvalidRequestError(
+            "the last message must be from the user, or from the assistant (a prefill to continue) after the user's",
+            "end the conversation with a question",
+        )
     if not last.content.strip():
         raise InvalidRequestError("the prompt is empty", "write a question")
 
@@ -180,8 +186,10 @@ def _check_prefill(content: str) -> None:
     """A prefill ending in whitespace is refused, as Anthropic refuses it: templates that trim contents
     would drop it for some members and not others, and a word's token carries its leading space."""
     if content[-1:].isspace():
-        raise InvalidRequestError("the final assistant message (a prefill to continue) ends with whitespace",
-                                  "remove the trailing whitespace: the answer may begin with it")
+        raise InvalidRequestError(
+            "the final assistant message (a prefill to continue) ends with whitespace",
+            "remove the trailing whitespace: the answer may begin with it",
+        )
 
 
 def without_empty_prefill(messages: Sequence[Message]) -> list[Message]:
@@ -198,6 +206,7 @@ def choose_format(declared: PromptFormat | None, chat_template: str | None, name
 
     chosen = declared or (CHAT if chat_template else QUESTION_ANSWER)
     if chosen.style == "chat" and not chat_template:
-        raise MemberLoadError(f"{name} has no chat template in its metadata",
-                              "use the plain Question/Answer format for base models")
+        raise MemberLoadError(
+            f"{name} has no chat template in its metadata", "use the plain Question/Answer format for base models"
+        )
     return chosen

@@ -81,9 +81,18 @@ class FusionRequest:
             object.__setattr__(self, "weights", dict(self.weights))
 
     @classmethod
-    def of(cls, prompt: Conversation, options: FusionOptions, *, members: Sequence[str] | None = None,
-           weights: Mapping[str, float] | None = None, constraint: Constraint | None = None,
-           top_logprobs: int = 0, deadline: float | None = None, cache_salt: str | None = None) -> FusionRequest:
+    def of(
+        cls,
+        prompt: Conversation,
+        options: FusionOptions,
+        *,
+        members: Sequence[str] | None = None,
+        weights: Mapping[str, float] | None = None,
+        constraint: Constraint | None = None,
+        top_logprobs: int = 0,
+        deadline: float | None = None,
+        cache_salt: str | None = None,
+    ) -> FusionRequest:
         """A request for `prompt` (a string, or messages as dicts or Message), checked: the conversation,
         and the prefill against the constraint."""
         messages = to_messages(prompt)

@@ -98,12 +98,12 @@ def apply_stops(answer: str, candidate: str, stops: Sequence[str]) -> tuple[str,
     if not stops or not candidate:
         return candidate, False
     longest = max(len(s) for s in stops)
-    tail = answer[-(longest - 1):] if longest > 1 else ""
+    tail = answer[-(longest - 1) :] if longest > 1 else ""
     joined = tail + candidate
     at = find_stop(joined, stops, len(tail))
     if at < 0:
         return candidate, False
-    return joined[:at][len(tail):] if at >= len(tail) else "", True
+    return joined[:at][len(tail) :] if at >= len(tail) else "", True
 
 
 def tokens_spelling(pieces: Sequence[bytes], text: str) -> int | None:
@@ -143,8 +143,7 @@ def sure_prefix(pieces: Sequence[str], answer: str, stops: Sequence[str]) -> str
     hides one that begins inside a character, never a word, so a coarser view only keeps less.
     Then :func:`before_stops`: nothing a stop string may yet start or end.
     """
-    k = next((i for i in range(len(pieces) - 1, 0, -1) if pieces[i][:1] in (" ", "\t", "\n", "\r")),
-             len(pieces))
+    k = next((i for i in range(len(pieces) - 1, 0, -1) if pieces[i][:1] in (" ", "\t", "\n", "\r")), len(pieces))
     while k > 1 and _blank(pieces[k - 1]):
         k -= 1
     return before_stops(answer, "".join(pieces[:k]), stops)

@@ -36,8 +36,12 @@ class Tool:
 
     def call_schema(self) -> dict[str, Any]:
         """The JSON schema of a call of this tool: its name and arguments that validate."""
-        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": self.name}, "arguments": self.parameters}}
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {"name": {"const": self.name}, "arguments": self.parameters},
+        }
 
 
 @dataclass(frozen=True)
@@ -52,15 +56,20 @@ def parse_tools(specs: Sequence[Any], where: str = "tools") -> list[Tool]:
     tools: list[Tool] = []
     for i, spec in enumerate(specs):
         at = f"{where}[{i}]"
-        if not isinstance(spec, Mapping) or spec.get("type") != "function" or not isinstance(spec.get("function"),
-                                                                                              Mapping):
-            raise InvalidRequestError(f'{at} must be {{"type": "function", "function": {{...}}}}',
-                                      "only function tools are supported")
+        if (
+            not isinstance(spec, Mapping)
+            or spec.get("type") != "function"
+            or not isinstance(spec.get("function"), Mapping)
+        ):
+            raise InvalidRequestError(
+                f'{at} must be {{"type": "function", "function": {{...}}}}', "only function tools are supported"
+            )
         function = spec["function"]
         name = function.get("name")
         if not isinstance(name, str) or not NAME.match(name):
-            raise InvalidRequestError(f"{at}.function.name must be 1-64 letters, digits, _ or -, got {name!r}",
-                                      "give every tool a name")
+            raise InvalidRequestError(
+                f"{at}.function.name must be 1-64 letters, digits, _ or -, got {name!r}", "give every tool a name"
+            )
         parameters = function.get("parameters") or NO_PARAMETERS
         if not isinstance(parameters, Mapping):
             raise InvalidRequestError(f"{at}.function.parameters must be a JSON schema object", "see the OpenAI docs")
@@ -82,8 +91,10 @@ def chosen_tools(tools: Sequence[Tool], choice: Any) -> tuple[list[Tool], str]:
     name = choice.get("function", {}).get("name") if isinstance(choice, Mapping) else None
     named = [t for t in tools if t.name == name]
     if not named:
-        raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools",
-                                  f"tools: {', '.join(t.name for t in tools) or 'none'}")
+        raise InvalidRequestError(
+            f"tool_choice names {name!r}, which is not among the tools",
+            f"tools: {', '.join(t.name for t in tools) or 'none'}",
+        )
     return named, "required"
 
 
@@ -101,14 +112,19 @@ def tool_constraint(tools: Sequence[Tool], mode: str) -> Constraint | None:
 def tools_note(tools: Sequence[Tool], mode: str) -> str:
     """The plain rendering of the tools, for the system message."""
     lines = ["You can call these tools:"]
-    lines += [f"- {tool.name}: {tool.description or '(no description)'} "
-              f"Arguments (JSON schema): {json.dumps(tool.parameters)}" for tool in tools]
+    lines += [
+        f"- {tool.name}: {tool.description or '(no description)'} "
+        f"Arguments (JSON schema): {json.dumps(tool.parameters)}"
+        for tool in tools
+    ]
     how = 'To call a tool, answer with only a JSON object: {"name": "<tool name>", "arguments": {...}}.'
     if mode == "required":
         how += " You must call a tool now."
     else:
-        how += (" Call a tool only for information you do not have yet: once a tool's result is in the "
-                "conversation, use it and answer the user in plain text.")
+        how += (
+            " Call a tool only for information you do not have yet: once a tool's result is in the "
+            "conversation, use it and answer the user in plain text."
+        )
     return "\n".join([*lines, how])
 
 
@@ -151,5 +167,14 @@ def read_call(text: str, tools: Sequence[Tool]) -> ToolCall | None:
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], arguments)
 
 
-__all__ = ["Tool", "ToolCall", "call_text", "chosen_tools", "parse_tools", "read_call", "render", "result_text",
-           "tool_constraint"]
+__all__ = [
+    "Tool",
+    "ToolCall",
+    "call_text",
+    "chosen_tools",
+    "parse_tools",
+    "read_call",
+    "render",
+    "result_text",
+    "tool_constraint",
+]

@@ -58,7 +58,6 @@ class DraftTokens:
     tops: tuple[Alternatives, ...] = ()
 
 
-
 @dataclass(frozen=True)
 class TokenTrail:
     """The tokens that wrote a text, as its author drafted them (for ``logprobs``): their bytes,

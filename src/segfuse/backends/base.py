@@ -160,8 +160,15 @@ class Member(ABC):
     placement: str | None = None  # where it runs, in words ("CPU", "GPU: 31/31 layers", ...), where known
 
     @abstractmethod
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
-              cache_salt: str | None = None, deterministic: bool = False) -> MemberSession:
+    def start(
+        self,
+        messages: Sequence[Message],
+        *,
+        seed: int | None,
+        reserve: int,
+        cache_salt: str | None = None,
+        deterministic: bool = False,
+    ) -> MemberSession:
         """Open a session on the templated `messages`.
 
         Raises PromptTooLongError if the prompt plus `reserve` tokens does not
@@ -205,15 +212,18 @@ class Member(ABC):
         calls: a cache must not be read while it decodes."""
         return Occupancy(slots=self.slots)
 
-    def draft_many(self, sessions: Sequence[MemberSession],
-                   requests: Sequence[tuple[int, Sampling] | tuple[int, Sampling, OnText | None]]
-                   ) -> list[DraftTokens | Exception]:
+    def draft_many(
+        self,
+        sessions: Sequence[MemberSession],
+        requests: Sequence[tuple[int, Sampling] | tuple[int, Sampling, OnText | None]],
+    ) -> list[DraftTokens | Exception]:
         """``draft`` for several sessions: one result or exception per session, in order (each request is
         ``draft``'s positional arguments, the ``on_text`` hook included where given)."""
         return [_outcome(s.draft, *request) for s, request in zip(sessions, requests)]
 
-    def score_many(self, sessions: Sequence[MemberSession],
-                   requests: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+    def score_many(
+        self, sessions: Sequence[MemberSession], requests: Sequence[tuple[Sequence[str]]]
+    ) -> list[list[TokenScores] | Exception]:
         """``score`` for several sessions: one result or exception per session, in order."""
         return [_outcome(s.score, *request) for s, request in zip(sessions, requests)]
 

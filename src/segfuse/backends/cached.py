@@ -112,13 +112,21 @@ class LocalMember(Member):
         return self.vocab.lead_tokens()
 
     @abstractmethod
-    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
-                     deterministic: bool = False) -> CachedSession:
+    def open_session(
+        self, prompt: list[int], seed: int | None, cache_salt: str | None = None, deterministic: bool = False
+    ) -> CachedSession:
         """A session on a prompt known to fit; it reuses and keeps cached prefixes under `cache_salt` only
         (`deterministic`: see :meth:`Member.start`)."""
 
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
-              cache_salt: str | None = None, deterministic: bool = False) -> CachedSession:
+    def start(
+        self,
+        messages: Sequence[Message],
+        *,
+        seed: int | None,
+        reserve: int,
+        cache_salt: str | None = None,
+        deterministic: bool = False,
+    ) -> CachedSession:
         prompt = self.prompt_tokens(messages)
         check_prompt_fits(self.name, len(prompt), reserve, self.n_ctx)
         session = self.open_session(prompt, seed, cache_salt, deterministic)

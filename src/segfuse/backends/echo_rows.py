@@ -26,8 +26,9 @@ def top_of(row: np.ndarray, lse: float, k: int, piece: Callable[[int], bytes]) -
     return tuple(table.items())
 
 
-def echoed(ids: Sequence[int], pieces: Sequence[bytes], logprobs: Sequence[float | None],
-           tops: Sequence[TextAlternatives]) -> list[PromptToken]:
+def echoed(
+    ids: Sequence[int], pieces: Sequence[bytes], logprobs: Sequence[float | None], tops: Sequence[TextAlternatives]
+) -> list[PromptToken]:
     """One entry per token: its byte span and the whole characters it completes, so that the
     entries' texts join to the decoded text exactly."""
     out: list[PromptToken] = []
@@ -40,8 +41,9 @@ def echoed(ids: Sequence[int], pieces: Sequence[bytes], logprobs: Sequence[float
         shown = whole
     if shown < len(data) and out:  # a text ending inside a character: its last entry spells the rest
         last = out[-1]
-        out[-1] = PromptToken(last.id, last.text + data[shown:].decode("utf-8", "replace"), last.start, last.end,
-                              last.logprob, last.top)
+        out[-1] = PromptToken(
+            last.id, last.text + data[shown:].decode("utf-8", "replace"), last.start, last.end, last.logprob, last.top
+        )
     return out
 
 

@@ -76,8 +76,9 @@ def batch_width(member: Member) -> int:
     return max(min(slots, slots if free is None else free), 1)
 
 
-def score_batches(member: Member, items: Sequence[tuple[str, Sequence[str]]]
-                  ) -> list[list[ContinuationScore] | Exception]:
+def score_batches(
+    member: Member, items: Sequence[tuple[str, Sequence[str]]]
+) -> list[list[ContinuationScore] | Exception]:
     """:func:`score_continuations` for several (context, texts) items: up to :func:`batch_width`
     sessions open at once, one per item, their groups of texts scored together through
     ``member.score_many``. Each item's outcome in order: its scores, or the exception it met."""
@@ -101,8 +102,9 @@ class _Item:
     error: Exception | None = None
 
 
-def _score_batch(member: Member, items: Sequence[tuple[str, Sequence[str]]]
-                 ) -> list[list[ContinuationScore] | Exception]:
+def _score_batch(
+    member: Member, items: Sequence[tuple[str, Sequence[str]]]
+) -> list[list[ContinuationScore] | Exception]:
     batch = [_Item(context, texts, _groups(texts)) for context, texts in items]
     try:
         for item in batch:  # each item's own failure (a context over the window) is that item's
@@ -182,8 +184,7 @@ def score_in_pieces(member: Member, messages: Sequence[Message], text: str) -> t
         for piece in pieces:
             if raw is not None and session.room <= len(piece.encode("utf-8")):
                 session.close()
-                session = member.start([Message("raw", _tail(raw + read, _window(member)))],
-                                       seed=None, reserve=1)
+                session = member.start([Message("raw", _tail(raw + read, _window(member)))], seed=None, reserve=1)
             scores = session.score([piece])[0]
             logprobs += scores.logprobs
             logits += scores.logits
@@ -199,15 +200,17 @@ def _window(member: Member) -> int:
     """The member's window in tokens (its ``n_ctx``)."""
     n_ctx = getattr(member, "n_ctx", None)
     if not isinstance(n_ctx, int) or n_ctx < 4 * SCORE_PIECE_BYTES:
-        raise PromptTooLongError(f"{member.name}: the text does not fit its context window, and the window "
-                                 f"is too small to read it in rolling windows of {SCORE_PIECE_BYTES} bytes",
-                                 "shorten the text, or load the member with a larger n_ctx")
+        raise PromptTooLongError(
+            f"{member.name}: the text does not fit its context window, and the window "
+            f"is too small to read it in rolling windows of {SCORE_PIECE_BYTES} bytes",
+            "shorten the text, or load the member with a larger n_ctx",
+        )
     return n_ctx
 
 
 def _tail(text: str, window: int) -> str:
     """The last half `window` of `text` in UTF-8 bytes (at most that many tokens), from a whitespace."""
-    data = text.encode("utf-8")[-(window // 2):]
+    data = text.encode("utf-8")[-(window // 2) :]
     tail = data.decode("utf-8", "ignore")
     cut = min((i for i in (tail.find(" "), tail.find("\n")) if i >= 0), default=-1)
     return tail[cut:] if 0 <= cut < len(tail) // 2 else tail

@@ -182,5 +182,6 @@ class PrefixCache(Generic[H]):
 
     def stats(self) -> PrefixStats:
         with self.lock:
-            return PrefixStats(self.bound, len(self._entries), self.cells, self._hits, self._misses,
-                               self._reused, self._evictions)
+            return PrefixStats(
+                self.bound, len(self._entries), self.cells, self._hits, self._misses, self._reused, self._evictions
+            )

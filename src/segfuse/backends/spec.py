@@ -26,8 +26,10 @@ def split_target(target: str, keys: Mapping[str, Any], backend: str) -> tuple[st
             continue
         key = key.strip().replace("-", "_")
         if key not in keys:
-            raise InvalidRequestError(f"unknown {backend} member option {key!r} in {target!r}",
-                                      f"known: NAME, {', '.join(k for k in keys if k != 'name')}")
+            raise InvalidRequestError(
+                f"unknown {backend} member option {key!r} in {target!r}",
+                f"known: NAME, {', '.join(k for k in keys if k != 'name')}",
+            )
         options[key] = _typed(key, value.strip(), keys[key])
     return head, options
 

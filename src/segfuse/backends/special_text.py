@@ -113,8 +113,13 @@ def partition(text: str, protected: Sequence[tuple[int, int]], specials: Special
     return [p if isinstance(p, int) else text[p[0] : p[1]] for p in pieces]
 
 
-def protected_pieces(member: str, render: Callable[[Sequence[Message]], str], messages: Sequence[Message],
-                     text: str, specials: SpecialTexts) -> list[str | int]:
+def protected_pieces(
+    member: str,
+    render: Callable[[Sequence[Message]], str],
+    messages: Sequence[Message],
+    text: str,
+    specials: SpecialTexts,
+) -> list[str | int]:
     """`text` (the templated `messages`) cut into the template's special token ids and runs of plain text
     (the contents among them); refused when the template rewrites contents so that they cannot be found."""
     spans = content_spans(render, messages, text)
@@ -122,5 +127,6 @@ def protected_pieces(member: str, render: Callable[[Sequence[Message]], str], me
         raise InvalidRequestError(
             f"a message spells a special token of {member}, and its chat template rewrites message "
             "contents, so the text could not be kept apart from the template's own tokens",
-            "remove the special token's text from the message")
+            "remove the special token's text from the message",
+        )
     return partition(text, spans, specials)

@@ -54,8 +54,11 @@ class LocalVocabulary(ABC):
         may abort the process)."""
         bad = next((t for t in ids if not 0 <= int(t) < self.n_vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is not in {self.name}'s vocabulary (0 to {self.n_vocab - 1})",
-                                      "give ids of this member's tokenizer (see /tokenize)", field="prompt")
+            raise InvalidRequestError(
+                f"token id {bad} is not in {self.name}'s vocabulary (0 to {self.n_vocab - 1})",
+                "give ids of this member's tokenizer (see /tokenize)",
+                field="prompt",
+            )
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self.check_ids(tokens)

@@ -93,8 +93,9 @@ def duplicates(records: Sequence[Record]) -> list[str]:
     return found
 
 
-def reconcile(records: Sequence[Record], counters: Mapping[str, float], metrics: Mapping[str, float],
-              idle: Mapping[str, int]) -> list[Check]:
+def reconcile(
+    records: Sequence[Record], counters: Mapping[str, float], metrics: Mapping[str, float], idle: Mapping[str, int]
+) -> list[Check]:
     """The accounting checks. `counters` and `metrics` are changes over the run (/health's counters;
     /metrics samples by :func:`metric_key`); `idle` is the queue after the run (waiting, running)."""
     n = tally(records)
@@ -104,25 +105,44 @@ def reconcile(records: Sequence[Record], counters: Mapping[str, float], metrics:
     ended = c["completed"] + c["cancelled"] + c["invalid"] + c["failed"]
     checks = [
         Check("no request lost by the client", f"{n['lost']} without an answer", "", n["lost"] == 0),
-        Check("every accepted request ended once", f"queue after the run: {idle.get('waiting')} waiting, "
-              f"{idle.get('running')} running", f"accepted {c['accepted']} = ended {ended}",
-              c["accepted"] == ended and not idle.get("waiting") and not idle.get("running")),
-        Check("accepted = requests that reached the worker", f"{reached}", f"{c['accepted']}",
-              c["accepted"] == reached),
-        Check("completed: the answered, and abandoned ones that finished first",
-              f"{answered} answered, {n['abandoned']} abandoned", f"{c['completed']} completed",
-              answered <= c["completed"] <= answered + n["abandoned"]),
-        Check("completed + cancelled = answered + abandoned", f"{answered + n['abandoned']}",
-              f"{c['completed'] + c['cancelled']}", c["completed"] + c["cancelled"] == answered + n["abandoned"]),
+        Check(
+            "every accepted request ended once",
+            f"queue after the run: {idle.get('waiting')} waiting, {idle.get('running')} running",
+            f"accepted {c['accepted']} = ended {ended}",
+            c["accepted"] == ended and not idle.get("waiting") and not idle.get("running"),
+        ),
+        Check(
+            "accepted = requests that reached the worker", f"{reached}", f"{c['accepted']}", c["accepted"] == reached
+        ),
+        Check(
+            "completed: the answered, and abandoned ones that finished first",
+            f"{answered} answered, {n['abandoned']} abandoned",
+            f"{c['completed']} completed",
+            answered <= c["completed"] <= answered + n["abandoned"],
+        ),
+        Check(
+            "completed + cancelled = answered + abandoned",
+            f"{answered + n['abandoned']}",
+            f"{c['completed'] + c['cancelled']}",
+            c["completed"] + c["cancelled"] == answered + n["abandoned"],
+        ),
     ]
-    checks += [Check(f"{outcome} (server) = {outcome} (client)", f"{n[outcome]}", f"{c[outcome]}",
-                     n[outcome] == c[outcome]) for outcome in ("rejected", "invalid", "failed")]
+    checks += [
+        Check(f"{outcome} (server) = {outcome} (client)", f"{n[outcome]}", f"{c[outcome]}", n[outcome] == c[outcome])
+        for outcome in ("rejected", "invalid", "failed")
+    ]
     dupes = duplicates(records)
     checks.append(Check("no duplicated answer", "; ".join(dupes[:3]) or "none", "", not dupes))
     checks.append(Check("no empty 200", f"{n['empty']}", "", n["empty"] == 0))
     wrong = [r for r in records if not r.as_expected and r.outcome not in ("empty", "lost")]
-    checks.append(Check("every request got the answer its kind expects",
-                        f"{len(wrong)} otherwise" + (f" (first: {_brief(wrong[0])})" if wrong else ""), "", not wrong))
+    checks.append(
+        Check(
+            "every request got the answer its kind expects",
+            f"{len(wrong)} otherwise" + (f" (first: {_brief(wrong[0])})" if wrong else ""),
+            "",
+            not wrong,
+        )
+    )
     checks += agree(counters, metrics)
     return checks
 
@@ -141,8 +161,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {metric_key: value}, through prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {metric_key(s.name, s.labels): s.value for family in text_string_to_metric_families(text)
-            for s in family.samples}
+    return {
+        metric_key(s.name, s.labels): s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
 
 
 def agree(counters: Mapping[str, float], metrics: Mapping[str, float]) -> list[Check]:
@@ -150,14 +171,32 @@ def agree(counters: Mapping[str, float], metrics: Mapping[str, float]) -> list[C
     checks = []
     for outcome in ("completed", "cancelled", "invalid", "failed", "rejected"):
         got = metrics.get(metric_key("segfuse_requests_total", {"outcome": outcome}))
-        checks.append(Check(f"/metrics requests_total{{{outcome}}} = /health", f"{counters.get(outcome)}", f"{got}",
-                            got == counters.get(outcome)))
+        checks.append(
+            Check(
+                f"/metrics requests_total{{{outcome}}} = /health",
+                f"{counters.get(outcome)}",
+                f"{got}",
+                got == counters.get(outcome),
+            )
+        )
     got = metrics.get("segfuse_requests_accepted_total")
-    checks.append(Check("/metrics requests_accepted_total = /health", f"{counters.get('accepted')}", f"{got}",
-                        got == counters.get("accepted")))
+    checks.append(
+        Check(
+            "/metrics requests_accepted_total = /health",
+            f"{counters.get('accepted')}",
+            f"{got}",
+            got == counters.get("accepted"),
+        )
+    )
     got = metrics.get("segfuse_request_latency_seconds_count")
-    checks.append(Check("/metrics latency observations = completed", f"{counters.get('completed')}", f"{got}",
-                        got == counters.get("completed")))
+    checks.append(
+        Check(
+            "/metrics latency observations = completed",
+            f"{counters.get('completed')}",
+            f"{got}",
+            got == counters.get("completed"),
+        )
+    )
     return checks
 
 
@@ -179,8 +218,14 @@ def latency_tenths(records: Sequence[Record], kinds: frozenset[str]) -> dict[str
     def tenth(chosen: list[int]) -> dict[str, Any]:
         lat = [r.latency_s for r in records if r.cycle in chosen and r.kind in kinds and r.outcome == "answered"]
         starts = [r.start_s for r in records if r.cycle in chosen]
-        return {"cycles": chosen, "from_s": min(starts), "to_s": max(starts), "requests": len(lat),
-                "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95)}
+        return {
+            "cycles": chosen,
+            "from_s": min(starts),
+            "to_s": max(starts),
+            "requests": len(lat),
+            "p50_s": percentile(lat, 50),
+            "p95_s": percentile(lat, 95),
+        }
 
     first, last = tenth(whole[:k]), tenth(whole[-k:])
     ratio = last["p95_s"] / first["p95_s"] if first["p95_s"] and last["p95_s"] is not None else None
@@ -211,9 +256,14 @@ class Memory:
         return (self.end_mb - self.warm_mb) * 1000 / self.requests_since_warm
 
     def to_dict(self) -> dict[str, Any]:
-        return {"start_mb": self.start_mb, "warm_mb": self.warm_mb, "end_mb": self.end_mb,
-                "requests_since_warm": self.requests_since_warm, "growth": self.growth,
-                "growth_per_1000_requests_mb": self.per_1000_mb}
+        return {
+            "start_mb": self.start_mb,
+            "warm_mb": self.warm_mb,
+            "end_mb": self.end_mb,
+            "requests_since_warm": self.requests_since_warm,
+            "growth": self.growth,
+            "growth_per_1000_requests_mb": self.per_1000_mb,
+        }
 
 
 # --------------------------------------------------------------------------- targets
@@ -228,8 +278,9 @@ TARGETS = {
 }
 
 
-def targets(records: Sequence[Record], memory: Memory, held_when_idle: int,
-            p95_ratio: float | None) -> dict[str, dict[str, Any]]:
+def targets(
+    records: Sequence[Record], memory: Memory, held_when_idle: int, p95_ratio: float | None
+) -> dict[str, dict[str, Any]]:
     """Each target with its measured value and whether it was met (None: not measured)."""
     n = tally(records)
     measured = {

@@ -50,16 +50,31 @@ def run(items: int, offset: int, max_tokens: int) -> dict[str, Any]:
     with Ensemble(prefix_cache_cells=0) as off, Ensemble() as on:
         for index, question in enumerate(questions, offset):
             cold, warm = chat(off, question, max_tokens), chat(on, question, max_tokens)
-            rows.append({"item": index, "turns": [parted_at(a, b) for a, b in zip(cold[0], warm[0])],
-                         "decoded_off": cold[1], "decoded_on": warm[1], "reused_on": warm[2],
-                         "answers_off": cold[0], "answers_on": warm[0]})
+            rows.append(
+                {
+                    "item": index,
+                    "turns": [parted_at(a, b) for a, b in zip(cold[0], warm[0])],
+                    "decoded_off": cold[1],
+                    "decoded_on": warm[1],
+                    "reused_on": warm[2],
+                    "answers_off": cold[0],
+                    "answers_on": warm[0],
+                }
+            )
             print(f"gsm8k {index}: parted at {rows[-1]['turns']}, prompt tokens decoded {cold[1]} -> {warm[1]}")
     turns = [t for row in rows for t in row["turns"]]
-    return {"machine": machine(), "git": git(), "items": f"gsm8k test {offset}-{offset + items - 1}",
-            "max_tokens": max_tokens, "answers": len(turns), "identical": sum(t is None for t in turns),
-            "second_turns_identical": sum(row["turns"][1] is None for row in rows),
-            "decoded_off": sum(r["decoded_off"] for r in rows), "decoded_on": sum(r["decoded_on"] for r in rows),
-            "rows": rows}
+    return {
+        "machine": machine(),
+        "git": git(),
+        "items": f"gsm8k test {offset}-{offset + items - 1}",
+        "max_tokens": max_tokens,
+        "answers": len(turns),
+        "identical": sum(t is None for t in turns),
+        "second_turns_identical": sum(row["turns"][1] is None for row in rows),
+        "decoded_off": sum(r["decoded_off"] for r in rows),
+        "decoded_on": sum(r["decoded_on"] for r in rows),
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -72,8 +87,10 @@ def main() -> None:
     report = run(args.items, args.offset, args.max_tokens)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{report['identical']} of {report['answers']} answers identical ({report['items']}); prompt tokens "
-          f"decoded {report['decoded_off']} without the cache, {report['decoded_on']} with it")
+    print(
+        f"{report['identical']} of {report['answers']} answers identical ({report['items']}); prompt tokens "
+        f"decoded {report['decoded_off']} without the cache, {report['decoded_on']} with it"
+    )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ class Target:
     health: Callable[[], dict[str, Any]] | None = None
 
 
-def stream(target: Target, messages: list[ChatCompletionMessageParam],
-           max_tokens: int) -> tuple[float | None, float | None, float, str, int | None, int | None]:
+def stream(
+    target: Target, messages: list[ChatCompletionMessageParam], max_tokens: int
+) -> tuple[float | None, float | None, float, str, int | None, int | None]:
     """One streamed chat completion: (seconds to the first content, to the first words, to the end; text,
     prompt tokens, completion tokens)."""
     from openai import OpenAI
@@ -92,8 +93,14 @@ def stream(target: Target, messages: list[ChatCompletionMessageParam],
     parts: list[str] = []
     seen = 0
     try:
-        chunks = client.chat.completions.create(model=target.model, messages=messages, max_tokens=max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = client.chat.completions.create(
+            model=target.model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in chunks:
             if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
                 ttfs = ttfs if ttfs is not None else time.perf_counter() - t0
@@ -105,18 +112,25 @@ def stream(target: Target, messages: list[ChatCompletionMessageParam],
     finally:
         client.close()
     total = time.perf_counter() - t0
-    return (ttfs, words if words is not None else (total if parts else None), total, "".join(parts),
-            usage.prompt_tokens if usage else None,
-            usage.completion_tokens if usage else None)
+    return (
+        ttfs,
+        words if words is not None else (total if parts else None),
+        total,
+        "".join(parts),
+        usage.prompt_tokens if usage else None,
+        usage.completion_tokens if usage else None,
+    )
 
 
-def ask(target: Target, rep: int, kind: str, index: int, messages: list[ChatCompletionMessageParam],
-        max_tokens: int) -> Reply:
+def ask(
+    target: Target, rep: int, kind: str, index: int, messages: list[ChatCompletionMessageParam], max_tokens: int
+) -> Reply:
     try:
         return Reply(target.name, rep, kind, index, *stream(target, messages, max_tokens))
     except Exception as exc:  # an error is a measurement, not the end of the benchmark
-        return Reply(target.name, rep, kind, index, None, None, 0.0, "", None, None,
-                     f"{type(exc).__name__}: {exc}"[:300])
+        return Reply(
+            target.name, rep, kind, index, None, None, 0.0, "", None, None, f"{type(exc).__name__}: {exc}"[:300]
+        )
 
 
 def marked(rep: int, system_prompt: str) -> str:
@@ -124,11 +138,14 @@ def marked(rep: int, system_prompt: str) -> str:
     return f"(Session {rep + 1}.) {system_prompt}"
 
 
-def one_repetition(target: Target, rep: int, max_tokens: int, turns: int, users: int,
-                   sections: int | None = None) -> list[Reply]:
+def one_repetition(
+    target: Target, rep: int, max_tokens: int, turns: int, users: int, sections: int | None = None
+) -> list[Reply]:
     """The short prompts, then the chat turn by turn, then the users one after another."""
-    replies = [ask(target, rep, "short", i, [{"role": "user", "content": p}], max_tokens)
-               for i, p in enumerate(SHORT_PROMPTS, 1)]
+    replies = [
+        ask(target, rep, "short", i, [{"role": "user", "content": p}], max_tokens)
+        for i, p in enumerate(SHORT_PROMPTS, 1)
+    ]
     messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": marked(rep, excerpt(MANUAL, sections))}]
     for turn, question in enumerate(CHAT_TURNS[:turns], 1):
         messages.append({"role": "user", "content": question})
@@ -137,8 +154,16 @@ def one_repetition(target: Target, rep: int, max_tokens: int, turns: int, users:
         messages.append({"role": "assistant", "content": reply.text})
     policy = marked(rep, excerpt(POLICY, sections))
     for user, question in enumerate(USER_QUESTIONS[:users], 1):
-        replies.append(ask(target, rep, "user", user, [{"role": "system", "content": policy},
-                                                       {"role": "user", "content": question}], max_tokens))
+        replies.append(
+            ask(
+                target,
+                rep,
+                "user",
+                user,
+                [{"role": "system", "content": policy}, {"role": "user", "content": question}],
+                max_tokens,
+            )
+        )
     return replies
 
 
@@ -151,35 +176,61 @@ def targets(workdir: Path, threads: int, log: Callable[[str], None]) -> Iterator
         found = []
         for name, cells in (("cache", None), ("no-cache", 0)):
             key = secrets.token_hex(16)
-            config: dict[str, dict[str, Any]] = {"server": {"api_key": key, "max_concurrent": 1},
-                                                 "members": {"threads": threads, "prefix_cache_cells": cells}}
+            config: dict[str, dict[str, Any]] = {
+                "server": {"api_key": key, "max_concurrent": 1},
+                "members": {"threads": threads, "prefix_cache_cells": cells},
+            }
             log(f"starting segfuse serve ({name})…")
             server = stack.enter_context(segfuse_server(workdir, name, config))
             found.append(Target(name, server.api, key, "segfuse", server.health))
         log(f"starting llama_cpp.server for {LEADER} (--cache true)…")
-        anchor = stack.enter_context(llama_cpp_server(model_path(CATALOGUE[LEADER]), workdir / "llama-server.log",
-                                                      threads=threads, n_ctx=4096, extra_args=("--cache", "true")))
+        anchor = stack.enter_context(
+            llama_cpp_server(
+                model_path(CATALOGUE[LEADER]),
+                workdir / "llama-server.log",
+                threads=threads,
+                n_ctx=4096,
+                extra_args=("--cache", "true"),
+            )
+        )
         found.append(Target("llama-server", anchor.url, "", LEADER))
         yield found
 
 
-def run(reps: int = 3, max_tokens: int = 32, threads: int = 1, turns: int = len(CHAT_TURNS),
-        users: int = len(USER_QUESTIONS), out: Path | None = Path("runs/bench-chat.json"),
-        log: Callable[[str], None] = print, sections: int | None = None) -> dict[str, Any]:
+def run(
+    reps: int = 3,
+    max_tokens: int = 32,
+    threads: int = 1,
+    turns: int = len(CHAT_TURNS),
+    users: int = len(USER_QUESTIONS),
+    out: Path | None = Path("runs/bench-chat.json"),
+    log: Callable[[str], None] = print,
+    sections: int | None = None,
+) -> dict[str, Any]:
     """Every system, `reps` times in turn; the report (also written to `out`). `sections`: only the
     documents' first sections in the system prompts (None: all of them)."""
     report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
-        "settings": {"reps": reps, "max_tokens": max_tokens, "threads": threads, "turns": turns, "users": users,
-                     "sections": sections, "leader": LEADER},
-        "loadavg": {"start": loadavg()}, "replies": [],
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git(),
+        "settings": {
+            "reps": reps,
+            "max_tokens": max_tokens,
+            "threads": threads,
+            "turns": turns,
+            "users": users,
+            "sections": sections,
+            "leader": LEADER,
+        },
+        "loadavg": {"start": loadavg()},
+        "replies": [],
     }
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="segfuse-bench-chat-") as tmp:
         with targets(Path(tmp), threads, log) as servers:
             for server in servers:  # warm-up: the first request of a process pays for loading pages
                 ask(server, -1, "warm-up", 0, [{"role": "user", "content": "Hello."}], 4)
             for rep in range(reps):
-                for server in (servers if rep % 2 == 0 else servers[::-1]):
+                for server in servers if rep % 2 == 0 else servers[::-1]:
                     replies = one_repetition(server, rep, max_tokens, turns, users, sections)
                     report["replies"] += [asdict(r) for r in replies]
                     log(f"   rep {rep + 1} {server.name:12} " + " ".join(_brief(r) for r in replies))
@@ -221,7 +272,8 @@ def summarise(replies: Sequence[dict[str, Any]], turns: int, users: int) -> dict
                     "first_words_s": _median([r["first_words_s"] for r in mine]),
                     "total_s": _median([r["total_s"] for r in mine]),
                     "prompt_tokens": _median([r["prompt_tokens"] for r in mine]),
-                    "errors": sum(r["error"] is not None for r in mine)}
+                    "errors": sum(r["error"] is not None for r in mine),
+                }
     return {"systems": table, "ratios": ratios(table, turns, users)}
 
 
@@ -236,8 +288,9 @@ def ratios(table: dict[str, dict[str, dict[str, Any]]], turns: int, users: int) 
     later = [f"chat{t}" for t in range(2, turns + 1)] + [f"user{u}" for u in range(2, users + 1)]
     cache, none, anchor = table["cache"], table["no-cache"], table["llama-server"]
 
-    def worst(keys: list[str], value: Callable[[str], float | None],
-              pick: Callable[[list[float]], float] = max) -> float | None:
+    def worst(
+        keys: list[str], value: Callable[[str], float | None], pick: Callable[[list[float]], float] = max
+    ) -> float | None:
         values = [v for v in (value(k) for k in keys) if v is not None]
         return pick(values) if values else None
 
@@ -249,12 +302,15 @@ def ratios(table: dict[str, dict[str, dict[str, Any]]], turns: int, users: int) 
         "chat_no_cache_over_cache": worst(chats, lambda k: _ratio(none[k]["ttfs_s"], cache[k]["ttfs_s"]), min),
         "users_later_over_short": worst(shared, lambda k: _ratio(cache[k]["ttfs_s"], short)),
         "users_no_cache_over_cache": worst(shared, lambda k: _ratio(none[k]["ttfs_s"], cache[k]["ttfs_s"]), min),
-        "chat_ttfs_cache_over_anchor": _ratio(_median([cache[k]["ttfs_s"] for k in chats]),
-                                              _median([anchor[k]["ttfs_s"] for k in chats])),
-        "chat_first_words_cache_over_anchor": _ratio(_median([cache[k]["first_words_s"] for k in chats]),
-                                                     _median([anchor[k]["first_words_s"] for k in chats])),
-        "chat_total_cache_over_anchor": _ratio(_median([cache[k]["total_s"] for k in chats]),
-                                               _median([anchor[k]["total_s"] for k in chats])),
+        "chat_ttfs_cache_over_anchor": _ratio(
+            _median([cache[k]["ttfs_s"] for k in chats]), _median([anchor[k]["ttfs_s"] for k in chats])
+        ),
+        "chat_first_words_cache_over_anchor": _ratio(
+            _median([cache[k]["first_words_s"] for k in chats]), _median([anchor[k]["first_words_s"] for k in chats])
+        ),
+        "chat_total_cache_over_anchor": _ratio(
+            _median([cache[k]["total_s"] for k in chats]), _median([anchor[k]["total_s"] for k in chats])
+        ),
     }
 
 
@@ -262,10 +318,12 @@ TARGETS = {
     "chat_later_turns_over_short": ("<=", 1.5, "chat turns 2-6, first segment with the cache / a short prompt's"),
     "chat_no_cache_over_cache": (">=", 5.0, "chat turns 2-6, first segment without the cache / with it"),
     "users_later_over_short": ("<=", 1.5, "users 2-4 of a shared system prompt, first segment / a short prompt's"),
-    "chat_ttfs_cache_over_anchor": ("<=", 1.1, "chat turns 2-6, first content: ours / "
-                                               "llama-cpp-python server's"),
-    "chat_first_words_cache_over_anchor": ("<=", 1.0, f"chat turns 2-6, first {FIRST_WORDS} characters: ours / "
-                                                      "llama-cpp-python server's"),
+    "chat_ttfs_cache_over_anchor": ("<=", 1.1, "chat turns 2-6, first content: ours / llama-cpp-python server's"),
+    "chat_first_words_cache_over_anchor": (
+        "<=",
+        1.0,
+        f"chat turns 2-6, first {FIRST_WORDS} characters: ours / llama-cpp-python server's",
+    ),
     "chat_total_cache_over_anchor": ("<=", 0.7, "chat turns 2-6, whole answer: ours / llama-cpp-python server's"),
 }
 
@@ -276,12 +334,15 @@ def print_report(report: dict[str, Any], console: Any) -> None:
 
     systems = report["summary"]["systems"]
     settings = report["settings"]
-    table = Table("request", "prompt tokens", *(f"{s} first / words / total (s)" for s in SYSTEMS),
-                  title=f"segfuse chat benchmark (leader {settings['leader']}, {settings['threads']} thread(s), "
-                        f"max_tokens {settings['max_tokens']}, medians of {settings['reps']} reps)")
+    table = Table(
+        "request",
+        "prompt tokens",
+        *(f"{s} first / words / total (s)" for s in SYSTEMS),
+        title=f"segfuse chat benchmark (leader {settings['leader']}, {settings['threads']} thread(s), "
+        f"max_tokens {settings['max_tokens']}, medians of {settings['reps']} reps)",
+    )
     for key, row in systems["no-cache"].items():
-        cells = [" / ".join(_num(systems[s][key][k]) for k in ("ttfs_s", "first_words_s", "total_s"))
-                 for s in SYSTEMS]
+        cells = [" / ".join(_num(systems[s][key][k]) for k in ("ttfs_s", "first_words_s", "total_s")) for s in SYSTEMS]
         table.add_row(key, _num(row["prompt_tokens"], 0), *cells)
     console.print(table)
     targets = Table("check", "measured", "target", title="targets (reported, not enforced)")
@@ -291,8 +352,11 @@ def print_report(report: dict[str, Any], console: Any) -> None:
         met = value is not None and (value <= bound if op == "<=" else value >= bound)
         targets.add_row(what, _num(value), f"{op} {bound} {'met' if met else 'MISSED'}")
     console.print(targets)
-    console.print(f"short prompt (no cache): {_num(measured['short_prompt_ttfs_s'])} s to the first segment; "
-                  f"load average {report['loadavg']}", soft_wrap=True)
+    console.print(
+        f"short prompt (no cache): {_num(measured['short_prompt_ttfs_s'])} s to the first segment; "
+        f"load average {report['loadavg']}",
+        soft_wrap=True,
+    )
 
 
 def _num(value: float | None, digits: int = 2) -> str:

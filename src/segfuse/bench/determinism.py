@@ -71,8 +71,9 @@ def chat(server: SegfuseServer, request: Request, max_tokens: int) -> Answer:
     client = OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=600)
     extra = {"segfuse": {"deterministic": deterministic}} if deterministic is not None else None
     t0 = time.perf_counter()
-    reply = client.chat.completions.create(model="segfuse", messages=messages, max_tokens=max_tokens,
-                                           temperature=0, extra_body=extra)
+    reply = client.chat.completions.create(
+        model="segfuse", messages=messages, max_tokens=max_tokens, temperature=0, extra_body=extra
+    )
     latency = time.perf_counter() - t0
     stats = (reply.model_extra or {})["segfuse"]["stats"]
     return Answer(kind, target, reply.choices[0].message.content or "", latency, stats["tokens"], stats["total_s"])
@@ -84,15 +85,24 @@ def user(text: str) -> Messages:
 
 def round_requests(index: int, targets: tuple[str, ...], first: dict[str, str]) -> list[Request]:
     """One round's requests: every target both ways, and the other traffic."""
-    requests: list[Request] = [(kind, t, user(t), flag) for t in targets
-                               for kind, flag in (("deterministic", True), ("default", None))]
+    requests: list[Request] = [
+        (kind, t, user(t), flag) for t in targets for kind, flag in (("deterministic", True), ("default", None))
+    ]
     continued = targets[index % len(targets)]
-    sibling: Messages = [{"role": "system", "content": SYSTEM},
-               {"role": "user", "content": OTHER_QUESTIONS[index % len(OTHER_QUESTIONS)]}]
-    requests += [("shared system prompt", None, sibling, None),
-                 ("continued", None, [*user(continued), {"role": "assistant", "content": first[continued]},
-                                      *user(FOLLOW_UP)], None),
-                 ("unrelated", None, user(UNRELATED[index % len(UNRELATED)]), None)]
+    sibling: Messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": OTHER_QUESTIONS[index % len(OTHER_QUESTIONS)]},
+    ]
+    requests += [
+        ("shared system prompt", None, sibling, None),
+        (
+            "continued",
+            None,
+            [*user(continued), {"role": "assistant", "content": first[continued]}, *user(FOLLOW_UP)],
+            None,
+        ),
+        ("unrelated", None, user(UNRELATED[index % len(UNRELATED)]), None),
+    ]
     return requests
 
 
@@ -116,16 +126,21 @@ def summary(answers: list[Answer]) -> dict[str, Any]:
     for a in answers:
         per_target.setdefault(a.target or "", Counter())[a.text] += 1
     differing = {t: sum(c.values()) - c.most_common(1)[0][1] for t, c in per_target.items()}
-    return {"requests": len(answers), "differing": sum(differing.values()),
-            "targets_with_several_texts": sum(len(c) > 1 for c in per_target.values()),
-            "per_target": {t: {"differing": differing[t], "texts": dict(c)} for t, c in per_target.items()}}
+    return {
+        "requests": len(answers),
+        "differing": sum(differing.values()),
+        "targets_with_several_texts": sum(len(c) > 1 for c in per_target.values()),
+        "per_target": {t: {"differing": differing[t], "texts": dict(c)} for t, c in per_target.items()},
+    }
 
 
 def cost(answers: list[Answer]) -> dict[str, float]:
-    return {"latency_s_median": round(statistics.median(a.latency_s for a in answers), 3),
-            "tokens_per_s_median": round(statistics.median(a.tokens_per_s for a in answers), 2),
-            "tokens_per_s_mean": round(statistics.fmean(a.tokens_per_s for a in answers), 2),
-            "tokens_mean": round(statistics.fmean(a.tokens for a in answers), 1)}
+    return {
+        "latency_s_median": round(statistics.median(a.latency_s for a in answers), 3),
+        "tokens_per_s_median": round(statistics.median(a.tokens_per_s for a in answers), 2),
+        "tokens_per_s_mean": round(statistics.fmean(a.tokens_per_s for a in answers), 2),
+        "tokens_mean": round(statistics.fmean(a.tokens for a in answers), 1),
+    }
 
 
 def run(rounds: int, targets: tuple[str, ...], max_tokens: int, threads: int | None, seed: int) -> dict[str, Any]:
@@ -144,16 +159,30 @@ def run(rounds: int, targets: tuple[str, ...], max_tokens: int, threads: int | N
             for answer in send_all(server, round_requests(index, targets, first), max_tokens, rng):
                 kinds.setdefault(answer.kind, []).append(answer)
             rounds_of.append(kinds)
-            print(f"round {index + 1}/{rounds}: " + ", ".join(
-                f"{kind} {sum(a.target is not None and a.text != first[a.target] for a in kinds[kind])} "
-                "other than the warm-up's"
-                for kind in ("deterministic", "default")), flush=True)
+            print(
+                f"round {index + 1}/{rounds}: "
+                + ", ".join(
+                    f"{kind} {sum(a.target is not None and a.text != first[a.target] for a in kinds[kind])} "
+                    "other than the warm-up's"
+                    for kind in ("deterministic", "default")
+                ),
+                flush=True,
+            )
     det = [a for r in rounds_of for a in r["deterministic"]]
     default = [a for r in rounds_of for a in r["default"]]
     later = rounds_of[1:] or rounds_of
-    return {"machine": machine(), "git": git(), "rounds": rounds, "targets": list(targets), "max_tokens": max_tokens,
-            "threads": threads, "seed": seed, "deterministic": summary(det), "default": summary(default),
-            "cost": {kind: cost([a for r in later for a in r[kind]]) for kind in ("deterministic", "default")}}
+    return {
+        "machine": machine(),
+        "git": git(),
+        "rounds": rounds,
+        "targets": list(targets),
+        "max_tokens": max_tokens,
+        "threads": threads,
+        "seed": seed,
+        "deterministic": summary(det),
+        "default": summary(default),
+        "cost": {kind: cost([a for r in later for a in r[kind]]) for kind in ("deterministic", "default")},
+    }
 
 
 def main() -> None:
@@ -161,7 +190,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--targets", type=int, default=len(TARGETS), help=f"how many of the {len(TARGETS)} targets")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads per member (default: the server's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="llama.cpp threads per member (default: the server's)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the order and staggering of each round's requests")
     parser.add_argument("--out", default="runs/determinism.json")
     args = parser.parse_args()
@@ -170,9 +201,11 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for kind in ("deterministic", "default"):
         s, c = report[kind], report["cost"][kind]
-        print(f"{kind}: {s['differing']} of {s['requests']} texts differ from their target's most common one "
-              f"({s['targets_with_several_texts']} targets with several); median latency {c['latency_s_median']} s, "
-              f"median {c['tokens_per_s_median']} tok/s")
+        print(
+            f"{kind}: {s['differing']} of {s['requests']} texts differ from their target's most common one "
+            f"({s['targets_with_several_texts']} targets with several); median latency {c['latency_s_median']} s, "
+            f"median {c['tokens_per_s_median']} tok/s"
+        )
 
 
 if __name__ == "__main__":

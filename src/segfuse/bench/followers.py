@@ -38,18 +38,37 @@ SYSTEMS: dict[str, tuple[str | None, dict[str, Any] | None]] = {
 }
 
 
-def run(levels: Sequence[int] = (1, 4), requests: int = 8, max_tokens: int = 32, leader: str = "qwen2.5-coder-0.5b",
-        models: Sequence[str] | None = None, threads: int | None = None, reps: int = 2,
-        out: Path | None = Path("runs/bench-followers.json"), log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    levels: Sequence[int] = (1, 4),
+    requests: int = 8,
+    max_tokens: int = 32,
+    leader: str = "qwen2.5-coder-0.5b",
+    models: Sequence[str] | None = None,
+    threads: int | None = None,
+    reps: int = 2,
+    out: Path | None = Path("runs/bench-followers.json"),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Every system at every level, `reps` times in turn; the report (also written to `out`)."""
     config: dict[str, dict[str, Any]] = {
         "server": {"api_key": secrets.token_hex(16), "max_concurrent": max(levels), "queue_size": 64},
-        "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0}}
+        "members": {"models": list(models or []) or None, "threads": threads, "prefix_cache_cells": 0},
+    }
     report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
-        "settings": {"levels": list(levels), "requests": requests, "max_tokens": max_tokens, "leader": leader,
-                     "reps": reps, "threads": threads, "members": list(models or []) or "default"},
-        "loadavg": {"start": loadavg()}, "runs": [],
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git(),
+        "settings": {
+            "levels": list(levels),
+            "requests": requests,
+            "max_tokens": max_tokens,
+            "leader": leader,
+            "reps": reps,
+            "threads": threads,
+            "members": list(models or []) or "default",
+        },
+        "loadavg": {"start": loadavg()},
+        "runs": [],
     }
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="segfuse-bench-followers-") as tmp:
         with segfuse_server(Path(tmp), "followers", config) as server:
@@ -68,13 +87,24 @@ def run(levels: Sequence[int] = (1, 4), requests: int = 8, max_tokens: int = 32,
     return report
 
 
-def _one(server: Any, system: str, level: int, requests: int, max_tokens: int, leader: str, rep: int,
-         log: Callable[[str], None]) -> dict[str, Any]:
+def _one(
+    server: Any,
+    system: str,
+    level: int,
+    requests: int,
+    max_tokens: int,
+    leader: str,
+    rep: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     model, options = SYSTEMS[system]
-    result = drive(server, level, requests, max_tokens, model=leader if model == "leader" else "segfuse",
-                   options=options)
-    log(f"   {system:6} x{level}: {result['output_tokens_per_s'] or 0:.1f} tok/s, "
-        f"p50 {result['latency_p50_s'] or 0:.2f} s, errors {result['errors']}")
+    result = drive(
+        server, level, requests, max_tokens, model=leader if model == "leader" else "segfuse", options=options
+    )
+    log(
+        f"   {system:6} x{level}: {result['output_tokens_per_s'] or 0:.1f} tok/s, "
+        f"p50 {result['latency_p50_s'] or 0:.2f} s, errors {result['errors']}"
+    )
     return {"system": system, "level": level, "rep": rep, **{k: v for k, v in result.items() if k != "outcomes"}}
 
 
@@ -106,14 +136,23 @@ def print_report(report: dict[str, Any], console: Any) -> None:
 
     summary, settings = report["summary"], report["settings"]
     levels = [str(level) for level in settings["levels"]]
-    table = Table("system", *(f"x{level} tok/s, p50 s" for level in levels),
-                  title=f"What the followers cost (leader {settings['leader']}, max_tokens {settings['max_tokens']}, "
-                        f"{settings['requests']} requests per level, {settings['reps']} reps, no prefix cache)")
+    table = Table(
+        "system",
+        *(f"x{level} tok/s, p50 s" for level in levels),
+        title=f"What the followers cost (leader {settings['leader']}, max_tokens {settings['max_tokens']}, "
+        f"{settings['requests']} requests per level, {settings['reps']} reps, no prefix cache)",
+    )
     for system, row in summary["systems"].items():
-        table.add_row(system, *(f"{row[level]['tokens_per_s']:.1f}, {row[level]['latency_p50_s']:.2f}"
-                                f"{' (errors ' + str(row[level]['errors']) + ')' if row[level]['errors'] else ''}"
-                                for level in levels))
+        table.add_row(
+            system,
+            *(
+                f"{row[level]['tokens_per_s']:.1f}, {row[level]['latency_p50_s']:.2f}"
+                f"{' (errors ' + str(row[level]['errors']) + ')' if row[level]['errors'] else ''}"
+                for level in levels
+            ),
+        )
     console.print(table)
     ratios = {k: v for k, v in summary.items() if k != "systems"}
-    console.print("; ".join(f"{k} {v:.3f}" for k, v in ratios.items()) + " (lone latency target <= 1.05)",
-                  soft_wrap=True)
+    console.print(
+        "; ".join(f"{k} {v:.3f}" for k, v in ratios.items()) + " (lone latency target <= 1.05)", soft_wrap=True
+    )

@@ -36,8 +36,9 @@ class Outcome:
     error: str | None = None
 
 
-def one_request(client: Any, prompt_index: int, max_tokens: int, model: str = "segfuse",
-                options: dict[str, Any] | None = None) -> Outcome:
+def one_request(
+    client: Any, prompt_index: int, max_tokens: int, model: str = "segfuse", options: dict[str, Any] | None = None
+) -> Outcome:
     """One streamed chat completion of prompt `prompt_index` (cycling through PROMPTS); `options`: the
     request's ``segfuse`` extension (fusion options)."""
     t0 = time.perf_counter()
@@ -45,8 +46,14 @@ def one_request(client: Any, prompt_index: int, max_tokens: int, model: str = "s
     extra = {"extra_body": {"segfuse": options}} if options else {}
     try:
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPTS[prompt_index % len(PROMPTS)]}],
-            max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}, **extra)
+            model=model,
+            messages=[{"role": "user", "content": PROMPTS[prompt_index % len(PROMPTS)]}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
         for chunk in stream:
             if chunk.choices:
                 choice = chunk.choices[0]
@@ -93,8 +100,15 @@ def summarise(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
     }
 
 
-def drive(server: SegfuseServer, concurrency: int, requests: int, max_tokens: int, offset: int = 0,
-          model: str = "segfuse", options: dict[str, Any] | None = None) -> dict[str, Any]:
+def drive(
+    server: SegfuseServer,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    offset: int = 0,
+    model: str = "segfuse",
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """`requests` streamed completions, `concurrency` in flight at a time; the level's summary and raw data."""
     from openai import OpenAI
 
@@ -102,14 +116,15 @@ def drive(server: SegfuseServer, concurrency: int, requests: int, max_tokens: in
     pool = ThreadPoolExecutor(concurrency, thread_name_prefix=f"bench-c{concurrency}")
     try:
         t0 = time.perf_counter()
-        futures = [pool.submit(one_request, client, offset + i, max_tokens, model, options)
-                   for i in range(requests)]
+        futures = [pool.submit(one_request, client, offset + i, max_tokens, model, options) for i in range(requests)]
         outcomes = [f.result() for f in futures]
         wall = time.perf_counter() - t0
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # on Ctrl-C: the server is stopped next, ending the rest
     client.close()
     if server.process.poll() is not None:
-        raise SegfuseError(f"the server exited with status {server.process.returncode} during the run:\n"
-                            f"{server.log_tail()}", f"see {server.log}")
+        raise SegfuseError(
+            f"the server exited with status {server.process.returncode} during the run:\n{server.log_tail()}",
+            f"see {server.log}",
+        )
     return {"concurrency": concurrency, **summarise(outcomes, wall), "outcomes": [asdict(o) for o in outcomes]}

@@ -77,8 +77,9 @@ def _time(fn: Callable[[], Any]) -> tuple[float, Any]:
 # --- member speeds for the floor ---------------------------------------------------
 
 
-def member_speeds(member: LlamaCppMember, messages: Sequence[Message], context: int, batch: int,
-                  repeats: int = 5) -> dict[str, float]:
+def member_speeds(
+    member: LlamaCppMember, messages: Sequence[Message], context: int, batch: int, repeats: int = 5
+) -> dict[str, float]:
     """Seconds per prompt token (one batch), per decoded token, and per batched token.
 
     Raw llama.cpp decodes through the member's own context, at a context
@@ -92,7 +93,7 @@ def member_speeds(member: LlamaCppMember, messages: Sequence[Message], context: 
         filler = [session.tokens[-1]] * max(0, context - prompt_len)
         pos = prompt_len
         for start in range(0, len(filler), ctx.n_batch):  # grow the context to `context`
-            chunk = filler[start:start + ctx.n_batch]
+            chunk = filler[start : start + ctx.n_batch]
             ctx.decode(chunk, range(pos, pos + len(chunk)), [0] * len(chunk), [False] * len(chunk))
             pos += len(chunk)
         decode_times = []
@@ -135,8 +136,9 @@ def floor_seconds(counters: dict[str, dict[str, int]], speeds: dict[str, dict[st
 
 def run_fusion(ensemble: Ensemble, prompt: str, length: int, window: int, system: str = PLAIN) -> Result:
     """One greedy answer of exactly `length` tokens from `system` (a key of SYSTEMS)."""
-    return ensemble.generate(prompt, max_tokens=length, temperature=0.0, top_p=1.0, seed=0,
-                             ignore_eos=True, window=window, **SYSTEMS[system])
+    return ensemble.generate(
+        prompt, max_tokens=length, temperature=0.0, top_p=1.0, seed=0, ignore_eos=True, window=window, **SYSTEMS[system]
+    )
 
 
 def system_options(system: str, window: int) -> dict[str, Any]:
@@ -147,11 +149,13 @@ def system_options(system: str, window: int) -> dict[str, Any]:
 
 def describe_systems(window: int) -> list[str]:
     """One line per system: its name and options, as printed before the table."""
+
     def shown(value: Any) -> Any:
         return "none" if value is None else value
 
-    return [f"{name}: " + ", ".join(f"{k}={shown(v)}" for k, v in system_options(name, window).items())
-            for name in SYSTEMS]
+    return [
+        f"{name}: " + ", ".join(f"{k}={shown(v)}" for k, v in system_options(name, window).items()) for name in SYSTEMS
+    ]
 
 
 def member_alone_seconds(member: LlamaCppMember, messages: Sequence[Message], length: int) -> float:
@@ -167,8 +171,9 @@ def member_alone_seconds(member: LlamaCppMember, messages: Sequence[Message], le
 
 def peak_rss_mb(args: Sequence[str]) -> float:
     """Peak RSS (MiB) of a child process running `python -m segfuse.bench.local --child ARGS`."""
-    proc = subprocess.run([sys.executable, "-m", "segfuse.bench.local", "--child", *args],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "segfuse.bench.local", "--child", *args], capture_output=True, text=True, check=True
+    )
     return float(proc.stdout.strip().splitlines()[-1])
 
 
@@ -195,17 +200,36 @@ def llama_members(ensemble: Ensemble) -> list[LlamaCppMember]:
     return members
 
 
-ROWS = ("fusion", "fusion_ttfs", "fusion_tokens", "members_sum", "floor", "reference_method",
-        "response_level", "response_ttft", "default", "default_ttfs", "default_tokens", "leader_alone")
+ROWS = (
+    "fusion",
+    "fusion_ttfs",
+    "fusion_tokens",
+    "members_sum",
+    "floor",
+    "reference_method",
+    "response_level",
+    "response_ttft",
+    "default",
+    "default_ttfs",
+    "default_tokens",
+    "leader_alone",
+)
 
 
-def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str] | None = None,
-        window: int = 10, out: Path = Path("runs/bench"), log: Callable[[str], None] = print,
-        rss: bool = True) -> dict[str, Any]:
+def run(
+    lengths: Sequence[int] = (128, 256),
+    reps: int = 3,
+    models: Sequence[str] | None = None,
+    window: int = 10,
+    out: Path = Path("runs/bench"),
+    log: Callable[[str], None] = print,
+    rss: bool = True,
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(), "git": git(),
+        "machine": machine(),
+        "git": git(),
         "window": window,
         "reps": reps,
         "systems": {name: system_options(name, window) for name in SYSTEMS},
@@ -224,11 +248,13 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
             rows: dict[str, list[float]] = {k: [] for k in ROWS}
             for rep in range(reps):
                 last_result = _repetition(ens, reference, PROMPTS[rep % len(PROMPTS)], length, window, rows)
-                log(f"  rep {rep + 1}: {PLAIN} {rows['fusion'][-1]:.1f}s ({last_result.stats.tokens} tok), "
+                log(
+                    f"  rep {rep + 1}: {PLAIN} {rows['fusion'][-1]:.1f}s ({last_result.stats.tokens} tok), "
                     f"floor {rows['floor'][-1]:.1f}s, members {rows['members_sum'][-1]:.1f}s, "
                     f"reference {rows['reference_method'][-1]:.1f}s, "
                     f"response-level {rows['response_level'][-1]:.1f}s; {DEFAULT} {rows['default'][-1]:.1f}s, "
-                    f"leader alone {rows['leader_alone'][-1]:.1f}s")
+                    f"leader alone {rows['leader_alone'][-1]:.1f}s"
+                )
             entry = _summary(rows)
             if rss:
                 ens_rss = peak_rss_mb(["ensemble", str(length), *names])
@@ -242,8 +268,9 @@ def run(lengths: Sequence[int] = (128, 256), reps: int = 3, models: Sequence[str
     return report
 
 
-def _repetition(ens: Ensemble, reference: Ensemble, prompt: str, length: int, window: int,
-                rows: dict[str, list[float]]) -> Result:
+def _repetition(
+    ens: Ensemble, reference: Ensemble, prompt: str, length: int, window: int, rows: dict[str, list[float]]
+) -> Result:
     """One prompt, every system side by side: appends a time (or count) to each row; returns plain fusion's
     result."""
     messages = to_messages(prompt)
@@ -310,8 +337,7 @@ def plot_rounds(result: Result, path: Path) -> Path:
     for i, name in enumerate(names):
         for phase, attr, hatch in (("draft", "draft_s", ""), ("verify", "verify_s", "//")):
             heights = [getattr(r, attr).get(name, 0.0) for r in rounds]
-            ax.bar(x, heights, bottom=bottom, color=colours(i), hatch=hatch, edgecolor="white",
-                   label=f"{name} {phase}")
+            ax.bar(x, heights, bottom=bottom, color=colours(i), hatch=hatch, edgecolor="white", label=f"{name} {phase}")
             bottom = [b + h for b, h in zip(bottom, heights)]
     other = [max(0.0, r.total_s - b) for r, b in zip(rounds, bottom)]
     ax.bar(x, other, bottom=bottom, color="lightgrey", label="other (rank, broadcast, Python)")
@@ -329,31 +355,47 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
     """Rows for a printed table: one per length."""
     rows = []
     for length, e in report["lengths"].items():
-        rows.append([
-            length,
-            f"{e['fusion']['median']:.1f} s ({e['fusion_tokens_per_s']:.1f} tok/s)",
-            f"{e['fusion_ttfs']['median']:.2f} s",
-            f"{e['floor']['median']:.1f} s",
-            f"{e['members_sum']['median']:.1f} s",
-            f"{e['reference_method']['median']:.1f} s",
-            f"{e['response_ttft']['median']:.1f} s",
-            f"{e['ratio_vs_floor']:.2f}",
-            f"{e['ratio_vs_members_sum']:.2f}",
-            f"{e['ratio_reference_over_fusion']:.2f}",
-            f"{e['ttfs_over_response_ttft']:.3f}",
-            f"{e['rss_ratio']:.2f}" if "rss_ratio" in e else "–",
-            f"{e['default']['median']:.1f} s ({e['default_tokens_per_s']:.1f} tok/s)",
-            f"{e['leader_alone']['median']:.1f} s",
-            f"{e['default_over_leader_alone']:.2f}",
-        ])
+        rows.append(
+            [
+                length,
+                f"{e['fusion']['median']:.1f} s ({e['fusion_tokens_per_s']:.1f} tok/s)",
+                f"{e['fusion_ttfs']['median']:.2f} s",
+                f"{e['floor']['median']:.1f} s",
+                f"{e['members_sum']['median']:.1f} s",
+                f"{e['reference_method']['median']:.1f} s",
+                f"{e['response_ttft']['median']:.1f} s",
+                f"{e['ratio_vs_floor']:.2f}",
+                f"{e['ratio_vs_members_sum']:.2f}",
+                f"{e['ratio_reference_over_fusion']:.2f}",
+                f"{e['ttfs_over_response_ttft']:.3f}",
+                f"{e['rss_ratio']:.2f}" if "rss_ratio" in e else "–",
+                f"{e['default']['median']:.1f} s ({e['default_tokens_per_s']:.1f} tok/s)",
+                f"{e['leader_alone']['median']:.1f} s",
+                f"{e['default_over_leader_alone']:.2f}",
+            ]
+        )
     return rows
 
 
 # "plain fusion" columns first (the floor, members, reference and response level are its comparisons),
 # then the default against its leader alone.
-TABLE_HEADER = ["tokens", PLAIN, "first segment", "floor", "members Σ", "reference", "response TTFT",
-                "vs floor", "vs members Σ", "reference / plain", "TTFS / response TTFT", "RSS ratio",
-                DEFAULT, "leader alone", "default / leader alone"]
+TABLE_HEADER = [
+    "tokens",
+    PLAIN,
+    "first segment",
+    "floor",
+    "members Σ",
+    "reference",
+    "response TTFT",
+    "vs floor",
+    "vs members Σ",
+    "reference / plain",
+    "TTFS / response TTFT",
+    "RSS ratio",
+    DEFAULT,
+    "leader alone",
+    "default / leader alone",
+]
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":

@@ -24,18 +24,31 @@ def machine() -> dict[str, Any]:
                 memory_gib = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 1, "memory_gib": memory_gib, "platform": platform.platform(),
-            "python": platform.python_version(), "hostname": platform.node()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count() or 1,
+        "memory_gib": memory_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "hostname": platform.node(),
+    }
 
 
 def git() -> dict[str, Any] | None:
     """The commit the code runs at, and whether tracked files differ from it."""
     root = Path(__file__).resolve().parents[3]
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "dirty": bool(dirty)} if commit else None

@@ -39,16 +39,22 @@ def tail(path: Path, n: int = 40) -> str:
         return ""
 
 
-def wait_until_serving(process: subprocess.Popen[bytes], url: str, timeout: float, log: Path,
-                       ok: Callable[[Any], bool] = lambda r: r.status_code == 200) -> None:
+def wait_until_serving(
+    process: subprocess.Popen[bytes],
+    url: str,
+    timeout: float,
+    log: Path,
+    ok: Callable[[Any], bool] = lambda r: r.status_code == 200,
+) -> None:
     """Poll `url` until `ok(response)`; fail at once if `process` exits, or after `timeout` s."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
-            raise SegfuseError(f"the server exited with status {process.returncode} while starting:\n{tail(log)}",
-                                f"see {log}")
+            raise SegfuseError(
+                f"the server exited with status {process.returncode} while starting:\n{tail(log)}", f"see {log}"
+            )
         try:
             if ok(httpx.get(url, timeout=5)):
                 return
@@ -115,14 +121,28 @@ def stop(process: subprocess.Popen[bytes], first: int, grace: float, *, group: b
 
 
 @contextmanager
-def running(args: list[str], log: Path, first_signal: int, grace: float,
-            env: Mapping[str, str] | None = None, *, group: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    args: list[str],
+    log: Path,
+    first_signal: int,
+    grace: float,
+    env: Mapping[str, str] | None = None,
+    *,
+    group: bool = False,
+) -> Iterator[subprocess.Popen[bytes]]:
     """`args` in a subprocess, its output in `log`, stopped when the block ends; with `group`, in a
     process group of its own, stopped with every process in it."""
     env = dict(env if env is not None else {k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"})
     with log.open("wb") as sink:
-        process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   preexec_fn=_parent_death_signal(), start_new_session=group)
+        process = subprocess.Popen(
+            args,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_parent_death_signal(),
+            start_new_session=group,
+        )
     try:
         yield process
     finally:
@@ -170,8 +190,14 @@ class SegfuseServer:
 
 
 @contextmanager
-def segfuse_server(workdir: Path, name: str, config: Mapping[str, Mapping[str, Any]], *,
-                    startup_s: float = 600, extra_args: tuple[str, ...] = ()) -> Iterator[SegfuseServer]:
+def segfuse_server(
+    workdir: Path,
+    name: str,
+    config: Mapping[str, Mapping[str, Any]],
+    *,
+    startup_s: float = 600,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[SegfuseServer]:
     """`python -m segfuse.cli serve` with `config` (TOML sections) on a free port, until the block ends.
 
     ``config["server"]["api_key"]`` is the key clients must send. A bad setting
@@ -184,13 +210,29 @@ def segfuse_server(workdir: Path, name: str, config: Mapping[str, Mapping[str, A
     build_config(path)
     port = free_port()
     log = workdir / f"{name}.log"
-    args = [sys.executable, "-m", "segfuse.cli", "serve", "--config", str(path), "--host", "127.0.0.1",
-            "--port", str(port), *extra_args]
+    args = [
+        sys.executable,
+        "-m",
+        "segfuse.cli",
+        "serve",
+        "--config",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     # SIGINT: uvicorn's graceful shutdown, which closes the members (a second SIGINT cuts open requests short).
     with running(args, log, signal.SIGINT, 20) as process:
         url = f"http://127.0.0.1:{port}"
-        wait_until_serving(process, f"{url}/health", startup_s, log,
-                           ok=lambda r: r.status_code == 200 and r.json().get("status") == "ok")
+        wait_until_serving(
+            process,
+            f"{url}/health",
+            startup_s,
+            log,
+            ok=lambda r: r.status_code == 200 and r.json().get("status") == "ok",
+        )
         yield SegfuseServer(url, str(config.get("server", {}).get("api_key") or ""), log, process)
 
 
@@ -206,19 +248,38 @@ class LlamaServer:
 
 
 @contextmanager
-def llama_cpp_server(gguf: Path, log: Path, *, threads: int | None = 1, n_ctx: int = 2048,
-                     startup_s: float = 180, port: int | None = None,
-                     extra_args: tuple[str, ...] = ()) -> Iterator[LlamaServer]:
+def llama_cpp_server(
+    gguf: Path,
+    log: Path,
+    *,
+    threads: int | None = 1,
+    n_ctx: int = 2048,
+    startup_s: float = 180,
+    port: int | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[LlamaServer]:
     """`python -m llama_cpp.server` for one GGUF on loopback (`port`, else a free one), until the block ends;
     `extra_args`: more of its settings (e.g. ``--cache true``).
 
     Started through ``llama_server.py``, which loads the model as our own llama.cpp members do."""
     port = port or free_port()
-    args = [sys.executable, "-m", "segfuse.bench.llama_server", "--model", str(gguf), "--host", "127.0.0.1",
-            "--port", str(port), "--n_ctx", str(n_ctx),
-            # flash attention as in the local llama.cpp backend, so that both compute the same numbers
-            # (without it log-probs differ by up to ~0.3 nats: f16 attention accumulates differently)
-            "--flash_attn", "true"]
+    args = [
+        sys.executable,
+        "-m",
+        "segfuse.bench.llama_server",
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        # flash attention as in the local llama.cpp backend, so that both compute the same numbers
+        # (without it log-probs differ by up to ~0.3 nats: f16 attention accumulates differently)
+        "--flash_attn",
+        "true",
+    ]
     if threads is not None:
         args += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
     args += list(extra_args)
@@ -245,8 +306,9 @@ class MemberServer:
     def start(self) -> None:
         stack = ExitStack()
         log = self.workdir / f"{self.name}-{self.starts}.log"
-        self._process = stack.enter_context(llama_cpp_server(self.gguf, log, threads=self.threads, n_ctx=self.n_ctx,
-                                                              port=self.port))
+        self._process = stack.enter_context(
+            llama_cpp_server(self.gguf, log, threads=self.threads, n_ctx=self.n_ctx, port=self.port)
+        )
         self._stack, self.starts = stack, self.starts + 1
 
     def kill(self) -> None:

@@ -64,8 +64,15 @@ TARGETS = {
 # --------------------------------------------------------------------------- the benchmark
 
 
-def server_config(*, max_concurrent: int, queue_size: int, models: Sequence[str], threads: int | None,
-                  n_ctx: int | None, cache_dir: str | None) -> dict[str, dict[str, Any]]:
+def server_config(
+    *,
+    max_concurrent: int,
+    queue_size: int,
+    models: Sequence[str],
+    threads: int | None,
+    n_ctx: int | None,
+    cache_dir: str | None,
+) -> dict[str, dict[str, Any]]:
     """The TOML sections of one mode's server, with a fresh API key."""
     return {
         "server": {"api_key": secrets.token_hex(16), "max_concurrent": max_concurrent, "queue_size": queue_size},
@@ -99,8 +106,9 @@ def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]]
     }
     for mode in modes.values():  # the same latency ratio for each mode, for the record
         levels = mode["levels"]
-        mode["latency_c4_over_lone"] = _ratio(levels.get("4", {}).get("latency_p50_s"),
-                                              levels.get("1", {}).get("latency_p50_s"))
+        mode["latency_c4_over_lone"] = _ratio(
+            levels.get("4", {}).get("latency_p50_s"), levels.get("1", {}).get("latency_p50_s")
+        )
     targets = {}
     for key, (op, bound, what) in TARGETS.items():
         value = measured[key]
@@ -109,8 +117,9 @@ def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]]
     return ratios, targets
 
 
-def _remote_members(stack: ExitStack, workdir: Path, threads: int | None, cache_dir: str | None,
-                    log: Callable[[str], None]) -> list[str]:
+def _remote_members(
+    stack: ExitStack, workdir: Path, threads: int | None, cache_dir: str | None, log: Callable[[str], None]
+) -> list[str]:
     """Start a llama_cpp.server per REMOTE_MODELS entry (stopped with `stack`); their member specs."""
     from ..models import CATALOGUE, model_path
 
@@ -123,16 +132,27 @@ def _remote_members(stack: ExitStack, workdir: Path, threads: int | None, cache_
     return members
 
 
-def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], levels: Sequence[int],
-              per_level: dict[int, int], max_tokens: int, warmup: int, startup_s: float,
-              log: Callable[[str], None]) -> dict[str, Any]:
+def _run_mode(
+    workdir: Path,
+    mode: str,
+    config: dict[str, dict[str, Any]],
+    levels: Sequence[int],
+    per_level: dict[int, int],
+    max_tokens: int,
+    warmup: int,
+    startup_s: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     """One server (serial or concurrent worker) driven at every concurrency level."""
 
     t0 = time.perf_counter()
     with segfuse_server(workdir, mode, config, startup_s=startup_s) as server:
-        entry: dict[str, Any] = {"max_concurrent": config["server"]["max_concurrent"],
-                                 "members": server.health().get("members"), "startup_s": time.perf_counter() - t0,
-                                 "levels": {}}
+        entry: dict[str, Any] = {
+            "max_concurrent": config["server"]["max_concurrent"],
+            "members": server.health().get("members"),
+            "startup_s": time.perf_counter() - t0,
+            "levels": {},
+        }
         if warmup:
             warm = drive(server, 1, warmup, max_tokens, offset=len(PROMPTS) - 1)
             entry["warmup"] = {k: v for k, v in warm.items() if k != "outcomes"}
@@ -140,15 +160,18 @@ def _run_mode(workdir: Path, mode: str, config: dict[str, dict[str, Any]], level
             log(f"   concurrency {c}: {per_level[c]} requests…")
             level = drive(server, c, per_level[c], max_tokens)
             entry["levels"][str(c)] = level
-            log(f"   concurrency {c}: {_fmt(level['requests_per_s'], '.2f')} req/s, "
+            log(
+                f"   concurrency {c}: {_fmt(level['requests_per_s'], '.2f')} req/s, "
                 f"{_fmt(level['output_tokens_per_s'], '.1f')} tok/s, "
-                f"p50 {_fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}")
+                f"p50 {_fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}"
+            )
         entry["server_counters"] = server.health().get("counters")  # with the key: counters are for key holders
     return entry
 
 
-def _check_arguments(concurrency: Sequence[int], requests: int | None, max_tokens: int, remote: bool,
-                     models: Sequence[str] | None) -> list[int]:
+def _check_arguments(
+    concurrency: Sequence[int], requests: int | None, max_tokens: int, remote: bool, models: Sequence[str] | None
+) -> list[int]:
     """The concurrency levels, sorted; a bad argument or a missing client library fails before anything starts."""
     levels = sorted({int(c) for c in concurrency})
     if not levels or levels[0] < 1:
@@ -165,11 +188,21 @@ def _check_arguments(concurrency: Sequence[int], requests: int | None, max_token
     return levels
 
 
-def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None = None, max_tokens: int = 32,
-        models: Sequence[str] | None = None, threads: int | None = None, max_concurrent: int | None = None,
-        remote: bool = False, out: Path | None = Path("runs/bench-serve.json"), n_ctx: int | None = None,
-        cache_dir: str | None = None, warmup: int = 1, startup_s: float = 600,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
+    requests: int | None = None,
+    max_tokens: int = 32,
+    models: Sequence[str] | None = None,
+    threads: int | None = None,
+    max_concurrent: int | None = None,
+    remote: bool = False,
+    out: Path | None = Path("runs/bench-serve.json"),
+    n_ctx: int | None = None,
+    cache_dir: str | None = None,
+    warmup: int = 1,
+    startup_s: float = 600,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Run both modes at every level; write the report to `out` (JSON) and return it.
 
     `requests` per level defaults to max(8, 2 * concurrency). `threads` is llama.cpp's per member
@@ -181,21 +214,38 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
     per_level = {c: requests or max(8, 2 * c) for c in levels}
     queue_size = max(16, levels[-1])
     settings: dict[str, Any] = {
-        "concurrency": levels, "requests_per_level": {str(c): n for c, n in per_level.items()},
-        "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "warmup_requests": warmup,
-        "prompts": list(PROMPTS), "threads": threads, "threads_env": os.environ.get("SEGFUSE_THREADS"),
-        "n_ctx": n_ctx, "remote": remote,
+        "concurrency": levels,
+        "requests_per_level": {str(c): n for c, n in per_level.items()},
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "warmup_requests": warmup,
+        "prompts": list(PROMPTS),
+        "threads": threads,
+        "threads_env": os.environ.get("SEGFUSE_THREADS"),
+        "n_ctx": n_ctx,
+        "remote": remote,
         "max_concurrent": {"serial": 1, "concurrent": widest},
         "queue_size": queue_size,
     }
     from ..config import build_config
 
     for mc in (1, widest):  # a bad setting fails here, before anything is started
-        build_config(None, max_concurrent=mc, queue_size=queue_size, models=list(models or []),
-                     threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
+        build_config(
+            None,
+            max_concurrent=mc,
+            queue_size=queue_size,
+            models=list(models or []),
+            threads=threads,
+            n_ctx=n_ctx,
+            cache_dir=cache_dir,
+        )
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(), "git": git(), "settings": settings, "loadavg": {"start": loadavg()},
+        "machine": machine(),
+        "git": git(),
+        "settings": settings,
+        "loadavg": {"start": loadavg()},
         "modes": {},
     }
     with sigterm_as_interrupt(), ExitStack() as stack:
@@ -208,10 +258,17 @@ def run(concurrency: Sequence[int] = DEFAULT_CONCURRENCY, requests: int | None =
         for mode in MODES:
             mc = 1 if mode == "serial" else widest
             log(f"== {mode}: starting `segfuse serve` with max_concurrent={mc}…")
-            config = server_config(max_concurrent=mc, queue_size=queue_size, models=members,
-                                   threads=threads, n_ctx=n_ctx, cache_dir=cache_dir)
-            report["modes"][mode] = _run_mode(workdir, mode, config, levels, per_level, max_tokens, warmup,
-                                              startup_s, log)
+            config = server_config(
+                max_concurrent=mc,
+                queue_size=queue_size,
+                models=members,
+                threads=threads,
+                n_ctx=n_ctx,
+                cache_dir=cache_dir,
+            )
+            report["modes"][mode] = _run_mode(
+                workdir, mode, config, levels, per_level, max_tokens, warmup, startup_s, log
+            )
     report["loadavg"]["end"] = loadavg()
     report["ratios"], report["targets"] = compare(report["modes"])
     if out is not None:
@@ -229,8 +286,19 @@ def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{unit}"
 
 
-TABLE_HEADER = ["mode", "users", "requests", "errors", "req/s", "tok/s", "p50 latency", "p95 latency",
-                "p50 first segment", "throughput ×", "p50 latency ×"]
+TABLE_HEADER = [
+    "mode",
+    "users",
+    "requests",
+    "errors",
+    "req/s",
+    "tok/s",
+    "p50 latency",
+    "p95 latency",
+    "p50 first segment",
+    "throughput ×",
+    "p50 latency ×",
+]
 
 
 def format_table(report: dict[str, Any]) -> list[list[str]]:
@@ -239,14 +307,21 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
     for mode, entry in report["modes"].items():
         for level, m in entry["levels"].items():
             r = report["ratios"].get(level, {}) if mode == "concurrent" else {}
-            rows.append([
-                f"{mode} ({entry['max_concurrent']})", level, str(m["requests"]), str(m["errors"]),
-                _fmt(m["requests_per_s"], ".2f"), _fmt(m["output_tokens_per_s"], ".1f"),
-                _fmt(m["latency_p50_s"], ".2f", " s"), _fmt(m["latency_p95_s"], ".2f", " s"),
-                _fmt(m["ttfs_p50_s"], ".2f", " s"),
-                _fmt(r.get("throughput"), ".2f", "×") if r else "",
-                _fmt(r.get("p50_latency"), ".2f", "×") if r else "",
-            ])
+            rows.append(
+                [
+                    f"{mode} ({entry['max_concurrent']})",
+                    level,
+                    str(m["requests"]),
+                    str(m["errors"]),
+                    _fmt(m["requests_per_s"], ".2f"),
+                    _fmt(m["output_tokens_per_s"], ".1f"),
+                    _fmt(m["latency_p50_s"], ".2f", " s"),
+                    _fmt(m["latency_p95_s"], ".2f", " s"),
+                    _fmt(m["ttfs_p50_s"], ".2f", " s"),
+                    _fmt(r.get("throughput"), ".2f", "×") if r else "",
+                    _fmt(r.get("p50_latency"), ".2f", "×") if r else "",
+                ]
+            )
     return rows
 
 
@@ -263,18 +338,25 @@ def print_report(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     members = report["modes"].get("serial", {}).get("members") or []
-    table = Table(*TABLE_HEADER, title=f"segfuse serving benchmark ({', '.join(members)}; "
-                  f"max_tokens {report['settings']['max_tokens']}, temperature 0, streaming)")
+    table = Table(
+        *TABLE_HEADER,
+        title=f"segfuse serving benchmark ({', '.join(members)}; "
+        f"max_tokens {report['settings']['max_tokens']}, temperature 0, streaming)",
+    )
     for row in format_table(report):
         table.add_row(*row)
     console.print(table)
-    targets = Table("check", "measured", "target", "", title="targets (reported, not enforced: the machine may be busy)")
+    targets = Table(
+        "check", "measured", "target", "", title="targets (reported, not enforced: the machine may be busy)"
+    )
     for row in format_targets(report):
         targets.add_row(*row)
     console.print(targets)
     load = report.get("loadavg", {})
-    console.print(f"load average at start {load.get('start')}, at end {load.get('end')} "
-                  f"({report['machine']['cores']} cores)", soft_wrap=True)
+    console.print(
+        f"load average at start {load.get('start')}, at end {load.get('end')} ({report['machine']['cores']} cores)",
+        soft_wrap=True,
+    )
 
 
 __all__ = ["TARGETS", "compare", "print_report", "run"]

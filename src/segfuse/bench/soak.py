@@ -100,10 +100,18 @@ class SoakSettings:
 
     def server_config(self, members: list[str], api_key: str) -> dict[str, dict[str, Any]]:
         config: dict[str, dict[str, Any]] = {
-            "server": {"api_key": api_key, "max_concurrent": self.max_concurrent, "queue_size": self.queue_size,
-                       "max_body_bytes": MAX_BODY_BYTES},
-            "members": {"models": members or None, "threads": self.threads, "n_ctx": self.n_ctx,
-                        "cache_dir": self.cache_dir},
+            "server": {
+                "api_key": api_key,
+                "max_concurrent": self.max_concurrent,
+                "queue_size": self.queue_size,
+                "max_body_bytes": MAX_BODY_BYTES,
+            },
+            "members": {
+                "models": members or None,
+                "threads": self.threads,
+                "n_ctx": self.n_ctx,
+                "cache_dir": self.cache_dir,
+            },
             "defaults": {"max_tokens": self.max_tokens},
         }
         if self.ray:
@@ -114,12 +122,19 @@ class SoakSettings:
 class Soak:
     """One run against a started server: the traffic, the checkpoints, the samples."""
 
-    def __init__(self, server: SegfuseServer, settings: SoakSettings, log: Log,
-                 disrupt: MemberServer | None = None) -> None:
+    def __init__(
+        self, server: SegfuseServer, settings: SoakSettings, log: Log, disrupt: MemberServer | None = None
+    ) -> None:
         self.server, self.settings, self.log, self.disrupt = server, settings, log, disrupt
         self.t0 = time.monotonic()
-        self.client = SoakClient(server.url, server.api_key, n_ctx=settings.n_ctx, max_body_bytes=MAX_BODY_BYTES,
-                                 t0=self.t0, request_timeout_s=settings.request_timeout_s)
+        self.client = SoakClient(
+            server.url,
+            server.api_key,
+            n_ctx=settings.n_ctx,
+            max_body_bytes=MAX_BODY_BYTES,
+            t0=self.t0,
+            request_timeout_s=settings.request_timeout_s,
+        )
         self.records: list[Record] = []
         self.checkpoints: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
@@ -162,8 +177,10 @@ class Soak:
             self._phase(phase)
             if phase.kind == "burst":
                 self._checkpoint(f"cycle {phase.cycle + 1}")
-            self.log(f"   {self.now():7.1f} s  phase {phase.index} ({phase.kind}, {phase.concurrency} in flight): "
-                     f"{len(self.records)} requests so far")
+            self.log(
+                f"   {self.now():7.1f} s  phase {phase.index} ({phase.kind}, {phase.concurrency} in flight): "
+                f"{len(self.records)} requests so far"
+            )
 
     def _phase(self, phase: Phase) -> None:
         pool = ThreadPoolExecutor(phase.concurrency, thread_name_prefix=f"soak-p{phase.index}")
@@ -175,12 +192,24 @@ class Soak:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         if self.server.process.poll() is not None:
-            raise SegfuseError(f"the server exited with status {self.server.process.returncode} during the soak:\n"
-                                f"{self.server.log_tail()}", f"see {self.server.log}")
+            raise SegfuseError(
+                f"the server exited with status {self.server.process.returncode} during the soak:\n"
+                f"{self.server.log_tail()}",
+                f"see {self.server.log}",
+            )
 
     def _lost(self, action: Action) -> Record:
-        return Record(action.index, action.kind, action.phase, action.cycle, self.now(),
-                      self.settings.request_timeout_s + 60, "lost", (), detail="no answer before the run's deadline")
+        return Record(
+            action.index,
+            action.kind,
+            action.phase,
+            action.cycle,
+            self.now(),
+            self.settings.request_timeout_s + 60,
+            "lost",
+            (),
+            detail="no answer before the run's deadline",
+        )
 
     # ------------------------------------------------------------------ idle checkpoints
 
@@ -189,17 +218,27 @@ class Soak:
         t_wait = time.monotonic()
         # With nothing in flight, /health's view was read after the last request let its slots go.
         health = self._poll(lambda h: not h["queue"]["waiting"] and not h["queue"]["running"], IDLE_TIMEOUT_S)
-        entry = {"t_s": self.now(), "label": label, "idle_wait_s": time.monotonic() - t_wait,
-                 "waiting": health["queue"]["waiting"], "running": health["queue"]["running"],
-                 "accepted": health["counters"]["accepted"], "occupancy": health.get("occupancy", {}),
-                 "held": held(health), "cached_cells": cached(health), "rss_mb": self.rss()}
+        entry = {
+            "t_s": self.now(),
+            "label": label,
+            "idle_wait_s": time.monotonic() - t_wait,
+            "waiting": health["queue"]["waiting"],
+            "running": health["queue"]["running"],
+            "accepted": health["counters"]["accepted"],
+            "occupancy": health.get("occupancy", {}),
+            "held": held(health),
+            "cached_cells": cached(health),
+            "rss_mb": self.rss(),
+        }
         if send_probe:
             record = self.client.send(probe(next(self._extra), self.settings.mix))
             self.records.append(record)
             entry["probe_latency_s"] = record.latency_s
         self.checkpoints.append(entry)
-        self.log(f"   {entry['t_s']:7.1f} s  idle checkpoint {label}: RSS {entry['rss_mb']:.0f} MiB, "
-                 f"held: {', '.join(entry['held']) or 'nothing'}; cached: {entry['cached_cells']} cells")
+        self.log(
+            f"   {entry['t_s']:7.1f} s  idle checkpoint {label}: RSS {entry['rss_mb']:.0f} MiB, "
+            f"held: {', '.join(entry['held']) or 'nothing'}; cached: {entry['cached_cells']} cells"
+        )
         return entry
 
     def _poll(self, ok: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
@@ -229,9 +268,16 @@ class Soak:
             except Exception:  # a busy moment: skip this sample
                 continue
             cells = [o.get("cache_cells") or 0 for o in health.get("occupancy", {}).values()]
-            self.samples.append({"t_s": self.now(), "rss_mb": self.rss(),
-                                 "waiting": health["queue"]["waiting"], "running": health["queue"]["running"],
-                                 "accepted": health["counters"]["accepted"], "cache_cells": sum(cells)})
+            self.samples.append(
+                {
+                    "t_s": self.now(),
+                    "rss_mb": self.rss(),
+                    "waiting": health["queue"]["waiting"],
+                    "running": health["queue"]["running"],
+                    "accepted": health["counters"]["accepted"],
+                    "cache_cells": sum(cells),
+                }
+            )
 
     def _disrupt(self) -> None:
         """Kill the member server at 30 % of the run, start it again at 40 %."""
@@ -254,22 +300,41 @@ class Soak:
         import httpx
 
         # With the key: a server with one may keep /metrics (the prefix-cache figures) to its holders.
-        response = httpx.get(f"{self.server.url}/metrics", timeout=30,
-                             headers={"Authorization": f"Bearer {self.server.api_key}"})
+        response = httpx.get(
+            f"{self.server.url}/metrics", timeout=30, headers={"Authorization": f"Bearer {self.server.api_key}"}
+        )
         response.raise_for_status()
         return parse_metrics(response.text)
 
-    def _result(self, before: tuple[dict[str, Any], dict[str, Any]], after: tuple[dict[str, Any], dict[str, Any]], start_rss: float | None,
-                end: dict[str, Any]) -> dict[str, Any]:
-        warm = next((c for c in self.checkpoints if c["t_s"] >= WARM_FRACTION * self.settings.duration_s
-                     and c is not end), self.checkpoints[0])
-        memory = Memory(start_rss, warm["rss_mb"], end["rss_mb"], end["accepted"] - warm["accepted"],
-                        [(s["t_s"], s["rss_mb"]) for s in self.samples if s["rss_mb"] is not None])
+    def _result(
+        self,
+        before: tuple[dict[str, Any], dict[str, Any]],
+        after: tuple[dict[str, Any], dict[str, Any]],
+        start_rss: float | None,
+        end: dict[str, Any],
+    ) -> dict[str, Any]:
+        warm = next(
+            (c for c in self.checkpoints if c["t_s"] >= WARM_FRACTION * self.settings.duration_s and c is not end),
+            self.checkpoints[0],
+        )
+        memory = Memory(
+            start_rss,
+            warm["rss_mb"],
+            end["rss_mb"],
+            end["accepted"] - warm["accepted"],
+            [(s["t_s"], s["rss_mb"]) for s in self.samples if s["rss_mb"] is not None],
+        )
         return {
-            "wall_s": self.now(), "counters": {"before": before[0], "after": after[0]},
-            "counters_delta": delta(before[0], after[0]), "metrics_delta": delta(before[1], after[1]),
-            "memory": memory, "warm_checkpoint": warm["label"], "checkpoints": self.checkpoints,
-            "samples": self.samples, "events": self.events, "records": self.records,
+            "wall_s": self.now(),
+            "counters": {"before": before[0], "after": after[0]},
+            "counters_delta": delta(before[0], after[0]),
+            "metrics_delta": delta(before[1], after[1]),
+            "memory": memory,
+            "warm_checkpoint": warm["label"],
+            "checkpoints": self.checkpoints,
+            "samples": self.samples,
+            "events": self.events,
+            "records": self.records,
             "idle": {"waiting": end["waiting"], "running": end["running"]},
         }
 
@@ -313,8 +378,9 @@ def cached(health: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------- the command
 
 
-def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: Log = print,
-        startup_s: float = 600) -> dict[str, Any]:
+def run(
+    settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: Log = print, startup_s: float = 600
+) -> dict[str, Any]:
     """Start the server (and with ``remote`` its member servers), soak it, return the report and write
     it to `out` (JSON)."""
     import secrets
@@ -325,23 +391,39 @@ def run(settings: SoakSettings, out: Path | None = Path("runs/soak.json"), log: 
     from ..config import build_config
 
     settings.validate()
-    build_config(None, max_concurrent=settings.max_concurrent, queue_size=settings.queue_size,
-                 models=list(settings.models), threads=settings.threads, n_ctx=settings.n_ctx,
-                 cache_dir=settings.cache_dir)  # a bad setting fails here, before anything starts
+    build_config(
+        None,
+        max_concurrent=settings.max_concurrent,
+        queue_size=settings.queue_size,
+        models=list(settings.models),
+        threads=settings.threads,
+        n_ctx=settings.n_ctx,
+        cache_dir=settings.cache_dir,
+    )  # a bad setting fails here, before anything starts
     report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(), "git": git(),
-        "settings": {**asdict(settings), "request_cap": settings.request_cap, "burst": settings.mix.burst,
-                     "sample_every_s": settings.sample_every_s, "max_body_bytes": MAX_BODY_BYTES},
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git(),
+        "settings": {
+            **asdict(settings),
+            "request_cap": settings.request_cap,
+            "burst": settings.mix.burst,
+            "sample_every_s": settings.sample_every_s,
+            "max_body_bytes": MAX_BODY_BYTES,
+        },
         "loadavg": {"start": loadavg()},
     }
     with sigterm_as_interrupt(), ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="segfuse-soak-")))
         members, disrupt = _members(settings, workdir, stack, log)
-        log(f"starting `segfuse serve{' --ray' if settings.ray else ''}` (max_concurrent {settings.max_concurrent}, queue {settings.queue_size}, "
-            f"n_ctx {settings.n_ctx})…")
+        log(
+            f"starting `segfuse serve{' --ray' if settings.ray else ''}` (max_concurrent {settings.max_concurrent}, queue {settings.queue_size}, "
+            f"n_ctx {settings.n_ctx})…"
+        )
         config = settings.server_config(members, secrets.token_hex(16))
-        server = stack.enter_context(segfuse_server(workdir, "soak", config, startup_s=startup_s,
-                                                    extra_args=("--ray",) if settings.ray else ()))
+        server = stack.enter_context(
+            segfuse_server(workdir, "soak", config, startup_s=startup_s, extra_args=("--ray",) if settings.ray else ())
+        )
         tree = tree_pids(server.process.pid)  # before the traffic: what the server started, Ray's workers too
         report["members"] = server.health()["members"]
         log(f"soaking {', '.join(report['members'])} for {settings.duration_s:.0f} s (seed {settings.seed})…")
@@ -373,14 +455,19 @@ def _check_leftovers(report: dict[str, Any], log: Log, wait_s: float = 30.0) -> 
     report["processes"]["left"] = left
     if left:
         log(f"   {len(left)} of the server's {len(pids)} processes still run after it stopped: {left}")
-    check = Check("no process of the server left once it stopped", f"{len(pids)} processes",
-                  f"{len(left)} still running", not left)
+    check = Check(
+        "no process of the server left once it stopped",
+        f"{len(pids)} processes",
+        f"{len(left)} still running",
+        not left,
+    )
     report["checks"].append(asdict(check))
     report["all_checks_ok"] = report["all_checks_ok"] and check.ok
 
 
-def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,
-             log: Log) -> tuple[list[str], MemberServer | None]:
+def _members(
+    settings: SoakSettings, workdir: Path, stack: ExitStack, log: Log
+) -> tuple[list[str], MemberServer | None]:
     """The member specs; with ``remote``, member servers started here, and the one to disrupt: the first
     (smollm2-135m, which leads, as remote members do not state their sizes)."""
     if not settings.remote:
@@ -391,8 +478,13 @@ def _members(settings: SoakSettings, workdir: Path, stack: ExitStack,
     members, servers = [], []
     for catalogue_name, member_name in REMOTE_MODELS:
         # Twice the window the soak's server believes in: its prompt-length estimate is approximate.
-        served = MemberServer(model_path(CATALOGUE[catalogue_name], settings.cache_dir), workdir, catalogue_name,
-                              settings.threads, 2 * settings.n_ctx)
+        served = MemberServer(
+            model_path(CATALOGUE[catalogue_name], settings.cache_dir),
+            workdir,
+            catalogue_name,
+            settings.threads,
+            2 * settings.n_ctx,
+        )
         log(f"starting llama_cpp.server for {catalogue_name}…")
         stack.callback(served.stop)
         served.start()
@@ -407,24 +499,39 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     memory: Memory = raw["memory"]
     checks = reconcile(records, raw["counters_delta"], raw["metrics_delta"], raw["idle"])
     errors = raw["log_errors"]
-    checks.append(Check("no error in the server's log", "", f"{errors['count']} tracebacks or ERROR lines",
-                        errors["count"] == 0))
+    checks.append(
+        Check("no error in the server's log", "", f"{errors['count']} tracebacks or ERROR lines", errors["count"] == 0)
+    )
     bursts = [r for r in records if r.kind == "burst"]
     if bursts:
         rejected = sum(r.outcome == "rejected" for r in bursts)
-        checks.append(Check("bursts past the queue got 429", f"{rejected} of {len(bursts)} burst requests refused",
-                            "", rejected > 0))
+        checks.append(
+            Check(
+                "bursts past the queue got 429", f"{rejected} of {len(bursts)} burst requests refused", "", rejected > 0
+            )
+        )
     held_when_idle = sum(1 for c in raw["checkpoints"] if c["held"] or c["waiting"] or c["running"])
     latency = latency_tenths(records, NORMAL)
     probes = [r.latency_s for r in records if r.kind == "probe" and r.outcome == "answered"]
     return {
-        "wall_s": raw["wall_s"], "requests": len(records), "outcomes": tally(records), "by_kind": by_kind(records),
-        "checks": [asdict(c) for c in checks], "all_checks_ok": all(c.ok for c in checks),
-        "counters": raw["counters"], "counters_delta": raw["counters_delta"],
+        "wall_s": raw["wall_s"],
+        "requests": len(records),
+        "outcomes": tally(records),
+        "by_kind": by_kind(records),
+        "checks": [asdict(c) for c in checks],
+        "all_checks_ok": all(c.ok for c in checks),
+        "counters": raw["counters"],
+        "counters_delta": raw["counters_delta"],
         "metrics_delta": {k: v for k, v in raw["metrics_delta"].items() if k.startswith("segfuse_") and v},
-        "memory": memory.to_dict(), "memory_samples": memory.samples, "warm_checkpoint": raw["warm_checkpoint"],
-        "checkpoints": raw["checkpoints"], "held_when_idle": held_when_idle,
-        "latency": latency, "probe_latency_s": probes, "log_errors": errors, "events": raw["events"],
+        "memory": memory.to_dict(),
+        "memory_samples": memory.samples,
+        "warm_checkpoint": raw["warm_checkpoint"],
+        "checkpoints": raw["checkpoints"],
+        "held_when_idle": held_when_idle,
+        "latency": latency,
+        "probe_latency_s": probes,
+        "log_errors": errors,
+        "events": raw["events"],
         "samples": raw["samples"],
         "targets": targets(records, memory, held_when_idle, latency["p95_ratio"]),
         "records": [asdict(r) for r in records],

@@ -21,11 +21,16 @@ from .traffic import HOSTILE, KINDS, MALFORMED, STREAMED, Action, malformed_body
 class SoakClient:
     """Sends actions to one server; thread-safe (one ``openai`` and one ``httpx`` client, shared)."""
 
-    def __init__(self, url: str, api_key: str, *, n_ctx: int, max_body_bytes: int, t0: float,
-                 request_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, url: str, api_key: str, *, n_ctx: int, max_body_bytes: int, t0: float, request_timeout_s: float = 600.0
+    ) -> None:
         self.url, self.api_key, self.n_ctx, self.max_body_bytes, self.t0 = url, api_key, n_ctx, max_body_bytes, t0
-        self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
-                                    timeout=openai.Timeout(request_timeout_s, connect=10.0))
+        self.openai = openai.OpenAI(
+            base_url=f"{url}/v1",
+            api_key=api_key,
+            max_retries=0,
+            timeout=openai.Timeout(request_timeout_s, connect=10.0),
+        )
         self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(60.0, connect=10.0))
 
     def close(self) -> None:
@@ -35,8 +40,16 @@ class SoakClient:
     def send(self, action: Action) -> Record:
         """Run `action` to its end; never raises (an error is an outcome)."""
         start = time.monotonic()
-        record = Record(action.index, action.kind, action.phase, action.cycle, start - self.t0, 0.0, "unexpected",
-                        tuple(sorted(KINDS[action.kind].expected)))
+        record = Record(
+            action.index,
+            action.kind,
+            action.phase,
+            action.cycle,
+            start - self.t0,
+            0.0,
+            "unexpected",
+            tuple(sorted(KINDS[action.kind].expected)),
+        )
         try:
             if action.kind == "malformed":
                 self._malformed(action, record)
@@ -63,8 +76,14 @@ class SoakClient:
         return record
 
     def _request(self, action: Action) -> dict[str, Any]:
-        return {"model": "segfuse", "messages": messages(action, self.n_ctx), "max_tokens": action.max_tokens,
-                "temperature": action.temperature, "seed": action.seed, "user": f"soak-{action.index}"}
+        return {
+            "model": "segfuse",
+            "messages": messages(action, self.n_ctx),
+            "max_tokens": action.max_tokens,
+            "temperature": action.temperature,
+            "seed": action.seed,
+            "user": f"soak-{action.index}",
+        }
 
     def _complete(self, action: Action, record: Record) -> None:
         client = self.openai if action.timeout_s is None else self.openai.with_options(timeout=action.timeout_s)
@@ -77,8 +96,9 @@ class SoakClient:
 
     def _stream(self, action: Action, record: Record, start: float) -> None:
         hang_up = {"drop_first": "first", "drop_mid": "text"}.get(action.kind)
-        stream = self.openai.chat.completions.create(**self._request(action), stream=True,
-                                                     stream_options={"include_usage": True})
+        stream = self.openai.chat.completions.create(
+            **self._request(action), stream=True, stream_options={"include_usage": True}
+        )
         record.status = 200
         try:
             for chunk in stream:
@@ -113,8 +133,11 @@ class SoakClient:
         record.code, param = error.get("code"), error.get("param")
         right = (record.status, record.code) == (m.status, m.code) and (m.param is None or param == m.param)
         record.outcome = "refused" if right else "unexpected"
-        record.detail = m.name if right else (f"{m.name}: expected {m.status} {m.code}"
-                                              f"{f' naming {m.param}' if m.param else ''}, got param {param}")
+        record.detail = (
+            m.name
+            if right
+            else (f"{m.name}: expected {m.status} {m.code}{f' naming {m.param}' if m.param else ''}, got param {param}")
+        )
 
     def _hostile(self, action: Action, record: Record) -> None:
         h = HOSTILE[action.prompt]
@@ -134,8 +157,11 @@ class SoakClient:
             record.outcome = "refused"
         else:
             record.outcome = _error_outcome(record.status, record.code)
-        record.detail = h.name if record.outcome in h.outcomes else (
-            f"{h.name}: {record.status} {record.code} {response.text[:160]}")
+        record.detail = (
+            h.name
+            if record.outcome in h.outcomes
+            else (f"{h.name}: {record.status} {record.code} {response.text[:160]}")
+        )
 
 
 def _error(response: httpx.Response) -> dict[str, Any]:

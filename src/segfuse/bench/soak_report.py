@@ -17,8 +17,10 @@ def outcome_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Requests per kind and client outcome; columns of outcomes nobody had are left out."""
     kinds = report["by_kind"]
     columns = [o for o in CLIENT_OUTCOMES if any(row.get(o) for row in kinds.values())]
-    rows = [[kind, str(sum(row.values()))] + [str(row.get(o, 0) or "") for o in columns]
-            for kind, row in sorted(kinds.items(), key=lambda kv: -sum(kv[1].values()))]
+    rows = [
+        [kind, str(sum(row.values()))] + [str(row.get(o, 0) or "") for o in columns]
+        for kind, row in sorted(kinds.items(), key=lambda kv: -sum(kv[1].values()))
+    ]
     total = report["outcomes"]
     rows.append(["all", str(report["requests"])] + [str(total.get(o, 0)) for o in columns])
     return ["kind", "sent", *columns], rows
@@ -29,8 +31,13 @@ def target_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for key, t in report["targets"].items():
         value = t["measured"]
-        shown = (_fmt(value * 100, "+.1f", " %") if key == "memory_growth" and value is not None
-                 else _fmt(value, ".2f", "×") if key == "p95_drift" else str(value))
+        shown = (
+            _fmt(value * 100, "+.1f", " %")
+            if key == "memory_growth" and value is not None
+            else _fmt(value, ".2f", "×")
+            if key == "p95_drift"
+            else str(value)
+        )
         met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
         op, bound = t["target"].split()
         target = f"{op} {float(bound) * 100:g} %" if key == "memory_growth" else t["target"]
@@ -67,11 +74,15 @@ def _latency_line(lat: dict[str, Any]) -> str:
 
     def tenth(t: dict[str, Any]) -> str:
         cycles = f"cycle{'s' if len(t['cycles']) > 1 else ''} {', '.join(str(c + 1) for c in t['cycles'])}"
-        return (f"{cycles}: p50 {_fmt(t['p50_s'], '.2f', ' s')}, p95 {_fmt(t['p95_s'], '.2f', ' s')} "
-                f"({t['requests']} requests)")
+        return (
+            f"{cycles}: p50 {_fmt(t['p50_s'], '.2f', ' s')}, p95 {_fmt(t['p95_s'], '.2f', ' s')} "
+            f"({t['requests']} requests)"
+        )
 
-    return (f"latency of answered stream/complete/multi-turn requests, first tenth of {lat['cycles']} cycles "
-            f"{tenth(lat['first'])}; last tenth {tenth(lat['last'])}")
+    return (
+        f"latency of answered stream/complete/multi-turn requests, first tenth of {lat['cycles']} cycles "
+        f"{tenth(lat['first'])}; last tenth {tenth(lat['last'])}"
+    )
 
 
 def print_report(report: dict[str, Any], console: Any) -> None:
@@ -80,15 +91,19 @@ def print_report(report: dict[str, Any], console: Any) -> None:
 
     s = report["settings"]
     header, rows = outcome_rows(report)
-    table = Table(*header, title=f"segfuse soak: {format_duration(report['wall_s'])} of traffic "
-                  f"({', '.join(report['members'])}; seed {s['seed']}, max_tokens {s['max_tokens']})")
+    table = Table(
+        *header,
+        title=f"segfuse soak: {format_duration(report['wall_s'])} of traffic "
+        f"({', '.join(report['members'])}; seed {s['seed']}, max_tokens {s['max_tokens']})",
+    )
     for row in rows:
         table.add_row(*row)
     console.print(table)
     failed = [c for c in report["checks"] if not c["ok"]]
     if failed:
-        checks = Table("check", "client", "server", title=f"accounting: {len(failed)} of {len(report['checks'])} "
-                       "checks failed")
+        checks = Table(
+            "check", "client", "server", title=f"accounting: {len(failed)} of {len(report['checks'])} checks failed"
+        )
         for c in failed:
             checks.add_row(c["name"], c["client"], c["server"])
         console.print(checks)
@@ -113,8 +128,9 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     samples = report["memory_samples"]
     mem.plot([t for t, _ in samples], [v for _, v in samples], lw=1, label="server RSS (sampled)")
     idle = [c for c in report["checkpoints"] if c.get("rss_mb") is not None]
-    mem.scatter([c["t_s"] for c in idle], [c["rss_mb"] for c in idle], s=14, color="C1", zorder=3,
-                label="idle checkpoints")
+    mem.scatter(
+        [c["t_s"] for c in idle], [c["rss_mb"] for c in idle], s=14, color="C1", zorder=3, label="idle checkpoints"
+    )
     mem.set_ylabel("MiB")
     mem.legend(loc="lower right", fontsize=8)
     records = report["records"]

@@ -31,12 +31,20 @@ from ..ensemble import Ensemble
 from ..eval.tasks import get_task
 from .machine import git, machine
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["numbers", "asks"],
-          "properties": {"numbers": {"type": "array", "items": {"type": "number"}, "maxItems": 12},
-                         "asks": {"type": "string", "maxLength": 200}}}
-INSTRUCTION = ("Read the problem below. Do not solve it. Return only a JSON object with two keys: \"numbers\", "
-               "the list of every number the problem states, in order, and \"asks\", what the problem asks for, "
-               "in a few words.\n\nProblem: ")
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["numbers", "asks"],
+    "properties": {
+        "numbers": {"type": "array", "items": {"type": "number"}, "maxItems": 12},
+        "asks": {"type": "string", "maxLength": 200},
+    },
+}
+INSTRUCTION = (
+    'Read the problem below. Do not solve it. Return only a JSON object with two keys: "numbers", '
+    'the list of every number the problem states, in order, and "asks", what the problem asks for, '
+    "in a few words.\n\nProblem: "
+)
 SYSTEMS = {
     "leader": ({}, False),
     "leader+schema": ({}, True),
@@ -80,16 +88,40 @@ def run(items: int, offset: int, max_tokens: int, threads: int | None = None) ->
         for index, question in enumerate(questions, offset):
             for system, (options, constrained) in SYSTEMS.items():
                 t0 = time.perf_counter()
-                result = ensemble.generate(INSTRUCTION + question, temperature=0, max_tokens=max_tokens,
-                                           constraint=constraint if constrained else None, **options)
+                result = ensemble.generate(
+                    INSTRUCTION + question,
+                    temperature=0,
+                    max_tokens=max_tokens,
+                    constraint=constraint if constrained else None,
+                    **options,
+                )
                 seconds = time.perf_counter() - t0
-                rows.append({"item": index, "system": system, "text": result.text, "seconds": seconds,
-                             "tokens": result.stats.tokens, "finish": result.stats.finish_reason,
-                             **judge(result.text, question, constraint)})
-            print(f"gsm8k {index}: " + ", ".join(f"{r['system']} {'ok' if r['valid'] else 'INVALID'} "
-                                                 f"{r['seconds']:.1f}s" for r in rows[-len(SYSTEMS):]))
-    return {"machine": machine(), "git": code, "items": f"gsm8k test {offset}-{offset + items - 1}",
-            "max_tokens": max_tokens, "summary": summarise(rows), "rows": rows}
+                rows.append(
+                    {
+                        "item": index,
+                        "system": system,
+                        "text": result.text,
+                        "seconds": seconds,
+                        "tokens": result.stats.tokens,
+                        "finish": result.stats.finish_reason,
+                        **judge(result.text, question, constraint),
+                    }
+                )
+            print(
+                f"gsm8k {index}: "
+                + ", ".join(
+                    f"{r['system']} {'ok' if r['valid'] else 'INVALID'} {r['seconds']:.1f}s"
+                    for r in rows[-len(SYSTEMS) :]
+                )
+            )
+    return {
+        "machine": machine(),
+        "git": code,
+        "items": f"gsm8k test {offset}-{offset + items - 1}",
+        "max_tokens": max_tokens,
+        "summary": summarise(rows),
+        "rows": rows,
+    }
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -120,8 +152,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for system, row in report["summary"].items():
-        print(f"{system:14} valid {row['valid']:.0%}  numbers found {row['numbers_found']:.0%}  "
-              f"{row['seconds_mean']:.2f} s  {row['tokens_mean']:.0f} tokens  {row['ms_per_token']:.0f} ms/token  cut {row['cut_by_length']}")
+        print(
+            f"{system:14} valid {row['valid']:.0%}  numbers found {row['numbers_found']:.0%}  "
+            f"{row['seconds_mean']:.2f} s  {row['tokens_mean']:.0f} tokens  {row['ms_per_token']:.0f} ms/token  cut {row['cut_by_length']}"
+        )
 
 
 if __name__ == "__main__":

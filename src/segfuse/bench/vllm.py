@@ -55,16 +55,43 @@ class VllmServer:
 
 
 @contextmanager
-def vllm_server(python: str, model_dir: Path, log: Path, *, served_name: str, max_model_len: int = 2048,
-                kv_cache_gib: int = 1, startup_s: float = 600) -> Iterator[VllmServer]:
+def vllm_server(
+    python: str,
+    model_dir: Path,
+    log: Path,
+    *,
+    served_name: str,
+    max_model_len: int = 2048,
+    kv_cache_gib: int = 1,
+    startup_s: float = 600,
+) -> Iterator[VllmServer]:
     """vLLM's OpenAI-compatible server (`python` is its environment's interpreter) for `model_dir`."""
     port = free_port()
-    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager"]
-    env = {**{k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"},
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB; its default takes a large share of memory
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # nothing leaves the machine
+    args = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+    ]
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "SEGFUSE_API_KEY"},
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB; its default takes a large share of memory
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }  # nothing leaves the machine
     started = time.monotonic()
     with running(args, log, signal.SIGTERM, 20, env, group=True) as process:
         url = f"http://127.0.0.1:{port}/v1"
@@ -79,10 +106,14 @@ def run(python: str, workdir: Path, model: str, command: Sequence[str]) -> int:
     started = time.monotonic()
     model_dir = export_checkpoint(model, workdir / "models" / model)
     print(f"checkpoint {model_dir} ready in {time.monotonic() - started:.0f} s", flush=True)
-    with sigterm_as_interrupt(), vllm_server(python, model_dir, workdir / "vllm-server.log",
-                                              served_name=f"{model}-vllm") as server:
-        print(f"vLLM serving {model}-vllm at {server.url}, ready in {server.startup_s:.0f} s "
-              f"(log: {server.log})", flush=True)
+    with (
+        sigterm_as_interrupt(),
+        vllm_server(python, model_dir, workdir / "vllm-server.log", served_name=f"{model}-vllm") as server,
+    ):
+        print(
+            f"vLLM serving {model}-vllm at {server.url}, ready in {server.startup_s:.0f} s (log: {server.log})",
+            flush=True,
+        )
         return subprocess.call(list(command), env={**os.environ, URL_VARIABLE: server.url})
 
 

@@ -95,13 +95,17 @@ def read_prompt(prompt: str | None) -> str:
     if explicit:
         prompt = None
         if not text:
-            raise SegfuseError("`-` reads the prompt from standard input, which is empty",
-                                "pipe a text in: echo 'What is 2+2?' | segfuse generate -")
+            raise SegfuseError(
+                "`-` reads the prompt from standard input, which is empty",
+                "pipe a text in: echo 'What is 2+2?' | segfuse generate -",
+            )
     parts = [p for p in (text, (prompt or "").strip()) if p]
     if not parts and prompt is not None:
         raise SegfuseError("the prompt is empty", "write a question, or pipe a text in")
     if not parts:
-        raise SegfuseError("no prompt given", "pass it as an argument or pipe it in: echo 'What is 2+2?' | segfuse generate")
+        raise SegfuseError(
+            "no prompt given", "pass it as an argument or pipe it in: echo 'What is 2+2?' | segfuse generate"
+        )
     return "\n\n".join(parts)
 
 
@@ -113,13 +117,19 @@ def fusion_options(fusion: dict[str, Any]) -> FusionOptions:
 @app.command()
 @fusion_flags(members=True)
 def generate(
-    prompt: Annotated[str | None, typer.Argument(
-        help="The question; piped standard input is read too (document first), `-` reads only it.")] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="The question; piped standard input is read too (document first), `-` reads only it."),
+    ] = None,
     model: ModelOpt = None,
     system: SystemOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as one JSON object.")] = False,
-    json_schema: Annotated[str | None, typer.Option(
-        "--json-schema", metavar="FILE", help="The answer is JSON that validates against the JSON schema in FILE.")] = None,
+    json_schema: Annotated[
+        str | None,
+        typer.Option(
+            "--json-schema", metavar="FILE", help="The answer is JSON that validates against the JSON schema in FILE."
+        ),
+    ] = None,
     json_object: Annotated[bool, typer.Option("--json-object", help="The answer is a JSON object.")] = False,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,
@@ -158,7 +168,9 @@ def read_constraint(json_schema: str | None, json_object: bool) -> Constraint | 
     try:
         schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise SegfuseError(f"cannot read --json-schema {json_schema}: {exc.strerror}", "give a JSON schema file") from None
+        raise SegfuseError(
+            f"cannot read --json-schema {json_schema}: {exc.strerror}", "give a JSON schema file"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SegfuseError(f"--json-schema {json_schema} is not JSON: {exc}", "give a JSON schema file") from None
     return Constraint.json_schema(schema, where=f"--json-schema {json_schema}")
@@ -169,8 +181,12 @@ def read_constraint(json_schema: str | None, json_object: bool) -> Constraint | 
 def chat(
     model: ModelOpt = None,
     system: SystemOpt = None,
-    hedge_persist: Annotated[bool, typer.Option(
-        "--hedge-persist", help="With --hedge: each turn starts from the weights the last one ended with.")] = False,
+    hedge_persist: Annotated[
+        bool,
+        typer.Option(
+            "--hedge-persist", help="With --hedge: each turn starts from the weights the last one ended with."
+        ),
+    ] = False,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,
 ) -> None:
@@ -225,6 +241,8 @@ def demo(
         result = print_stream(ensemble.stream(DEMO_QUESTION, options=options), ensemble.names)
         err.print(f"[dim]{summary_line(result)}[/]", soft_wrap=True)
     # The default lets the largest member answer alone (docs/results.md): say how to see the others at work.
-    err.print("[dim]by default the largest member leads and accepts none of the others' segments; "
-              "`segfuse generate --accept-margin 2` lets it accept them, `--no-gate` is plain fusion[/]",
-              soft_wrap=True)
+    err.print(
+        "[dim]by default the largest member leads and accepts none of the others' segments; "
+        "`segfuse generate --accept-margin 2` lets it accept them, `--no-gate` is plain fusion[/]",
+        soft_wrap=True,
+    )

@@ -17,8 +17,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Fuse several LLMs at inference time, one verified segment at a time (the SpecFuse method).",
 )
-models_app = typer.Typer(help="List the models you can name (embedded and your own) and prepare the embedded ones.",
-                         invoke_without_command=True)
+models_app = typer.Typer(
+    help="List the models you can name (embedded and your own) and prepare the embedded ones.",
+    invoke_without_command=True,
+)
 app.add_typer(models_app, name="models")
 
 out = Console(highlight=False)
@@ -32,8 +34,11 @@ def _print_version(asked: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.",
-                                       callback=_print_version, is_eager=True)) -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+    ),
+) -> None:
     """Fuse several LLMs at inference time, one verified segment at a time (the SpecFuse method)."""
 
 

@@ -16,61 +16,132 @@ from .flags import CacheOpt, ModelOpt
 
 # The options, named once here so that the command's signature reads as a list.
 Lengths = Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")]
-Reps = Annotated[int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the "
-                                        "whole script.")]
+Reps = Annotated[
+    int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the whole script.")
+]
 Window = Annotated[int, typer.Option(help="Max tokens each member drafts per round.")]
-Out = Annotated[str | None, typer.Option(
-    help="Folder for bench.json and the per-round plot (default runs/bench); "
-         "with --serve the JSON file (default runs/bench-serve.json; with --soak runs/soak.json, "
-         "its plot beside it).")]
+Out = Annotated[
+    str | None,
+    typer.Option(
+        help="Folder for bench.json and the per-round plot (default runs/bench); "
+        "with --serve the JSON file (default runs/bench-serve.json; with --soak runs/soak.json, "
+        "its plot beside it)."
+    ),
+]
 Rss = Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")]
-Serve = Annotated[bool, typer.Option(
-    "--serve", help="Serving benchmark instead: the real `segfuse serve` under 1..N streaming users, "
-                    "serial (max_concurrent 1) vs. concurrent worker.")]
+Serve = Annotated[
+    bool,
+    typer.Option(
+        "--serve",
+        help="Serving benchmark instead: the real `segfuse serve` under 1..N streaming users, "
+        "serial (max_concurrent 1) vs. concurrent worker.",
+    ),
+]
 Concurrency = Annotated[str, typer.Option(help="--serve: users in flight, comma-separated.")]
-Requests = Annotated[int | None, typer.Option(
-    help="--serve: requests per concurrency level (default max(8, 2 x users)); "
-         "with --soak the most requests of the run (default 10 per second of it).")]
-MaxTokens = Annotated[int | None, typer.Option(
-    "--max-tokens", help="--serve: max_tokens of every request (default 32; with --soak at most, "
-                         "default 16).")]
-MaxConcurrent = Annotated[int | None, typer.Option(
-    "--max-concurrent", help="--serve: max_concurrent of the concurrent mode (default: the most users; "
-                             "with --soak the server's, default 4).")]
-Threads = Annotated[int | None, typer.Option(
-    help="--serve: llama.cpp threads per member, the same in both modes (default: the server's).")]
-Remote = Annotated[bool, typer.Option(
-    "--remote", help="--serve: the members are two llama_cpp.server processes started on loopback "
-                     "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.")]
-Soak = Annotated[str | None, typer.Option(
-    "--soak", metavar="DURATION", help="--serve: a soak instead: the server under a seeded mix of traffic "
-                                       "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
-                                       "leaks (docs/reliability.md).")]
+Requests = Annotated[
+    int | None,
+    typer.Option(
+        help="--serve: requests per concurrency level (default max(8, 2 x users)); "
+        "with --soak the most requests of the run (default 10 per second of it)."
+    ),
+]
+MaxTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens", help="--serve: max_tokens of every request (default 32; with --soak at most, default 16)."
+    ),
+]
+MaxConcurrent = Annotated[
+    int | None,
+    typer.Option(
+        "--max-concurrent",
+        help="--serve: max_concurrent of the concurrent mode (default: the most users; "
+        "with --soak the server's, default 4).",
+    ),
+]
+Threads = Annotated[
+    int | None,
+    typer.Option(help="--serve: llama.cpp threads per member, the same in both modes (default: the server's)."),
+]
+Remote = Annotated[
+    bool,
+    typer.Option(
+        "--remote",
+        help="--serve: the members are two llama_cpp.server processes started on loopback "
+        "(smollm2-135m, qwen2.5-coder-0.5b), as remote: members.",
+    ),
+]
+Soak = Annotated[
+    str | None,
+    typer.Option(
+        "--soak",
+        metavar="DURATION",
+        help="--serve: a soak instead: the server under a seeded mix of traffic "
+        "for DURATION (30m, 90s, 1h30m), checking that nothing is lost or "
+        "leaks (docs/reliability.md).",
+    ),
+]
 Seed = Annotated[int | None, typer.Option(help="--soak: the seed of the traffic mix (default 0).")]
-Chat = Annotated[bool, typer.Option(
-    "--chat", help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
-                   "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "
-                   "cache (docs/performance.md).")]
-Ray = Annotated[bool, typer.Option(
-    "--ray", help="--serve: `segfuse serve --ray` (a local Ray instance on 127.0.0.2) beside `segfuse serve`, the "
-                  "same traffic in alternating blocks (default 1 and 4 users, --reps pairs); with --soak, the soak "
-                  "against `serve --ray` (docs/performance.md, docs/reliability.md).")]
-Replicas = Annotated[int | None, typer.Option(
-    "--replicas", help="--ray: front-end replicas of `serve --ray` (default 1); the single-process server gets "
-                       "max_concurrent x replicas.")]
-Followers = Annotated[bool, typer.Option(
-    "--followers", help="--serve: what the members the default never asks cost: the leader-alone default, "
-                        "eager followers and model=<leader>, side by side (docs/performance.md).")]
+Chat = Annotated[
+    bool,
+    typer.Option(
+        "--chat",
+        help="--serve: a chat benchmark instead: a 6-turn chat and 4 users sharing a long system "
+        "prompt, with the prefix cache, without it, and llama-cpp-python's server with its "
+        "cache (docs/performance.md).",
+    ),
+]
+Ray = Annotated[
+    bool,
+    typer.Option(
+        "--ray",
+        help="--serve: `segfuse serve --ray` (a local Ray instance on 127.0.0.2) beside `segfuse serve`, the "
+        "same traffic in alternating blocks (default 1 and 4 users, --reps pairs); with --soak, the soak "
+        "against `serve --ray` (docs/performance.md, docs/reliability.md).",
+    ),
+]
+Replicas = Annotated[
+    int | None,
+    typer.Option(
+        "--replicas",
+        help="--ray: front-end replicas of `serve --ray` (default 1); the single-process server gets "
+        "max_concurrent x replicas.",
+    ),
+]
+Followers = Annotated[
+    bool,
+    typer.Option(
+        "--followers",
+        help="--serve: what the members the default never asks cost: the leader-alone default, "
+        "eager followers and model=<leader>, side by side (docs/performance.md).",
+    ),
+]
 DEFAULT_LEVELS = "1,2,4,8"
 
 
 @app.command()
-def bench(lengths: Lengths = "128,256", reps: Reps = 3, model: ModelOpt = None, window: Window = 10,
-          out: Out = None, rss: Rss = True, serve: Serve = False, concurrency: Concurrency = DEFAULT_LEVELS,
-          requests: Requests = None, max_tokens: MaxTokens = None, max_concurrent: MaxConcurrent = None,
-          threads: Threads = None, remote: Remote = False, cache_dir: CacheOpt = None, soak: Soak = None,
-          seed: Seed = None, chat: Chat = False, followers: Followers = False, ray: Ray = False,
-          replicas: Replicas = None) -> None:
+def bench(
+    lengths: Lengths = "128,256",
+    reps: Reps = 3,
+    model: ModelOpt = None,
+    window: Window = 10,
+    out: Out = None,
+    rss: Rss = True,
+    serve: Serve = False,
+    concurrency: Concurrency = DEFAULT_LEVELS,
+    requests: Requests = None,
+    max_tokens: MaxTokens = None,
+    max_concurrent: MaxConcurrent = None,
+    threads: Threads = None,
+    remote: Remote = False,
+    cache_dir: CacheOpt = None,
+    soak: Soak = None,
+    seed: Seed = None,
+    chat: Chat = False,
+    followers: Followers = False,
+    ray: Ray = False,
+    replicas: Replicas = None,
+) -> None:
     """Time plain fusion (gate none, accept-margin none: every member drafts and votes every round)
     against its members, the floor, the reference method and response level, and the default (the
     leader alone) against the leader by itself; the systems and their options are printed first.
@@ -79,25 +150,56 @@ def bench(lengths: Lengths = "128,256", reps: Reps = 3, model: ModelOpt = None, 
     --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md); with --ray, `segfuse serve --ray`.
     """
     levels_given = concurrency != DEFAULT_LEVELS
-    _check_flags(serve, concurrency=levels_given, requests=requests is not None,
-                 max_tokens=max_tokens is not None, max_concurrent=max_concurrent is not None,
-                 threads=threads is not None, remote=remote, cache_dir=cache_dir is not None,
-                 soak=soak is not None, seed=seed is not None, chat=chat, followers=followers, ray=ray,
-                 replicas=replicas is not None)
+    _check_flags(
+        serve,
+        concurrency=levels_given,
+        requests=requests is not None,
+        max_tokens=max_tokens is not None,
+        max_concurrent=max_concurrent is not None,
+        threads=threads is not None,
+        remote=remote,
+        cache_dir=cache_dir is not None,
+        soak=soak is not None,
+        seed=seed is not None,
+        chat=chat,
+        followers=followers,
+        ray=ray,
+        replicas=replicas is not None,
+    )
     if chat:
         _bench_chat(reps, max_tokens or 32, threads or 1, out)
     elif followers:
-        _bench_followers(concurrency if levels_given else "1,4", requests or 8, max_tokens or 32,
-                         model, threads, out)
+        _bench_followers(concurrency if levels_given else "1,4", requests or 8, max_tokens or 32, model, threads, out)
     elif soak is not None:
-        _bench_soak(soak, seed or 0, requests, max_tokens or 16, model, threads, max_concurrent, remote, out,
-                    cache_dir, ray=ray, replicas=replicas or 1)
+        _bench_soak(
+            soak,
+            seed or 0,
+            requests,
+            max_tokens or 16,
+            model,
+            threads,
+            max_concurrent,
+            remote,
+            out,
+            cache_dir,
+            ray=ray,
+            replicas=replicas or 1,
+        )
     elif ray:
-        _bench_serve_ray(concurrency if levels_given else "1,4", requests or 8, max_tokens or 32, reps, model,
-                         threads, max_concurrent or 4, replicas or 1, out, cache_dir)
+        _bench_serve_ray(
+            concurrency if levels_given else "1,4",
+            requests or 8,
+            max_tokens or 32,
+            reps,
+            model,
+            threads,
+            max_concurrent or 4,
+            replicas or 1,
+            out,
+            cache_dir,
+        )
     elif serve:
-        _bench_serve(concurrency, requests, max_tokens or 32, model, threads, max_concurrent, remote, out,
-                     cache_dir)
+        _bench_serve(concurrency, requests, max_tokens or 32, model, threads, max_concurrent, remote, out, cache_dir)
     else:
         _bench_local(lengths, reps, model, window, out or "runs/bench", rss)
 
@@ -113,19 +215,27 @@ def _check_flags(serve: bool, **given: bool) -> None:
     if len(modes) > 1:
         raise SegfuseError(f"{' and '.join(modes)}: one benchmark at a time", "run them one after another")
     if given["chat"] and (given["concurrency"] or given["remote"] or given["requests"] or given["max_concurrent"]):
-        raise SegfuseError("--chat sends its own scripted requests, one at a time, to the default members",
-                            "leave out --concurrency, --requests, --max-concurrent and --remote")
+        raise SegfuseError(
+            "--chat sends its own scripted requests, one at a time, to the default members",
+            "leave out --concurrency, --requests, --max-concurrent and --remote",
+        )
     if given["followers"] and (given["remote"] or given["max_concurrent"]):
-        raise SegfuseError("--followers runs local members on one server as wide as its widest level",
-                            "leave out --remote and --max-concurrent")
+        raise SegfuseError(
+            "--followers runs local members on one server as wide as its widest level",
+            "leave out --remote and --max-concurrent",
+        )
     if given["replicas"] and not given["ray"]:
         raise SegfuseError("--replicas: front-end replicas of `serve --ray`", "add --ray")
     if given["ray"] and (given["chat"] or given["followers"] or given["remote"]):
-        raise SegfuseError("--ray runs the members as Ray copies (beside a single-process server, or soaked)",
-                            "leave out --chat, --followers and --remote")
+        raise SegfuseError(
+            "--ray runs the members as Ray copies (beside a single-process server, or soaked)",
+            "leave out --chat, --followers and --remote",
+        )
     if given["soak"] and given["concurrency"]:
-        raise SegfuseError("--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
-                            "leave out --concurrency with --soak")
+        raise SegfuseError(
+            "--concurrency: the soak runs its own mix of 1 to 8 requests in flight",
+            "leave out --concurrency with --soak",
+        )
 
 
 def _bench_local(lengths: str, reps: int, model: list[str] | None, window: int, out: str, rss: bool) -> None:
@@ -136,39 +246,78 @@ def _bench_local(lengths: str, reps: int, model: list[str] | None, window: int, 
 
     sizes = [int(x) for x in lengths.split(",") if x.strip()]
     report = benchmark.run(sizes, reps, model or None, window, Path(out), log=err.print, rss=rss)
-    table = Table(*benchmark.TABLE_HEADER, title=f"segfuse benchmark ({', '.join(report['models'])})",
-                  caption="; ".join(benchmark.describe_systems(window)))
+    table = Table(
+        *benchmark.TABLE_HEADER,
+        title=f"segfuse benchmark ({', '.join(report['models'])})",
+        caption="; ".join(benchmark.describe_systems(window)),
+    )
     for row in benchmark.format_table(report):
         table.add_row(*row)
     Console(width=200).print(table)
     err.print(f"wrote {Path(out) / 'bench.json'} and {report.get('plot', '')}")
 
 
-def _bench_serve(concurrency: str, requests: int | None, max_tokens: int, model: list[str] | None,
-                 threads: int | None, max_concurrent: int | None, remote: bool, out: str | None,
-                 cache_dir: str | None) -> None:
+def _bench_serve(
+    concurrency: str,
+    requests: int | None,
+    max_tokens: int,
+    model: list[str] | None,
+    threads: int | None,
+    max_concurrent: int | None,
+    remote: bool,
+    out: str | None,
+    cache_dir: str | None,
+) -> None:
     from pathlib import Path
 
     _require_serving_clients("segfuse bench --serve", remote)
     from ..bench import serving as bench_serve
 
-    report = bench_serve.run(_levels(concurrency), requests=requests, max_tokens=max_tokens, models=model or None,
-                             threads=threads, max_concurrent=max_concurrent, remote=remote,
-                             out=Path(out or "runs/bench-serve.json"), cache_dir=cache_dir, log=err.print)
+    report = bench_serve.run(
+        _levels(concurrency),
+        requests=requests,
+        max_tokens=max_tokens,
+        models=model or None,
+        threads=threads,
+        max_concurrent=max_concurrent,
+        remote=remote,
+        out=Path(out or "runs/bench-serve.json"),
+        cache_dir=cache_dir,
+        log=err.print,
+    )
     bench_serve.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
 
 
-def _bench_serve_ray(concurrency: str, requests: int, max_tokens: int, reps: int, model: list[str] | None,
-                     threads: int | None, max_concurrent: int, replicas: int, out: str | None,
-                     cache_dir: str | None) -> None:
+def _bench_serve_ray(
+    concurrency: str,
+    requests: int,
+    max_tokens: int,
+    reps: int,
+    model: list[str] | None,
+    threads: int | None,
+    max_concurrent: int,
+    replicas: int,
+    out: str | None,
+    cache_dir: str | None,
+) -> None:
     _require_serving_clients("segfuse bench --serve --ray", remote=False)
     require("ray", "segfuse bench --serve --ray")
     from ..bench import ray_serving
 
-    report = ray_serving.run(_levels(concurrency), requests=requests, max_tokens=max_tokens, reps=reps,
-                             models=model or None, threads=threads, max_concurrent=max_concurrent, replicas=replicas,
-                             cache_dir=cache_dir, out=Path(out or "runs/bench-serve-ray.json"), log=err.print)
+    report = ray_serving.run(
+        _levels(concurrency),
+        requests=requests,
+        max_tokens=max_tokens,
+        reps=reps,
+        models=model or None,
+        threads=threads,
+        max_concurrent=max_concurrent,
+        replicas=replicas,
+        cache_dir=cache_dir,
+        out=Path(out or "runs/bench-serve-ray.json"),
+        log=err.print,
+    )
     ray_serving.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
 
@@ -179,22 +328,30 @@ def _bench_chat(reps: int, max_tokens: int, threads: int, out: str | None) -> No
     _require_serving_clients("segfuse bench --serve --chat", remote=True)  # the anchor is llama_cpp.server
     from ..bench import chat as bench_chat
 
-    report = bench_chat.run(reps=reps, max_tokens=max_tokens, threads=threads,
-                            out=Path(out or "runs/bench-chat.json"), log=err.print)
+    report = bench_chat.run(
+        reps=reps, max_tokens=max_tokens, threads=threads, out=Path(out or "runs/bench-chat.json"), log=err.print
+    )
     bench_chat.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
 
 
-def _bench_followers(concurrency: str, requests: int, max_tokens: int, model: list[str] | None,
-                     threads: int | None, out: str | None) -> None:
+def _bench_followers(
+    concurrency: str, requests: int, max_tokens: int, model: list[str] | None, threads: int | None, out: str | None
+) -> None:
     from pathlib import Path
 
     _require_serving_clients("segfuse bench --serve --followers", remote=False)
     from ..bench import followers as bench_followers
 
-    report = bench_followers.run(_levels(concurrency), requests=requests, max_tokens=max_tokens,
-                                 models=model or None, threads=threads,
-                                 out=Path(out or "runs/bench-followers.json"), log=err.print)
+    report = bench_followers.run(
+        _levels(concurrency),
+        requests=requests,
+        max_tokens=max_tokens,
+        models=model or None,
+        threads=threads,
+        out=Path(out or "runs/bench-followers.json"),
+        log=err.print,
+    )
     bench_followers.print_report(report, Console(width=200, highlight=False))
     err.print(f"wrote {report['out']}")
 
@@ -203,20 +360,24 @@ def _levels(concurrency: str) -> list[int]:
     try:
         return [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
-        raise SegfuseError(f"--concurrency {concurrency!r} is not a comma-separated list of numbers",
-                            "e.g. --concurrency 1,2,4,8") from None
+        raise SegfuseError(
+            f"--concurrency {concurrency!r} is not a comma-separated list of numbers", "e.g. --concurrency 1,2,4,8"
+        ) from None
 
 
 def _require_serving_clients(command: str, remote: bool) -> None:
     from ..extras import MissingExtraError
 
     require("server", command)
-    needed = ["openai", "httpx"] + (["llama_cpp.server", "sse_starlette", "starlette_context",
-                                     "pydantic_settings"] if remote else [])
+    needed = ["openai", "httpx"] + (
+        ["llama_cpp.server", "sse_starlette", "starlette_context", "pydantic_settings"] if remote else []
+    )
     missing = [m for m in needed if _missing(m)]
     if missing:
-        raise MissingExtraError(f"{command}{' --remote' if remote else ''} needs {', '.join(missing)}",
-                                "pip install openai httpx" + (" 'llama-cpp-python[server]'" if remote else ""))
+        raise MissingExtraError(
+            f"{command}{' --remote' if remote else ''} needs {', '.join(missing)}",
+            "pip install openai httpx" + (" 'llama-cpp-python[server]'" if remote else ""),
+        )
 
 
 def soak_path(out: str | None) -> Path:
@@ -229,9 +390,21 @@ def soak_path(out: str | None) -> Path:
     return path
 
 
-def _bench_soak(duration: str, seed: int, requests: int | None, max_tokens: int, model: list[str] | None,
-                threads: int | None, max_concurrent: int | None, remote: bool, out: str | None,
-                cache_dir: str | None, *, ray: bool = False, replicas: int = 1) -> None:
+def _bench_soak(
+    duration: str,
+    seed: int,
+    requests: int | None,
+    max_tokens: int,
+    model: list[str] | None,
+    threads: int | None,
+    max_concurrent: int | None,
+    remote: bool,
+    out: str | None,
+    cache_dir: str | None,
+    *,
+    ray: bool = False,
+    replicas: int = 1,
+) -> None:
     from ..bench.duration import parse_duration
 
     seconds = parse_duration(duration)
@@ -241,10 +414,19 @@ def _bench_soak(duration: str, seed: int, requests: int | None, max_tokens: int,
     from ..bench import soak as bench_soak
     from ..bench import soak_report
 
-    settings = bench_soak.SoakSettings(duration_s=seconds, seed=seed, max_tokens=max_tokens, max_requests=requests,
-                                       models=tuple(model or ()), threads=threads,
-                                       max_concurrent=max_concurrent or 4, remote=remote, cache_dir=cache_dir,
-                                       ray=ray, replicas=replicas)
+    settings = bench_soak.SoakSettings(
+        duration_s=seconds,
+        seed=seed,
+        max_tokens=max_tokens,
+        max_requests=requests,
+        models=tuple(model or ()),
+        threads=threads,
+        max_concurrent=max_concurrent or 4,
+        remote=remote,
+        cache_dir=cache_dir,
+        ray=ray,
+        replicas=replicas,
+    )
     path = soak_path(out)
     report = bench_soak.run(settings, out=path, log=err.print)
     soak_report.print_report(report, Console(width=200, highlight=False))

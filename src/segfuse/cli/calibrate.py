@@ -19,22 +19,40 @@ if TYPE_CHECKING:
 @app.command()
 @member_flags()
 def calibrate(
-    task: Annotated[str, typer.Argument(help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C); "
-                                             "pooling: weights for `segfuse score` from scored items (--data).")],
-    data: Annotated[str | None, typer.Option(help="JSONL file of the items (jsonl: one {\"prompt\", \"answer\"} "
-                                                     "per line; built-in tasks: their data by default).")] = None,
-    checker: Annotated[str | None, typer.Option(
-        help="jsonl: when an answer is right: number, contains, regex or python:MODULE:FUNCTION.")] = None,
+    task: Annotated[
+        str,
+        typer.Argument(
+            help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C); "
+            "pooling: weights for `segfuse score` from scored items (--data)."
+        ),
+    ],
+    data: Annotated[
+        str | None,
+        typer.Option(
+            help='JSONL file of the items (jsonl: one {"prompt", "answer"} '
+            "per line; built-in tasks: their data by default)."
+        ),
+    ] = None,
+    checker: Annotated[
+        str | None,
+        typer.Option(help="jsonl: when an answer is right: number, contains, regex or python:MODULE:FUNCTION."),
+    ] = None,
     model: ModelOpt = None,
-    setting: Annotated[list[str] | None, typer.Option(
-        "--setting", help="A setting to try, KEY=VALUE/... as FusionOptions fields (repeatable; "
-                          "default: the leader verifying at margins 1, 2, 3 and today's vote).")] = None,
+    setting: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--setting",
+            help="A setting to try, KEY=VALUE/... as FusionOptions fields (repeatable; "
+            "default: the leader verifying at margins 1, 2, 3 and today's vote).",
+        ),
+    ] = None,
     leader: Annotated[str | None, typer.Option(help="The member to compare with (default: the largest).")] = None,
     limit: Annotated[int, typer.Option(help="Number of items (at least 10).")] = 40,
     offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Answer budget (default: per task).")] = None,
-    out_dir: Annotated[str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")]
-    = "runs/calibrate",
+    out_dir: Annotated[
+        str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")
+    ] = "runs/calibrate",
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     rule: Annotated[str, typer.Option(help="pooling: the rule to fit weights for.")] = "loglinear-byte",
     member_options: dict[str, Any] | None = None,
@@ -53,8 +71,18 @@ def calibrate(
 
     chosen_task = jsonl_task(checker) if task == "jsonl" else get_task(task)
     profile, settings, chosen = run_calibration(
-        chosen_task, out_dir, members=model, grid=setting or DEFAULT_GRID, data=data, offset=offset, limit=limit,
-        max_tokens=max_tokens, member_options=member_options, progress=progress, leader=leader)
+        chosen_task,
+        out_dir,
+        members=model,
+        grid=setting or DEFAULT_GRID,
+        data=data,
+        offset=offset,
+        limit=limit,
+        max_tokens=max_tokens,
+        member_options=member_options,
+        progress=progress,
+        leader=leader,
+    )
     out.print(calibration_table(chosen_task.name, settings, chosen))
     err.print(f"profile: {profile} ({chosen.spec}); use it with --profile {profile}")
 
@@ -62,15 +90,19 @@ def calibrate(
 def calibration_table(task: str, settings: list[Setting], chosen: Setting) -> Table:
     """The settings side by side. A setting is folded onto more lines rather than cut: at 80 columns
     every grid entry would otherwise end in the same `gate=0.5/accep…`."""
-    table = Table(Column("setting", overflow="fold", min_width=16),
-                  Column("right", no_wrap=True), Column("only it right", justify="right"),
-                  Column("only the leader right", justify="right"), Column("time ÷ leader", justify="right"),
-                  title=f"calibration on {task}: the leader was right on "
-                        f"{settings[0].leader_correct if settings else 0}")
+    table = Table(
+        Column("setting", overflow="fold", min_width=16),
+        Column("right", no_wrap=True),
+        Column("only it right", justify="right"),
+        Column("only the leader right", justify="right"),
+        Column("time ÷ leader", justify="right"),
+        title=f"calibration on {task}: the leader was right on {settings[0].leader_correct if settings else 0}",
+    )
     for s in settings:
         mark = " ← chosen" if s.spec == chosen.spec else ""
-        table.add_row(s.spec + mark, f"{s.correct}/{s.items}", str(s.only_this), str(s.only_leader),
-                      f"{s.time_ratio:.2f}×")
+        table.add_row(
+            s.spec + mark, f"{s.correct}/{s.items}", str(s.only_this), str(s.only_leader), f"{s.time_ratio:.2f}×"
+        )
     return table
 
 
@@ -84,20 +116,31 @@ def calibrate_pooling(data: str | None, rule: str, out_dir: str) -> None:
     from ..likelihood_weights import evaluate, fit_weights, read_items
 
     if not data:
-        raise InvalidRequestError("pooling needs --data: a JSONL file or folder of scored items",
-                                  "write them with python -m segfuse.eval.likelihood_study")
+        raise InvalidRequestError(
+            "pooling needs --data: a JSONL file or folder of scored items",
+            "write them with python -m segfuse.eval.likelihood_study",
+        )
     chosen = Rule.parse(rule)
     items = read_items(data)
     weights = fit_weights(chosen, items)
     fitted, uniform = evaluate(Rule(chosen.pool, chosen.norm, weights), items)[0], evaluate(chosen, items)[0]
-    table = Table("member", Column("weight", justify="right"), title=f"{chosen.name} on {len(items)} items: "
-                  f"{fitted} right with these weights, {uniform} with uniform ones")
+    table = Table(
+        "member",
+        Column("weight", justify="right"),
+        title=f"{chosen.name} on {len(items)} items: {fitted} right with these weights, {uniform} with uniform ones",
+    )
     for name, w in weights.items():
         table.add_row(name, f"{w:.2f}")
     out.print(table)
     path = Path(out_dir) / "pooling.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rule": chosen.name, "weights": weights, "items": len(items),
-                                "right": fitted, "right_uniform": uniform}, indent=2) + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {"rule": chosen.name, "weights": weights, "items": len(items), "right": fitted, "right_uniform": uniform},
+            indent=2,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     flags = " ".join(f"--weight {n}={w:g}" for n, w in weights.items())
     err.print(f"weights: {path}; use them with segfuse score --rule {chosen.name} {flags}")

@@ -17,21 +17,29 @@ RUN_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "window", "stop")
 
 @app.command("eval")
 # top_p is decided with the temperature (runner.run_eval): 1.0 when greedy, the paper's 0.9 when sampling.
-@fusion_flags(defaults={"temperature": 0.0, "seed": 0, "max_tokens": None, "top_p": None},
-              shown={"max_tokens": "the task's", "top_p": "1.0 at temperature 0, else 0.9"}, members=True)
+@fusion_flags(
+    defaults={"temperature": 0.0, "seed": 0, "max_tokens": None, "top_p": None},
+    shown={"max_tokens": "the task's", "top_p": "1.0 at temperature 0, else 0.9"},
+    members=True,
+)
 def eval_command(
     task: Annotated[str | None, typer.Argument(help="gsm8k or ifeval.")] = None,
     report: Annotated[str | None, typer.Option("--report", help="Only rebuild the report of this folder.")] = None,
-    systems: Annotated[str, typer.Option(
-        help="Comma list: specfuse, rerank, members, member:NAME, default, fusion:KEY=VALUE/...")] = "specfuse,rerank,members",
+    systems: Annotated[
+        str, typer.Option(help="Comma list: specfuse, rerank, members, member:NAME, default, fusion:KEY=VALUE/...")
+    ] = "specfuse,rerank,members",
     limit: Annotated[int | None, typer.Option(help="Number of items.")] = None,
     offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
     model: ModelOpt = None,
     out: Annotated[str, typer.Option(help="Output folder (JSONL, report, plots).")] = "runs/eval",
     data: Annotated[str | None, typer.Option(help="Task data file (JSONL).")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
-    hedge_persist: Annotated[bool, typer.Option(
-        "--hedge-persist", help="Hedge presets start each item from the weights they ended the last with.")] = False,
+    hedge_persist: Annotated[
+        bool,
+        typer.Option(
+            "--hedge-persist", help="Hedge presets start each item from the weights they ended the last with."
+        ),
+    ] = False,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,
 ) -> None:
@@ -46,6 +54,17 @@ def eval_command(
     options = dict(fusion or {})
     settings = {k: options.pop(k) for k in RUN_SETTINGS if k in options}
     settings["hedge_persist"] = hedge_persist  # a setting of the run, not a fusion option
-    run_command(task=task, report=report, systems=systems, limit=limit, offset=offset, model=model, out=out,
-                data=data, progress=progress, member_options=member_options or {},
-                settings=settings, options=options)
+    run_command(
+        task=task,
+        report=report,
+        systems=systems,
+        limit=limit,
+        offset=offset,
+        model=model,
+        out=out,
+        data=data,
+        progress=progress,
+        member_options=member_options or {},
+        settings=settings,
+        options=options,
+    )

@@ -36,10 +36,14 @@ GIVEN_NONE = object()  # what such a flag parses to, told apart from a flag not 
 
 ModelOpt = Annotated[
     list[str] | None,
-    typer.Option("--model", "-m", help="Member (repeat; default: the embedded three): a known model name, a .gguf "
-                 "path, a model of yours (ollama:NAME[:TAG], hf:ORG/REPO[:QUANT], lmstudio:PUBLISHER/REPO, "
-                 "llamacache:ORG/REPO; `segfuse models` lists them), transformers:PATH_OR_DIR\\[#name,key=value,...] "
-                 "or remote:URL\\[#name,key=value,...]."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="Member (repeat; default: the embedded three): a known model name, a .gguf "
+        "path, a model of yours (ollama:NAME[:TAG], hf:ORG/REPO[:QUANT], lmstudio:PUBLISHER/REPO, "
+        "llamacache:ORG/REPO; `segfuse models` lists them), transformers:PATH_OR_DIR\\[#name,key=value,...] "
+        "or remote:URL\\[#name,key=value,...].",
+    ),
 ]
 CacheOpt = Annotated[str | None, typer.Option("--cache-dir", help="Where assembled models live.")]
 ThreadsOpt = Annotated[int | None, typer.Option(help="llama.cpp threads per member (default: all cores, max 8).")]
@@ -76,11 +80,14 @@ def _parameter(name: str, field: FieldInfo, default: Any, shown: str | None = No
         choices = _choices(name, kind)
         annotation, option = choices | None, typer.Option(None, _flag(name), **common)
     elif typing.get_origin(kind) is tuple:
-        annotation, option = list[str] | None, typer.Option(None, _flag(name), **{**common, "help": common["help"]
-                                                                                    + " (repeatable)"})
+        annotation, option = (
+            list[str] | None,
+            typer.Option(None, _flag(name), **{**common, "help": common["help"] + " (repeatable)"}),
+        )
     elif nullable and kind in (int, float):  # `--gate none`: a number, or the word none for None
-        option = typer.Option(None, _flag(name), metavar=f"{kind.__name__.upper()}|none",
-                              callback=_number_or_none(kind), **common)
+        option = typer.Option(
+            None, _flag(name), metavar=f"{kind.__name__.upper()}|none", callback=_number_or_none(kind), **common
+        )
         annotation = str | None
     else:
         annotation, option = kind | None, typer.Option(None, _flag(name), **common)
@@ -131,8 +138,7 @@ def _member_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
     common: dict[str, Any] = {"help": field.description or "", "rich_help_panel": MEMBER_PANEL}
     annotation: object  # the type typer reads the flag as
     if kind is bool:
-        annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}",
-                                                          **common)
+        annotation, option = bool | None, typer.Option(None, f"{_flag(name)}/--no-{name.replace('_', '-')}", **common)
     elif typing.get_origin(kind) is Literal:
         choices = _choices(name, kind)
         annotation, option = choices | None, typer.Option(None, _flag(name), **common)
@@ -140,12 +146,14 @@ def _member_parameter(name: str, field: FieldInfo) -> inspect.Parameter:
         annotation, option = str | None, typer.Option(None, _flag(name), metavar="A/B/...", **common)
     else:
         annotation, option = kind | None, typer.Option(None, _flag(name), **common)
-    return inspect.Parameter(MEMBER_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                             annotation=annotation)
+    return inspect.Parameter(
+        MEMBER_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation
+    )
 
 
-def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, str] | None = None, *,
-                 members: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def fusion_flags(
+    defaults: Mapping[str, Any] | None = None, shown: Mapping[str, str] | None = None, *, members: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a command one option per FusionOptions field.
 
     The command receives ``fusion``: the fields the user set, over a
@@ -166,10 +174,19 @@ def fusion_flags(defaults: Mapping[str, Any] | None = None, shown: Mapping[str, 
         added += [_none_parameter(name) for name in nullable]
         member_fields = flag_fields() if members else {}
         added += [_member_parameter(name, f) for name, f in member_fields.items()]
-        added.append(inspect.Parameter(PROFILE, inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
-                                       default=typer.Option(None, "--profile", rich_help_panel=PANEL,
-                                                            help="TOML profile from `segfuse calibrate`: its "
-                                                                 "settings, under the flags given here.")))
+        added.append(
+            inspect.Parameter(
+                PROFILE,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=str | None,
+                default=typer.Option(
+                    None,
+                    "--profile",
+                    rich_help_panel=PANEL,
+                    help="TOML profile from `segfuse calibrate`: its settings, under the flags given here.",
+                ),
+            )
+        )
 
         @functools.wraps(command)
         def run(**values: Any) -> Any:

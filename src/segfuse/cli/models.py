@@ -45,8 +45,19 @@ def models_list(
             sys.stdout.write(f"{row.name}\t{row.path or '-'}\n")
         return
     # Names are what `-m` takes: they never wrap or shorten; the long file paths get their own lines.
-    table = Table("source", "name", "status", "size", "quant", "arch", "prompt",
-                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    table = Table(
+        "source",
+        "name",
+        "status",
+        "size",
+        "quant",
+        "arch",
+        "prompt",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for column, key in zip(table.columns[:3], ("source", "name", "status"), strict=True):
         # never shortened: which model, how to name it, whether it can be used
         column.no_wrap, column.min_width = True, max(len(getattr(r, key)) for r in rows)
@@ -54,8 +65,9 @@ def models_list(
         column.no_wrap = True  # on a narrow terminal these are cut short, with an ellipsis
     for row in rows:
         prompt = "" if row.chat_template is None else "chat" if row.chat_template else "base"
-        table.add_row(row.source, row.name, row.status, _size(row.size), row.quantisation or "",
-                      row.architecture or "", prompt)
+        table.add_row(
+            row.source, row.name, row.status, _size(row.size), row.quantisation or "", row.architecture or "", prompt
+        )
     out.print(table)
     out.print()
     for row in rows:
@@ -64,8 +76,9 @@ def models_list(
     out.print("default members (no -m): " + ", ".join(r.name for r in rows if r.default), soft_wrap=True)
     out.print(f"llama.cpp members run on: {runs_on()}", soft_wrap=True)
     if any(r.chat_template is False for r in rows):
-        out.print("base: no chat template in the model (a base model); it gets a Question/Answer prompt",
-                  soft_wrap=True)
+        out.print(
+            "base: no chat template in the model (a base model); it gets a Question/Answer prompt", soft_wrap=True
+        )
     if any(r.status == "not prepared" for r in rows):
         out.print("prepare them with: segfuse models prepare", soft_wrap=True)
 

@@ -23,11 +23,16 @@ def score(
     context: Annotated[str, typer.Argument(help="The text before the choices, read as it is (no chat template).")],
     choices: Annotated[list[str], typer.Argument(help="The continuations to score (their order is kept).")],
     model: ModelOpt = None,
-    rule: Annotated[str, typer.Option(help="Pooling: loglinear-byte, loglinear-whole, mixture-byte or "
-                                           "mixture-whole.")] = "loglinear-byte",
-    weight: Annotated[list[str] | None, typer.Option(
-        "--weight", help="NAME=W, a member's pooling weight (repeat; default uniform; "
-                         "`segfuse calibrate pooling` fits them).")] = None,
+    rule: Annotated[
+        str, typer.Option(help="Pooling: loglinear-byte, loglinear-whole, mixture-byte or mixture-whole.")
+    ] = "loglinear-byte",
+    weight: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--weight",
+            help="NAME=W, a member's pooling weight (repeat; default uniform; `segfuse calibrate pooling` fits them).",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object, for scripts.")] = False,
     member_options: dict[str, Any] | None = None,
 ) -> None:
@@ -55,10 +60,21 @@ def as_dict(scored: ItemScores) -> dict[str, Any]:
         "rule": scored.rule.name,
         "weights": scored.rule.member_weights(list(scored.members)),
         "choices": [
-            {"text": text, "fused": scored.fused[i], "best": i == scored.best,
-             "members": {name: {"logprob": row[i].logprob, "tokens": row[i].tokens, "bytes": row[i].bytes,
-                                "per_byte": row[i].per_byte, "greedy": row[i].greedy}
-                         for name, row in scored.members.items()}}
+            {
+                "text": text,
+                "fused": scored.fused[i],
+                "best": i == scored.best,
+                "members": {
+                    name: {
+                        "logprob": row[i].logprob,
+                        "tokens": row[i].tokens,
+                        "bytes": row[i].bytes,
+                        "per_byte": row[i].per_byte,
+                        "greedy": row[i].greedy,
+                    }
+                    for name, row in scored.members.items()
+                },
+            }
             for i, text in enumerate(scored.choices)
         ],
         "seconds": scored.seconds,
@@ -68,8 +84,15 @@ def as_dict(scored: ItemScores) -> dict[str, Any]:
 def score_table(scored: ItemScores) -> Table:
     """One row per choice: each member's log-probability (per byte, tokens, greedy mark) and the pool."""
     names = list(scored.members)
-    table = Table("choice", *names, f"{scored.rule.name}", box=box.SIMPLE_HEAD, show_edge=False,
-                  title="log-probability (per byte) \\[tokens], *: greedy", title_justify="left")
+    table = Table(
+        "choice",
+        *names,
+        f"{scored.rule.name}",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        title="log-probability (per byte) \\[tokens], *: greedy",
+        title_justify="left",
+    )
     for column in table.columns[1:]:
         column.justify = "right"
     for i, text in enumerate(scored.choices):

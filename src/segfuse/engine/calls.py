@@ -28,8 +28,9 @@ from typing import Any, Literal
 
 from ..backends.base import Member, MemberSession
 
-Method = Literal["start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close",
-                 "draft_many", "score_many"]
+Method = Literal[
+    "start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close", "draft_many", "score_many"
+]
 # Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):
 # a scheduler runs them at once instead of spending a tick on them.
 CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})
@@ -163,8 +164,7 @@ class CallRunner:
                 replies[i] = _timed(call)
             return
         # One batched call: every session waited for the whole of it.
-        batch = Call(first.member, None, BATCHED[first.method],
-                     ([c.session for c in group], [c.args for c in group]))
+        batch = Call(first.member, None, BATCHED[first.method], ([c.session for c in group], [c.args for c in group]))
         whole = _timed(batch)
         values = whole.value if not whole.failed else [whole.value] * len(group)
         for i, value in zip(indices, values):

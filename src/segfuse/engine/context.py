@@ -32,9 +32,14 @@ class GenerationContext:
     @classmethod
     def of(cls, request: FusionRequest) -> GenerationContext:
         constraint = request.constraint
-        return cls(request.options, replace(request.options.sampling, top_logprobs=request.top_logprobs),
-                   constraint, TextMatcher(constraint) if constraint is not None else None, request.deadline,
-                   request.cache_salt)
+        return cls(
+            request.options,
+            replace(request.options.sampling, top_logprobs=request.top_logprobs),
+            constraint,
+            TextMatcher(constraint) if constraint is not None else None,
+            request.deadline,
+            request.cache_salt,
+        )
 
     @property
     def top_logprobs(self) -> int:

@@ -65,9 +65,13 @@ class Lineup:
         o, seats = self.options, self.seats
         reserve = len(seats.all) * o.window + 1
         given = self.context.start_options
-        opened = yield from seats.ask(chosen, "start", "start", lambda s: (self.messages,),
-                                      kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve,
-                                                        **given})
+        opened = yield from seats.ask(
+            chosen,
+            "start",
+            "start",
+            lambda s: (self.messages,),
+            kwargs=lambda s: {"seed": member_seed(o.seed, s.index), "reserve": reserve, **given},
+        )
         failed = seats.seated(chosen, opened)
         for _, exc in failed:
             if isinstance(exc, InvalidRequestError):
@@ -80,8 +84,10 @@ class Lineup:
             outcome = yield from seats.ask(able, "start", "constrain", lambda s: (constraint,))
             seats.survivors(able, outcome, round_no, "constrain")
         if not seats.active and not seats.standby:
-            raise MemberFailedError("no member could start: " + "; ".join(d.reason for d in seats.departures),
-                                    "check the members' servers or files and retry")
+            raise MemberFailedError(
+                "no member could start: " + "; ".join(d.reason for d in seats.departures),
+                "check the members' servers or files and retry",
+            )
 
     def catch_up(self, text: str, round_no: int) -> Asking:
         """With no started member left, a standby member (the next leader) starts and reads the prompt

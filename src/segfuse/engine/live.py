@@ -106,8 +106,9 @@ class LeaderStream:
     ``sent`` is what went out this round: the round's segment starts with it.
     """
 
-    def __init__(self, model: str, round_no: int, answer: str, stops: tuple[str, ...],
-                 outlet: Outlet | None = None) -> None:
+    def __init__(
+        self, model: str, round_no: int, answer: str, stops: tuple[str, ...], outlet: Outlet | None = None
+    ) -> None:
         self.model, self.round_no, self.answer, self.stops = model, round_no, answer, stops
         self.outlet = outlet or Outlet()
         self.sent = ""
@@ -126,11 +127,11 @@ class LeaderStream:
             known = "".join(self._pieces)
             if len(text) <= len(known) or not text.startswith(known):
                 return  # nothing new (a backend may repeat itself)
-            self._pieces.append(text[len(known):])
+            self._pieces.append(text[len(known) :])
             sure = sure_prefix(self._pieces, self.answer, self.stops)
             if len(sure) <= len(self.sent) or not sure.startswith(self.sent):
                 return
-            delta, self.sent = sure[len(self.sent):], sure
+            delta, self.sent = sure[len(self.sent) :], sure
             if self.first_at is None:
                 self.first_at = time.perf_counter()
         try:

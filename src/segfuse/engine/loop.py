@@ -87,13 +87,16 @@ def fusion_steps(members: Sequence[Member], request: FusionRequest) -> Steps:
         raise InvalidRequestError("no members to fuse", "give at least one model")
     options = request.options
     if options.leader != "auto" and options.leader not in {m.name for m in members}:
-        raise InvalidRequestError(f"leader {options.leader!r} is not a member",
-                                  f"members: {', '.join(m.name for m in members)}; or auto")
+        raise InvalidRequestError(
+            f"leader {options.leader!r} is not a member", f"members: {', '.join(m.name for m in members)}; or auto"
+        )
     if request.constraint is not None and not any(m.capabilities.constrained for m in members):
         raise InvalidRequestError(
             "structured output needs a member that can draft under a constraint: "
-            + ", ".join(m.name for m in members) + " cannot (remote servers draft freely)",
-            "add a llama.cpp or transformers member, or drop response_format")
+            + ", ".join(m.name for m in members)
+            + " cannot (remote servers draft freely)",
+            "add a llama.cpp or transformers member, or drop response_format",
+        )
     generation = Generation(members, request)
     try:
         yield from generation.run()
@@ -224,8 +227,11 @@ class Generation:
         at = self.answer.round(round_no, o.max_tokens)
         leader = self.lineup.leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
-        live = (self.answer.stream(leader.name, round_no, phases.stops(leader, o))
-                if leader is not None and solo and self.lineup.answers_alone() else None)
+        live = (
+            self.answer.stream(leader.name, round_no, phases.stops(leader, o))
+            if leader is not None and solo and self.lineup.answers_alone()
+            else None
+        )
         early: Drafted = []
         confidence: float | None = None
         if leader is not None:
@@ -233,12 +239,14 @@ class Generation:
             if not seats.active:  # the leader failed and the others are on standby: one takes over
                 return (yield from self._take_over(round_no))
             if early:
-                check = phases.gate(early[0][1], o, answer=at.answer, last=at.last,
-                                    patient=self.votes.hopeless < o.guard_patience)
+                check = phases.gate(
+                    early[0][1], o, answer=at.answer, last=at.last, patient=self.votes.hopeless < o.guard_patience
+                )
                 confidence = check.confidence
                 if check.passes or (solo and early[0][1].eligible):
-                    return Decision(gated_how(confidence, o), early, phases.alone(early, leader), leader,
-                                    confidence, calls_before)
+                    return Decision(
+                        gated_how(confidence, o), early, phases.alone(early, leader), leader, confidence, calls_before
+                    )
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, context, at, early, only=leader if solo else None, live=live)
         if not seats.active:
@@ -246,12 +254,14 @@ class Generation:
         if not drafted:
             return Stop("length")
         if solo and leader is not None:  # (solo implies a leader)
-            return Decision(gated_how(confidence, o), drafted, phases.alone(drafted, leader),
-                            leader, confidence, calls_before)
+            return Decision(
+                gated_how(confidence, o), drafted, phases.alone(drafted, leader), leader, confidence, calls_before
+            )
         return (yield from self._vote(at, drafted, leader, confidence, calls_before))
 
-    def _vote(self, at: Round, drafted: Drafted, leader: Seat | None, confidence: float | None,
-              calls_before: int) -> Generator[Calls, list[Reply], Decision | Stop]:
+    def _vote(
+        self, at: Round, drafted: Drafted, leader: Seat | None, confidence: float | None, calls_before: int
+    ) -> Generator[Calls, list[Reply], Decision | Stop]:
         """The leader consults the others' proposals (when it may accept one), then every member verifies
         and the vote ranks the candidates."""
         o, seats = self.options, self.seats
@@ -261,8 +271,9 @@ class Generation:
             drafted, scores, verdicts = yield from phases.consult(seats, leader, drafted, o, at.no)
             consulted, known = {name: v.reason for name, v in verdicts.items()}, {leader.name: scores}
             if leader in seats.active and not any(v.accepted for v in verdicts.values()):
-                return Decision("rejected", drafted, phases.alone(drafted, leader), leader, confidence, calls_before,
-                                consulted)
+                return Decision(
+                    "rejected", drafted, phases.alone(drafted, leader), leader, confidence, calls_before, consulted
+                )
         drafted, known = yield from phases.verify(seats, drafted, at.no, known)
         if not any(d.eligible for _, d in drafted):
             return Stop("length")
@@ -286,9 +297,18 @@ class Generation:
         seats = self.seats.all
         constraint = self.context.constraint
         invalid = constraint.check(answer.message) if constraint is not None and reason == "stop" else None
-        yield DoneEvent(Result(
-            valid=None if constraint is None or reason != "stop" else invalid is None, invalid_reason=invalid,
-            text=answer.text, segments=answer.segments, rounds=answer.rounds, stats=stats,
-            models=[s.name for s in seats], departures=self.seats.departures, weights=dict(self.votes.weights),
-            counters=dict(self.seats.counters), prompt_bpb={s.name: s.bpb for s in seats if s.bpb is not None},
-        ))
+        yield DoneEvent(
+            Result(
+                valid=None if constraint is None or reason != "stop" else invalid is None,
+                invalid_reason=invalid,
+                text=answer.text,
+                segments=answer.segments,
+                rounds=answer.rounds,
+                stats=stats,
+                models=[s.name for s in seats],
+                departures=self.seats.departures,
+                weights=dict(self.votes.weights),
+                counters=dict(self.seats.counters),
+                prompt_bpb={s.name: s.bpb for s in seats if s.bpb is not None},
+            )
+        )

@@ -78,8 +78,7 @@ def degenerates(options: FusionOptions, answer: str, text: str, last: str) -> st
     """Why `text` would make the answer loop, when the guard is on."""
     if not options.guard:
         return None
-    return degeneration(answer, text, last, n=options.guard_ngram, times=options.guard_times,
-                        share=options.guard_share)
+    return degeneration(answer, text, last, n=options.guard_ngram, times=options.guard_times, share=options.guard_share)
 
 
 # --- gate ---------------------------------------------------------------------------------
@@ -99,16 +98,25 @@ def gate(leader_draft: Draft, options: FusionOptions, *, answer: str, last: str,
     own = leader_draft.own_scores
     confidence = mean_probability(own.logprobs) if own else 0.0
     gated = options.gate is not None and gate_passes(confidence, options.gate)  # (a leader implies a gate)
-    passes = leader_draft.eligible and gated and not (
-        patient and degenerates(options, answer, leader_draft.candidate.text, last))
+    passes = (
+        leader_draft.eligible
+        and gated
+        and not (patient and degenerates(options, answer, leader_draft.candidate.text, last))
+    )
     return GateCheck(passes, confidence)
 
 
 # --- draft --------------------------------------------------------------------------------
 
 
-def draft(seats: Seats, context: GenerationContext, chosen: Sequence[Seat], n: int, at: Round,
-          live: LeaderStream | None = None) -> Asking:
+def draft(
+    seats: Seats,
+    context: GenerationContext,
+    chosen: Sequence[Seat],
+    n: int,
+    at: Round,
+    live: LeaderStream | None = None,
+) -> Asking:
     """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded.
 
     Drafts that break the answer's constraint are marked (they may not win); `live`: the leader drafts
@@ -116,8 +124,7 @@ def draft(seats: Seats, context: GenerationContext, chosen: Sequence[Seat], n: i
     how = context.sampling
     if live is not None and len(chosen) == 1 and chosen[0].session is not None and chosen[0].session.streams_text:
         live.restart()
-        outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how, live.on_text),
-                                        outlet=live.outlet)
+        outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how, live.on_text), outlet=live.outlet)
     else:
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     drafted = [
@@ -129,8 +136,15 @@ def draft(seats: Seats, context: GenerationContext, chosen: Sequence[Seat], n: i
     return drafted
 
 
-def draft_all(seats: Seats, context: GenerationContext, at: Round, early: Drafted, *, only: Seat | None = None,
-              live: LeaderStream | None = None) -> Asking:
+def draft_all(
+    seats: Seats,
+    context: GenerationContext,
+    at: Round,
+    early: Drafted,
+    *,
+    only: Seat | None = None,
+    live: LeaderStream | None = None,
+) -> Asking:
     """Every active member that drafts under the context (or `only` one) drafts up to a window, in member
     order; those in `early` already did.
 
@@ -140,12 +154,14 @@ def draft_all(seats: Seats, context: GenerationContext, at: Round, early: Drafte
     n = min(context.options.window, at.budget)
     while True:
         done = {id(seat) for seat, _ in early}
-        chosen = [s for s in seats.active if id(s) not in done and (only is None or s is only)
-                  and context.drafts(s.member)]
+        chosen = [
+            s for s in seats.active if id(s) not in done and (only is None or s is only) and context.drafts(s.member)
+        ]
         fresh = yield from draft(seats, context, chosen, n, at, live)
         order = {id(s): i for i, s in enumerate(seats.active)}
-        drafted = sorted([(seat, d) for seat, d in (*early, *fresh) if seat in seats.active],
-                         key=lambda pair: order[id(pair[0])])
+        drafted = sorted(
+            [(seat, d) for seat, d in (*early, *fresh) if seat in seats.active], key=lambda pair: order[id(pair[0])]
+        )
         if any(d.eligible for _, d in drafted):
             return drafted
         if n >= at.budget:
@@ -176,8 +192,9 @@ def consult(seats: Seats, leader: Seat, drafted: Drafted, options: FusionOptions
     the query and every proposal stands.
     """
     own = next(d for seat, d in drafted if seat is leader)
-    proposals = [(seat, d) for seat, d in drafted
-                 if seat is not leader and d.eligible and d.candidate.text != own.candidate.text]
+    proposals = [
+        (seat, d) for seat, d in drafted if seat is not leader and d.eligible and d.candidate.text != own.candidate.text
+    ]
     texts = list(dict.fromkeys(d.candidate.text for _, d in proposals))
     if not texts:
         return drafted, {}, {}
@@ -186,10 +203,21 @@ def consult(seats: Seats, leader: Seat, drafted: Drafted, options: FusionOptions
     if not answered:
         return [(seat, d) for seat, d in drafted if seat is not leader], {}, {}
     scores = dict(zip(texts, answered[0][1]))
-    verdicts = {seat.name: leader_accepts(scores[d.candidate.text], own.own_scores, options.accept,
-                                          options.accept_margin or 0.0) for seat, d in proposals}
-    marked = [(seat, d if seat.name not in verdicts or verdicts[seat.name].accepted
-               else replace(d, rejected=verdicts[seat.name].reason)) for seat, d in drafted]
+    verdicts = {
+        seat.name: leader_accepts(
+            scores[d.candidate.text], own.own_scores, options.accept, options.accept_margin or 0.0
+        )
+        for seat, d in proposals
+    }
+    marked = [
+        (
+            seat,
+            d
+            if seat.name not in verdicts or verdicts[seat.name].accepted
+            else replace(d, rejected=verdicts[seat.name].reason),
+        )
+        for seat, d in drafted
+    ]
     return marked, scores, verdicts
 
 
@@ -234,8 +262,13 @@ class Ranking:
     stuck: bool  # the winner still continues a loop (the guard lost this vote)
 
 
-def rank(drafts: Sequence[Draft], known: Mapping[str, Mapping[str, TokenScores]], weights: Sequence[float],
-         options: FusionOptions, at: Round) -> Ranking:
+def rank(
+    drafts: Sequence[Draft],
+    known: Mapping[str, Mapping[str, TokenScores]],
+    weights: Sequence[float],
+    options: FusionOptions,
+    at: Round,
+) -> Ranking:
     """Normalise per verifier, weight, aggregate; looping candidates may not win (guard on; it reads the
     answer and the last segment where the round started).
 
@@ -246,7 +279,8 @@ def rank(drafts: Sequence[Draft], known: Mapping[str, Mapping[str, TokenScores]]
     names = [d.candidate.model for d in drafts]
     raw = {
         verifier: [
-            raw_score(known[verifier][d.candidate.text], options.score) if d.eligible and (i != j or options.self_score)
+            raw_score(known[verifier][d.candidate.text], options.score)
+            if d.eligible and (i != j or options.self_score)
             else None
             for i, d in enumerate(drafts)
         ]
@@ -257,13 +291,20 @@ def rank(drafts: Sequence[Draft], known: Mapping[str, Mapping[str, TokenScores]]
     if options.hedge:
         weights = hedge_update(weights, matrix, at.no, options.hedge_eta)
     totals = aggregate(matrix, weights)
-    penalised = {d.candidate.model: why for d in drafts
-                 if d.eligible and (why := degenerates(options, at.answer, d.candidate.text, at.last))}
+    penalised = {
+        d.candidate.model: why
+        for d in drafts
+        if d.eligible and (why := degenerates(options, at.answer, d.candidate.text, at.last))
+    }
     allowed = guard_eligible([d.eligible for d in drafts], [d.candidate.model in penalised for d in drafts])
     winner = pick_winner(totals, allowed)
     won = drafts[winner].candidate
-    stuck = options.guard and (won.model in penalised or continues_loop(
-        at.answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share))
+    stuck = options.guard and (
+        won.model in penalised
+        or continues_loop(
+            at.answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share
+        )
+    )
     return Ranking(raw, normalised, list(weights), totals, winner, penalised, stuck)
 
 

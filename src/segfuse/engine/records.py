@@ -80,11 +80,21 @@ def round_record(round_no: int, decision: Decision, votes: Votes, calls_now: int
     names = [seat.name for seat, _ in d.drafted]
     weights = votes.normalised(names) if d.how == "rejected" else ranking.weights
     return RoundRecord(
-        index=round_no, active=names, candidates=[draft.candidate for _, draft in d.drafted],
-        raw_scores=ranking.raw, scores=ranking.scores, weights=dict(zip(names, weights)),
-        aggregate=ranking.totals, winner_index=ranking.winner, model_calls=calls_now - d.calls_before,
-        gated=d.gated, leader=d.leader.name if d.leader is not None else None, confidence=d.confidence,
-        penalised=ranking.penalised, draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in d.drafted},
+        index=round_no,
+        active=names,
+        candidates=[draft.candidate for _, draft in d.drafted],
+        raw_scores=ranking.raw,
+        scores=ranking.scores,
+        weights=dict(zip(names, weights)),
+        aggregate=ranking.totals,
+        winner_index=ranking.winner,
+        model_calls=calls_now - d.calls_before,
+        gated=d.gated,
+        leader=d.leader.name if d.leader is not None else None,
+        confidence=d.confidence,
+        penalised=ranking.penalised,
+        draft_s={s.name: s.timings.get("draft", 0.0) for s, _ in d.drafted},
         verify_s={} if d.gated else {s.name: s.timings.get("verify", 0.0) for s, _ in d.drafted},
-        consulted=d.consulted, decision=d.how,
+        consulted=d.consulted,
+        decision=d.how,
     )

@@ -26,6 +26,7 @@ from .loop import Steps
 
 log = logging.getLogger("segfuse.engine.scheduler")
 
+
 @dataclass(eq=False)
 class Flight:
     """One generation in progress and where its output goes."""
@@ -125,8 +126,9 @@ class Scheduler:
         self.runner.close()
 
 
-def run_all(generations: Sequence[Steps], max_concurrent: int,
-            runner: CallRunner | None = None) -> list[Result | BaseException]:
+def run_all(
+    generations: Sequence[Steps], max_concurrent: int, runner: CallRunner | None = None
+) -> list[Result | BaseException]:
     """Run generations with at most `max_concurrent` in flight; each one's Result or error, in order."""
     if max_concurrent < 1:
         raise ValueError("max_concurrent must be at least 1")

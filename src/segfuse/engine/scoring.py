@@ -164,8 +164,13 @@ class ExitRule:
 
     @classmethod
     def of(cls, options: FusionOptions) -> ExitRule:
-        return cls(options.exit_warmup, options.exit_entropy, options.exit_temperature, options.exit_fraction,
-                   options.exit_min_active)
+        return cls(
+            options.exit_warmup,
+            options.exit_entropy,
+            options.exit_temperature,
+            options.exit_fraction,
+            options.exit_min_active,
+        )
 
 
 def model_exit(quality: Sequence[float], rounds_done: int, rule: ExitRule) -> list[int]:

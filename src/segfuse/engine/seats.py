@@ -53,9 +53,16 @@ class Seats:
         for seat in self.active:
             seat.timings = {}
 
-    def ask(self, seats: Sequence[Seat], phase: str, method: Method,
-            args: Callable[[Seat], tuple[Any, ...]] = lambda seat: (), *,
-            kwargs: Callable[[Seat], Mapping[str, Any]] = lambda seat: {}, outlet: Outlet | None = None) -> Asking:
+    def ask(
+        self,
+        seats: Sequence[Seat],
+        phase: str,
+        method: Method,
+        args: Callable[[Seat], tuple[Any, ...]] = lambda seat: (),
+        *,
+        kwargs: Callable[[Seat], Mapping[str, Any]] = lambda seat: {},
+        outlet: Outlet | None = None,
+    ) -> Asking:
         """Call ``method`` on each seat's session (on its member while it has none); each result or exception.
 
         The seconds each seat waited add up under ``seat.timings[phase]``; drafts, scores and prompt fits
@@ -83,8 +90,9 @@ class Seats:
                 self.active.append(seat)
         return failed
 
-    def survivors(self, seats: Sequence[Seat], outcomes: Sequence[Any], round_no: int,
-                  phase: str) -> list[tuple[Seat, Any]]:
+    def survivors(
+        self, seats: Sequence[Seat], outcomes: Sequence[Any], round_no: int, phase: str
+    ) -> list[tuple[Seat, Any]]:
         """Drop members whose call raised; return (seat, result) of the others."""
         kept = []
         for seat, outcome in zip(seats, outcomes):

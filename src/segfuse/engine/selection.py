@@ -70,8 +70,9 @@ def repeat_share(answer: str, text: str, n: int = 6, times: int = 1) -> float:
 MIN_WORDS = 3  # a candidate shorter than this is too little text to penalise
 
 
-def degeneration(answer: str, text: str, last: str = "", *, n: int = 6, times: int = 2,
-                 share: float = 0.75) -> str | None:
+def degeneration(
+    answer: str, text: str, last: str = "", *, n: int = 6, times: int = 2, share: float = 0.75
+) -> str | None:
     """Why `text` would make the answer loop, or None if it does not.
 
     Restating a phrase once is normal (math and instructions reuse names and
@@ -189,6 +190,8 @@ def leader_accepts(proposal: TokenScores, own: TokenScores | None, rule: str, ma
             return Verdict(False, "rejected: the leader's own draft has no score to compare with")
         gap = sum(own.logprobs) / len(own.logprobs) - sum(proposal.logprobs) / len(proposal.logprobs)
         verdict = "accepted" if gap <= margin else "rejected"
-        return Verdict(gap <= margin, f"{verdict}: mean log-probability {gap:.2f} nats below the leader's draft "
-                                      f"(margin {margin:g})")
+        return Verdict(
+            gap <= margin,
+            f"{verdict}: mean log-probability {gap:.2f} nats below the leader's draft (margin {margin:g})",
+        )
     raise ValueError(f"unknown acceptance rule {rule!r}")

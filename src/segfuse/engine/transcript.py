@@ -80,8 +80,9 @@ class Transcript:
             yield SegmentEvent(segment)
         elif chosen.text.startswith(sent):  # the rest of what went out as the leader wrote it
             if len(chosen.text) > len(sent):
-                yield SegmentEvent(Segment(text=chosen.text[len(sent):], model=chosen.model, round=record.index))
+                yield SegmentEvent(Segment(text=chosen.text[len(sent) :], model=chosen.model, round=record.index))
         else:  # never expected: what went out is always kept
-            log.error("round %d: the streamed text %r is not where the segment %r starts", record.index, sent,
-                      chosen.text)
+            log.error(
+                "round %d: the streamed text %r is not where the segment %r starts", record.index, sent, chosen.text
+            )
             yield SegmentEvent(segment)

@@ -36,6 +36,7 @@ DEFAULT_CHUNK = 16
 """Tokens a lone member drafts per call: small enough to time the first token
 closely, large enough that re-drafting a cut-off word is rare overhead."""
 
+
 @dataclass
 class MemberAnswer:
     """One member's complete answer with what it cost."""
@@ -140,9 +141,16 @@ class _Writing:
         self.n = self.chunk
 
     def answer(self, total_s: float) -> MemberAnswer:
-        return MemberAnswer(model=self.model, text=self.text, tokens=self.tokens, member_calls=self.calls,
-                      ttft_s=self.ttft, total_s=total_s, finish_reason=self.finish or "length",
-                      own_logprobs=tuple(self.logprobs) if self.logprobs else None)
+        return MemberAnswer(
+            model=self.model,
+            text=self.text,
+            tokens=self.tokens,
+            member_calls=self.calls,
+            ttft_s=self.ttft,
+            total_s=total_s,
+            finish_reason=self.finish or "length",
+            own_logprobs=tuple(self.logprobs) if self.logprobs else None,
+        )
 
 
 def answer_output(answer: MemberAnswer) -> SystemOutput:
@@ -202,8 +210,9 @@ def rerank(
     member-alone baseline); its measured cost is counted as if written here.
     Member i samples with seed ``member_seed(sampling.seed, i)``, as in the engine.
     """
-    written = _answers(members, messages, max_tokens=max_tokens, sampling=sampling, stop=stop, answers=answers,
-                       chunk=chunk)
+    written = _answers(
+        members, messages, max_tokens=max_tokens, sampling=sampling, stop=stop, answers=answers, chunk=chunk
+    )
     scoring_started = time.perf_counter()
     rows, scoring_calls = _score_rows(members, messages, written, score)
     calls = sum(a.member_calls for a in written) + scoring_calls
@@ -224,8 +233,16 @@ def rerank(
     )
 
 
-def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_tokens: int, sampling: Sampling,
-             stop: Sequence[str], answers: Sequence[MemberAnswer | None] | None, chunk: int) -> list[MemberAnswer]:
+def _answers(
+    members: Sequence[Member],
+    messages: Sequence[Message],
+    *,
+    max_tokens: int,
+    sampling: Sampling,
+    stop: Sequence[str],
+    answers: Sequence[MemberAnswer | None] | None,
+    chunk: int,
+) -> list[MemberAnswer]:
     """Each member's answer: the one given, else written now with the member's own seed."""
     written: list[MemberAnswer] = []
     for i, member in enumerate(members):
@@ -237,8 +254,9 @@ def _answers(members: Sequence[Member], messages: Sequence[Message], *, max_toke
     return written
 
 
-def _score_rows(members: Sequence[Member], messages: Sequence[Message], written: Sequence[MemberAnswer],
-                score: ScoreMode) -> tuple[list[list[float]], int]:
+def _score_rows(
+    members: Sequence[Member], messages: Sequence[Message], written: Sequence[MemberAnswer], score: ScoreMode
+) -> tuple[list[list[float]], int]:
     """Per verifier, its normalised scores of every answer, and the member calls that took.
 
     Every verifier scores every distinct answer once (identical answers tie exactly); its own

@@ -51,8 +51,12 @@ def load_task(task: str, data_dir: str | Path = DATA_DIR) -> dict[str, Any]:
 
 def context_of(task: dict[str, Any], example: dict[str, Any]) -> str:
     """The cloze context of one example under its task's framing."""
-    text: str = (task.get("task_prefix", "") + task.get("example_input_prefix", "\nQ: ") + example["input"]
-            + task.get("example_output_prefix", "\nA: "))
+    text: str = (
+        task.get("task_prefix", "")
+        + task.get("example_input_prefix", "\nQ: ")
+        + example["input"]
+        + task.get("example_output_prefix", "\nA: ")
+    )
     return text.lstrip("\n")
 
 

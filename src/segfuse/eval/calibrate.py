@@ -28,8 +28,12 @@ from .tasks import Task
 
 MIN_ITEMS = 10
 # The screened settings (docs/results.md): the leader verifies at a few margins, under the default gate.
-DEFAULT_GRID = ("gate=0.5/accept_margin=1.0", "gate=0.5/accept_margin=2.0", "gate=0.5/accept_margin=3.0",
-                "gate=0.5/accept_margin=none")
+DEFAULT_GRID = (
+    "gate=0.5/accept_margin=1.0",
+    "gate=0.5/accept_margin=2.0",
+    "gate=0.5/accept_margin=3.0",
+    "gate=0.5/accept_margin=none",
+)
 LEADER_ALONE = "accept_margin=0"
 
 
@@ -46,31 +50,62 @@ class Setting:
     leader_correct: int  # the leader's correct answers on the same items
 
 
-def calibrate(task: Task, out: str | Path, *, members: Sequence[str] | None, grid: Sequence[str] = DEFAULT_GRID,
-              data: str | None = None, offset: int = 0, limit: int | None = 40, max_tokens: int | None = None,
-              member_options: dict[str, Any] | None = None, progress: bool = True,
-              leader: str | None = None) -> tuple[Path, list[Setting], Setting]:
+def calibrate(
+    task: Task,
+    out: str | Path,
+    *,
+    members: Sequence[str] | None,
+    grid: Sequence[str] = DEFAULT_GRID,
+    data: str | None = None,
+    offset: int = 0,
+    limit: int | None = 40,
+    max_tokens: int | None = None,
+    member_options: dict[str, Any] | None = None,
+    progress: bool = True,
+    leader: str | None = None,
+) -> tuple[Path, list[Setting], Setting]:
     """Run the leader and the grid on the items; write the profile; return it, every setting, the choice."""
     items = task.load(data, offset=offset, limit=limit)
     if len(items) < MIN_ITEMS:
-        raise InvalidRequestError(f"calibration needs at least {MIN_ITEMS} items; {len(items)} were given",
-                                  "give more prompts (or a larger --limit)")
+        raise InvalidRequestError(
+            f"calibration needs at least {MIN_ITEMS} items; {len(items)} were given",
+            "give more prompts (or a larger --limit)",
+        )
     for spec in grid:
         parse_fusion(spec)  # a bad setting fails before any model loads
     folder = Path(out)
     name = leader or _largest(members, member_options)
     systems = [MEMBER_PREFIX + name] + [FUSION_PREFIX + spec for spec in grid]
-    path = run_eval(task, folder, systems=systems, members=members, offset=offset, limit=limit,
-                    max_tokens=max_tokens, data=data, progress=progress, member_options=member_options)
+    path = run_eval(
+        task,
+        folder,
+        systems=systems,
+        members=members,
+        offset=offset,
+        limit=limit,
+        max_tokens=max_tokens,
+        data=data,
+        progress=progress,
+        member_options=member_options,
+    )
     settings = compare(read_records(path), {i.id for i in items}, systems)
     chosen = choose(settings)
     options = {k: v for k, v in parse_fusion(chosen.spec).items() if k != "members"}
     run = json.loads((folder / f"{task.name}.run.json").read_text())
-    profile = write_profile(folder / "profile.toml", options, {
-        "task": task.name, "data": str(data) if data else None, "members": run["members"], "leader": name,
-        "settings": run["settings"], "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "chosen": asdict(chosen), "grid": [asdict(s) for s in settings],
-    })
+    profile = write_profile(
+        folder / "profile.toml",
+        options,
+        {
+            "task": task.name,
+            "data": str(data) if data else None,
+            "members": run["members"],
+            "leader": name,
+            "settings": run["settings"],
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "chosen": asdict(chosen),
+            "grid": [asdict(s) for s in settings],
+        },
+    )
     return profile, settings, chosen
 
 
@@ -94,11 +129,20 @@ def compare(records: Sequence[dict[str, Any]], ids: set[str], systems: Sequence[
             continue
         mine = [bool(by[(system, i)]["correct"]) for i in common]
         theirs = [bool(by[(leader, i)]["correct"]) for i in common]
-        ratio = fmean(by[(system, i)]["total_s"] for i in common) / max(1e-9, fmean(by[(leader, i)]["total_s"]
-                                                                                   for i in common))
-        out.append(Setting(system[len(FUSION_PREFIX):], sum(mine), len(common),
-                           sum(a and not b for a, b in zip(mine, theirs)),
-                           sum(b and not a for a, b in zip(mine, theirs)), ratio, sum(theirs)))
+        ratio = fmean(by[(system, i)]["total_s"] for i in common) / max(
+            1e-9, fmean(by[(leader, i)]["total_s"] for i in common)
+        )
+        out.append(
+            Setting(
+                system[len(FUSION_PREFIX) :],
+                sum(mine),
+                len(common),
+                sum(a and not b for a, b in zip(mine, theirs)),
+                sum(b and not a for a, b in zip(mine, theirs)),
+                ratio,
+                sum(theirs),
+            )
+        )
     return out
 
 

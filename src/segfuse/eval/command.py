@@ -48,11 +48,23 @@ def run_command(
     member_options = MemberOptions.build(member_options).given()
     temperature = settings.get("temperature", 0.0)
     path = run_eval(
-        task, out, systems=systems, members=model, limit=limit, offset=offset,
-        max_tokens=settings.get("max_tokens"), temperature=temperature, top_p=settings.get("top_p"),
-        seed=settings.get("seed", 0), window=settings.get("window", 10), stop=tuple(settings.get("stop", ())),
-        data=data, progress=progress, member_options=member_options,
-        hedge_persist=settings.get("hedge_persist", False), options=options,
+        task,
+        out,
+        systems=systems,
+        members=model,
+        limit=limit,
+        offset=offset,
+        max_tokens=settings.get("max_tokens"),
+        temperature=temperature,
+        top_p=settings.get("top_p"),
+        seed=settings.get("seed", 0),
+        window=settings.get("window", 10),
+        stop=tuple(settings.get("stop", ())),
+        data=data,
+        progress=progress,
+        member_options=member_options,
+        hedge_persist=settings.get("hedge_persist", False),
+        options=options,
     )
     written = build_report(path.parent)
     sys.stderr.write(f"results: {path}\nreport: {written}\n")

@@ -48,6 +48,7 @@ def member_system(name: str, norm: Norm) -> System:
     def right(item: ScoredItem) -> bool:
         only = Rule(norm=norm).fuse({name: item.members[name]})
         return item.right(only)
+
     return right
 
 
@@ -62,8 +63,9 @@ def outcomes(split: Split, study: Split | None) -> dict[str, dict[str, list[bool
                 out.setdefault(f"{name} ({norm})", {})[task] = [right(item) for _, item, _ in rows]
         for rule_name in RULES:
             rule = Rule.parse(rule_name)
-            out.setdefault(f"{rule_name} uniform", {})[task] = [item.right(rule.fuse(item.members))
-                                                                for _, item, _ in rows]
+            out.setdefault(f"{rule_name} uniform", {})[task] = [
+                item.right(rule.fuse(item.members)) for _, item, _ in rows
+            ]
             out.setdefault(f"{rule_name} calibrated", {})[task] = _calibrated(rule, rows, (study or {}).get(task))
         out.setdefault("member picked per task", {})[task] = _picked(names, rows, (study or {}).get(task))
     return out
@@ -150,7 +152,9 @@ def _short(task: str) -> str:
 def pairing_lines(a: Mapping[str, list[bool]], b: Mapping[str, list[bool]]) -> str:
     lines = ["| task | won | lost | sign test p |", "|---|---|---|---|"]
     for task, (won, lost) in paired(a, b).items():
-        lines.append(f"| {_short(task) if task != 'all' else '**all**'} | {won} | {lost} | {sign_test(won, lost):.3f} |")
+        lines.append(
+            f"| {_short(task) if task != 'all' else '**all**'} | {won} | {lost} | {sign_test(won, lost):.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -158,18 +162,27 @@ def report(study_dir: str, confirm_dir: str | None = None, study_stop: int | Non
     study, seconds = load_split(study_dir, study_stop)
     results = outcomes(study, None)
     chosen, best = choose(results)
-    parts = [f"## Study ({study_dir})", table(results, {chosen: " ← chosen", best: " ← best member"}),
-             f"\n{chosen} vs {best}:\n", pairing_lines(results[chosen], results[best]),
-             "\nseconds per item: " + ", ".join(f"{n} {s:.2f}" for n, s in seconds.items())
-             + f"; all members {sum(seconds.values()):.2f}"]
+    parts = [
+        f"## Study ({study_dir})",
+        table(results, {chosen: " ← chosen", best: " ← best member"}),
+        f"\n{chosen} vs {best}:\n",
+        pairing_lines(results[chosen], results[best]),
+        "\nseconds per item: "
+        + ", ".join(f"{n} {s:.2f}" for n, s in seconds.items())
+        + f"; all members {sum(seconds.values()):.2f}",
+    ]
     if confirm_dir:
         confirm, c_seconds = load_split(confirm_dir)
         c_results = outcomes(confirm, {t: study[t] for t in confirm})
-        parts += [f"\n## Confirmation ({confirm_dir})", table(c_results, {chosen: " ← chosen on study",
-                                                                           best: " ← best member on study"}),
-                  f"\n{chosen} vs {best}:\n", pairing_lines(c_results[chosen], c_results[best]),
-                  "\nseconds per item: " + ", ".join(f"{n} {s:.2f}" for n, s in c_seconds.items())
-                  + f"; all members {sum(c_seconds.values()):.2f}"]
+        parts += [
+            f"\n## Confirmation ({confirm_dir})",
+            table(c_results, {chosen: " ← chosen on study", best: " ← best member on study"}),
+            f"\n{chosen} vs {best}:\n",
+            pairing_lines(c_results[chosen], c_results[best]),
+            "\nseconds per item: "
+            + ", ".join(f"{n} {s:.2f}" for n, s in c_seconds.items())
+            + f"; all members {sum(c_seconds.values()):.2f}",
+        ]
     return "\n".join(parts)
 
 

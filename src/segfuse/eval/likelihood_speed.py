@@ -35,8 +35,14 @@ def measure(ensemble: Ensemble, task: str, start: int, stop: int) -> dict[str, A
             began = time.perf_counter()
             ensemble.score(item.context, list(item.choices), members=[name])
             alone += time.perf_counter() - began
-    return {"task": task, "items": len(chosen), "ensemble_s": round(together, 3), "members_alone_s": round(alone, 3),
-            "ratio": round(together / alone, 4), "items_per_s": round(len(chosen) / together, 4)}
+    return {
+        "task": task,
+        "items": len(chosen),
+        "ensemble_s": round(together, 3),
+        "members_alone_s": round(alone, 3),
+        "ratio": round(together / alone, 4),
+        "items_per_s": round(len(chosen) / together, 4),
+    }
 
 
 def measure_batched(ensemble: Ensemble, task: str, start: int, stop: int) -> dict[str, Any]:
@@ -55,13 +61,24 @@ def measure_batched(ensemble: Ensemble, task: str, start: int, stop: int) -> dic
     scored = [b for b in batched if not isinstance(b, Exception)]
     if len(scored) < len(batched):
         raise RuntimeError(f"items failed when batched: {[str(b) for b in batched if isinstance(b, Exception)]}")
-    gap = {name: max(abs(x.logprob - y.logprob) for a, b in zip(alone, scored)
-                     for x, y in zip(a.members[name], b.members[name])) for name in ensemble.names}
+    gap = {
+        name: max(
+            abs(x.logprob - y.logprob) for a, b in zip(alone, scored) for x, y in zip(a.members[name], b.members[name])
+        )
+        for name in ensemble.names
+    }
     n = 2 * len(chosen)  # every item scored twice each way
-    return {"task": task, "items": len(chosen), "slots": ensemble.slots, "one_at_a_time_s": round(one_s, 3),
-            "batched_s": round(batched_s, 3), "items_per_s_one": round(n / one_s, 4),
-            "items_per_s_batched": round(n / batched_s, 4), "speedup": round(one_s / batched_s, 3),
-            "max_logprob_gap": gap}  # per member, in nats
+    return {
+        "task": task,
+        "items": len(chosen),
+        "slots": ensemble.slots,
+        "one_at_a_time_s": round(one_s, 3),
+        "batched_s": round(batched_s, 3),
+        "items_per_s_one": round(n / one_s, 4),
+        "items_per_s_batched": round(n / batched_s, 4),
+        "speedup": round(one_s / batched_s, 3),
+        "max_logprob_gap": gap,
+    }  # per member, in nats
 
 
 def main(argv: list[str] | None = None) -> None:

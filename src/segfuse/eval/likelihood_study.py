@@ -32,9 +32,14 @@ def record_of(item: Item, scored: ItemScores) -> dict[str, Any]:
         "index": item.index,
         "correct": list(item.correct),
         "bytes": [len(c.encode("utf-8")) for c in scored.choices],
-        "members": {name: {"logprob": [round(s.logprob, 5) for s in row], "tokens": [s.tokens for s in row],
-                           "greedy": [s.greedy for s in row]}
-                    for name, row in scored.members.items()},
+        "members": {
+            name: {
+                "logprob": [round(s.logprob, 5) for s in row],
+                "tokens": [s.tokens for s in row],
+                "greedy": [s.greedy for s in row],
+            }
+            for name, row in scored.members.items()
+        },
         "seconds": {name: round(s, 4) for name, s in scored.seconds.items()},
     }
 
@@ -51,8 +56,15 @@ def done_indices(path: Path) -> set[int]:
     return found
 
 
-def run(ensemble: Ensemble, tasks: Sequence[str], start: int, stop: int, out_dir: str | Path,
-        data_dir: str | Path = DATA_DIR, progress: bool = True) -> int:
+def run(
+    ensemble: Ensemble,
+    tasks: Sequence[str],
+    start: int,
+    stop: int,
+    out_dir: str | Path,
+    data_dir: str | Path = DATA_DIR,
+    progress: bool = True,
+) -> int:
     """Score items ``start..stop`` of each task with every member of `ensemble`; returns items written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,9 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", default=str(DATA_DIR))
     parser.add_argument("--models", default=None, help="members joined by | (default: the embedded three)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--prefix-cache-cells", type=int, default=0,
-                        help="0 (default): every item is decoded on an empty cache, so its scores do not "
-                             "depend on the items before it")
+    parser.add_argument(
+        "--prefix-cache-cells",
+        type=int,
+        default=0,
+        help="0 (default): every item is decoded on an empty cache, so its scores do not depend on the items before it",
+    )
     args = parser.parse_args(argv)
     from ..ensemble import Ensemble
 

@@ -95,8 +95,9 @@ class SegfuseLM(LM):  # type: ignore[misc]  # lm_eval has no type information: L
             member_options["slots"] = max(int(others["batch_size"]), 1)  # lm-eval's batch: items scored at once
         unknown = sorted(set(others) - set(HARNESS_ARGS))
         if unknown:
-            raise ModelArgsError(f"unknown model_args for the segfuse model: {', '.join(unknown)}; "
-                                 f"it takes {', '.join(MODEL_ARGS)}")
+            raise ModelArgsError(
+                f"unknown model_args for the segfuse model: {', '.join(unknown)}; it takes {', '.join(MODEL_ARGS)}"
+            )
 
         get_system(system)  # fail on a bad name before loading models
         rule_chosen = parse_rule(rule, weights)
@@ -106,8 +107,11 @@ class SegfuseLM(LM):  # type: ignore[misc]  # lm_eval has no type information: L
         self.system = system
         self.scoring = LikelihoodScoring.build(self.ensemble, system, rule_chosen)
         self.settings = RunSettings(
-            max_tokens=int(max_tokens), temperature=float(temperature),
-            top_p=1.0 if float(temperature) <= 0 else 0.9, seed=int(seed), window=int(window),
+            max_tokens=int(max_tokens),
+            temperature=float(temperature),
+            top_p=1.0 if float(temperature) <= 0 else 0.9,
+            seed=int(seed),
+            window=int(window),
         )
 
     @property
@@ -131,8 +135,9 @@ class SegfuseLM(LM):  # type: ignore[misc]  # lm_eval has no type information: L
             until = gen_kwargs.get("until") or ()
             until = (until,) if isinstance(until, str) else tuple(until)
             limit = int(gen_kwargs.get("max_gen_toks") or self.settings.max_tokens)
-            settings = RunSettings(**{**self.settings.__dict__, "max_tokens": min(limit, self.settings.max_tokens),
-                                      "stop": until})
+            settings = RunSettings(
+                **{**self.settings.__dict__, "max_tokens": min(limit, self.settings.max_tokens), "stop": until}
+            )
             output = system(ItemContext(self.ensemble), to_messages(context), settings)
             outputs.append(output.text)
             self.cache_hook.add_partial("generate_until", request.args, output.text)

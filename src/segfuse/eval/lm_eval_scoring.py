@@ -80,6 +80,7 @@ class LikelihoodScoring:
             answers += [float(_raised(scored).fused[0]) for scored in score_items(self.members, chunk, rule)]
         return answers
 
+
 def _raised(scored: ItemScores | Exception) -> ItemScores:
     """An item's scores; lm-eval takes no partial answers, so an item's error stops the run."""
     if isinstance(scored, Exception):
@@ -87,8 +88,13 @@ def _raised(scored: ItemScores | Exception) -> ItemScores:
     return scored
 
 
-def _answer(args: Sequence[tuple[str, str]], indices: list[int], choices: list[str], scored: ItemScores,
-            answers: list[tuple[float, bool]]) -> None:
+def _answer(
+    args: Sequence[tuple[str, str]],
+    indices: list[int],
+    choices: list[str],
+    scored: ItemScores,
+    answers: list[tuple[float, bool]],
+) -> None:
     """Each request of one item: the pooled score of its continuation, and whether every member's greedy."""
     for i in indices:
         at = choices.index(args[i][1])

@@ -108,8 +108,10 @@ def summarise(
     ids_by_system = _ids_by_system(by_key)
     if systems is None:
         systems = list(ids_by_system)
-    common = sorted(set.intersection(*(ids_by_system[s] for s in systems)) if systems else set(),
-                    key=lambda i: by_key[(i, systems[0])]["index"])
+    common = sorted(
+        set.intersection(*(ids_by_system[s] for s in systems)) if systems else set(),
+        key=lambda i: by_key[(i, systems[0])]["index"],
+    )
     rows: list[Row] = []
     for system in systems:
         chosen = [by_key[(i, system)] for i in common]
@@ -126,20 +128,22 @@ def summarise(
         for r in chosen:
             for member, count in (r.get("wins") or {}).items():
                 wins[member] += count
-        rows.append(Row(
-            system=system,
-            n=len(chosen),
-            accuracy=accuracy,
-            mean_total_s=fmean(r.get("total_s") or 0.0 for r in chosen) if chosen else 0.0,
-            mean_ttft_s=fmean(ttfts) if ttfts else None,
-            mean_calls=fmean(r.get("member_calls") or 0 for r in chosen) if chosen else 0.0,
-            calls_per_round=sum(r.get("member_calls") or 0 for r in chosen) / rounds if rounds else None,
-            mean_tokens=fmean(r.get("tokens") or 0 for r in chosen) if chosen else 0.0,
-            errors=sum(1 for r in chosen if r.get("error")),
-            wins=dict(wins),
-            at_limit=fmean(r.get("finish_reason") == "length" for r in chosen) if chosen else 0.0,
-            looping=fmean(loops(r.get("output") or "") for r in chosen) if chosen else 0.0,
-        ))
+        rows.append(
+            Row(
+                system=system,
+                n=len(chosen),
+                accuracy=accuracy,
+                mean_total_s=fmean(r.get("total_s") or 0.0 for r in chosen) if chosen else 0.0,
+                mean_ttft_s=fmean(ttfts) if ttfts else None,
+                mean_calls=fmean(r.get("member_calls") or 0 for r in chosen) if chosen else 0.0,
+                calls_per_round=sum(r.get("member_calls") or 0 for r in chosen) / rounds if rounds else None,
+                mean_tokens=fmean(r.get("tokens") or 0 for r in chosen) if chosen else 0.0,
+                errors=sum(1 for r in chosen if r.get("error")),
+                wins=dict(wins),
+                at_limit=fmean(r.get("finish_reason") == "length" for r in chosen) if chosen else 0.0,
+                looping=fmean(loops(r.get("output") or "") for r in chosen) if chosen else 0.0,
+            )
+        )
     return rows, common
 
 
@@ -152,15 +156,33 @@ def _pct(row: Row, metric: str) -> str:
 def table(task: Task, rows: Sequence[Row]) -> str:
     """A markdown table: accuracy with 95 % CI, mean time, time to first token, member calls."""
     metric_heads = [m.replace("_acc", "").replace("_", " ") for m in task.metrics]
-    head = ["system", "n", *metric_heads, "mean time (s)", "time to first token (s)", "member calls",
-            "calls / round", "tokens", "hit limit", "loops"]
+    head = [
+        "system",
+        "n",
+        *metric_heads,
+        "mean time (s)",
+        "time to first token (s)",
+        "member calls",
+        "calls / round",
+        "tokens",
+        "hit limit",
+        "loops",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ttft = f"{row.mean_ttft_s:.2f}" if row.mean_ttft_s is not None else "–"
-        cells = [f"`{row.system}`", str(row.n), *(_pct(row, m) for m in task.metrics),
-                 f"{row.mean_total_s:.2f}", ttft, f"{row.mean_calls:.1f}",
-                 f"{row.calls_per_round:.2f}" if row.calls_per_round is not None else "–", f"{row.mean_tokens:.0f}",
-                 f"{row.at_limit:.0%}", f"{row.looping:.0%}"]
+        cells = [
+            f"`{row.system}`",
+            str(row.n),
+            *(_pct(row, m) for m in task.metrics),
+            f"{row.mean_total_s:.2f}",
+            ttft,
+            f"{row.mean_calls:.1f}",
+            f"{row.calls_per_round:.2f}" if row.calls_per_round is not None else "–",
+            f"{row.mean_tokens:.0f}",
+            f"{row.at_limit:.0%}",
+            f"{row.looping:.0%}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -217,14 +239,16 @@ def comparisons(task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any
     for a in presets:
         for b in dict.fromkeys(x for x in (best, "default", "specfuse", "rerank") if x in names and x != a):
             c = paired(task, by_key, common, a, b)
-            lines.append(
-                f"| `{a}` | `{b}` | {c.difference:+.1%} | {c.only_a} | {c.only_b} | {c.p_value:.3f} |"
-            )
+            lines.append(f"| `{a}` | `{b}` | {c.difference:+.1%} | {c.only_a} | {c.only_b} | {c.p_value:.3f} |")
     if not lines:
         return ""
-    head = [f"Paired on the same items ({task.primary}): difference a − b, items only a got right, "
-            "items only b got right, exact McNemar p.", "",
-            "| a | b | a − b | only a | only b | p |", "|---|---|---|---|---|---|"]
+    head = [
+        f"Paired on the same items ({task.primary}): difference a − b, items only a got right, "
+        "items only b got right, exact McNemar p.",
+        "",
+        "| a | b | a − b | only a | only b | p |",
+        "|---|---|---|---|---|---|",
+    ]
     return "\n".join(head + lines)
 
 
@@ -300,18 +324,29 @@ def build_report(out_dir: str | Path) -> Path:
 
 
 def _section(
-    task: Task, rows: Sequence[Row], records: Sequence[dict[str, Any]], common: Sequence[str], folder: Path,
-    *, first: bool,
+    task: Task,
+    rows: Sequence[Row],
+    records: Sequence[dict[str, Any]],
+    common: Sequence[str],
+    folder: Path,
+    *,
+    first: bool,
 ) -> list[str]:
     """Markdown for one task and one group of systems: heading, table, wins, paired tests, plots."""
     if first:
         heading = f"## {task.name}"
-        scope = (f"{len(common)} items finished by every system (ids {common[0]} … {common[-1]})." if common
-                 else "No item finished by every system yet.")
+        scope = (
+            f"{len(common)} items finished by every system (ids {common[0]} … {common[-1]})."
+            if common
+            else "No item finished by every system yet."
+        )
     else:
         heading = f"### {task.name}: the systems that finished {len(common)} items"
-        scope = (f"{len(common)} items (ids {common[0]} … {common[-1]}) finished by "
-                 + ", ".join(f"`{r.system}`" for r in rows) + ".")
+        scope = (
+            f"{len(common)} items (ids {common[0]} … {common[-1]}) finished by "
+            + ", ".join(f"`{r.system}`" for r in rows)
+            + "."
+        )
     images = plot(task, rows, folder, suffix="" if first else f"_n{len(common)}")
     parts = [heading, "", scope, "", table(task, rows), ""]
     for row in rows:
@@ -320,8 +355,11 @@ def _section(
             unit = "answers" if row.system == "rerank" else "segments"
             shares = ", ".join(f"{m} {c / total:.0%}" for m, c in sorted(row.wins.items()))
             parts.append(f"- `{row.system}` {unit} won: {shares}")
-    parts += [f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)"
-              for row in rows if row.errors]
+    parts += [
+        f"- `{row.system}`: {row.errors} items failed (recorded with `error`, counted wrong)"
+        for row in rows
+        if row.errors
+    ]
     versus = comparisons(task, rows, records, common)
     if versus:
         parts += ["", versus]

@@ -95,7 +95,11 @@ def carried_weights(records: Sequence[dict[str, Any]], first_pending: dict[str, 
     latest: dict[str, tuple[int, dict[str, float]]] = {}
     for r in records:
         system, index = r["system"], r["index"]
-        if r.get("weights") and system in first_pending and latest.get(system, (-1,))[0] <= index < first_pending[system]:
+        if (
+            r.get("weights")
+            and system in first_pending
+            and latest.get(system, (-1,))[0] <= index < first_pending[system]
+        ):
             latest[system] = (index, r["weights"])
     return {system: weights for system, (_, weights) in latest.items()}
 
@@ -128,9 +132,14 @@ def run_eval(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = RunSettings(
-        max_tokens=max_tokens or task.default_max_tokens, temperature=temperature,
-        top_p=top_p if top_p is not None else 1.0 if temperature <= 0 else 0.9, seed=seed, window=window,
-        stop=stop, hedge_persist=hedge_persist, options=dict(options or {}),
+        max_tokens=max_tokens or task.default_max_tokens,
+        temperature=temperature,
+        top_p=top_p if top_p is not None else 1.0 if temperature <= 0 else 0.9,
+        seed=seed,
+        window=window,
+        stop=stop,
+        hedge_persist=hedge_persist,
+        options=dict(options or {}),
     )
     path = results_path(out, task.name)
     previous = read_records(path)
@@ -144,18 +153,33 @@ def run_eval(
     member_options = {"prefix_cache_cells": 0, **(member_options or {})}
     with Ensemble(list(members) if members else None, **member_options) as ensemble:
         names = resolve_systems(systems, ensemble.names)
-        _check_run_file(run_file, {
-            "task": task.name, "settings": _recorded(settings), "members": ensemble.names, "systems": names,
-            "data": str(data or task.default_data), "started": datetime.now(UTC).isoformat(),
-            "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
-        })
+        _check_run_file(
+            run_file,
+            {
+                "task": task.name,
+                "settings": _recorded(settings),
+                "members": ensemble.names,
+                "systems": names,
+                "data": str(data or task.default_data),
+                "started": datetime.now(UTC).isoformat(),
+                "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
+            },
+        )
         pending = [(item, name) for item in items for name in names if (item.id, name) not in done]
         _run_pending(task, pending, ensemble, settings, previous, path, progress, {i.id for i in items})
     return path
 
 
-def _run_pending(task: Task, pending: Sequence[tuple[Any, str]], ensemble: Any, settings: RunSettings,
-                 previous: Sequence[dict[str, Any]], path: Path, progress: bool, ids: set[str]) -> None:
+def _run_pending(
+    task: Task,
+    pending: Sequence[tuple[Any, str]],
+    ensemble: Any,
+    settings: RunSettings,
+    previous: Sequence[dict[str, Any]],
+    path: Path,
+    progress: bool,
+    ids: set[str],
+) -> None:
     """Run each pending (item, system) in order, appending its record as soon as it is scored."""
     bar = _progress(len(pending), task.name, enabled=progress)
     running = _RunningAccuracy(list(previous), ids)
@@ -188,9 +212,16 @@ def recorded_answers(records: Sequence[dict[str, Any]], item_id: str) -> dict[st
     answers: dict[str, MemberAnswer] = {}
     for r in records:
         if r["id"] == item_id and r["system"].startswith(MEMBER_PREFIX) and "error" not in r:
-            name = r["system"][len(MEMBER_PREFIX):]
-            answers[name] = MemberAnswer(name, r["output"], r.get("tokens", 0), r.get("member_calls", 0),
-                                   r.get("ttft_s"), r.get("total_s", 0.0), r.get("finish_reason", ""))
+            name = r["system"][len(MEMBER_PREFIX) :]
+            answers[name] = MemberAnswer(
+                name,
+                r["output"],
+                r.get("tokens", 0),
+                r.get("member_calls", 0),
+                r.get("ttft_s"),
+                r.get("total_s", 0.0),
+                r.get("finish_reason", ""),
+            )
     return answers
 
 

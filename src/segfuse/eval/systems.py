@@ -110,12 +110,18 @@ def fusion_system(**options: object) -> SystemFn:
 
     def run(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
         fusion = FusionOptions.build(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            window=s.window, stop=s.stop, **{**extra_options, **s.options},
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            window=s.window,
+            stop=s.stop,
+            **{**extra_options, **s.options},
         )
         persist = s.hedge_persist and fusion.hedge
-        request = FusionRequest.of(messages, fusion, members=members,
-                                   weights=ctx.carried.get(ctx.system) if persist else None)
+        request = FusionRequest.of(
+            messages, fusion, members=members, weights=ctx.carried.get(ctx.system) if persist else None
+        )
         output = fused(ctx.ensemble, request)
         if persist and output.weights:
             ctx.carried[ctx.system] = output.weights
@@ -127,8 +133,12 @@ def fusion_system(**options: object) -> SystemFn:
 def _rerank(ctx: ItemContext, messages: list[Message], s: RunSettings) -> SystemOutput:
     answers = [ctx.answers.get(m.name) for m in ctx.members]
     return rerank(
-        ctx.members, messages, max_tokens=s.max_tokens, sampling=Sampling(s.temperature, s.top_p, s.seed),
-        stop=s.stop, answers=answers,
+        ctx.members,
+        messages,
+        max_tokens=s.max_tokens,
+        sampling=Sampling(s.temperature, s.top_p, s.seed),
+        stop=s.stop,
+        answers=answers,
     )
 
 
@@ -144,16 +154,30 @@ def _member(name: str) -> SystemFn:
 
 # Presets name their switches explicitly, so a recorded "specfuse" stays plain fusion whatever
 # the engine's defaults; the knobs of Model Exit and Hedge are the documented option defaults.
-PLAIN = {"exit": False, "hedge": False, "guard": False, "gate": None, "prior": "uniform",
-         "accept_margin": None}  # the paper's
+PLAIN = {
+    "exit": False,
+    "hedge": False,
+    "guard": False,
+    "gate": None,
+    "prior": "uniform",
+    "accept_margin": None,
+}  # the paper's
 register("specfuse", fusion_system(**PLAIN))
 register("specfuse+exit", fusion_system(**{**PLAIN, "exit": True}))
 register("specfuse+hedge", fusion_system(**{**PLAIN, "hedge": True}))
 register("specfuse+exit+hedge", fusion_system(**{**PLAIN, "exit": True, "hedge": True}))
 register("rerank", _rerank)
 # Everything the selection study switches, named: leader by prompt fit, gate, guard, prior.
-LEAD = {"exit": False, "hedge": False, "guard": True, "prior": "uniform", "gate": 0.5, "leader": "auto",
-        "exit_votes": "all", "accept_margin": None}
+LEAD = {
+    "exit": False,
+    "hedge": False,
+    "guard": True,
+    "prior": "uniform",
+    "gate": 0.5,
+    "leader": "auto",
+    "exit_votes": "all",
+    "accept_margin": None,
+}
 register("specfuse+guard", fusion_system(**{**PLAIN, "guard": True}))
 register("specfuse+lead", fusion_system(**LEAD))
 GATE = {**LEAD, "guard": False}  # the default engine since the 512-token study
@@ -190,9 +214,9 @@ def parse_fusion(spec: str) -> dict[str, object]:
 
 def get_system(name: str) -> SystemFn:
     if name.startswith(MEMBER_PREFIX):
-        return _member(name[len(MEMBER_PREFIX):])
+        return _member(name[len(MEMBER_PREFIX) :])
     if name.startswith(FUSION_PREFIX):
-        return fusion_system(**parse_fusion(name[len(FUSION_PREFIX):]))
+        return fusion_system(**parse_fusion(name[len(FUSION_PREFIX) :]))
     try:
         return SYSTEMS[name]
     except KeyError:
@@ -207,16 +231,15 @@ def resolve_systems(spec: str | Sequence[str], member_names: Sequence[str]) -> l
     for name in filter(None, names):
         group = [MEMBER_PREFIX + m for m in member_names] if name == "members" else [name]
         for item in group:
-            if item.startswith(MEMBER_PREFIX) and item[len(MEMBER_PREFIX):] not in member_names:
-                raise InvalidRequestError(
-                    f"{item}: not a member of this run", f"members: {', '.join(member_names)}"
-                )
+            if item.startswith(MEMBER_PREFIX) and item[len(MEMBER_PREFIX) :] not in member_names:
+                raise InvalidRequestError(f"{item}: not a member of this run", f"members: {', '.join(member_names)}")
             if item.startswith(FUSION_PREFIX):
-                chosen, _ = split_members(parse_fusion(item[len(FUSION_PREFIX):]))
+                chosen, _ = split_members(parse_fusion(item[len(FUSION_PREFIX) :]))
                 unknown = [m for m in chosen or [] if m not in member_names]
                 if unknown:
-                    raise InvalidRequestError(f"{item}: {unknown[0]} is not a member of this run",
-                                              f"members: {', '.join(member_names)}")
+                    raise InvalidRequestError(
+                        f"{item}: {unknown[0]} is not a member of this run", f"members: {', '.join(member_names)}"
+                    )
             get_system(item)
             if item not in expanded:
                 expanded.append(item)

@@ -71,7 +71,9 @@ class Task:
     def load(self, path: str | Path | None = None, *, offset: int = 0, limit: int | None = None) -> list[Item]:
         """Items [offset, offset+limit) of the task's JSONL file."""
         if not path and not self.default_data:
-            raise InvalidRequestError(f"the {self.name} task has no data of its own", "pass --data PATH to a JSONL file")
+            raise InvalidRequestError(
+                f"the {self.name} task has no data of its own", "pass --data PATH to a JSONL file"
+            )
         data = Path(path) if path else default_data_path(self.default_data)
         if not data.is_file():
             raise InvalidRequestError(f"no data file at {data}", "pass --data PATH to the task's JSONL file")
@@ -85,8 +87,9 @@ class Task:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise InvalidRequestError(f"{data} line {index + 1} is not JSON: {exc.msg}",
-                                              "one JSON object per line") from None
+                    raise InvalidRequestError(
+                        f"{data} line {index + 1} is not JSON: {exc.msg}", "one JSON object per line"
+                    ) from None
                 items.append(self.parse(row, index))
         return items
 
@@ -265,8 +268,10 @@ def _check_function(checker: str) -> Callable[[dict[str, Any], str], bool]:
         try:
             fn = getattr(importlib.import_module(module), function)
         except (ImportError, AttributeError) as exc:
-            raise InvalidRequestError(f"cannot load the checker {checker}: {exc}",
-                                      "give python:MODULE:FUNCTION importable from the current folder") from None
+            raise InvalidRequestError(
+                f"cannot load the checker {checker}: {exc}",
+                "give python:MODULE:FUNCTION importable from the current folder",
+            ) from None
         return lambda row, out: bool(fn(row, out))
     raise InvalidRequestError(f"unknown checker {checker!r}", f"choose one of {', '.join(CHECKERS)}")
 
@@ -288,22 +293,32 @@ def jsonl_task(checker: str | None) -> Task:
     importable from the current folder; the row is the whole JSON object).
     """
     if not checker:
-        raise InvalidRequestError("a JSONL task needs a checker to say which answers are right",
-                                  f"add --checker, one of {', '.join(CHECKERS)}")
+        raise InvalidRequestError(
+            "a JSONL task needs a checker to say which answers are right",
+            f"add --checker, one of {', '.join(CHECKERS)}",
+        )
     check = _check_function(checker)
 
     def parse(row: dict[str, Any], index: int) -> Item:
         prompt = row.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidRequestError(f"line {index + 1} has no \"prompt\" text", 'write {"prompt": ..., "answer": ...}')
+            raise InvalidRequestError(f'line {index + 1} has no "prompt" text', 'write {"prompt": ..., "answer": ...}')
         if not checker.startswith("python:") and "answer" not in row:
-            raise InvalidRequestError(f"line {index + 1} has no \"answer\" for the {checker} checker",
-                                      'write {"prompt": ..., "answer": ...}')
+            raise InvalidRequestError(
+                f'line {index + 1} has no "answer" for the {checker} checker', 'write {"prompt": ..., "answer": ...}'
+            )
         return Item(id=str(row.get("id", f"jsonl-{index}")), index=index, prompt=prompt, reference=row)
 
     def score(item: Item, output: str) -> dict[str, Any]:
         correct = check(item.reference, output)
         return {"correct": correct, "accuracy": correct}
 
-    return Task(name="jsonl", default_data="", default_max_tokens=256, primary="accuracy", metrics=("accuracy",),
-                parse=parse, score=score)
+    return Task(
+        name="jsonl",
+        default_data="",
+        default_max_tokens=256,
+        primary="accuracy",
+        metrics=("accuracy",),
+        parse=parse,
+        score=score,
+    )

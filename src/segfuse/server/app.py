@@ -71,8 +71,7 @@ def load_ensemble(config: ServerConfig) -> Ensemble:
 def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: Shared | None = None) -> FastAPI:
     """The ASGI app. With ``ensemble`` given the caller keeps ownership of it. `shared`: what this app
     shares with other front ends of the same server (default: nothing, all in memory; ``shared.py``)."""
-    worker = Worker(config.server.queue_size, config.server.max_concurrent,
-                    stall_after_s=config.server.stall_after_s)
+    worker = Worker(config.server.queue_size, config.server.max_concurrent, stall_after_s=config.server.stall_after_s)
     shared = shared if shared is not None else Shared(ResponseStore())
     state = ServerState(config, config.fusion_defaults(), worker, shared.metrics(worker), shared)
     worker.observer = state.metrics
@@ -88,8 +87,11 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
         state.placement = {m.name: m.placement or "?" for m in ens.members}
         state.contexts = {m.name: getattr(m, "n_ctx", None) for m in ens.members}
         state.loaded = list(ens.members)
-        log.info("serving %s with members %s", state.model_id,
-                 ", ".join(f"{name} ({where})" for name, where in state.placement.items()))
+        log.info(
+            "serving %s with members %s",
+            state.model_id,
+            ", ".join(f"{name} ({where})" for name, where in state.placement.items()),
+        )
 
     def load_in_background() -> None:
         try:
@@ -118,8 +120,14 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
 
     # No /docs or /redoc: their pages load scripts from a CDN, and the server must work offline.
     # /openapi.json is a route of ours, behind the key (_add_model_routes).
-    app = FastAPI(title="segfuse", summary="OpenAI-compatible API of a segfuse ensemble",
-                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="segfuse",
+        summary="OpenAI-compatible API of a segfuse ensemble",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.segfuse = state
     app.add_middleware(Gate, allowed=config.server.hosts(), max_header_bytes=config.limits.max_header_bytes)
     _add_error_handlers(app, state)
@@ -195,12 +203,21 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         error = error if error is None or state.holds_key(request) else redact(error)
         waiting, running, occupancy = worker.view()
         copies = await state.shared.copies(state.loaded)
-        body = Health(status=status, model=state.model_id, members=state.members, error=error,
-                      queue=QueueState(waiting=waiting, running=running, capacity=worker.queue_size,
-                                       max_concurrent=worker.max_concurrent),
-                      counters=worker.snapshot(), placement=state.placement,
-                      occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()},
-                      copies=copies.members, degraded=copies.degraded, replica=state.shared.replica)
+        body = Health(
+            status=status,
+            model=state.model_id,
+            members=state.members,
+            error=error,
+            queue=QueueState(
+                waiting=waiting, running=running, capacity=worker.queue_size, max_concurrent=worker.max_concurrent
+            ),
+            counters=worker.snapshot(),
+            placement=state.placement,
+            occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()},
+            copies=copies.members,
+            degraded=copies.degraded,
+            replica=state.shared.replica,
+        )
         return JSONResponse(body.model_dump(), status_code=code)
 
     # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
@@ -216,6 +233,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 def _model_cards(state: ServerState) -> list[ModelCard]:
     """The fused model, then each member (a member alone is a model of its own: a baseline); each with the
     context it takes (the fused model: its smallest member's)."""
+
     def card(model: str, **more: Any) -> ModelCard:
         window = state.context_length(model)
         return ModelCard(id=model, created=state.started, context_length=window, max_model_len=window, **more)
@@ -232,8 +250,7 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
     async def list_models() -> ModelList:
         return ModelList(data=_model_cards(state))
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
-             dependencies=[require_key])
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[require_key])
     async def get_model(model_id: str) -> ModelCard:
         for card in _model_cards(state):
             if card.id == model_id:
@@ -252,8 +269,12 @@ def run(config: ServerConfig) -> None:
     with load_ensemble(config) as ensemble:
         app = create_app(config, ensemble)
         s = config.server
-        log.info("open http://%s:%d/ for the web view; API at /v1%s", s.host, s.port,
-                 " (API key required)" if s.api_key else "")
+        log.info(
+            "open http://%s:%d/ for the web view; API at /v1%s",
+            s.host,
+            s.port,
+            " (API key required)" if s.api_key else "",
+        )
         server = _server(app, config)
         try:
             server.run()
@@ -273,12 +294,13 @@ def configure_logging(config: ServerConfig) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(level)
     if config.server.host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
-        log.warning("listening on %s without an API key: anyone who can reach it can use it",
-                    config.server.host)
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", config.server.host)
     hosts = config.server.hosts()
     if hosts is not None and config.server.allowed_hosts is None and config.server.host in WILDCARD_HOSTS:
-        log.warning("listening on every interface, answering only Host %s: name the others with --allowed-hosts",
-                    ", ".join(sorted(hosts - {config.server.host})))
+        log.warning(
+            "listening on every interface, answering only Host %s: name the others with --allowed-hosts",
+            ", ".join(sorted(hosts - {config.server.host})),
+        )
 
 
 def _server(app: FastAPI, config: ServerConfig) -> Any:
@@ -304,9 +326,15 @@ def uvicorn_settings(config: ServerConfig) -> dict[str, Any]:
     """How uvicorn serves the app: the address, and the connection limits of ``[limits]`` (uvicorn's own
     ``limit_concurrency`` counts idle connections too: ours, in the protocol class, counts requests only)."""
     s, limits = config.server, config.limits
-    return {"host": s.host, "port": s.port, "log_level": s.log_level, "timeout_graceful_shutdown": 30,
-            "timeout_keep_alive": limits.timeout_keep_alive_s, "http": h11_protocol(limits),
-            "h11_max_incomplete_event_size": limits.max_header_bytes}
+    return {
+        "host": s.host,
+        "port": s.port,
+        "log_level": s.log_level,
+        "timeout_graceful_shutdown": 30,
+        "timeout_keep_alive": limits.timeout_keep_alive_s,
+        "http": h11_protocol(limits),
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+    }
 
 
 __all__ = ["ServerState", "configure_logging", "create_app", "load_ensemble", "run", "uvicorn_settings"]

@@ -107,14 +107,17 @@ class RefusalLog:
             return
         self._last = loop.time()
         parts = []
-        for setting, what in (("limit_concurrency", "requests answered 503"),
-                              ("max_pending_per_client", "connections closed before their request"),
-                              ("max_pending_connections", "connections closed before their request")):
+        for setting, what in (
+            ("limit_concurrency", "requests answered 503"),
+            ("max_pending_per_client", "connections closed before their request"),
+            ("max_pending_connections", "connections closed before their request"),
+        ):
             by_address = Counter({a: n for (s, a), n in self.counts.items() if s == setting})
             if by_address:
                 top = ", ".join(f"{a or 'unknown'}: {n}" for a, n in by_address.most_common(3))
-                parts.append(f"{what} past [limits] {setting} {getattr(self.limits, setting)}: "
-                             f"{by_address.total()} ({top})")
+                parts.append(
+                    f"{what} past [limits] {setting} {getattr(self.limits, setting)}: {by_address.total()} ({top})"
+                )
         self.counts.clear()
         log.warning("refused: %s", "; ".join(parts))
 
@@ -138,8 +141,10 @@ class InFlight:
 
 async def server_busy(scope: Any, receive: Any, send: Any, limit: int) -> None:
     """503 ``server_busy``: the request is not read, and the connection closes."""
-    message = (f"the server is answering as many requests as it takes at once ([limits] limit_concurrency "
-               f"{limit}); retry in a moment")
+    message = (
+        f"the server is answering as many requests as it takes at once ([limits] limit_concurrency "
+        f"{limit}); retry in a moment"
+    )
     headers, body = error_body("server_busy", message, "server_error")
     headers += [(b"connection", b"close"), (b"retry-after", b"1")]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
@@ -229,5 +234,12 @@ def h11_protocol(limits: LimitsSection) -> type:
     return BoundedH11
 
 
-__all__ = ["PENDING_GRACE_S", "REFUSAL_LOG_S", "InFlight", "PendingConnections", "RefusalLog", "h11_protocol",
-           "server_busy"]
+__all__ = [
+    "PENDING_GRACE_S",
+    "REFUSAL_LOG_S",
+    "InFlight",
+    "PendingConnections",
+    "RefusalLog",
+    "h11_protocol",
+    "server_busy",
+]

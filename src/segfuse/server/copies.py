@@ -15,8 +15,20 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-ROW_FIELDS = ("index", "node_ip", "node_id", "pid", "placement", "up", "sessions", "slots", "free_slots", "waiting",
-              "prefix_hits", "stats")
+ROW_FIELDS = (
+    "index",
+    "node_ip",
+    "node_id",
+    "pid",
+    "placement",
+    "up",
+    "sessions",
+    "slots",
+    "free_slots",
+    "waiting",
+    "prefix_hits",
+    "stats",
+)
 
 
 @dataclass(frozen=True)
@@ -37,8 +49,12 @@ def rows_of(member: Any) -> list[dict[str, Any]] | None:
 
 def down_copies(member: str, rows: Iterable[dict[str, Any]]) -> list[str]:
     """What a member's rows say is down, in words."""
-    return [f"{member}: copy {row['index']} on {row['node_ip']} is down (Ray restarts it where it can; its "
-            "sessions are read again on another copy)" for row in rows if not row["up"]]
+    return [
+        f"{member}: copy {row['index']} on {row['node_ip']} is down (Ray restarts it where it can; its "
+        "sessions are read again on another copy)"
+        for row in rows
+        if not row["up"]
+    ]
 
 
 def local_view(members: Sequence[Any]) -> CopiesView:

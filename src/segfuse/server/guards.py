@@ -30,13 +30,12 @@ def host_name(header: str) -> str:
     """A Host header's name, lower case, without the port (``[::1]:8000`` -> ``::1``)."""
     value = header.strip().lower()
     if value.startswith("["):  # an IPv6 literal
-        return value[1:value.find("]")] if "]" in value else value
+        return value[1 : value.find("]")] if "]" in value else value
     name, colon, port = value.rpartition(":")
     return name if colon and port.isdigit() and ":" not in name else value
 
 
-def error_body(code: str, message: str,
-               kind: str = "invalid_request_error") -> tuple[list[tuple[bytes, bytes]], bytes]:
+def error_body(code: str, message: str, kind: str = "invalid_request_error") -> tuple[list[tuple[bytes, bytes]], bytes]:
     """An OpenAI-shaped error's headers and JSON body, for the answers sent before any route."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body
@@ -69,13 +68,20 @@ class Gate:
         size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if size > self.max_header_bytes:
-            return (431, "headers_too_large", f"the request line and headers pass {self.max_header_bytes} bytes "
-                    "([limits] max_header_bytes)")
+            return (
+                431,
+                "headers_too_large",
+                f"the request line and headers pass {self.max_header_bytes} bytes ([limits] max_header_bytes)",
+            )
         if self.allowed is not None:
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
             if host_name(host) not in self.allowed:
-                return (400, "invalid_host", "this server does not answer to that Host header; an operator can "
-                        "add the name to allowed_hosts (docs/server.md, Behind a proxy)")
+                return (
+                    400,
+                    "invalid_host",
+                    "this server does not answer to that Host header; an operator can "
+                    "add the name to allowed_hosts (docs/server.md, Behind a proxy)",
+                )
         return None
 
 

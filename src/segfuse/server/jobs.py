@@ -147,8 +147,13 @@ def prompt_tokens(members: Sequence[Member], messages: Sequence[Message]) -> dic
     return counts
 
 
-def flight_of(job: Job, steps: Steps, count: Callable[[str], None], tell: Callable[[Callable[[Observer], None]], None],
-              end: Callable[[Job, BaseException | None, int], None]) -> Flight:
+def flight_of(
+    job: Job,
+    steps: Steps,
+    count: Callable[[str], None],
+    tell: Callable[[Callable[[Observer], None]], None],
+    end: Callable[[Job, BaseException | None, int], None],
+) -> Flight:
     """The scheduler's flight for `job`: its events go to the job's handler as they happen, rounds are
     counted, the observer hears of the first text and the result; `end` is told how it ended."""
     rounds = [0]
@@ -169,8 +174,7 @@ def flight_of(job: Job, steps: Steps, count: Callable[[str], None], tell: Callab
 
     # The leader's text as it decodes it, unless the answer's log-probabilities are asked for: they
     # come with whole segments (and with tools offered the text is held to the end anyway).
-    return Flight(steps, on_event, lambda why: end(job, why, rounds[0]), job.cancel_flag.is_set,
-                  live=not job.logprobs)
+    return Flight(steps, on_event, lambda why: end(job, why, rounds[0]), job.cancel_flag.is_set, live=not job.logprobs)
 
 
 def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | None, int], None]) -> None:

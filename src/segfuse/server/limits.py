@@ -17,8 +17,12 @@ from .serving import APIError
 
 def exceeded(param: str, what: str, limit: int | float, setting: str) -> APIError:
     """400 naming the field and the limit (and where an operator changes it)."""
-    return APIError(400, f"{param}: {what}; this server takes at most {limit:,} ([limits] {setting})",
-                    code="limit_exceeded", param=param)
+    return APIError(
+        400,
+        f"{param}: {what}; this server takes at most {limit:,} ([limits] {setting})",
+        code="limit_exceeded",
+        param=param,
+    )
 
 
 def depth(value: Any, stop_at: int) -> int:
@@ -96,16 +100,14 @@ def check_chat(request: Any, limits: LimitsSection) -> None:
         raise exceeded("messages", f"{len(request.messages):,} messages", limits.max_messages, "max_messages")
     chars = sum(len(m.text()) for m in request.messages)
     if chars > limits.max_content_chars:
-        raise exceeded("messages", f"{chars:,} characters of content", limits.max_content_chars,
-                       "max_content_chars")
+        raise exceeded("messages", f"{chars:,} characters of content", limits.max_content_chars, "max_content_chars")
     tools = request.tools or []
     if len(tools) > limits.max_tools:
         raise exceeded("tools", f"{len(tools):,} tools", limits.max_tools, "max_tools")
     if tools:
         size = json_size(tools)
         if size > limits.max_tools_bytes:
-            raise exceeded("tools", f"the tools are {size:,} bytes of JSON", limits.max_tools_bytes,
-                           "max_tools_bytes")
+            raise exceeded("tools", f"the tools are {size:,} bytes of JSON", limits.max_tools_bytes, "max_tools_bytes")
         for i, tool in enumerate(tools):
             function = tool.get("function") if isinstance(tool, dict) else None
             if isinstance(function, dict) and function.get("parameters") is not None:
@@ -127,5 +129,13 @@ def check_text(request: Any, limits: LimitsSection) -> None:
         raise exceeded("prompt", f"{chars:,} characters of prompt", limits.max_content_chars, "max_content_chars")
 
 
-__all__ = ["check_body_depth", "check_chat", "check_schema", "check_stops", "check_text", "depth", "exceeded",
-           "json_size"]
+__all__ = [
+    "check_body_depth",
+    "check_chat",
+    "check_schema",
+    "check_stops",
+    "check_text",
+    "depth",
+    "exceeded",
+    "json_size",
+]

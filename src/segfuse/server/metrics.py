@@ -57,32 +57,47 @@ class _WorkerCollector(Collector):
         counters = self.worker.snapshot()
         waiting, running, held = self.worker.view()
         requests = CounterMetricFamily(
-            "segfuse_requests", "Requests that reached the worker, by how they ended "
-            "(rejected: the queue was full, 429; invalid: the members found the input bad)", labels=["outcome"])
+            "segfuse_requests",
+            "Requests that reached the worker, by how they ended "
+            "(rejected: the queue was full, 429; invalid: the members found the input bad)",
+            labels=["outcome"],
+        )
         for outcome in OUTCOMES:
             requests.add_metric([outcome], counters.get(outcome, 0))
         yield requests
-        yield CounterMetricFamily("segfuse_requests_accepted", "Requests queued for the worker",
-                                  value=counters.get("accepted", 0))
-        yield CounterMetricFamily("segfuse_rounds", "Fusion rounds run (draft, verify, pick a segment)",
-                                  value=counters.get("rounds", 0))
+        yield CounterMetricFamily(
+            "segfuse_requests_accepted", "Requests queued for the worker", value=counters.get("accepted", 0)
+        )
+        yield CounterMetricFamily(
+            "segfuse_rounds", "Fusion rounds run (draft, verify, pick a segment)", value=counters.get("rounds", 0)
+        )
         yield GaugeMetricFamily("segfuse_generations_in_flight", "Generations running now", value=int(running))
         yield GaugeMetricFamily("segfuse_queue_depth", "Requests waiting for a free slot", value=waiting)
-        yield GaugeMetricFamily("segfuse_queue_capacity", "How many requests may wait (queue_size)",
-                                value=self.worker.queue_size)
-        yield GaugeMetricFamily("segfuse_max_concurrent", "Generations run together at most",
-                                value=self.worker.max_concurrent)
+        yield GaugeMetricFamily(
+            "segfuse_queue_capacity", "How many requests may wait (queue_size)", value=self.worker.queue_size
+        )
+        yield GaugeMetricFamily(
+            "segfuse_max_concurrent", "Generations run together at most", value=self.worker.max_concurrent
+        )
         yield from _occupancy(held)
 
 
 def _occupancy(held: Mapping[str, Occupancy]) -> Iterable[Metric]:
     """Per member, what it held after the worker's last step (members that cannot tell are left out)."""
-    free = GaugeMetricFamily("segfuse_member_free_slots", "Session slots of the member no request holds",
-                             labels=["member"])
-    cells = GaugeMetricFamily("segfuse_member_cache_cells", "KV-cache positions the member's open sessions "
-                              "hold, summed over their sequences (0 when no request is in flight)", labels=["member"])
-    stray = GaugeMetricFamily("segfuse_member_stray_cells", "KV-cache positions held by no session and no "
-                              "prefix-cache entry (a leak: always 0)", labels=["member"])
+    free = GaugeMetricFamily(
+        "segfuse_member_free_slots", "Session slots of the member no request holds", labels=["member"]
+    )
+    cells = GaugeMetricFamily(
+        "segfuse_member_cache_cells",
+        "KV-cache positions the member's open sessions "
+        "hold, summed over their sequences (0 when no request is in flight)",
+        labels=["member"],
+    )
+    stray = GaugeMetricFamily(
+        "segfuse_member_stray_cells",
+        "KV-cache positions held by no session and no prefix-cache entry (a leak: always 0)",
+        labels=["member"],
+    )
     for name, o in held.items():
         if o.free_slots is not None:
             free.add_metric([name], o.free_slots)
@@ -112,7 +127,8 @@ def _prefix_caches(caches: Mapping[str, PrefixStats]) -> Iterable[Metric]:
     """Per member, its prefix cache: what it holds now (gauges) and what it has done (counters)."""
     for field, text, counter in PREFIX_METRICS:
         family = (CounterMetricFamily if counter else GaugeMetricFamily)(
-            f"segfuse_member_prefix_cache_{field}", text, labels=["member"])
+            f"segfuse_member_prefix_cache_{field}", text, labels=["member"]
+        )
         for name, stats in caches.items():
             family.add_metric([name], getattr(stats, field))
         yield family
@@ -143,20 +159,29 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_WorkerCollector(worker))
         r = self.registry
-        self.output_tokens = Counter("segfuse_output_tokens", "Answer tokens generated (the winners' tokens, "
-                                     "as usage.completion_tokens)", registry=r)
+        self.output_tokens = Counter(
+            "segfuse_output_tokens",
+            "Answer tokens generated (the winners' tokens, as usage.completion_tokens)",
+            registry=r,
+        )
         self.time_to_first_segment = Histogram(
             "segfuse_time_to_first_segment_seconds",
             "From the request's acceptance (queueing included) to its first accepted segment",
-            buckets=FIRST_SEGMENT_BUCKETS, registry=r)
+            buckets=FIRST_SEGMENT_BUCKETS,
+            registry=r,
+        )
         self.latency = Histogram(
             "segfuse_request_latency_seconds",
             "From the request's acceptance (queueing included) to its complete answer; completed requests only",
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.member_faults = Counter("segfuse_member_faults", "Members dropped from a query after a fault",
-                                     ["member"], registry=r)
-        self.member_exits = Counter("segfuse_member_exits", "Members that left a query by Model Exit",
-                                    ["member"], registry=r)
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.member_faults = Counter(
+            "segfuse_member_faults", "Members dropped from a query after a fault", ["member"], registry=r
+        )
+        self.member_exits = Counter(
+            "segfuse_member_exits", "Members that left a query by Model Exit", ["member"], registry=r
+        )
 
     def members(self, names: Iterable[str]) -> None:
         """Start each member's series at 0, so dashboards see them before the first departure."""

@@ -33,8 +33,11 @@ def _same(value: Any, neutral: Any) -> bool:
     if isinstance(neutral, int | float):
         return isinstance(value, int | float) and value == neutral
     if isinstance(neutral, dict):
-        return (isinstance(value, dict) and value.keys() == neutral.keys()
-                and all(_same(value[k], neutral[k]) for k in neutral))
+        return (
+            isinstance(value, dict)
+            and value.keys() == neutral.keys()
+            and all(_same(value[k], neutral[k]) for k in neutral)
+        )
     if isinstance(neutral, list):
         return isinstance(value, list) and len(value) == len(neutral) and all(map(_same, value, neutral))
     return type(value) is type(neutral) and value == neutral
@@ -78,14 +81,20 @@ def unsupported_error(names: list[str], endpoint: Endpoint) -> APIError:
         neutral = " or ".join([json.dumps(v) for v in endpoint.neutral[first]] + ["null"])
         why = f"unsupported parameter {first!r}: segfuse does not implement it (accepted only as {neutral})"
     elif first in FusionOptions.model_fields:
-        why = (f"unsupported parameter {first!r}: fusion options go in the 'segfuse' object, "
-               f'as {{"segfuse": {{"{first}": ...}}}}')
+        why = (
+            f"unsupported parameter {first!r}: fusion options go in the 'segfuse' object, "
+            f'as {{"segfuse": {{"{first}": ...}}}}'
+        )
     else:
         why = f"unsupported parameter {first!r}: segfuse does not know it"
     also = f" (also unsupported: {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
     supported = ", ".join(endpoint.supported)
-    return APIError(400, f"{why}{also}. Supported parameters: {supported} (see docs/server.md)",
-                    code="unsupported_parameter", param=first)
+    return APIError(
+        400,
+        f"{why}{also}. Supported parameters: {supported} (see docs/server.md)",
+        code="unsupported_parameter",
+        param=first,
+    )
 
 
 def parse_request(body: bytes, endpoint: Endpoint, limits: LimitsSection = DEFAULT_LIMITS) -> Any:
@@ -99,8 +108,9 @@ def parse_request(body: bytes, endpoint: Endpoint, limits: LimitsSection = DEFAU
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # thousands of nested brackets: refused like any body nested too deeply
-        raise checks.exceeded("body", "objects and arrays nest too deeply", limits.max_json_depth,
-                              "max_json_depth") from None
+        raise checks.exceeded(
+            "body", "objects and arrays nest too deeply", limits.max_json_depth, "max_json_depth"
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     checks.check_body_depth(data, limits)
@@ -129,8 +139,13 @@ def _refuse_lone_surrogates(data: Any, where: str = "") -> None:
         try:
             data.encode("utf-8")
         except UnicodeEncodeError:
-            raise APIError(400, f"{where or 'body'}: the text holds a lone UTF-16 surrogate, which is not a "
-                           "character; send valid Unicode", code="invalid_value", param=where or None) from None
+            raise APIError(
+                400,
+                f"{where or 'body'}: the text holds a lone UTF-16 surrogate, which is not a "
+                "character; send valid Unicode",
+                code="invalid_value",
+                param=where or None,
+            ) from None
     elif isinstance(data, dict):
         for key, value in data.items():
             _refuse_lone_surrogates(key, where)
@@ -152,8 +167,12 @@ def fusion_options(request: Any, defaults: FusionOptions) -> FusionOptions:
     }
     values.update({k: v for k, v in asked.items() if v is not None})
     if "hedge_persist" in (request.segfuse or {}):  # it would change every later request, not this one
-        raise APIError(400, "hedge_persist is the server's setting ([server] hedge_persist), not a request's",
-                       code="unsupported_parameter", param="segfuse.hedge_persist")
+        raise APIError(
+            400,
+            "hedge_persist is the server's setting ([server] hedge_persist), not a request's",
+            code="unsupported_parameter",
+            param="segfuse.hedge_persist",
+        )
     values.update(request.segfuse or {})  # an explicit null is a value here (gate or accept_margin: none)
     try:
         return FusionOptions.build(**values)

@@ -66,8 +66,14 @@ class APIError(Exception):
     """An error to send with this HTTP status, in the shape of the API the request spoke (OpenAI's by
     default: ``body``; the app picks another API's shape by the request's path)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=type, code=code, param=param)
@@ -138,11 +144,15 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                     continue
                 parts.append(chunk)
     except TimeoutError:
-        raise APIError(408, f"the request body took longer than {timeout_s:g} s to arrive ([limits] "
-                       "body_timeout_s)", code="request_timeout") from None
+        raise APIError(
+            408,
+            f"the request body took longer than {timeout_s:g} s to arrive ([limits] body_timeout_s)",
+            code="request_timeout",
+        ) from None
     except ClientDisconnect:  # an answer nobody reads, rather than a traceback in the log per hang-up
-        raise APIError(400, "the client closed the connection before its body arrived",
-                       code="client_disconnected") from None
+        raise APIError(
+            400, "the client closed the connection before its body arrived", code="client_disconnected"
+        ) from None
     if too_big:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     return b"".join(parts)
@@ -177,8 +187,7 @@ def call_of(job: Job, result: Result) -> ToolCall | None:
 def usage_of(result: Result, started: Started | None) -> Usage:
     # Members tokenize differently: count the longest prompt, and the winners' answer tokens.
     prompt = max(started.prompt_tokens.values(), default=0) if started else 0
-    return Usage(prompt_tokens=prompt, completion_tokens=result.stats.tokens,
-                 total_tokens=prompt + result.stats.tokens)
+    return Usage(prompt_tokens=prompt, completion_tokens=result.stats.tokens, total_tokens=prompt + result.stats.tokens)
 
 
 def _stats(result: Result, started: Started | None) -> FusionStats:
@@ -205,18 +214,21 @@ def segment_info(segment: Segment) -> SegmentInfo:
 
 def full_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
     """The ``segfuse`` object of a whole answer: who wrote each segment, every round, the prompt sizes."""
-    return result_info(result, started, detailed).model_copy(update={
-        "segments": [segment_info(s) for s in result.segments],
-        "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
-        "prompt_tokens": started.prompt_tokens if started else None,
-    })
+    return result_info(result, started, detailed).model_copy(
+        update={
+            "segments": [segment_info(s) for s in result.segments],
+            "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
+            "prompt_tokens": started.prompt_tokens if started else None,
+        }
+    )
 
 
 # --------------------------------------------------------------------------- a job's answer
 
 
-async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
-                   cancel: Callable[[], None], detailed: bool = False) -> tuple[Result, Started | None]:
+async def finished(
+    job: Job, disconnected: Callable[[], Awaitable[None]], cancel: Callable[[], None], detailed: bool = False
+) -> tuple[Result, Started | None]:
     """Wait for the whole answer; ``cancel()`` the job if the client goes away first.
 
     ``disconnected`` returns when the client hangs up; the worker then stops
@@ -228,16 +240,18 @@ async def finished(job: Job, disconnected: Callable[[], Awaitable[None]],
     return item.result, started
 
 
-async def worked(job: Job, disconnected: Callable[[], Awaitable[None]],
-                 cancel: Callable[[], None], detailed: bool = False) -> object:
+async def worked(
+    job: Job, disconnected: Callable[[], Awaitable[None]], cancel: Callable[[], None], detailed: bool = False
+) -> object:
     """A work job's value (``Job.work``), as :func:`finished` waits for an answer."""
     item, _ = await _last_item(job, disconnected, cancel, detailed)
     assert isinstance(item, Worked)
     return item.value
 
 
-async def _last_item(job: Job, disconnected: Callable[[], Awaitable[None]], cancel: Callable[[], None],
-                     detailed: bool) -> tuple[DoneEvent | Worked, Started | None]:
+async def _last_item(
+    job: Job, disconnected: Callable[[], Awaitable[None]], cancel: Callable[[], None], detailed: bool
+) -> tuple[DoneEvent | Worked, Started | None]:
     """The job's result item and its Started; its failure raised as an APIError."""
 
     async def watch() -> None:
@@ -290,9 +304,12 @@ def failure_frame(item: Any, detailed: bool = False) -> str | None:
 
 def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> StreamingResponse:
     """A request's server-sent events; `cancel` also runs when the client hung up."""
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(cancel))
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(cancel),
+    )
 
 
 __all__ = [

@@ -97,8 +97,7 @@ def require_members(state: ServerState, detailed: bool) -> None:
         raise APIError(503, "the members are still loading; retry shortly", "server_error", "loading")
     if state.status == "failed":
         why = state.error or "unknown"
-        raise APIError(503, f"no members available: {why if detailed else redact(why)}", "server_error",
-                       "no_members")
+        raise APIError(503, f"no members available: {why if detailed else redact(why)}", "server_error", "no_members")
 
 
 def members_for(state: ServerState, model: str) -> list[str] | None:
@@ -107,8 +106,12 @@ def members_for(state: ServerState, model: str) -> list[str] | None:
         return None
     if model in state.members:
         return [model]
-    raise APIError(404, f"unknown model {model!r}; this server serves {state.model_id!r} "
-                   f"and its members {', '.join(state.members)}", code="model_not_found", param="model")
+    raise APIError(
+        404,
+        f"unknown model {model!r}; this server serves {state.model_id!r} and its members {', '.join(state.members)}",
+        code="model_not_found",
+        param="model",
+    )
 
 
 def job_for(state: ServerState, request: FusionRequest, members: list[str] | None, **fields: Any) -> Job:
@@ -127,8 +130,9 @@ def room(worker: Worker) -> int:
     return worker.queue_size + max(0, worker.max_concurrent - running) - waiting
 
 
-def submit(state: ServerState, jobs: Sequence[Job], detailed: bool, user: str | None = None,
-           param: str = "prompt") -> Callable[[], None]:
+def submit(
+    state: ServerState, jobs: Sequence[Job], detailed: bool, user: str | None = None, param: str = "prompt"
+) -> Callable[[], None]:
     """Queue a request's jobs, all or none (429 naming `param` when they do not all fit); returns what
     cancels them all (a no-op for those that ended)."""
     worker = state.worker
@@ -136,9 +140,14 @@ def submit(state: ServerState, jobs: Sequence[Job], detailed: bool, user: str | 
         log.info("%s for user %s", jobs[0].id, quoted(user))
     free = room(worker)
     if len(jobs) > 1 and len(jobs) > free:
-        raise APIError(429, f"{param}: {len(jobs)} prompts need {len(jobs)} places in the queue and "
-                       f"{max(0, free)} are free; retry in a little while, or send fewer at once",
-                       "rate_limit_error", "queue_full", param=param)
+        raise APIError(
+            429,
+            f"{param}: {len(jobs)} prompts need {len(jobs)} places in the queue and "
+            f"{max(0, free)} are free; retry in a little while, or send fewer at once",
+            "rate_limit_error",
+            "queue_full",
+            param=param,
+        )
     loop = asyncio.get_running_loop()
     try:
         for job in jobs:
@@ -156,8 +165,9 @@ def submit(state: ServerState, jobs: Sequence[Job], detailed: bool, user: str | 
     return cancel
 
 
-def key_check(state: ServerState, hint: str = "'Authorization: Bearer <key>' or 'x-api-key: <key>'"
-              ) -> Callable[[Request], Awaitable[None]]:
+def key_check(
+    state: ServerState, hint: str = "'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+) -> Callable[[Request], Awaitable[None]]:
     """The dependency that enforces the API key (none configured: every request passes)."""
 
     async def require_key(request: Request) -> None:

@@ -20,9 +20,16 @@ class Watchdog:
     `on_stall` is called once per stalled tick, `on_dead` when the worker thread is gone while it
     should run (`expected` says whether it should); the watch ends when `stopped` is set."""
 
-    def __init__(self, worker: threading.Thread, stall_after_s: float, tick_since: Callable[[], float | None],
-                 on_stall: Callable[[], None], on_dead: Callable[[], None], expected: Callable[[], bool],
-                 stopped: threading.Event) -> None:
+    def __init__(
+        self,
+        worker: threading.Thread,
+        stall_after_s: float,
+        tick_since: Callable[[], float | None],
+        on_stall: Callable[[], None],
+        on_dead: Callable[[], None],
+        expected: Callable[[], bool],
+        stopped: threading.Event,
+    ) -> None:
         self.worker, self.stall_after_s, self.tick_since = worker, stall_after_s, tick_since
         self.on_stall, self.on_dead, self.expected, self.stopped = on_stall, on_dead, expected, stopped
         self._seen: float | None = None  # the tick last reported

@@ -45,8 +45,11 @@ class GenerationRequest(BaseModel):
     user: str | None = None
     n: int | None = None
     cache_salt: str | None = Field(
-        None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
-        description="requests share prefix-cache entries only with requests of the same salt (docs/server.md)")
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="requests share prefix-cache entries only with requests of the same salt (docs/server.md)",
+    )
     segfuse: dict[str, Any] | None = Field(
         None, description="segfuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
     )
@@ -70,9 +73,16 @@ class GenerationRequest(BaseModel):
 # Accepted with any value and ignored on every API: bookkeeping that cannot change the answer. What else a
 # request may hold is each API's own (its protocol module); anything more gets 400 unsupported_parameter
 # (parsing.unsupported).
-TOLERATED_PARAMETERS: frozenset[str] = frozenset({
-    "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
-})
+TOLERATED_PARAMETERS: frozenset[str] = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
 
 
 # --------------------------------------------------------------------------- segfuse extension
@@ -172,8 +182,11 @@ class ModelCard(BaseModel):
     owned_by: str = "segfuse"
     parent: str | None = Field(None, description="for a member: the ensemble it belongs to")
     members: list[str] | None = Field(None, description="for the ensemble: its members, in order")
-    context_length: int | None = Field(None, description="tokens of prompt and answer it takes (the ensemble: "
-                                       "its smallest member's window); null where a member cannot tell")
+    context_length: int | None = Field(
+        None,
+        description="tokens of prompt and answer it takes (the ensemble: "
+        "its smallest member's window); null where a member cannot tell",
+    )
     max_model_len: int | None = Field(None, description="the same, by the name vLLM gives it")
 
 
@@ -206,10 +219,12 @@ class MemberOccupancy(BaseModel):
 
     slots: int | None = Field(None, description="sessions it can hold at once")
     free_slots: int | None = Field(None, description="slots no open session takes")
-    cache_cells: int | None = Field(None, description="KV-cache positions open sessions hold, summed over "
-                                    "their sequences (0 when idle)")
-    stray_cells: int | None = Field(None, description="positions held by no session and no prefix-cache "
-                                    "entry: a leak (always 0)")
+    cache_cells: int | None = Field(
+        None, description="KV-cache positions open sessions hold, summed over their sequences (0 when idle)"
+    )
+    stray_cells: int | None = Field(
+        None, description="positions held by no session and no prefix-cache entry: a leak (always 0)"
+    )
     prefix: PrefixCacheState | None = Field(None, description="the prefix cache kept between requests")
 
 
@@ -238,12 +253,17 @@ class Health(BaseModel):
     error: str | None = None
     queue: QueueState
     counters: dict[str, int]
-    occupancy: dict[str, MemberOccupancy] = Field(default_factory=dict,
-                                                  description="per member: slots free, cache cells held")
-    placement: dict[str, str] = Field(default_factory=dict, description="per member: where it runs (CPU, "
-                                      "GPU: n/N layers, a device, a remote server)")
-    copies: dict[str, list[CopyState]] = Field(default_factory=dict, description="per member that runs in "
-                                               "copies (a Ray member): each copy")
-    degraded: list[str] = Field(default_factory=list, description="what is down and coming back: a copy, a "
-                                "node, a front-end replica (empty when all is well)")
+    occupancy: dict[str, MemberOccupancy] = Field(
+        default_factory=dict, description="per member: slots free, cache cells held"
+    )
+    placement: dict[str, str] = Field(
+        default_factory=dict, description="per member: where it runs (CPU, GPU: n/N layers, a device, a remote server)"
+    )
+    copies: dict[str, list[CopyState]] = Field(
+        default_factory=dict, description="per member that runs in copies (a Ray member): each copy"
+    )
+    degraded: list[str] = Field(
+        default_factory=list,
+        description="what is down and coming back: a copy, a node, a front-end replica (empty when all is well)",
+    )
     replica: str | None = Field(None, description="the front-end replica that answered (a Ray Serve replica)")

@@ -61,24 +61,52 @@ from .watchdog import Watchdog
 
 log = logging.getLogger("segfuse.server")
 
-__all__ = ["COUNTERS", "Cancelled", "DeadlineError", "Failed", "Item", "Job", "Observer", "QueueFullError",
-           "ShuttingDownError", "Started", "Worked", "Worker", "WorkerFailedError"]
+__all__ = [
+    "COUNTERS",
+    "Cancelled",
+    "DeadlineError",
+    "Failed",
+    "Item",
+    "Job",
+    "Observer",
+    "QueueFullError",
+    "ShuttingDownError",
+    "Started",
+    "Worked",
+    "Worker",
+    "WorkerFailedError",
+]
 
 # accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
 # completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
 # worker_errors: ticks that raised (every request in flight failed); stalls: ticks the watchdog saw run too long.
-COUNTERS = ("accepted", "rejected", "started", "completed", "cancelled", "invalid", "failed", "rounds",
-            "worker_errors", "stalls")
+COUNTERS = (
+    "accepted",
+    "rejected",
+    "started",
+    "completed",
+    "cancelled",
+    "invalid",
+    "failed",
+    "rounds",
+    "worker_errors",
+    "stalls",
+)
 STALL_AFTER_S = 120.0  # a tick that runs longer than this is stalled (/health says so)
 FATAL_AFTER = 3  # ticks that raise, with no generation completed between them, before the worker gives up
-
 
 
 class Worker:
     """The bounded queue and the thread that serves it."""
 
-    def __init__(self, queue_size: int, max_concurrent: int = 1, *, stall_after_s: float = STALL_AFTER_S,
-                 fatal_after: int = FATAL_AFTER) -> None:
+    def __init__(
+        self,
+        queue_size: int,
+        max_concurrent: int = 1,
+        *,
+        stall_after_s: float = STALL_AFTER_S,
+        fatal_after: int = FATAL_AFTER,
+    ) -> None:
         self.queue_size = queue_size
         self.max_concurrent = max_concurrent
         self.stall_after_s = stall_after_s
@@ -100,9 +128,15 @@ class Worker:
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="segfuse-worker", daemon=True)
-        self._watchdog = Watchdog(self._thread, stall_after_s, lambda: self._tick_since, lambda: self._count("stalls"),
-                                  lambda: self._die("the worker thread died", None),
-                                  lambda: self.fatal is None and not self._stopping, self._stopped)
+        self._watchdog = Watchdog(
+            self._thread,
+            stall_after_s,
+            lambda: self._tick_since,
+            lambda: self._count("stalls"),
+            lambda: self._die("the worker thread died", None),
+            lambda: self.fatal is None and not self._stopping,
+            self._stopped,
+        )
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble
@@ -145,8 +179,9 @@ class Worker:
         """Queue a bound job, or raise QueueFullError when every slot is taken."""
         with self._cond:
             if self.fatal is not None:
-                raise ShuttingDownError(f"the server cannot generate any more ({self.fatal})",
-                                        "retry once it has restarted")
+                raise ShuttingDownError(
+                    f"the server cannot generate any more ({self.fatal})", "retry once it has restarted"
+                )
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down", "retry in a moment")
             free = self.max_concurrent - len(self._running)
@@ -238,8 +273,11 @@ class Worker:
         except BaseException as exc:  # a bug, or a native library's panic (pyo3 raises a BaseException)
             self._tick_failed(exc)
             if self._failed_ticks >= self.fatal_after:
-                self._die(f"{self._failed_ticks} worker steps failed and no generation completed, the last "
-                          f"on {type(exc).__name__}", exc)
+                self._die(
+                    f"{self._failed_ticks} worker steps failed and no generation completed, the last "
+                    f"on {type(exc).__name__}",
+                    exc,
+                )
                 return False
         finally:
             self._tick_since = None
@@ -250,10 +288,13 @@ class Worker:
         """A tick raised: no generation in flight can be trusted to be consistent; fail them all."""
         self._failed_ticks += 1
         self._count("worker_errors")
-        log.error("a worker step failed (%d since a generation last completed); failing the %d requests in flight",
-                  self._failed_ticks, len(self._scheduler), exc_info=exc)
-        error = WorkerFailedError(f"the server failed while generating ({type(exc).__name__})",
-                                  "retry the request")
+        log.error(
+            "a worker step failed (%d since a generation last completed); failing the %d requests in flight",
+            self._failed_ticks,
+            len(self._scheduler),
+            exc_info=exc,
+        )
+        error = WorkerFailedError(f"the server failed while generating ({type(exc).__name__})", "retry the request")
         self._fail_in_flight(error)
 
     def _fail_in_flight(self, error: SegfuseError) -> None:
@@ -308,9 +349,15 @@ class Worker:
         assert ensemble is not None
         request = job.request
         if request.deadline is not None and time.monotonic() >= request.deadline:
-            self._end(job, DeadlineError(
-                f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
-                f"of {request.deadline - job.accepted_at:g} s", "retry when the server is less busy"), 0)
+            self._end(
+                job,
+                DeadlineError(
+                    f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
+                    f"of {request.deadline - job.accepted_at:g} s",
+                    "retry when the server is less busy",
+                ),
+                0,
+            )
             return
         if job.work is not None:  # one call, now, on this thread (the members are this thread's)
             run_work(job, ensemble, self._end)

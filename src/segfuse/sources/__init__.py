@@ -21,7 +21,10 @@ from .entry import Entry, Source
 from .gguf_info import read_gguf
 
 SOURCES: dict[str, Source] = {
-    ollama.PREFIX: ollama, hf.PREFIX: hf, lmstudio.PREFIX: lmstudio, llama_cache.PREFIX: llama_cache,
+    ollama.PREFIX: ollama,
+    hf.PREFIX: hf,
+    lmstudio.PREFIX: lmstudio,
+    llama_cache.PREFIX: llama_cache,
 }
 PREFIXES: tuple[str, ...] = tuple(SOURCES)
 
@@ -56,8 +59,9 @@ def resolve(name: str, *, checkpoint: bool = False) -> Entry:
     hint = f"{entry.name}: {entry.hint}"
     infos = [read_gguf(path, hint) for path in entry.files]  # every shard, so a missing one is named
     if infos[0].kind == "mmproj":
-        raise ModelFileError(f"{entry.path} is a multimodal projector, not a language model",
-                             "name the repository's model file instead")
+        raise ModelFileError(
+            f"{entry.path} is a multimodal projector, not a language model", "name the repository's model file instead"
+        )
     return entry
 
 

@@ -101,8 +101,9 @@ def pick(repo: Repo, quant: str | None = None, path: str | None = None) -> str:
     if path is not None:
         if path in repo.models:
             return path
-        raise UnknownModelError(f"{repo.name()} has no model file {path!r}",
-                                f"its model files: {', '.join(keys) or 'none'}")
+        raise UnknownModelError(
+            f"{repo.name()} has no model file {path!r}", f"its model files: {', '.join(keys) or 'none'}"
+        )
     if quant is not None:
         tagged = {t.upper(): k for t, k in repo.tags.items()}
         if quant.upper() in tagged:
@@ -111,10 +112,13 @@ def pick(repo: Repo, quant: str | None = None, path: str | None = None) -> str:
         if len(matching) == 1:
             return matching[0]
         if not matching:
-            raise UnknownModelError(f"{repo.name()} has no {quant} model",
-                                    f"its quantisations: {_listing(repo) or 'none'}")
-        raise UnknownModelError(f"{repo.name(quant=quant)} is ambiguous: {', '.join(matching)}",
-                                f"name one file: {repo.name(key=matching[0])}")
+            raise UnknownModelError(
+                f"{repo.name()} has no {quant} model", f"its quantisations: {_listing(repo) or 'none'}"
+            )
+        raise UnknownModelError(
+            f"{repo.name(quant=quant)} is ambiguous: {', '.join(matching)}",
+            f"name one file: {repo.name(key=matching[0])}",
+        )
     return _default(repo, keys)
 
 
@@ -124,8 +128,10 @@ def _default(repo: Repo, keys: list[str]) -> str:
     if len(keys) == 1:
         return keys[0]
     if not keys:
-        raise UnknownModelError(f"{repo.name()} holds no GGUF model file",
-                                "segfuse's local members are GGUF files (an MLX or safetensors model is not one)")
+        raise UnknownModelError(
+            f"{repo.name()} holds no GGUF model file",
+            "segfuse's local members are GGUF files (an MLX or safetensors model is not one)",
+        )
     preferred: tuple[Callable[[str], bool], ...] = (lambda q: q == "Q4_K_M", lambda q: q.startswith(("Q4", "IQ4")))
     for wanted in preferred:
         chosen = [k for k in keys if wanted(quant_of(k) or "")]
@@ -135,8 +141,7 @@ def _default(repo: Repo, keys: list[str]) -> str:
             break
     raise UnknownModelError(
         f"{repo.name()} holds several GGUF models: {_listing(repo)}",
-        f"add the quantisation or the file: {repo.name(quant=quant_of(keys[0]) or 'Q8_0')} "
-        f"or {repo.name(key=keys[0])}",
+        f"add the quantisation or the file: {repo.name(quant=quant_of(keys[0]) or 'Q8_0')} or {repo.name(key=keys[0])}",
     )
 
 

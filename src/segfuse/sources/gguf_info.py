@@ -26,8 +26,13 @@ MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _KEYS = {  # the header values this module keeps; every other value is skipped unread
-    "general.architecture", "general.name", "general.file_type", "general.type",
-    "general.alignment", "split.count", "tokenizer.chat_template",
+    "general.architecture",
+    "general.name",
+    "general.file_type",
+    "general.type",
+    "general.alignment",
+    "split.count",
+    "tokenizer.chat_template",
 }
 BAD_FILE_HINT = "give a .gguf model file (llama.cpp format)"
 
@@ -150,8 +155,10 @@ def _parse(path: Path, data: mmap.mmap, size: int) -> GGUFInfo:
     header.pos = 4
     version = int(header.scalar("<I"))
     if version not in (2, 3):
-        raise ModelFileError(f"{path} is GGUF version {version}, which llama.cpp does not read",
-                             "convert it again with a current llama.cpp")
+        raise ModelFileError(
+            f"{path} is GGUF version {version}, which llama.cpp does not read",
+            "convert it again with a current llama.cpp",
+        )
     tensors, count = int(header.scalar("<Q")), int(header.scalar("<Q"))
     values: dict[str, object] = {}
     for _ in range(count):
@@ -197,9 +204,11 @@ def read_gguf(path: Path, hint: str | None = None) -> GGUFInfo:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 return _parse(path, data, size)
     except OSError as exc:
-        raise ModelFileError(f"cannot read {path}: {exc.strerror or exc}",
-                             hint or "check the file's permissions") from None
+        raise ModelFileError(
+            f"cannot read {path}: {exc.strerror or exc}", hint or "check the file's permissions"
+        ) from None
     except _Truncated as exc:
         detail = f" ({exc})" if str(exc) else " (its header ends early)"
-        raise ModelFileError(f"{path} is truncated{detail}",
-                             hint or "the file is corrupt or was cut short; replace it") from None
+        raise ModelFileError(
+            f"{path} is truncated{detail}", hint or "the file is corrupt or was cut short; replace it"
+        ) from None

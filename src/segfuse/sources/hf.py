@@ -94,9 +94,14 @@ def is_causal_lm(snapshot: Snapshot) -> bool:
 
 
 def _checkpoint_entry(snapshot: Snapshot) -> Entry:
-    return Entry(PREFIX, f"transformers:{PREFIX}:{snapshot.repo_id}", snapshot.path,
-                 snapshot.repo_id.rsplit("/", 1)[-1], tuple(snapshot.files.values()),
-                 f"download it again: hf download {snapshot.repo_id}")
+    return Entry(
+        PREFIX,
+        f"transformers:{PREFIX}:{snapshot.repo_id}",
+        snapshot.path,
+        snapshot.repo_id.rsplit("/", 1)[-1],
+        tuple(snapshot.files.values()),
+        f"download it again: hf download {snapshot.repo_id}",
+    )
 
 
 def entries() -> list[Entry]:
@@ -108,8 +113,9 @@ def entries() -> list[Entry]:
     return found
 
 
-def find_in(prefix: str, ref: str, roots_: list[Path], snapshots: dict[str, Snapshot], what: str,
-            checkpoint: bool = False) -> Entry:
+def find_in(
+    prefix: str, ref: str, roots_: list[Path], snapshots: dict[str, Snapshot], what: str, checkpoint: bool = False
+) -> Entry:
     """`ref` (ORG/REPO[:QUANT] or ORG/REPO/FILE.gguf) among `snapshots`."""
     repo_id, quant, path = parse_repo_name(prefix, ref)
     match = match_name(repo_id, list(snapshots))
@@ -120,8 +126,10 @@ def find_in(prefix: str, ref: str, roots_: list[Path], snapshots: dict[str, Snap
     if not repo.models and quant is None and path is None:
         if checkpoint:
             return _checkpoint_entry(snapshot)
-        raise ModelFileError(f"{prefix}:{match} holds no GGUF file (a transformers checkpoint?)",
-                             f"load it with -m transformers:{prefix}:{match} (pip install 'segfuse[hf]')")
+        raise ModelFileError(
+            f"{prefix}:{match} holds no GGUF file (a transformers checkpoint?)",
+            f"load it with -m transformers:{prefix}:{match} (pip install 'segfuse[hf]')",
+        )
     if checkpoint and quant is None and path is None and "config.json" in snapshot.files:
         return _checkpoint_entry(snapshot)  # transformers loads the checkpoint itself, not a dequantised GGUF
     key = pick(repo, quant, path)

@@ -89,15 +89,20 @@ def _entry(repo: Repo, key: str, name: str) -> Entry:
 
 
 def _loose_entry(path: Path) -> Entry:
-    return Entry(PREFIX, f"{PREFIX}:{path.name}", path, display_name(path.name), shards(path),
-                 "download it again with llama.cpp")
+    return Entry(
+        PREFIX, f"{PREFIX}:{path.name}", path, display_name(path.name), shards(path), "download it again with llama.cpp"
+    )
 
 
 def entries() -> list[Entry]:
     flat, snapshots, loose = _scan()
     found = [e for s in snapshots.values() for e in hf.repo_entries(PREFIX, s)]
-    found += [_entry(r, key, name) for r in flat.values() if r.repo_id not in snapshots
-              for key, name in short_names(r).items()]
+    found += [
+        _entry(r, key, name)
+        for r in flat.values()
+        if r.repo_id not in snapshots
+        for key, name in short_names(r).items()
+    ]
     return found + [_loose_entry(p) for p in loose.values()]
 
 
@@ -119,4 +124,3 @@ def find(ref: str, *, checkpoint: bool = False) -> Entry:
     repo = flat[match]
     key = pick(repo, quant, path)
     return _entry(repo, key, short_names(repo)[key])
-

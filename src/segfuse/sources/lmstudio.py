@@ -62,8 +62,9 @@ def _repos() -> dict[str, Repo]:
 
 def _entry(repo: Repo, key: str, name: str) -> Entry:
     files = repo.models[key]
-    return Entry(PREFIX, name, files[0], display_name(key), files,
-                 f"download it again in LM Studio (lms get {repo.repo_id})")
+    return Entry(
+        PREFIX, name, files[0], display_name(key), files, f"download it again in LM Studio (lms get {repo.repo_id})"
+    )
 
 
 def entries() -> list[Entry]:

@@ -28,12 +28,21 @@ from .entry import Entry, match_name, not_found
 PREFIX = "ollama"
 MODEL = "application/vnd.ollama.image.model"
 _REFUSED = (  # layer media type prefix -> why a model with such a layer is not one GGUF file
-    ("application/vnd.ollama.image.tensor", "it was imported from safetensors: its weights are tensor layers, "
-     "not one GGUF file", "use the original checkpoint with transformers:, or a GGUF build of it"),
-    ("application/vnd.ollama.image.projector", "it has a separate projector layer (a vision model), and a member "
-     "is one GGUF file", "choose a text-only model"),
-    ("application/vnd.ollama.image.adapter", "it has a LoRA adapter layer, and a member is one GGUF file "
-     "without adapters", "choose the model without its adapter"),
+    (
+        "application/vnd.ollama.image.tensor",
+        "it was imported from safetensors: its weights are tensor layers, not one GGUF file",
+        "use the original checkpoint with transformers:, or a GGUF build of it",
+    ),
+    (
+        "application/vnd.ollama.image.projector",
+        "it has a separate projector layer (a vision model), and a member is one GGUF file",
+        "choose a text-only model",
+    ),
+    (
+        "application/vnd.ollama.image.adapter",
+        "it has a LoRA adapter layer, and a member is one GGUF file without adapters",
+        "choose the model without its adapter",
+    ),
 )
 _DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
 DEFAULT_HOST, DEFAULT_NAMESPACE = "registry.ollama.ai", "library"
@@ -95,8 +104,11 @@ def _entry(root: Path, manifest: Path) -> Entry:
             return _refuse(entry, reason, hint)
     models = [layer for layer in layers if layer.get("mediaType") == MODEL]
     if len(models) != 1:
-        return _refuse(entry, f"it has {len(models) or 'no'} model layer{'s' if len(models) != 1 else ''}, "
-                       "not one GGUF file", entry.hint)
+        return _refuse(
+            entry,
+            f"it has {len(models) or 'no'} model layer{'s' if len(models) != 1 else ''}, not one GGUF file",
+            entry.hint,
+        )
     blob = _blob(root, models[0].get("digest"))
     if blob is None:
         return _refuse(entry, f"its model layer's digest {models[0].get('digest')!r} is malformed", entry.hint)

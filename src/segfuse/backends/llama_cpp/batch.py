@@ -65,8 +65,15 @@ class VerifyPlan:
 class Drafting:
     """One session's draft in progress: sample from the current row, feed the token, repeat."""
 
-    def __init__(self, session: BatchSession, n: int, sampling: Sampling, row: np.ndarray,
-                 lse: float, on_text: OnText | None = None) -> None:
+    def __init__(
+        self,
+        session: BatchSession,
+        n: int,
+        sampling: Sampling,
+        row: np.ndarray,
+        lse: float,
+        on_text: OnText | None = None,
+    ) -> None:
         self.session, self.n, self.sampling = session, n, sampling
         self.text = TextSoFar(on_text)
         self.row, self.lse = row, lse
@@ -84,8 +91,9 @@ class Drafting:
             return False
         self.rows.append(self.row)
         allowed = self.session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
-        token = self.session.sample(self.row if allowed is None else np.where(allowed, self.row, -np.inf),
-                                    self.sampling)
+        token = self.session.sample(
+            self.row if allowed is None else np.where(allowed, self.row, -np.inf), self.sampling
+        )
         self.ids.append(token)
         self.logits.append(float(self.row[token]))
         self.logprobs.append(self.logits[-1] - self.lse)
@@ -132,13 +140,13 @@ def _prepare(sessions: Sequence[Any], prepare: Callable[[int, Any], None]) -> tu
     return ready, out
 
 
-def draft_many(sessions: Sequence[BatchSession],
-               requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
+def draft_many(sessions: Sequence[BatchSession], requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
     """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
     ready, out = _prepare(sessions, lambda i, s: s.sync())
     try:
-        drafts: Sequence[DraftTokens | Exception] = draft_batch([sessions[i] for i in ready],
-                                                                [requests[i] for i in ready])
+        drafts: Sequence[DraftTokens | Exception] = draft_batch(
+            [sessions[i] for i in ready], [requests[i] for i in ready]
+        )
     except Exception as exc:  # the decode failed for all of them
         drafts = [exc] * len(ready)
     for i, draft in zip(ready, drafts):
@@ -149,22 +157,23 @@ def draft_many(sessions: Sequence[BatchSession],
 def draft_batch(sessions: Sequence[BatchSession], requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens]:
     """Draft for synced sessions; a request is draft's positional arguments: (n, sampling) or
     (n, sampling, on_text)."""
-    drafting = [Drafting(s, n, sampling, *s.next_row(), *hook)
-                for s, (n, sampling, *hook) in zip(sessions, requests)]
+    drafting = [Drafting(s, n, sampling, *s.next_row(), *hook) for s, (n, sampling, *hook) in zip(sessions, requests)]
     while True:
         feeding = [d for d in drafting if d.step()]
         if not feeding:
             break
         for group in by_context(feeding, lambda d: d.session.ctx):
-            rows = group[0].session.ctx.decode([d.ids[-1] for d in group], [d.pos for d in group],
-                                               [d.session.base for d in group], [True] * len(group))
+            rows = group[0].session.ctx.decode(
+                [d.ids[-1] for d in group], [d.pos for d in group], [d.session.base for d in group], [True] * len(group)
+            )
             for d, row in zip(group, rows):
                 d.fed(row.copy(), d.session.softmax.lse(row))
     return [d.finish() for d in drafting]
 
 
-def score_many(sessions: Sequence[BatchSession],
-               texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+def score_many(
+    sessions: Sequence[BatchSession], texts: Sequence[tuple[Sequence[str]]]
+) -> list[list[TokenScores] | Exception]:
     """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
     plans: dict[int, VerifyPlan] = {}
 
@@ -196,8 +205,9 @@ def verify_batch(plans: Sequence[VerifyPlan]) -> None:
     if not plans:
         return
     tokens = [t for p in plans for t in p.tokens]
-    rows = plans[0].session.ctx.decode(tokens, [x for p in plans for x in p.positions],
-                                       [x for p in plans for x in p.seqs], [True] * len(tokens))
+    rows = plans[0].session.ctx.decode(
+        tokens, [x for p in plans for x in p.positions], [x for p in plans for x in p.seqs], [True] * len(tokens)
+    )
     at = 0
     for p in plans:
         p.session.finish_verify(p, rows[at : at + len(p.tokens)])

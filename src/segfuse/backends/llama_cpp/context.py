@@ -28,9 +28,21 @@ class Context:
     True if it freed some (the prefix cache gives way first), so that the decode is tried again.
     """
 
-    def __init__(self, model: Any, *, name: str, n_ctx: int, n_batch: int, n_seq: int, threads: int,
-                 n_vocab: int, max_outputs: int, window: int, shape: str,
-                 compute: Callable[..., Any] = COMPUTE.run) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        name: str,
+        n_ctx: int,
+        n_batch: int,
+        n_seq: int,
+        threads: int,
+        n_vocab: int,
+        max_outputs: int,
+        window: int,
+        shape: str,
+        compute: Callable[..., Any] = COMPUTE.run,
+    ) -> None:
         self.name = name
         self.compute = compute  # where its decodes run: the process's compute thread, or here (side by side)
         self.window = window
@@ -58,8 +70,9 @@ class Context:
         return bool(self._ctx)
 
     # --- decoding ---------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
-               outputs: Sequence[bool]) -> np.ndarray:
+    def decode(
+        self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], outputs: Sequence[bool]
+    ) -> np.ndarray:
         """Decode one batch; return the logits rows of tokens with an output flag.
 
         llama.cpp keeps a logits buffer as large as the most rows one decode ever asked for
@@ -75,8 +88,9 @@ class Context:
         for end, flag in enumerate(flags, 1):
             seen += flag
             if seen == self.max_outputs or end == len(flags):
-                parts.append(self._decode_once(tokens[start:end], positions[start:end], seqs[start:end],
-                                               flags[start:end]).copy())
+                parts.append(
+                    self._decode_once(tokens[start:end], positions[start:end], seqs[start:end], flags[start:end]).copy()
+                )
                 start, seen = end, 0
         return np.concatenate(parts)
 
@@ -93,8 +107,9 @@ class Context:
         self._decode_once([0] * n, list(range(n)), [0] * n, [True] * n)
         self.clear()
 
-    def _decode_once(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
-                     outputs: Sequence[bool]) -> np.ndarray:
+    def _decode_once(
+        self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], outputs: Sequence[bool]
+    ) -> np.ndarray:
         n = len(tokens)
         if n > self.n_batch:
             raise ValueError("batch larger than n_batch")
@@ -108,8 +123,10 @@ class Context:
             seq_ptrs[i][0] = seq
         status = self.compute(self._decode_batch, batch)
         if status == 1:
-            raise PromptTooLongError(f"{self.name}: the context window ({self.window} tokens) is full",
-                                     "shorten the prompt or lower --max-tokens")
+            raise PromptTooLongError(
+                f"{self.name}: the context window ({self.window} tokens) is full",
+                "shorten the prompt or lower --max-tokens",
+            )
         if status != 0:
             raise MemberLoadError(f"{self.name}: llama_decode failed with status {status}", "see the log above")
         n_out = int(sum(1 for o in outputs if o))
@@ -122,8 +139,10 @@ class Context:
     def seq_rm(self, seq: int, p0: int, p1: int) -> None:
         """Drop sequence `seq`'s cells in positions [p0, p1) (-1: open-ended)."""
         if not lc.llama_memory_seq_rm(self._mem, seq, p0, p1):
-            raise MemberLoadError(f"{self.name}: cannot remove cache cells [{p0}, {p1}) of sequence {seq}",
-                                  "this model's cache does not support partial removal")
+            raise MemberLoadError(
+                f"{self.name}: cannot remove cache cells [{p0}, {p1}) of sequence {seq}",
+                "this model's cache does not support partial removal",
+            )
 
     def seq_drop(self, seq: int) -> None:
         """Drop all of sequence `seq` (always possible)."""
@@ -168,7 +187,8 @@ def _create(model: Any, n_ctx: int, n_batch: int, n_seq: int, threads: int, shap
     ctx = lc.llama_init_from_model(model, params)
     if not ctx:
         detail = log_excerpt()
-        raise MemberLoadError(f"llama.cpp could not create a context of {shape}"
-                              + (f" ({detail})" if detail else ""),
-                              "lower n_ctx or the number of concurrent sessions (max_concurrent)")
+        raise MemberLoadError(
+            f"llama.cpp could not create a context of {shape}" + (f" ({detail})" if detail else ""),
+            "lower n_ctx or the number of concurrent sessions (max_concurrent)",
+        )
     return ctx

@@ -19,8 +19,9 @@ from .slots import Slots
 from .vocab import Vocabulary
 
 
-def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, ctx: Context, table: Slots,
-                softmax: LogSoftmax) -> list[PromptToken]:
+def echo_tokens(
+    ids: Sequence[int], top_k: int, *, vocab: Vocabulary, ctx: Context, table: Slots, softmax: LogSoftmax
+) -> list[PromptToken]:
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives,
     decoded into a slot of `table` in `ctx`."""
     ids = [int(t) for t in ids]
@@ -29,8 +30,10 @@ def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, ctx: Conte
     bos = lead if lead and list(ids[: len(lead)]) != lead else []
     tokens = bos + list(ids)
     if len(tokens) > ctx.window:
-        raise PromptTooLongError(f"{vocab.name}: the text is {len(tokens)} tokens, over its context window "
-                                 f"({ctx.window})", "shorten the text")
+        raise PromptTooLongError(
+            f"{vocab.name}: the text is {len(tokens)} tokens, over its context window ({ctx.window})",
+            "shorten the text",
+        )
     logprobs: list[float | None] = [None] * len(ids)
     tops: list[TextAlternatives] = [()] * len(ids)
     slot = table.take()

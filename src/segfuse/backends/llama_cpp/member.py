@@ -137,18 +137,37 @@ class LlamaCppMember(LocalMember):
         self.context.reserve_outputs(self.n_ctx)
         self.private = PrivateContexts(self._open_private)
 
-    def _load(self, gpu_layers: int | None, main_gpu: int, split: str, tensor_split: tuple[float, ...] | None,
-              threads: int | None, side_by_side: str | None) -> None:
+    def _load(
+        self,
+        gpu_layers: int | None,
+        main_gpu: int,
+        split: str,
+        tensor_split: tuple[float, ...] | None,
+        threads: int | None,
+        side_by_side: str | None,
+    ) -> None:
         """The weights, where they run, the threads for what stays on the CPU, and whether to run side by side."""
-        self._model, self.model_params = COMPUTE.run(partial(load_model, self.path, gpu_layers=gpu_layers_for(gpu_layers),
-                                                             main_gpu=main_gpu, split=split,
-                                                             tensor_split=tensor_split))
+        self._model, self.model_params = COMPUTE.run(
+            partial(
+                load_model,
+                self.path,
+                gpu_layers=gpu_layers_for(gpu_layers),
+                main_gpu=main_gpu,
+                split=split,
+                tensor_split=tensor_split,
+            )
+        )
         total = lc.llama_model_n_layer(self._model) + 1  # llama.cpp counts the output layer as one more
         self.gpu_layers = offloaded_layers(self.model_params["n_gpu_layers"], total - 1)
         self.placement = placement(self.gpu_layers, total, main_gpu, split)
         self.threads = threads_for(threads, total - self.gpu_layers)
-        self.capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True,
-                                         parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total))
+        self.capabilities = Capabilities(
+            batched=True,
+            prompt_fit=True,
+            constrained=True,
+            echo=True,
+            parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total),
+        )
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
         # Where its decodes run: side by side (wholly on a GPU), on the thread that calls it; else on the one
         # thread every member on the CPU computes on (runtime.ComputeThread says why).
@@ -158,10 +177,19 @@ class LlamaCppMember(LocalMember):
         """A context of `slots` windows of `n_ctx` tokens, 8 sequences per slot, and `cells` cells in
         `entries` sequences for the prefix cache, in one unified cache."""
         try:
-            return Context(self._model, name=self.name, n_ctx=n_ctx * self.slots + cells, n_batch=n_batch,
-                           n_seq=SEQS_PER_SESSION * self.slots + entries, threads=self.threads,
-                           n_vocab=self.vocab.n_vocab, max_outputs=max_outputs, window=n_ctx,
-                           shape=f"{self.slots} x {n_ctx} tokens for {self.path}", compute=self.compute)
+            return Context(
+                self._model,
+                name=self.name,
+                n_ctx=n_ctx * self.slots + cells,
+                n_batch=n_batch,
+                n_seq=SEQS_PER_SESSION * self.slots + entries,
+                threads=self.threads,
+                n_vocab=self.vocab.n_vocab,
+                max_outputs=max_outputs,
+                window=n_ctx,
+                shape=f"{self.slots} x {n_ctx} tokens for {self.path}",
+                compute=self.compute,
+            )
         except MemberLoadError:
             lc.llama_model_free(self._model)
             raise
@@ -170,11 +198,19 @@ class LlamaCppMember(LocalMember):
         """A context for one deterministic session: its sequences, the shared context's batch size, and one
         window plus a batch of cells (a round's candidates, at most a batch, sit beside the context)."""
         shared = self.context
-        ctx = Context(self._model, name=self.name, n_ctx=self.n_ctx + shared.n_batch, n_batch=shared.n_batch,
-                      n_seq=SEQS_PER_SESSION, threads=self.threads, n_vocab=self.vocab.n_vocab,
-                      max_outputs=shared.max_outputs, window=self.n_ctx,
-                      shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)",
-                      compute=self.compute)
+        ctx = Context(
+            self._model,
+            name=self.name,
+            n_ctx=self.n_ctx + shared.n_batch,
+            n_batch=shared.n_batch,
+            n_seq=SEQS_PER_SESSION,
+            threads=self.threads,
+            n_vocab=self.vocab.n_vocab,
+            max_outputs=shared.max_outputs,
+            window=self.n_ctx,
+            shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)",
+            compute=self.compute,
+        )
         ctx.reserve_outputs(self.n_ctx)
         return ctx
 
@@ -183,15 +219,24 @@ class LlamaCppMember(LocalMember):
         ids = self.vocab.tokenize_plain(prompt) if isinstance(prompt, str) else list(prompt)
         return echo_tokens(ids, top_k, vocab=self.vocab, ctx=self.context, table=self.table, softmax=self.softmax)
 
-    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
-                     deterministic: bool = False) -> LlamaCppSession:
+    def open_session(
+        self, prompt: list[int], seed: int | None, cache_salt: str | None = None, deterministic: bool = False
+    ) -> LlamaCppSession:
         slot = self.table.take()  # a deterministic session's too: the slots bound the sessions open at once
         own = None
         try:
             own = self.private.take() if deterministic else None
-            session = LlamaCppSession(prompt, seed, vocab=self.vocab, softmax=self.softmax,
-                                      ctx=own if own is not None else self.context, table=self.table, slot=slot,
-                                      private=None if own is None else self.private, reencode=self.reencode)
+            session = LlamaCppSession(
+                prompt,
+                seed,
+                vocab=self.vocab,
+                softmax=self.softmax,
+                ctx=own if own is not None else self.context,
+                table=self.table,
+                slot=slot,
+                private=None if own is None else self.private,
+                reencode=self.reencode,
+            )
             session.cache_salt = cache_salt
             if own is None:
                 session.n_cached = session.stats.reused = self.table.reuse_prefix(prompt, session.base, cache_salt)
@@ -210,13 +255,19 @@ class LlamaCppMember(LocalMember):
         return replace(seen, cache_cells=seen.cache_cells + held, stray_cells=seen.stray_cells + stray)
 
     # These take only the member's own sessions (narrower than Member's: the engine never mixes members).
-    def draft_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]  # (see above)
-                   requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
+    def draft_many(
+        self,
+        sessions: Sequence[LlamaCppSession],  # type: ignore[override]  # (see above)
+        requests: Sequence[tuple[Any, ...]],
+    ) -> list[DraftTokens | Exception]:
         """``draft`` for several sessions, one ``llama_decode`` per token step for all of them."""
         return batch.draft_many(sessions, requests)
 
-    def score_many(self, sessions: Sequence[LlamaCppSession],  # type: ignore[override]  # (see above)
-                   texts: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+    def score_many(
+        self,
+        sessions: Sequence[LlamaCppSession],  # type: ignore[override]  # (see above)
+        texts: Sequence[tuple[Sequence[str]]],
+    ) -> list[list[TokenScores] | Exception]:
         """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
         return batch.score_many(sessions, texts)
 

@@ -138,8 +138,14 @@ def compute_here(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def load_model(path: Path, *, gpu_layers: int = 0, main_gpu: int = 0, split: str = "layer",
-               tensor_split: tuple[float, ...] | None = None) -> tuple[Any, dict[str, Any]]:
+def load_model(
+    path: Path,
+    *,
+    gpu_layers: int = 0,
+    main_gpu: int = 0,
+    split: str = "layer",
+    tensor_split: tuple[float, ...] | None = None,
+) -> tuple[Any, dict[str, Any]]:
     """The model's weights (on the CPU, or `gpu_layers` layers on the GPU) and the model parameters llama.cpp
     was given, read back from its struct; or a clear error quoting llama.cpp's log."""
     params = lc.llama_model_default_params()
@@ -150,13 +156,18 @@ def load_model(path: Path, *, gpu_layers: int = 0, main_gpu: int = 0, split: str
     if tensor_split:
         devices = lc.llama_max_devices()
         if len(tensor_split) > devices:
-            raise MemberLoadError(f"tensor_split has {len(tensor_split)} shares",
-                                  f"this llama.cpp takes at most {devices}")
+            raise MemberLoadError(
+                f"tensor_split has {len(tensor_split)} shares", f"this llama.cpp takes at most {devices}"
+            )
         shares = (ctypes.c_float * devices)(*tensor_split)  # kept alive until the load returns
         params.tensor_split = ctypes.cast(shares, ctypes.POINTER(ctypes.c_float))
     params.use_extra_bufts = use_extra_buffer_types()
-    given = {"n_gpu_layers": params.n_gpu_layers, "main_gpu": params.main_gpu, "split_mode": params.split_mode,
-             "tensor_split": list(tensor_split or ())}
+    given = {
+        "n_gpu_layers": params.n_gpu_layers,
+        "main_gpu": params.main_gpu,
+        "split_mode": params.split_mode,
+        "tensor_split": list(tensor_split or ()),
+    }
     _LOG_TAIL.clear()
     model = lc.llama_model_load_from_file(str(path).encode(), params)
     del shares

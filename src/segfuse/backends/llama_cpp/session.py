@@ -46,9 +46,19 @@ class LlamaCppSession(CachedSession):
     verified: dict[str, InSequence]  # type: ignore[assignment]  # it verifies only into its own sequences
     streams_text = True
 
-    def __init__(self, prompt: list[int], seed: int | None, *, vocab: Vocabulary, softmax: LogSoftmax,
-                 ctx: Context, table: Slots, slot: int = 0, private: PrivateContexts | None = None,
-                 reencode: bool = False) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        seed: int | None,
+        *,
+        vocab: Vocabulary,
+        softmax: LogSoftmax,
+        ctx: Context,
+        table: Slots,
+        slot: int = 0,
+        private: PrivateContexts | None = None,
+        reencode: bool = False,
+    ) -> None:
         super().__init__(vocab, prompt, n_ctx=ctx.window, stops=vocab.prompt.stops)
         self.vocab: Vocabulary = vocab
         self.softmax = softmax

@@ -57,7 +57,8 @@ class Slots:
                 raise NoFreeSlotError(
                     f"no free slot on member {self.name} within {self.wait_s:g} s "
                     f"(all {self.slots} are held by open sessions)",
-                    "retry later, or load the member with more slots (max_concurrent)")
+                    "retry later, or load the member with more slots (max_concurrent)",
+                )
             if len(self._free) == self.slots and not self.prefix_cache.handles:
                 # No other session and nothing cached: start from an empty cache, so the cells are used
                 # from the first one on and attention spans only them (a lone request runs as with a
@@ -110,6 +111,7 @@ class Slots:
     def keep_prefix(self, seq: int, tokens: list[int], salt: str | None = None) -> None:
         """Keep the cells of `tokens`, held by sequence `seq` from position 0, in the prefix cache
         (under `salt`)."""
+
         def copy(entry: int, n: int) -> None:
             self.ctx.seq_rm(entry, -1, -1)
             self.ctx.seq_cp(seq, entry, 0, n)

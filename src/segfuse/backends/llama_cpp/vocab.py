@@ -59,9 +59,15 @@ class Vocabulary(LocalVocabulary):
         get_attr, vocab = lc.llama_vocab_get_attr, self._vocab
         attrs = [(t, get_attr(vocab, t)) for t in range(self.n_vocab)]
         return SpecialTexts(
-            Special(self.special_piece(t).decode("utf-8", "replace"), t,
-                    bool(a & lc.LLAMA_TOKEN_ATTR_LSTRIP), bool(a & lc.LLAMA_TOKEN_ATTR_RSTRIP))
-            for t, a in attrs if a & SPECIAL_ATTRS)
+            Special(
+                self.special_piece(t).decode("utf-8", "replace"),
+                t,
+                bool(a & lc.LLAMA_TOKEN_ATTR_LSTRIP),
+                bool(a & lc.LLAMA_TOKEN_ATTR_RSTRIP),
+            )
+            for t, a in attrs
+            if a & SPECIAL_ATTRS
+        )
 
     # --- pieces ----------------------------------------------------------------
     def _to_piece(self, token: int, special: bool) -> bytes:
@@ -122,8 +128,9 @@ class Vocabulary(LocalVocabulary):
         """`messages` through the model's chat template, ready for the answer (a prefill left open)."""
         template = self.chat_template
         assert template is not None
-        return chat_prompt(lambda ms, gen: render_chat(template, ms, self.bos_text, self.eos_text, gen),
-                           messages, self.name)
+        return chat_prompt(
+            lambda ms, gen: render_chat(template, ms, self.bos_text, self.eos_text, gen), messages, self.name
+        )
 
     def protected_tokens(self, messages: Sequence[Message], text: str, *, add_special: bool) -> list[int]:
         """`text` (the templated `messages`) tokenized with the template's special tokens, and the
@@ -131,6 +138,5 @@ class Vocabulary(LocalVocabulary):
         For ordinary contents the same ids as tokenizing `text` whole (``special_text.py``)."""
         ids = [self.bos] if add_special and self.add_bos else []
         for piece in protected_pieces(self.name, self.render, messages, text, self.specials):
-            ids += [piece] if isinstance(piece, int) else self.tokenize(piece, add_special=False,
-                                                                         parse_special=False)
+            ids += [piece] if isinstance(piece, int) else self.tokenize(piece, add_special=False, parse_special=False)
         return ids + ([self.eos] if add_special and self.add_eos else [])

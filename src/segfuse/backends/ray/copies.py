@@ -75,11 +75,18 @@ class Copies:
     def lost(self, copy: Copy, why: BaseException) -> CopyLost:
         """Mark `copy` down; the error a call that met it raises."""
         if copy.up:
-            log.warning("%s: copy %d on %s is gone: %s", self.name, copy.index, copy.info.node_ip,
-                        str(why).splitlines()[0] if str(why) else type(why).__name__)
+            log.warning(
+                "%s: copy %d on %s is gone: %s",
+                self.name,
+                copy.index,
+                copy.info.node_ip,
+                str(why).splitlines()[0] if str(why) else type(why).__name__,
+            )
         copy.up, copy.probe = False, None
-        return CopyLost(f"{self.name}: copy {copy.index} on {copy.info.node_ip} is gone "
-                        f"({type(why).__name__})", "its sessions are read again on another copy")
+        return CopyLost(
+            f"{self.name}: copy {copy.index} on {copy.info.node_ip} is gone ({type(why).__name__})",
+            "its sessions are read again on another copy",
+        )
 
     def revive(self) -> None:
         """Ask each down copy who it is, without waiting; one that answered is up again."""

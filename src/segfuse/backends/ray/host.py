@@ -59,8 +59,17 @@ class MemberHost:
         context = ray.get_runtime_context()
         m = self.member
         address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # Ray leaves it untyped
-        self.about = HostInfo(m.name, m.capabilities, m.slots, m.n_params, m.placement, context.get_node_id(),
-                              address, os.getpid(), self.incarnation)
+        self.about = HostInfo(
+            m.name,
+            m.capabilities,
+            m.slots,
+            m.n_params,
+            m.placement,
+            context.get_node_id(),
+            address,
+            os.getpid(),
+            self.incarnation,
+        )
 
     async def info(self) -> HostInfo | Exception:
         """Where this copy runs and what it loaded; the load error instead where loading failed."""
@@ -115,8 +124,9 @@ class MemberHost:
         """``member.<method>(*args)`` for one of :data:`MEMBER_METHODS`."""
         if method not in MEMBER_METHODS:
             return Done([ValueError(f"no member method {method!r}")], len(self.book), [None])
-        return await self._run(Job("call", work=lambda member, book: Done([getattr(member, method)(*args)],
-                                                                          len(book), [None])))
+        return await self._run(
+            Job("call", work=lambda member, book: Done([getattr(member, method)(*args)], len(book), [None]))
+        )
 
     async def held(self) -> Done:
         """What the copy held after its last batch (read there, on the member's thread, before the batch's
@@ -134,8 +144,14 @@ def _actor_class() -> Any:
     return ray.remote(MemberHost)
 
 
-def create_hosts(inner: str, shared: MemberOptions | None, settings: RaySettings, *, name: str | None = None,
-                 namespace: str | None = None) -> list[Any]:
+def create_hosts(
+    inner: str,
+    shared: MemberOptions | None,
+    settings: RaySettings,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+) -> list[Any]:
     """Start ``settings.replicas`` copies of the member `inner` (a member spec) under the ensemble's `shared`
     options, spread over the cluster's nodes; their actor handles, not waited for (``info`` says when
     each is loaded). `name`: copy k is the named actor ``NAME-k`` (in `namespace`), for other processes."""
@@ -145,8 +161,12 @@ def create_hosts(inner: str, shared: MemberOptions | None, settings: RaySettings
         options["gpu_layers"] = where.gpu_layers
     handles = []
     for k in range(settings.replicas):
-        actor: dict[str, Any] = {"num_cpus": where.cpus, "num_gpus": where.gpus, "max_restarts": settings.restarts,
-                                 "scheduling_strategy": "SPREAD"}
+        actor: dict[str, Any] = {
+            "num_cpus": where.cpus,
+            "num_gpus": where.gpus,
+            "max_restarts": settings.restarts,
+            "scheduling_strategy": "SPREAD",
+        }
         if name is not None:
             actor.update(name=f"{name}-{k}", namespace=namespace)
         handles.append(_actor_class().options(**actor).remote(inner, options, settings.expire_s, settings.gather_ms))

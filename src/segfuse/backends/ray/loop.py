@@ -96,8 +96,9 @@ class SessionBook:
         with self._lock:
             session = self._held.get(sid)
             if session is None:
-                raise SessionLost(f"no session {sid} on this copy (it expired, or the copy restarted)",
-                                  "read the session again")
+                raise SessionLost(
+                    f"no session {sid} on this copy (it expired, or the copy restarted)", "read the session again"
+                )
             self._touched[sid] = time.monotonic()
             return session
 
@@ -272,8 +273,17 @@ class MemberLoop:
             self._count(kind, out)
         self.book.touch(frozenset(sid for job in jobs for sid in job.sids))
         load = len(self.book)
-        return [(job, Done([portable(v) if isinstance(v, BaseException) else v for v in values[id(job)]], load,
-                           [None] * len(job.items))) for job in jobs]
+        return [
+            (
+                job,
+                Done(
+                    [portable(v) if isinstance(v, BaseException) else v for v in values[id(job)]],
+                    load,
+                    [None] * len(job.items),
+                ),
+            )
+            for job in jobs
+        ]
 
     def _count(self, kind: str, out: list[Any]) -> None:
         self.stats[f"{kind}_calls"] += len(out)

@@ -54,8 +54,10 @@ class RayMember(Member):
         infos = _infos(self.hosts, self.settings)
         first = infos[0]
         if any(i.name != first.name for i in infos):
-            raise MemberLoadError(f"the copies run different members: {sorted({i.name for i in infos})}",
-                                  "give a Ray member copies of one member")
+            raise MemberLoadError(
+                f"the copies run different members: {sorted({i.name for i in infos})}",
+                "give a Ray member copies of one member",
+            )
         self.name, self.n_params = first.name, first.n_params
         self.capabilities = replace(first.capabilities, parallel_safe=True)
         self.slots = None if any(i.slots is None for i in infos) else sum(i.slots for i in infos)  # type: ignore[misc]
@@ -65,13 +67,21 @@ class RayMember(Member):
 
     @property
     def placement(self) -> str:  # type: ignore[override]
-        where = ", ".join(f"{c.info.node_ip} {c.info.placement or '?'}" + ("" if c.up else " (down)")
-                          for c in self.copies.all)
+        where = ", ".join(
+            f"{c.info.node_ip} {c.info.placement or '?'}" + ("" if c.up else " (down)") for c in self.copies.all
+        )
         return f"Ray, {len(self.copies.all)} {'copy' if len(self.copies.all) == 1 else 'copies'}: {where}"
 
     # --- sessions -----------------------------------------------------------------------------------
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int,
-              cache_salt: str | None = None, deterministic: bool = False) -> RaySession:
+    def start(
+        self,
+        messages: Sequence[Message],
+        *,
+        seed: int | None,
+        reserve: int,
+        cache_salt: str | None = None,
+        deterministic: bool = False,
+    ) -> RaySession:
         start: dict[str, Any] = {"seed": seed, "reserve": reserve}
         if cache_salt is not None:
             start["cache_salt"] = cache_salt
@@ -81,18 +91,26 @@ class RayMember(Member):
         session.open()
         return session
 
-    def draft_many(self, sessions: Sequence[RaySession],  # type: ignore[override]
-                   requests: Sequence[tuple[Any, ...]]) -> list[DraftTokens | Exception]:
+    def draft_many(
+        self,
+        sessions: Sequence[RaySession],  # type: ignore[override]
+        requests: Sequence[tuple[Any, ...]],
+    ) -> list[DraftTokens | Exception]:
         """One streaming call per copy for its sessions' drafts; a hook gets its draft's text as it comes."""
-        return self._many("draft", sessions, [_draft_item(r) for r in requests],
-                          [r[2] if len(r) > 2 else None for r in requests])
+        return self._many(
+            "draft", sessions, [_draft_item(r) for r in requests], [r[2] if len(r) > 2 else None for r in requests]
+        )
 
-    def score_many(self, sessions: Sequence[RaySession],  # type: ignore[override]
-                   requests: Sequence[tuple[Sequence[str]]]) -> list[list[TokenScores] | Exception]:
+    def score_many(
+        self,
+        sessions: Sequence[RaySession],  # type: ignore[override]
+        requests: Sequence[tuple[Sequence[str]]],
+    ) -> list[list[TokenScores] | Exception]:
         return self._many("score", sessions, [(list(r[0]),) for r in requests], [None] * len(requests))
 
-    def _many(self, kind: str, sessions: Sequence[RaySession], items: list[tuple[Any, ...]],
-              hooks: list[OnText | None]) -> list[Any]:
+    def _many(
+        self, kind: str, sessions: Sequence[RaySession], items: list[tuple[Any, ...]], hooks: list[OnText | None]
+    ) -> list[Any]:
         """Each session's result or exception; sessions whose copy was lost are read again and asked again,
         except a draft whose text went out already."""
         out: list[Any] = [None] * len(sessions)
@@ -110,8 +128,10 @@ class RayMember(Member):
                 if isinstance(done, CopyLost):
                     for i in indices:
                         if streamed[i]:
-                            out[i] = CopyLost(f"{self.name}: its copy was lost after part of the draft went out",
-                                              "a draft again might not repeat it: the member leaves the answer")
+                            out[i] = CopyLost(
+                                f"{self.name}: its copy was lost after part of the draft went out",
+                                "a draft again might not repeat it: the member leaves the answer",
+                            )
                         else:
                             again.append((i, copy))
                     continue
@@ -131,9 +151,15 @@ class RayMember(Member):
             out[i] = CopyLost(f"{self.name}: the session was lost on every copy", "the member leaves the answer")
         return out
 
-    def _send(self, kind: str, groups: dict[Copy, list[int]], sessions: Sequence[RaySession],
-              items: list[tuple[Any, ...]], hooks: list[OnText | None],
-              streamed: list[bool]) -> list[tuple[Copy, Done | CopyLost]]:
+    def _send(
+        self,
+        kind: str,
+        groups: dict[Copy, list[int]],
+        sessions: Sequence[RaySession],
+        items: list[tuple[Any, ...]],
+        hooks: list[OnText | None],
+        streamed: list[bool],
+    ) -> list[tuple[Copy, Done | CopyLost]]:
         """One call per copy, all in flight together; each copy's Done, or CopyLost where it is gone. A draft's
         texts go to its hook as they come, on this thread."""
         calls: dict[Any, Copy] = {}
@@ -202,10 +228,13 @@ class RayMember(Member):
         """The copies' occupancies added up (slots of copies that are up); each copy's is in :meth:`view`."""
         self.refresh()
         held = [c.held.occupancy for c in self.copies.up() if c.held is not None]
-        return Occupancy(slots=_total(o.slots for o in held), free_slots=_total(o.free_slots for o in held),
-                         cache_cells=_total(o.cache_cells for o in held),
-                         stray_cells=_total(o.stray_cells for o in held),
-                         prefix=_prefix_total([o.prefix for o in held]))
+        return Occupancy(
+            slots=_total(o.slots for o in held),
+            free_slots=_total(o.free_slots for o in held),
+            cache_cells=_total(o.cache_cells for o in held),
+            stray_cells=_total(o.stray_cells for o in held),
+            prefix=_prefix_total([o.prefix for o in held]),
+        )
 
     def refresh(self) -> None:
         """Ask every copy what it holds (``Copy.held``); a copy that does not answer is down."""
@@ -227,11 +256,22 @@ class RayMember(Member):
         for c in self.copies.all:
             held = c.held
             prefix = held.occupancy.prefix if held else None
-            rows.append({"copy": c.index, "node_id": c.info.node_id, "node_ip": c.info.node_ip, "pid": c.info.pid,
-                         "placement": c.info.placement, "up": c.up, "sessions": c.load,
-                         "slots": c.info.slots, "free_slots": held.occupancy.free_slots if held else None,
-                         "waiting": held.waiting if held else None,
-                         "prefix_hits": prefix.hits if prefix else None, "stats": dict(held.stats) if held else {}})
+            rows.append(
+                {
+                    "copy": c.index,
+                    "node_id": c.info.node_id,
+                    "node_ip": c.info.node_ip,
+                    "pid": c.info.pid,
+                    "placement": c.info.placement,
+                    "up": c.up,
+                    "sessions": c.load,
+                    "slots": c.info.slots,
+                    "free_slots": held.occupancy.free_slots if held else None,
+                    "waiting": held.waiting if held else None,
+                    "prefix_hits": prefix.hits if prefix else None,
+                    "stats": dict(held.stats) if held else {},
+                }
+            )
         return rows
 
     def close(self) -> None:
@@ -256,16 +296,18 @@ def _infos(hosts: Sequence[Any], settings: RaySettings) -> list[HostInfo]:
     refs = [h.info.remote() for h in hosts]
     _, waiting = ray.wait(refs, num_returns=len(refs), timeout=settings.timeout)
     if waiting:
-        raise MemberLoadError(f"{len(waiting)} of {len(refs)} copies did not start within {settings.timeout:g} s",
-                              "the cluster may lack the CPUs or GPUs each copy asks for (cpus=, gpus=), "
-                              "see `ray status`")
+        raise MemberLoadError(
+            f"{len(waiting)} of {len(refs)} copies did not start within {settings.timeout:g} s",
+            "the cluster may lack the CPUs or GPUs each copy asks for (cpus=, gpus=), see `ray status`",
+        )
     infos = []
     for ref in refs:
         try:
             info = ray.get(ref)
         except RayActorError as exc:
-            raise MemberLoadError(f"a copy died while it started: {str(exc).splitlines()[0]}",
-                                  "see the Ray logs of its worker") from None
+            raise MemberLoadError(
+                f"a copy died while it started: {str(exc).splitlines()[0]}", "see the Ray logs of its worker"
+            ) from None
         if isinstance(info, BaseException):
             raise info
         infos.append(info)
@@ -290,8 +332,10 @@ def join(address: str | None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
-        raise MemberLoadError("ray: members need a Ray cluster, and this process has joined none",
-                              "call ray.init(...) first, set RAY_ADDRESS, or add address=HOST:PORT to the spec")
+        raise MemberLoadError(
+            "ray: members need a Ray cluster, and this process has joined none",
+            "call ray.init(...) first, set RAY_ADDRESS, or add address=HOST:PORT to the spec",
+        )
     ray.init(address=address)
 
 

@@ -39,6 +39,7 @@ class Owner(Protocol):
 
     def score_many(self, sessions: Sequence[RaySession], requests: Sequence[Any]) -> list[Any]: ...
 
+
 SLOT_WAIT_S = 30.0  # how long opening a session waits for a free slot on some copy (as a local member does)
 
 
@@ -86,8 +87,10 @@ class RaySession(MemberSession):
                 self._opened(copy, opened)
                 return
             if full is None:
-                raise CopyLost(f"no copy of {self.m.name} is left to read the session",
-                               "the member leaves the answer; Ray restarts its copies where it can")
+                raise CopyLost(
+                    f"no copy of {self.m.name} is left to read the session",
+                    "the member leaves the answer; Ray restarts its copies where it can",
+                )
             if time.monotonic() > deadline:
                 raise full
             time.sleep(pause)
@@ -157,7 +160,9 @@ class RaySession(MemberSession):
         return cast(tuple[float, int], self.call("text_logprob", (text,)))
 
     def counters(self) -> dict[str, int]:
-        return cast(dict[str, int], self._once("counters", ()))  # work on a copy that is gone is gone with it: not read again
+        return cast(
+            dict[str, int], self._once("counters", ())
+        )  # work on a copy that is gone is gone with it: not read again
 
     def close(self) -> None:
         """Close on the copy (nothing to free where it is gone); its answer's prefix is that copy's now."""
@@ -168,8 +173,9 @@ class RaySession(MemberSession):
             self._once("close", ())
         except (CopyLost, SessionLost):
             return
-        self.m.copies.affinity.remember(prefix_keys([*self.messages, Message("assistant", self.answer)]),
-                                        self.copy.index)
+        self.m.copies.affinity.remember(
+            prefix_keys([*self.messages, Message("assistant", self.answer)]), self.copy.index
+        )
 
 
 def _value(value: Any) -> Any:

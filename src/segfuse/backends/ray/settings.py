@@ -16,8 +16,16 @@ from ...member_options import MemberOptions
 from ..spec import split_target
 
 # key -> type; what each means is in RaySettings
-RAY_KEYS: dict[str, type] = {"replicas": int, "cpus": float, "gpus": float, "expire_s": float, "gather_ms": float,
-                             "restarts": int, "timeout": float, "address": str}
+RAY_KEYS: dict[str, type] = {
+    "replicas": int,
+    "cpus": float,
+    "gpus": float,
+    "expire_s": float,
+    "gather_ms": float,
+    "restarts": int,
+    "timeout": float,
+    "address": str,
+}
 CPU_THREADS = 4  # llama.cpp threads of a copy on the CPU when neither threads nor cpus is given
 GPU_THREADS = 2  # ... of a copy with a GPU (what stays on the CPU is small)
 
@@ -36,13 +44,15 @@ class RaySettings:
     address: str | None = None  # the Ray cluster to join when none is joined yet ("auto", HOST:PORT)
 
     def __post_init__(self) -> None:
-        checks = [(self.replicas >= 1, "replicas must be at least 1"),
-                  (self.cpus is None or self.cpus > 0, "cpus must be more than 0"),
-                  (self.gpus is None or self.gpus >= 0, "gpus must be 0 or more"),
-                  (self.expire_s > 0, "expire_s must be more than 0"),
-                  (self.gather_ms >= 0, "gather_ms must be 0 or more"),
-                  (self.restarts >= -1, "restarts must be -1 (always) or more"),
-                  (self.timeout > 0, "timeout must be more than 0")]
+        checks = [
+            (self.replicas >= 1, "replicas must be at least 1"),
+            (self.cpus is None or self.cpus > 0, "cpus must be more than 0"),
+            (self.gpus is None or self.gpus >= 0, "gpus must be 0 or more"),
+            (self.expire_s > 0, "expire_s must be more than 0"),
+            (self.gather_ms >= 0, "gather_ms must be 0 or more"),
+            (self.restarts >= -1, "restarts must be -1 (always) or more"),
+            (self.timeout > 0, "timeout must be more than 0"),
+        ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(f"ray member: {message}", "see Ray members in docs/deploy.md")
@@ -62,8 +72,9 @@ def parse_target(target: str) -> tuple[str, RaySettings]:
     """``INNER[#ITEMS]`` -> (the inner member's spec with its own items, the Ray member's settings)."""
     head, _, fragment = target.partition("#")
     if not head or head.startswith("ray:"):
-        raise InvalidRequestError(f"ray member {target!r} names no member to run",
-                                  "write ray:SPEC, e.g. ray:qwen2.5-coder-0.5b#replicas=2")
+        raise InvalidRequestError(
+            f"ray member {target!r} names no member to run", "write ray:SPEC, e.g. ray:qwen2.5-coder-0.5b#replicas=2"
+        )
     items = [part.strip() for part in fragment.split(",") if part.strip()]
     ours = [item for item in items if _key(item) in RAY_KEYS]
     theirs = [item for item in items if item not in ours]

@@ -34,8 +34,14 @@ def echoed_match(echoed: list[Entry], generated: list[Entry]) -> list[float] | N
     """The echoed log-probabilities of the `generated` tokens, found by their texts from the end (a
     faulty server also drops the last entry, so counts are not trusted); None when not found."""
     tokens = [e.token for e in generated]
-    at = next((i for i in range(len(echoed) - len(tokens), -1, -1)
-               if [e.token for e in echoed[i : i + len(tokens)]] == tokens), None)
+    at = next(
+        (
+            i
+            for i in range(len(echoed) - len(tokens), -1, -1)
+            if [e.token for e in echoed[i : i + len(tokens)]] == tokens
+        ),
+        None,
+    )
     return None if at is None else known_logprobs(echoed[at : at + len(tokens)])
 
 
@@ -65,20 +71,32 @@ def raw_echo_agrees(server: Server) -> bool:
 
 def shifted(server: Server, what: str) -> InvalidRequestError:
     """The error for what a server that shifts a plain text's echo (abetlen/llama-cpp-python#1983) cannot do right."""
-    return InvalidRequestError(f"{server.name}: {server.url} shifts the log-probabilities of a text it reads with "
-                               f"no BOS first (abetlen/llama-cpp-python#1983), so it cannot {what}",
-                               "serve this model with vLLM or a fixed llama-cpp-python")
+    return InvalidRequestError(
+        f"{server.name}: {server.url} shifts the log-probabilities of a text it reads with "
+        f"no BOS first (abetlen/llama-cpp-python#1983), so it cannot {what}",
+        "serve this model with vLLM or a fixed llama-cpp-python",
+    )
 
 
 def _request(server: Server, text: str, top_k: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": server.model, "prompt": text, "max_tokens": server.kind.echo_max_tokens,
-                            "temperature": 0.0, "logprobs": max(top_k, 1), "echo": True, "stream": False}
+    body: dict[str, Any] = {
+        "model": server.model,
+        "prompt": text,
+        "max_tokens": server.kind.echo_max_tokens,
+        "temperature": 0.0,
+        "logprobs": max(top_k, 1),
+        "echo": True,
+        "stream": False,
+    }
     try:
         data = server.client.post("/completions", body)
     except RemoteServerError as exc:
         if len(text.encode("utf-8")) + server.kind.echo_max_tokens > server.n_ctx:  # it may well be over the window
-            raise PromptTooLongError(f"{server.name} could not read the text, which may be over its context window "
-                                     f"({server.n_ctx} tokens): {exc}", "shorten the text") from None
+            raise PromptTooLongError(
+                f"{server.name} could not read the text, which may be over its context window "
+                f"({server.n_ctx} tokens): {exc}",
+                "shorten the text",
+            ) from None
         raise
     choice = choices_of(data, 1)[0]
     choice["_usage"] = data.get("usage") or {}
@@ -109,15 +127,19 @@ def echo_remote(server: Server, text: str, top_k: int, bos: str = "") -> list[Pr
     if len(entries) > 1 and bos and entries[0].token == bos and not text.startswith(bos):
         entries, tops = entries[1:], tops[1:]  # the BOS the server read first (not echoed)
     if len(entries) + n_gen > server.n_ctx:
-        raise PromptTooLongError(f"{server.name}: the text is {len(entries)} tokens, over its context window "
-                                 f"({server.n_ctx})", "shorten the text")
+        raise PromptTooLongError(
+            f"{server.name}: the text is {len(entries)} tokens, over its context window ({server.n_ctx})",
+            "shorten the text",
+        )
     try:
         pieces = pieces_of(text, entries)
     except RemoteServerError:
         pieces = []
     if "".join(pieces) != text:
-        raise RemoteServerError(f"{server.name}: the server's echoed tokens do not spell the text",
-                                "its echo cannot be attributed to the text; ask another member")
+        raise RemoteServerError(
+            f"{server.name}: the server's echoed tokens do not spell the text",
+            "its echo cannot be attributed to the text; ask another member",
+        )
     out: list[PromptToken] = []
     at = 0
     for entry, piece, listed in zip(entries, pieces, tops):
@@ -129,9 +151,18 @@ def echo_remote(server: Server, text: str, top_k: int, bos: str = "") -> list[Pr
 
 def refuse_ids(name: str) -> InvalidRequestError:
     """The error for token ids given to member `name`, whose tokenizer is the server's."""
-    return InvalidRequestError(f"{name} reads text only: its server's token ids are unknown here",
-                               "give the prompt as text", field="prompt")
+    return InvalidRequestError(
+        f"{name} reads text only: its server's token ids are unknown here", "give the prompt as text", field="prompt"
+    )
 
 
-__all__ = ["PROBE_TEXT", "echo_probe", "echo_remote", "echoed_match", "raw_echo_agrees", "refuse_ids",
-           "same_logprobs", "shifted"]
+__all__ = [
+    "PROBE_TEXT",
+    "echo_probe",
+    "echo_remote",
+    "echoed_match",
+    "raw_echo_agrees",
+    "refuse_ids",
+    "same_logprobs",
+    "shifted",
+]

@@ -91,8 +91,9 @@ class CompletionClient:
             try:
                 return response.json()
             except ValueError:
-                raise RemoteServerError(f"{method} {url} did not return JSON: {_excerpt(response)}",
-                                        "is this an OpenAI-compatible server?") from None
+                raise RemoteServerError(
+                    f"{method} {url} did not return JSON: {_excerpt(response)}", "is this an OpenAI-compatible server?"
+                ) from None
         raise RemoteServerError(
             f"{method} {url} failed after {self.retry.retries + 1} attempts: {last}",
             "is the server running and reachable?",

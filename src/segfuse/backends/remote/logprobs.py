@@ -24,8 +24,9 @@ class Entry:
 def entries_of(logprobs: dict[str, Any] | None) -> list[Entry]:
     """The tokens of a choice's `logprobs`, checked; offsets rebuilt from token texts where missing."""
     if not logprobs or not isinstance(logprobs.get("tokens"), list):
-        raise RemoteServerError("the server returned no per-token log-probabilities",
-                                "it must support `logprobs` on /v1/completions")
+        raise RemoteServerError(
+            "the server returned no per-token log-probabilities", "it must support `logprobs` on /v1/completions"
+        )
     tokens = logprobs["tokens"]
     lps = logprobs.get("token_logprobs") or [None] * len(tokens)
     offsets = logprobs.get("text_offset")
@@ -35,8 +36,10 @@ def entries_of(logprobs: dict[str, Any] | None) -> list[Entry]:
             offsets.append(at)
             at += len(token)
     alternatives = logprobs.get("top_logprobs") or [None] * len(tokens)
-    entries = [Entry(str(t), int(o), None if lp is None else float(lp), _top(lp, alt))
-               for t, o, lp, alt in zip(tokens, offsets, lps, alternatives)]
+    entries = [
+        Entry(str(t), int(o), None if lp is None else float(lp), _top(lp, alt))
+        for t, o, lp, alt in zip(tokens, offsets, lps, alternatives)
+    ]
     for entry in entries:
         # A log-probability is finite and at most 0; allow float noise above 0.
         if entry.logprob is not None and not (math.isfinite(entry.logprob) and entry.logprob <= 1e-3):
@@ -111,8 +114,10 @@ def _align(tokens: Sequence[str], text: str, skipped: bool = False) -> list[str]
             pieces.append("")
             continue
         if found < 0:
-            raise RemoteServerError("the server's tokens do not spell its completion text",
-                                    "use a server whose logprobs report tokens and text offsets")
+            raise RemoteServerError(
+                "the server's tokens do not spell its completion text",
+                "use a server whose logprobs report tokens and text offsets",
+            )
         pieces.append(text[at : found + len(token)])
         at = found + len(token)
     if pieces:
@@ -172,6 +177,7 @@ def logsumexp(values: Sequence[float]) -> float:
 def choices_of(data: Any, n: int) -> list[dict[str, Any]]:
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or len(choices) != n:
-        raise RemoteServerError(f"expected {n} completion choice(s), got {data!r:.200}",
-                                "is this an OpenAI-compatible completions server?")
+        raise RemoteServerError(
+            f"expected {n} completion choice(s), got {data!r:.200}", "is this an OpenAI-compatible completions server?"
+        )
     return sorted(choices, key=lambda c: c.get("index", 0))

@@ -98,8 +98,15 @@ class RemoteMember(Member):
             self.source = self._prompt_source(model, reported)
             base = os.path.basename(model.rstrip("/"))
             self.name = options.name or (base[: -len(".gguf")] if base.endswith(".gguf") else base) or self.url
-            self.server = Server(client, model=model, kind=kind, batch=kind.batch if options.batch is None
-                                 else options.batch, name=self.name, n_ctx=self.n_ctx, end_ids=self.source.end_ids)
+            self.server = Server(
+                client,
+                model=model,
+                kind=kind,
+                batch=kind.batch if options.batch is None else options.batch,
+                name=self.name,
+                n_ctx=self.n_ctx,
+                end_ids=self.source.end_ids,
+            )
             if not kind.echo:
                 raise MemberLoadError(
                     f"{self.url} is a {kind.name} server, which returns no prompt log-probabilities",
@@ -109,8 +116,9 @@ class RemoteMember(Member):
             if options.check_echo:
                 self._check_echo()
             # Echo (Member.echo) only where the server echoes a plain text right; unprobed: trusted.
-            self.capabilities = Capabilities(parallel_safe=True,
-                                             echo=not options.check_echo or raw_echo_agrees(self.server))
+            self.capabilities = Capabilities(
+                parallel_safe=True, echo=not options.check_echo or raw_echo_agrees(self.server)
+            )
         except BaseException:
             client.close()
             raise
@@ -132,8 +140,9 @@ class RemoteMember(Member):
             )
         found = load_prompt_source(source, plain=plain, eos=self.options.eos)
         if not found.end_texts:
-            raise MemberLoadError(f"no end-of-generation token known for {model!r} ({found.origin})",
-                                  "add eos=TEXT to the member spec")
+            raise MemberLoadError(
+                f"no end-of-generation token known for {model!r} ({found.origin})", "add eos=TEXT to the member spec"
+            )
         return found
 
     def _check_echo(self) -> None:
@@ -166,8 +175,15 @@ class RemoteMember(Member):
             raise shifted(self.server, "echo a text")
         return echo_remote(self.server, prompt, top_k, self.source.bos_text)
 
-    def start(self, messages: Sequence[Message], *, seed: int | None, reserve: int, cache_salt: str | None = None,
-              deterministic: bool = False) -> RemoteSession:
+    def start(
+        self,
+        messages: Sequence[Message],
+        *,
+        seed: int | None,
+        reserve: int,
+        cache_salt: str | None = None,
+        deterministic: bool = False,
+    ) -> RemoteSession:
         # The server's own cache and batches: no salt to give, and its determinism is its own (docs/server.md).
         if raw_prompt(messages) is not None and not self.capabilities.echo:
             # Its verification reads echoed log-probabilities of the text: shifted by one, they would be wrong.
@@ -177,8 +193,9 @@ class RemoteMember(Member):
         # A token spells at least one byte (2 spare: a BOS and a leading space the tokenizer may add), so a
         # prompt of fewer bytes than the window holds fits; a longer one is counted by the server if it can.
         exact = self.server.count_tokens(prompt) if n_bytes + 2 + reserve > self.n_ctx else None
-        check_prompt_fits(self.name, n_bytes // 4 if exact is None else exact, reserve, self.n_ctx,
-                          approximate=exact is None)
+        check_prompt_fits(
+            self.name, n_bytes // 4 if exact is None else exact, reserve, self.n_ctx, approximate=exact is None
+        )
         session = RemoteSession(self.server, self.source, prompt, seed)
         if exact is not None:
             session.n_tokens = exact
@@ -197,16 +214,30 @@ def _is_catalogued(model: str) -> bool:
 
 # --- registry entry -----------------------------------------------------------------------
 
-TARGET_KEYS = {"model": str, "template": str, "format": str, "eos": str, "server": str, "batch": bool,
-               "timeout": float, "retries": int, "backoff": float, "n_ctx": int, "api_key": str, "check_echo": bool}
+TARGET_KEYS = {
+    "model": str,
+    "template": str,
+    "format": str,
+    "eos": str,
+    "server": str,
+    "batch": bool,
+    "timeout": float,
+    "retries": int,
+    "backoff": float,
+    "n_ctx": int,
+    "api_key": str,
+    "check_echo": bool,
+}
 
 
 def parse_target(target: str) -> tuple[str, dict[str, Any]]:
     """``URL#NAME,KEY=VALUE,...`` -> (URL, options typed as RemoteOptions' fields)."""
     url, options = split_target(target, TARGET_KEYS, "remote")
     if not url.startswith(("http://", "https://")):
-        raise InvalidRequestError(f"remote member URL must start with http:// or https://: {url!r}",
-                                  "e.g. remote:http://127.0.0.1:8000/v1#name")
+        raise InvalidRequestError(
+            f"remote member URL must start with http:// or https://: {url!r}",
+            "e.g. remote:http://127.0.0.1:8000/v1#name",
+        )
     return url, options
 
 

@@ -51,8 +51,9 @@ class PromptSource:
         if not self.template:
             raise MemberLoadError(f"no chat template known ({self.origin})", "give template=PATH or format=plain")
         template = self.template
-        text = chat_prompt(lambda ms, gen: render_chat(template, ms, self.bos_text, self.eos_text, gen),
-                           messages, self.origin)
+        text = chat_prompt(
+            lambda ms, gen: render_chat(template, ms, self.bos_text, self.eos_text, gen), messages, self.origin
+        )
         if self.add_bos and self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text) :]  # the server adds it; twice would change the prompt
         return text
@@ -68,9 +69,11 @@ def load_prompt_source(source: str, *, plain: bool | None = None, eos: str | Non
     else:
         path = Path(source).expanduser()
     if not path.exists():
-        raise ModelFileError(f"template source not found: {source}",
-                             "give an embedded model name, a .gguf file, a model directory, a .jinja file "
-                             "or a model of yours (ollama:NAME, hf:ORG/REPO, ...)")
+        raise ModelFileError(
+            f"template source not found: {source}",
+            "give an embedded model name, a .gguf file, a model directory, a .jinja file "
+            "or a model of yours (ollama:NAME, hf:ORG/REPO, ...)",
+        )
     if path.is_dir():
         found = _from_hf_dir(path)
     elif is_gguf(path):

@@ -77,20 +77,43 @@ class Server:
     several prompts in one request (`batch`), its context window (`n_ctx`), and the ids of its
     end-of-generation tokens where known (`end_ids`, banned when a draft must not end)."""
 
-    def __init__(self, client: CompletionClient, *, model: str, kind: ServerKind, batch: bool, name: str,
-                 n_ctx: int, end_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        client: CompletionClient,
+        *,
+        model: str,
+        kind: ServerKind,
+        batch: bool,
+        name: str,
+        n_ctx: int,
+        end_ids: Sequence[int] = (),
+    ) -> None:
         self.client = client
         self.url = client.base_url
         self.model, self.kind, self.batch = model, kind, batch
         self.name, self.n_ctx = name, n_ctx
         self.end_ids = tuple(end_ids)
 
-    def complete(self, prompt: str, *, max_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, ignore_eos: bool = False) -> dict[str, Any]:
+    def complete(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool = False,
+    ) -> dict[str, Any]:
         """One completion with its tokens' log-probabilities: the choice, its request's usage under ``_usage``."""
         body: dict[str, Any] = {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "logprobs": 1, "stream": False, **self.kind.extras,
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 1,
+            "stream": False,
+            **self.kind.extras,
         }
         if seed is not None:
             body["seed"] = seed
@@ -108,8 +131,10 @@ class Server:
         if self.kind.name in ("vllm", "sglang"):
             return {"ignore_eos": True, **ban}
         if not ban:
-            raise InvalidRequestError(f"{self.name}: cannot ban end-of-generation tokens on this server",
-                                      "their ids are unknown: give template=PATH with the model's tokenizer")
+            raise InvalidRequestError(
+                f"{self.name}: cannot ban end-of-generation tokens on this server",
+                "their ids are unknown: give template=PATH with the model's tokenizer",
+            )
         return ban
 
     def echo(self, prompts: Sequence[str]) -> list[Echoed]:
@@ -118,8 +143,12 @@ class Server:
         out: list[Echoed] = []
         for group in groups:
             body: dict[str, Any] = {
-                "model": self.model, "prompt": group if len(group) > 1 else group[0],
-                "max_tokens": self.kind.echo_max_tokens, "temperature": 0.0, "logprobs": 1, "echo": True,
+                "model": self.model,
+                "prompt": group if len(group) > 1 else group[0],
+                "max_tokens": self.kind.echo_max_tokens,
+                "temperature": 0.0,
+                "logprobs": 1,
+                "echo": True,
                 "stream": False,
             }
             data = self.client.post("/completions", body)

@@ -38,8 +38,10 @@ def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, weights: W
     bos = lead if lead and ids[: len(lead)] != lead else []
     tokens = bos + ids
     if len(tokens) > weights.n_ctx:
-        raise PromptTooLongError(f"{vocab.name}: the text is {len(tokens)} tokens, over its context window "
-                                 f"({weights.n_ctx})", "shorten the text")
+        raise PromptTooLongError(
+            f"{vocab.name}: the text is {len(tokens)} tokens, over its context window ({weights.n_ctx})",
+            "shorten the text",
+        )
     logprobs: list[float | None] = [None] * len(ids)
     tops: list[TextAlternatives] = [()] * len(ids)
     step = max(1, min(MAX_CHUNK, ROW_FLOATS // max(weights.vocab_size, 1)))

@@ -21,8 +21,14 @@ from ...errors import MemberLoadError
 from ...models import cache_dir as default_cache_dir
 from ...models import is_gguf
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 _CONVERT_LOCK = threading.Lock()
 
 
@@ -51,8 +57,9 @@ def converted_dir(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] 
     return default_cache_dir(cache) / "transformers" / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] | None,
-                 target: Path | None = None) -> Path | None:
+def convert_gguf(
+    gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] | None, target: Path | None = None
+) -> Path | None:
     """Dequantize a GGUF file once into a checkpoint directory (`target`, else one in the cache);
     return the directory.
 
@@ -83,16 +90,25 @@ def convert_gguf(gguf: Path, dtype: torch.dtype, cache: str | os.PathLike[str] |
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, target)
         except Exception as exc:
-            raise MemberLoadError(f"transformers could not convert {gguf}: {exc}",
-                                  "this GGUF architecture or quantization may be unsupported by transformers; "
-                                  "use the llama.cpp backend for it") from None
+            raise MemberLoadError(
+                f"transformers could not convert {gguf}: {exc}",
+                "this GGUF architecture or quantization may be unsupported by transformers; "
+                "use the llama.cpp backend for it",
+            ) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def load_checkpoint(source: Path, *, device: str, dtype: torch.dtype, trust_remote_code: bool,
-                    cache_dir: str | os.PathLike[str] | None, attn_implementation: str) -> tuple[Any, Any]:
+def load_checkpoint(
+    source: Path,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    cache_dir: str | os.PathLike[str] | None,
+    attn_implementation: str,
+) -> tuple[Any, Any]:
     """Tokenizer and weights (in eval mode, on `device`) from a checkpoint directory, or a GGUF file
     (dequantized once, cached)."""
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
@@ -109,8 +125,10 @@ def load_checkpoint(source: Path, *, device: str, dtype: torch.dtype, trust_remo
             str(directory), dtype=dtype, attn_implementation=attn_implementation, **placement, **kwargs
         )
     except (OSError, ValueError) as exc:
-        raise MemberLoadError(f"transformers could not load {directory}: {exc}",
-                              "is it a complete causal-LM checkpoint? (trust_remote_code is off)") from None
+        raise MemberLoadError(
+            f"transformers could not load {directory}: {exc}",
+            "is it a complete causal-LM checkpoint? (trust_remote_code is off)",
+        ) from None
     if device != "auto":
         model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) override misleads mypy
     model.eval()  # type: ignore[no-untyped-call]  # transformers' override of eval has no annotations

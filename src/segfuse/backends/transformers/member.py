@@ -97,9 +97,14 @@ class TransformersMember(LocalMember):
             # Candidates are verified with a custom 4-D mask, which flash-attention kernels do not take.
             raise MemberLoadError(f"attention {attn_implementation!r} is not supported", "use sdpa or eager")
         self.name = name or (source.stem if source.is_file() else source.name)
-        tokenizer, model = load_checkpoint(source, device=device, dtype=torch_dtype,
-                                           trust_remote_code=trust_remote_code, cache_dir=cache_dir,
-                                           attn_implementation=attn_implementation)
+        tokenizer, model = load_checkpoint(
+            source,
+            device=device,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            cache_dir=cache_dir,
+            attn_implementation=attn_implementation,
+        )
         self.weights = Weights(model, name=self.name, dtype=torch_dtype, n_ctx=n_ctx)
         self.n_params, self.n_ctx = self.weights.n_params, self.weights.n_ctx
         if prefix_cache_cells is not None and prefix_cache_cells < 0:
@@ -107,16 +112,22 @@ class TransformersMember(LocalMember):
         self.prefixes = StoredPrefixes(self.n_ctx if prefix_cache_cells is None else prefix_cache_cells)
         self.prefix_cache = self.prefixes.cache
         generation = getattr(model, "generation_config", None)
-        self.vocab = Vocabulary(tokenizer, name=self.name, prompt=prompt, vocab_size=self.weights.vocab_size,
-                                generation_eos=getattr(generation, "eos_token_id", None))
+        self.vocab = Vocabulary(
+            tokenizer,
+            name=self.name,
+            prompt=prompt,
+            vocab_size=self.weights.vocab_size,
+            generation_eos=getattr(generation, "eos_token_id", None),
+        )
         self.prompt = self.vocab.prompt
 
     def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
         ids = self.vocab.tokenize_plain(prompt) if isinstance(prompt, str) else prompt
         return echo_tokens(ids, top_k, vocab=self.vocab, weights=self.weights)
 
-    def open_session(self, prompt: list[int], seed: int | None, cache_salt: str | None = None,
-                     deterministic: bool = False) -> TransformersSession:
+    def open_session(
+        self, prompt: list[int], seed: int | None, cache_salt: str | None = None, deterministic: bool = False
+    ) -> TransformersSession:
         """A session that starts from the longest prefix of `prompt` cached under `cache_salt` (at least
         its last token is left to run: its logits row starts the answer); a `deterministic` one reads the
         whole prompt itself (its sessions never share a forward pass, so that is all it takes)."""

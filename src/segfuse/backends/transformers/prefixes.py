@@ -57,8 +57,11 @@ class StoredPrefixes:
     def keep(self, cache: DynamicCache, tokens: list[int], salt: str | None = None) -> None:
         """Keep the keys and values of `tokens`, the first positions of `cache`, in the prefix cache
         (under `salt`)."""
+
         def copy(handle: int, n: int) -> None:
-            self._stored[handle] = [(keys[..., :n, :].clone(), values[..., :n, :].clone())
-                                    for keys, values in map(keys_values, attention_layers(cache))]
+            self._stored[handle] = [
+                (keys[..., :n, :].clone(), values[..., :n, :].clone())
+                for keys, values in map(keys_values, attention_layers(cache))
+            ]
 
         self.cache.store(tokens, copy, salt)

@@ -21,8 +21,9 @@ from .tokens import Vocabulary
 from .weights import Weights
 
 
-def sample(row: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
-           banned: torch.Tensor | None = None) -> int:
+def sample(
+    row: torch.Tensor, sampling: Sampling, generator: torch.Generator | None, banned: torch.Tensor | None = None
+) -> int:
     """Temperature + nucleus sampling on one logits row (float32); greedy at temperature 0.
 
     `banned` token ids are never picked (end-of-generation under Sampling.ignore_eos).
@@ -67,8 +68,9 @@ class TransformersSession(CachedSession):
 
     streams_text = True  # its draft calls on_text as it samples
 
-    def __init__(self, prompt: list[int], seed: int | None, *, vocab: Vocabulary, weights: Weights,
-                 prefixes: StoredPrefixes) -> None:
+    def __init__(
+        self, prompt: list[int], seed: int | None, *, vocab: Vocabulary, weights: Weights, prefixes: StoredPrefixes
+    ) -> None:
         super().__init__(vocab, prompt, n_ctx=weights.n_ctx, stops=vocab.prompt.stops)
         self.vocab: Vocabulary = vocab
         self.weights = weights
@@ -83,8 +85,7 @@ class TransformersSession(CachedSession):
     def sync(self) -> None:
         start = self.n_cached
         if start < len(self.tokens):
-            rows = self.weights.forward(self.cache, self.tokens[start:], range(start, len(self.tokens)),
-                                        last_only=True)
+            rows = self.weights.forward(self.cache, self.tokens[start:], range(start, len(self.tokens)), last_only=True)
             self.stats.decode_calls += 1
             self.n_cached = len(self.tokens)
             self.next_logits = rows[-1]
@@ -110,9 +111,12 @@ class TransformersSession(CachedSession):
         for step in range(max_tokens):
             rows.append(row)
             allowed = self.allowed_next(ids)  # under a constraint; scores stay the model's own
-            token = sample(row if allowed is None else row.masked_fill(~torch.from_numpy(allowed).to(row.device),
-                                                                       float("-inf")),
-                           sampling, self.generator, banned)
+            token = sample(
+                row if allowed is None else row.masked_fill(~torch.from_numpy(allowed).to(row.device), float("-inf")),
+                sampling,
+                self.generator,
+                banned,
+            )
             ids.append(token)
             logit = float(row[token])
             logits.append(logit)
@@ -130,8 +134,13 @@ class TransformersSession(CachedSession):
         pieces = [vocab.piece(t) if not vocab.is_eog(t) else b"" for t in ids]
         self.pending = DraftState(ids, pieces, rows)
         k = sampling.top_logprobs
-        tops = top_alternatives([r.float().cpu().numpy() for r in rows], k,
-                                lambda t: b"" if vocab.is_eog(t) else vocab.piece(t)) if k else ()
+        tops = (
+            top_alternatives(
+                [r.float().cpu().numpy() for r in rows], k, lambda t: b"" if vocab.is_eog(t) else vocab.piece(t)
+            )
+            if k
+            else ()
+        )
         return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished, tops)
 
     def _end_score(self) -> TokenScores:
@@ -164,8 +173,13 @@ class TransformersSession(CachedSession):
             block = rows[at : at + len(ids)]
             predictors = torch.cat([prefix_row[None, :], block[:-1]])
             span = slice(at, at + len(ids))
-            self.verified[text] = _KeysValues(ids, _scores_at(predictors, ids), block[-1],
-                                               [k[..., span, :] for k in keys], [v[..., span, :] for v in values])
+            self.verified[text] = _KeysValues(
+                ids,
+                _scores_at(predictors, ids),
+                block[-1],
+                [k[..., span, :] for k in keys],
+                [v[..., span, :] for v in values],
+            )
             at += len(ids)
         return {t: self.verified[t].scores for t in texts}
 

@@ -125,8 +125,15 @@ class Vocabulary(LocalVocabulary):
     `vocab_size`: the rows of the model's logits; `generation_eos`: the end-of-generation id(s) of the
     model's generation config, beside the tokenizer's EOS."""
 
-    def __init__(self, tokenizer: Any, *, name: str, prompt: PromptFormat | None, vocab_size: int,
-                 generation_eos: int | Sequence[int] | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        name: str,
+        prompt: PromptFormat | None,
+        vocab_size: int,
+        generation_eos: int | Sequence[int] | None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.name = name
         self.chat_template: str | None = getattr(tokenizer, "chat_template", None)
@@ -138,9 +145,11 @@ class Vocabulary(LocalVocabulary):
         self.eog_ids = self._end_tokens(generation_eos)
         self._eog_set = frozenset(self.eog_ids)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self.specials = SpecialTexts(Special(str(t.content), int(i), bool(getattr(t, "lstrip", False)),
-                                             bool(getattr(t, "rstrip", False)))
-                                     for i, t in added.items() if getattr(t, "special", False))
+        self.specials = SpecialTexts(
+            Special(str(t.content), int(i), bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
+            for i, t in added.items()
+            if getattr(t, "special", False)
+        )
 
     def _end_tokens(self, generation_eos: int | Sequence[int] | None) -> list[int]:
         """Every end-of-generation id the model declares (generation config and tokenizer)."""
@@ -177,9 +186,13 @@ class Vocabulary(LocalVocabulary):
 
     def render(self, messages: Sequence[Message]) -> str:
         """`messages` through the tokenizer's chat template, ready for the answer (a prefill left open)."""
-        return chat_prompt(lambda ms, gen: self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in ms], tokenize=False, add_generation_prompt=gen),
-            messages, self.name)
+        return chat_prompt(
+            lambda ms, gen: self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in ms], tokenize=False, add_generation_prompt=gen
+            ),
+            messages,
+            self.name,
+        )
 
     def protected_tokens(self, messages: Sequence[Message], text: str, *, add_special: bool) -> list[int]:
         """`text` (the templated `messages`) tokenized with the template's special tokens, and the
@@ -187,6 +200,9 @@ class Vocabulary(LocalVocabulary):
         tok = self.tokenizer
         ids: list[int] = []
         for piece in protected_pieces(self.name, self.render, messages, text, self.specials):
-            ids += [piece] if isinstance(piece, int) else tok(piece, add_special_tokens=False,
-                                                              split_special_tokens=True)["input_ids"]
+            ids += (
+                [piece]
+                if isinstance(piece, int)
+                else tok(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            )
         return self.text_prefix + ids + self.text_suffix if add_special else ids

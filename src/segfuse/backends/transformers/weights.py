@@ -36,8 +36,10 @@ class Weights:
         self.layer_types: list[str] | None = getattr(config, "layer_types", None)
         unsupported = set(self.layer_types or ()) - {"full_attention", "sliding_attention"}
         if unsupported:
-            raise MemberLoadError(f"{self.name}: layers of type {sorted(unsupported)} are not supported",
-                                  "batched verification needs full or sliding-window attention layers")
+            raise MemberLoadError(
+                f"{self.name}: layers of type {sorted(unsupported)} are not supported",
+                "batched verification needs full or sliding-window attention layers",
+            )
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             self.sliding_window = None  # declared but switched off (Qwen2)
@@ -45,8 +47,14 @@ class Weights:
         self.n_ctx = min(n_ctx, limit) if n_ctx else limit
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, ids: Sequence[int], positions: Sequence[int],
-                mask: Any = None, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        cache: DynamicCache,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        mask: Any = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Run `ids` on the cache; return float32 logits rows (all, or the last one)."""
         dev = self.input_device
         out = self.model(
@@ -73,8 +81,7 @@ class Weights:
         q_pos = n_prefix + local  # restarted positions: every candidate starts right after the prefix
         k_pos = torch.cat([torch.arange(n_prefix + n_hidden, device=dev), q_pos])
         # Key owners: -1 prefix (visible to all), -2 pending draft (hidden), else the candidate's index.
-        k_block = torch.cat([torch.full((n_prefix,), -1, device=dev), torch.full((n_hidden,), -2, device=dev),
-                             block])
+        k_block = torch.cat([torch.full((n_prefix,), -1, device=dev), torch.full((n_hidden,), -2, device=dev), block])
         same_block = k_block[None, :] == block[:, None]
         visible = (k_block[None, :] == -1) | (same_block & (k_pos[None, :] <= q_pos[:, None]))
 

@@ -12,13 +12,14 @@ from typing import Any
 from segfuse.eval.bigbench import DATA_DIR, items
 
 
-def load(task: str, start: int = 0, stop: int | None = None, data_dir: str = str(DATA_DIR),
-         **_: Any) -> dict[str, Any]:
+def load(task: str, start: int = 0, stop: int | None = None, data_dir: str = str(DATA_DIR), **_: Any) -> dict[str, Any]:
     """The task's examples as one ``test`` split of flat rows (context, choices, gold)."""
     import datasets
 
-    rows = [{"index": i.index, "context": i.context, "choices": list(i.choices), "gold": i.correct[0]}
-            for i in items(task, start, stop, data_dir)]
+    rows = [
+        {"index": i.index, "context": i.context, "choices": list(i.choices), "gold": i.correct[0]}
+        for i in items(task, start, stop, data_dir)
+    ]
     return {"test": datasets.Dataset.from_list(rows)}
 
 

@@ -51,15 +51,20 @@ def offered_tools(request: ChatCompletionRequest) -> tuple[list[Tool], str]:
         raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="tool_choice") from None
 
 
-def constraint_of(request: ChatCompletionRequest, tools: list[Tool] | None = None,
-                  mode: str = "none") -> Constraint | None:
+def constraint_of(
+    request: ChatCompletionRequest, tools: list[Tool] | None = None, mode: str = "none"
+) -> Constraint | None:
     """``response_format`` (or the tools offered) -> what the answer must be (None: free text); 400 naming
     the field when it is wrong."""
     spec = request.response_format
     if tools and mode != "none":
         if spec is not None and spec.get("type") != "text":
-            raise APIError(400, "response_format and tools together: the answer is either a tool call or the "
-                                "format", code="invalid_value", param="response_format")
+            raise APIError(
+                400,
+                "response_format and tools together: the answer is either a tool call or the format",
+                code="invalid_value",
+                param="response_format",
+            )
         return tool_constraint(tools, mode)
     if spec is None:
         return None
@@ -72,14 +77,21 @@ def constraint_of(request: ChatCompletionRequest, tools: list[Tool] | None = Non
         if kind == "json_schema":
             inner = spec.get("json_schema")
             if not isinstance(inner, dict) or "schema" not in inner:
-                raise InvalidRequestError("response_format.json_schema must be an object with a 'schema'",
-                                          '{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}')
-            return Constraint.json_schema(inner["schema"], inner.get("name"),
-                                          where="response_format.json_schema.schema")
+                raise InvalidRequestError(
+                    "response_format.json_schema must be an object with a 'schema'",
+                    '{"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}',
+                )
+            return Constraint.json_schema(
+                inner["schema"], inner.get("name"), where="response_format.json_schema.schema"
+            )
     except InvalidRequestError as exc:
         raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_value", param="response_format") from None
-    raise APIError(400, f"response_format.type {kind!r} is not supported: use text, json_object or json_schema",
-                   code="invalid_value", param="response_format")
+    raise APIError(
+        400,
+        f"response_format.type {kind!r} is not supported: use text, json_object or json_schema",
+        code="invalid_value",
+        param="response_format",
+    )
 
 
 def check_continuation(request: ChatCompletionRequest) -> None:
@@ -87,25 +99,42 @@ def check_continuation(request: ChatCompletionRequest) -> None:
     does anyway: continue a final assistant message, and answer any other last message with a new turn."""
     last = request.messages[-1]
     if last.role == "assistant" and last.tool_calls:
-        raise APIError(400, "the conversation ends with the assistant's tool call: send its result (a tool "
-                       "message) or a user message after it", code="invalid_messages", param="messages")
+        raise APIError(
+            400,
+            "the conversation ends with the assistant's tool call: send its result (a tool "
+            "message) or a user message after it",
+            code="invalid_messages",
+            param="messages",
+        )
     ends_open = last.role == "assistant"
-    wrong = {"continue_final_message": request.continue_final_message not in (None, ends_open),
-             "add_generation_prompt": request.add_generation_prompt not in (None, not ends_open)}
+    wrong = {
+        "continue_final_message": request.continue_final_message not in (None, ends_open),
+        "add_generation_prompt": request.add_generation_prompt not in (None, not ends_open),
+    }
     for field, contradicts in wrong.items():
         said = f"{field} {str(getattr(request, field)).lower()}"
         if contradicts and ends_open:
-            raise APIError(400, f"{said} asks for a new assistant turn after the final assistant message, which "
-                           "segfuse continues (a prefill): drop the field, or end with a user message",
-                           code="invalid_value", param=field)
+            raise APIError(
+                400,
+                f"{said} asks for a new assistant turn after the final assistant message, which "
+                "segfuse continues (a prefill): drop the field, or end with a user message",
+                code="invalid_value",
+                param=field,
+            )
         if contradicts:
-            raise APIError(400, f"{said} asks to continue the final message, which is from the {last.role}; "
-                           "segfuse continues only an assistant's: drop the field, or end with the start of "
-                           "the assistant's answer", code="invalid_value", param=field)
+            raise APIError(
+                400,
+                f"{said} asks to continue the final message, which is from the {last.role}; "
+                "segfuse continues only an assistant's: drop the field, or end with the start of "
+                "the assistant's answer",
+                code="invalid_value",
+                param=field,
+            )
 
 
-def to_engine_messages(request: ChatCompletionRequest, tools: list[Tool] | None = None,
-                       mode: str = "none") -> list[Message]:
+def to_engine_messages(
+    request: ChatCompletionRequest, tools: list[Tool] | None = None, mode: str = "none"
+) -> list[Message]:
     """The conversation as the members read it: earlier tool calls and results in plain text, the tools
     offered noted in the system message (tools.py); a final assistant message is continued."""
     check_continuation(request)
@@ -154,32 +183,34 @@ def plan_chat(body: bytes, defaults: FusionOptions, limits: LimitsSection = DEFA
     return plan_of(parse_request(body, CHAT, limits), defaults, limits)
 
 
-def plan_of(request: ChatCompletionRequest, defaults: FusionOptions,
-            limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
+def plan_of(
+    request: ChatCompletionRequest, defaults: FusionOptions, limits: LimitsSection = DEFAULT_LIMITS
+) -> ChatPlan:
     """A validated chat request (of any API: Messages and Responses translate theirs) -> its plan."""
     try:
         tools, mode = offered_tools(request)
     except RecursionError:  # the schema checker recurses: limits raised too far for it
-        raise checks.exceeded("tools", "a schema nests too deeply to check", limits.max_schema_depth,
-                              "max_schema_depth") from None
+        raise checks.exceeded(
+            "tools", "a schema nests too deeply to check", limits.max_schema_depth, "max_schema_depth"
+        ) from None
     top = top_logprobs(request)
     messages = to_engine_messages(request, tools, mode)
     options = fusion_options(request, defaults)
     try:
         constraint = constraint_of(request, tools, mode)
     except RecursionError:
-        raise checks.exceeded("response_format", "the schema nests too deeply to check", limits.max_schema_depth,
-                              "max_schema_depth") from None
+        raise checks.exceeded(
+            "response_format", "the schema nests too deeply to check", limits.max_schema_depth, "max_schema_depth"
+        ) from None
     try:
         check_prefill(constraint, messages)
     except InvalidRequestError as exc:
         raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
     # Built from what was checked above, naming the field at fault: the request is not checked again.
-    generation = FusionRequest(messages, options, constraint=constraint, top_logprobs=top or 0,
-                               cache_salt=request.cache_salt)
+    generation = FusionRequest(
+        messages, options, constraint=constraint, top_logprobs=top or 0, cache_salt=request.cache_salt
+    )
     return ChatPlan(request, generation, tools if mode != "none" else [], top is not None)
-
-
 
 
 __all__ = [

@@ -72,20 +72,27 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = Field(None, description="function tools the answer may call")
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description='"none", "auto" (default with tools), "required", or {"type": "function", "function": '
-                          '{"name": ...}}')
+        None,
+        description='"none", "auto" (default with tools), "required", or {"type": "function", "function": '
+        '{"name": ...}}',
+    )
     response_format: dict[str, Any] | None = Field(
-        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                          '{"name": ..., "schema": {...}, "strict": true}}')
+        None,
+        description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+        '{"name": ..., "schema": {...}, "strict": true}}',
+    )
     logprobs: bool | None = Field(None, description="each answer token's log-probability under its author")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the author's most likely "
-                                     "tokens at each position (up to 20)")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="with logprobs: the author's most likely tokens at each position (up to 20)"
+    )
     # vLLM's names for continuing a final assistant message, which segfuse does whenever there is one:
     # accepted where they say the same (planning.check_continuation).
-    continue_final_message: bool | None = Field(None, description="true: the final message is the assistant's, "
-                                                "continued (segfuse continues one anyway)")
-    add_generation_prompt: bool | None = Field(None, description="false: the final message is the assistant's, "
-                                               "continued (segfuse continues one anyway)")
+    continue_final_message: bool | None = Field(
+        None, description="true: the final message is the assistant's, continued (segfuse continues one anyway)"
+    )
+    add_generation_prompt: bool | None = Field(
+        None, description="false: the final message is the assistant's, continued (segfuse continues one anyway)"
+    )
 
     @property
     def answer_budget(self) -> int | None:

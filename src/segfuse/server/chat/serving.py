@@ -51,8 +51,9 @@ from .protocol import (
 
 def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job:
     """The worker's job for a planned chat request (`fields`: more Job fields, e.g. its id)."""
-    return job_for(state, plan.generation, members_for(state, model), tools=plan.tools, logprobs=plan.logprobs,
-                   **fields)
+    return job_for(
+        state, plan.generation, members_for(state, model), tools=plan.tools, logprobs=plan.logprobs, **fields
+    )
 
 
 async def answer(state: ServerState, request: Request) -> Response:
@@ -81,8 +82,9 @@ def _calls(call: ToolCall, index: int | None = None) -> list[dict[str, Any]]:
     return [entry if index is None else {"index": index, **entry}]
 
 
-def completion_body(job: Job, model: str, result: Result, started: Started | None,
-                    detailed: bool = False) -> ChatCompletion:
+def completion_body(
+    job: Job, model: str, result: Result, started: Started | None, detailed: bool = False
+) -> ChatCompletion:
     return ChatCompletion(
         id=job.id,
         created=int(job.created),
@@ -95,8 +97,7 @@ def completion_body(job: Job, model: str, result: Result, started: Started | Non
 
 def _choice(job: Job, result: Result) -> Choice:
     call = call_of(job, result)
-    message = (AssistantMessage(content=None, tool_calls=_calls(call)) if call
-               else AssistantMessage(content=result.text))
+    message = AssistantMessage(content=None, tool_calls=_calls(call)) if call else AssistantMessage(content=result.text)
     logprobs = None
     if job.logprobs:
         logprobs = ChoiceLogprobs(content=None if call else chat_logprobs(result.logprobs(), job.request.top_logprobs))
@@ -105,14 +106,21 @@ def _choice(job: Job, result: Result) -> Choice:
 
 def chat_logprobs(tokens: list[TokenLogprob], k: int) -> list[TokenLogprobInfo]:
     """Answer tokens in the chat shape: text, log-probability, bytes, the author's top `k`, who wrote it."""
-    return [TokenLogprobInfo(token=t.text, logprob=t.logprob, bytes=list(t.bytes), model=t.model,
-                             top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=list(data))
-                                           for text, data, lp in t.top[:k]])
-            for t in tokens]
+    return [
+        TokenLogprobInfo(
+            token=t.text,
+            logprob=t.logprob,
+            bytes=list(t.bytes),
+            model=t.model,
+            top_logprobs=[TopLogprob(token=text, logprob=lp, bytes=list(data)) for text, data, lp in t.top[:k]],
+        )
+        for t in tokens
+    ]
 
 
-async def complete(job: Job, model: str, disconnected: Callable[[], Any],
-                   cancel: Callable[[], None], detailed: bool = False) -> ChatCompletion:
+async def complete(
+    job: Job, model: str, disconnected: Callable[[], Any], cancel: Callable[[], None], detailed: bool = False
+) -> ChatCompletion:
     """The chat completion of the whole answer (see ``serving.finished``)."""
     result, started = await finished(job, disconnected, cancel, detailed)
     return completion_body(job, model, result, started, detailed)
@@ -121,41 +129,70 @@ async def complete(job: Job, model: str, disconnected: Callable[[], Any],
 # --------------------------------------------------------------------------- the answer as it is written
 
 
-def _chunk(job: Job, model: str, delta: Delta, finish: str | None = None,
-           info: FusionInfo | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
-    chunk = ChatCompletionChunk(id=job.id, created=int(job.created), model=model,
-                                choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
-                                segfuse=info)
+def _chunk(
+    job: Job,
+    model: str,
+    delta: Delta,
+    finish: str | None = None,
+    info: FusionInfo | None = None,
+    logprobs: ChoiceLogprobs | None = None,
+) -> str:
+    chunk = ChatCompletionChunk(
+        id=job.id,
+        created=int(job.created),
+        model=model,
+        choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+        segfuse=info,
+    )
     return sse(chunk.model_dump(mode="json", exclude={"usage"}))
 
 
 def _segment_chunk(job: Job, model: str, segment: Segment, round_info: RoundInfo | None = None) -> str:
-    logprobs = (ChoiceLogprobs(content=chat_logprobs(answer_logprobs([segment]), job.request.top_logprobs))
-                if job.logprobs else None)
-    return _chunk(job, model, Delta(content=segment.text),
-                  info=FusionInfo(segment=segment_info(segment), round=round_info), logprobs=logprobs)
+    logprobs = (
+        ChoiceLogprobs(content=chat_logprobs(answer_logprobs([segment]), job.request.top_logprobs))
+        if job.logprobs
+        else None
+    )
+    return _chunk(
+        job,
+        model,
+        Delta(content=segment.text),
+        info=FusionInfo(segment=segment_info(segment), round=round_info),
+        logprobs=logprobs,
+    )
 
 
-def _closing(job: Job, model: str, result: Result, started: Started | None, held: list[str],
-             include_usage: bool, detailed: bool) -> list[str]:
+def _closing(
+    job: Job, model: str, result: Result, started: Started | None, held: list[str], include_usage: bool, detailed: bool
+) -> list[str]:
     """The frames after the answer: a held answer (a call, or text), the finish, [usage]."""
     frames = []
     call = call_of(job, result)
     if call is not None:
         frames.append(_chunk(job, model, Delta(tool_calls=_calls(call, 0))))
     elif held:
-        frames.append(_chunk(job, model, Delta(content="".join(held)), logprobs=ChoiceLogprobs(
-            content=chat_logprobs(result.logprobs(), job.request.top_logprobs)) if job.logprobs else None))
+        frames.append(
+            _chunk(
+                job,
+                model,
+                Delta(content="".join(held)),
+                logprobs=ChoiceLogprobs(content=chat_logprobs(result.logprobs(), job.request.top_logprobs))
+                if job.logprobs
+                else None,
+            )
+        )
     frames.append(_chunk(job, model, Delta(), finish_reason_of(result, call), result_info(result, started, detailed)))
     if include_usage:
-        usage = ChatCompletionChunk(id=job.id, created=int(job.created), model=model, choices=[],
-                                    usage=usage_of(result, started))
+        usage = ChatCompletionChunk(
+            id=job.id, created=int(job.created), model=model, choices=[], usage=usage_of(result, started)
+        )
         frames.append(sse(usage.model_dump(mode="json", exclude={"segfuse"})))
     return frames
 
 
-async def stream(job: Job, model: str, include_usage: bool, cancel: Callable[[], None],
-                 detailed: bool = False) -> AsyncIterator[str]:
+async def stream(
+    job: Job, model: str, include_usage: bool, cancel: Callable[[], None], detailed: bool = False
+) -> AsyncIterator[str]:
     """SSE frames: role chunk, one delta per segment, finish, [usage], [DONE].
 
     A round's segment is sent with its round record, which follows at once; a leader's pieces as it

@@ -63,22 +63,27 @@ def _read(prompt: str | list[int], k: int, members: list[str] | None, ensemble: 
     return ensemble.echo(prompt, top_k=k, members=members)[1]
 
 
-async def read_prompts(state: ServerState, http: Request, request: CompletionRequest, model: str,
-                       detailed: bool) -> list[list[PromptToken]]:
+async def read_prompts(
+    state: ServerState, http: Request, request: CompletionRequest, model: str, detailed: bool
+) -> list[list[PromptToken]]:
     """Every prompt's echoed tokens, each read by a work job (all queued, or refused whole)."""
     if request.stream:
-        raise APIError(400, "echo with logprobs is answered whole: send stream: false", code="invalid_value",
-                       param="stream")
+        raise APIError(
+            400, "echo with logprobs is answered whole: send stream: false", code="invalid_value", param="stream"
+        )
     members = members_for(state, model)
     k = request.logprobs or 0
     name = f"echo-{uuid.uuid4().hex}"
     reading = FusionRequest((), state.defaults, cache_salt=request.cache_salt)  # no generation: its work reads
-    jobs = [job_for(state, reading, members, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
-            for i, prompt in enumerate(request.prompts)]
+    jobs = [
+        job_for(state, reading, members, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
+        for i, prompt in enumerate(request.prompts)
+    ]
     submit(state, jobs, detailed, request.user, param="prompt")
     try:
-        values = await asyncio.gather(*(worked(job, disconnected(http), partial(state.worker.cancel, job), detailed)
-                                        for job in jobs))
+        values = await asyncio.gather(
+            *(worked(job, disconnected(http), partial(state.worker.cancel, job), detailed) for job in jobs)
+        )
     finally:
         for job in jobs:
             state.worker.cancel(job)  # a no-op for those that ended
@@ -96,19 +101,24 @@ def echo_logprobs(tokens: Sequence[PromptToken], k: int) -> CompletionLogprobs:
     for token in tokens:
         offsets.append(at)
         at += len(token.text)
-    return CompletionLogprobs(tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
-                              top_logprobs=[dict(t.top[:k]) if t.logprob is not None else None for t in tokens],
-                              text_offset=offsets)
+    return CompletionLogprobs(
+        tokens=[t.text for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[dict(t.top[:k]) if t.logprob is not None else None for t in tokens],
+        text_offset=offsets,
+    )
 
 
 def joined(echo: CompletionLogprobs, answer: CompletionLogprobs | None) -> CompletionLogprobs:
     """The echoed prompt's entries, then the answer's (its offsets already count the prompt's characters)."""
     if answer is None:
         return echo
-    return CompletionLogprobs(tokens=echo.tokens + answer.tokens,
-                              token_logprobs=echo.token_logprobs + answer.token_logprobs,
-                              top_logprobs=echo.top_logprobs + answer.top_logprobs,
-                              text_offset=echo.text_offset + answer.text_offset)
+    return CompletionLogprobs(
+        tokens=echo.tokens + answer.tokens,
+        token_logprobs=echo.token_logprobs + answer.token_logprobs,
+        top_logprobs=echo.top_logprobs + answer.top_logprobs,
+        text_offset=echo.text_offset + answer.text_offset,
+    )
 
 
 __all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "reader_for", "spelled"]

@@ -15,10 +15,16 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="the text to continue (a list answers each, not streamed); or token ids of the model's "
-                    "tokenizer (``/tokenize``: for segfuse, its largest member's)")
+        "tokenizer (``/tokenize``: for segfuse, its largest member's)"
+    )
     echo: bool = Field(False, description="the prompt before the answer; with logprobs, its tokens' too")
-    logprobs: int | None = Field(None, ge=0, le=5, description="each answer token's log-probability under its "
-                                 "author, with this many of its most likely tokens (up to 5)")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="each answer token's log-probability under its "
+        "author, with this many of its most likely tokens (up to 5)",
+    )
     max_tokens: int | None = Field(None, ge=0, description="0 (with echo): the prompt alone, no answer")
 
     @field_validator("prompt")

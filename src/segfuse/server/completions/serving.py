@@ -62,15 +62,20 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
     detailed = state.holds_key(request)
     require_members(state, detailed)
     if path_model is not None and parsed.model not in (None, path_model):
-        raise APIError(400, f"this path serves {path_model!r}, the body asks for {parsed.model!r}",
-                       code="invalid_value", param="model")
+        raise APIError(
+            400,
+            f"this path serves {path_model!r}, the body asks for {parsed.model!r}",
+            code="invalid_value",
+            param="model",
+        )
     model = path_model or parsed.model or state.model_id
     texts = await state.offload(prompt_texts, state, parsed, model)
     members = members_for(state, model)
     name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
-    jobs = [job_for(state, generation, members, id=name if i == 0 else f"{name}-{i}",
-                    logprobs=parsed.logprobs is not None)
-            for i, generation in enumerate(requests_of(parsed, texts, state.defaults))]
+    jobs = [
+        job_for(state, generation, members, id=name if i == 0 else f"{name}-{i}", logprobs=parsed.logprobs is not None)
+        for i, generation in enumerate(requests_of(parsed, texts, state.defaults))
+    ]
     echoes = None
     if parsed.echo and parsed.logprobs is not None:
         echoes = await read_prompts(state, request, parsed, model, detailed)
@@ -88,24 +93,40 @@ def requests_of(request: CompletionRequest, texts: Sequence[str], defaults: Fusi
     """The generation of each prompt (`texts`: each as text), a raw prompt continued as it is; 400 for what
     the endpoint cannot do."""
     if request.stream and len(texts) > 1:
-        raise APIError(400, "a stream answers one prompt: send the prompts one by one, or stream: false",
-                       code="invalid_value", param="prompt")
+        raise APIError(
+            400,
+            "a stream answers one prompt: send the prompts one by one, or stream: false",
+            code="invalid_value",
+            param="prompt",
+        )
     if not all(texts):
         raise APIError(400, "a prompt is empty: give the text to continue", code="invalid_value", param="prompt")
     options = fusion_options(request, defaults)
-    return [FusionRequest.of([Message("raw", text)], options, top_logprobs=request.logprobs or 0,
-                             cache_salt=request.cache_salt) for text in texts]
+    return [
+        FusionRequest.of(
+            [Message("raw", text)], options, top_logprobs=request.logprobs or 0, cache_salt=request.cache_salt
+        )
+        for text in texts
+    ]
 
 
-def echoed_only(request: CompletionRequest, model: str, texts: Sequence[str],
-                echoes: Sequence[Sequence[PromptToken]]) -> TextCompletion:
+def echoed_only(
+    request: CompletionRequest, model: str, texts: Sequence[str], echoes: Sequence[Sequence[PromptToken]]
+) -> TextCompletion:
     """``max_tokens: 0``: each prompt with its tokens' log-probabilities, and no answer."""
     k = request.logprobs or 0
-    choices = [CompletionChoice(index=i, text=text, logprobs=echo_logprobs(echo, k), finish_reason="length")
-               for i, (text, echo) in enumerate(zip(texts, echoes))]
+    choices = [
+        CompletionChoice(index=i, text=text, logprobs=echo_logprobs(echo, k), finish_reason="length")
+        for i, (text, echo) in enumerate(zip(texts, echoes))
+    ]
     count = sum(len(e) for e in echoes)
-    return TextCompletion(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, choices=choices,
-                          usage=Usage(prompt_tokens=count, completion_tokens=0, total_tokens=count))
+    return TextCompletion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=Usage(prompt_tokens=count, completion_tokens=0, total_tokens=count),
+    )
 
 
 def legacy_logprobs(tokens: Sequence[TokenLogprob], k: int, offset: int) -> CompletionLogprobs:
@@ -115,8 +136,11 @@ def legacy_logprobs(tokens: Sequence[TokenLogprob], k: int, offset: int) -> Comp
         offsets.append(offset)
         offset += len(t.text)
     return CompletionLogprobs(
-        tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[_alternatives(t, k) for t in tokens], text_offset=offsets)
+        tokens=[t.text for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[_alternatives(t, k) for t in tokens],
+        text_offset=offsets,
+    )
 
 
 def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
@@ -127,15 +151,18 @@ def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
     return table
 
 
-def _choice(index: int, prompt: str, result: Result, request: CompletionRequest,
-            echo: Sequence[PromptToken] | None = None) -> CompletionChoice:
+def _choice(
+    index: int, prompt: str, result: Result, request: CompletionRequest, echo: Sequence[PromptToken] | None = None
+) -> CompletionChoice:
     before = prompt if request.echo else ""
-    logprobs = (legacy_logprobs(result.logprobs(), request.logprobs, len(before))
-                if request.logprobs is not None else None)
+    logprobs = (
+        legacy_logprobs(result.logprobs(), request.logprobs, len(before)) if request.logprobs is not None else None
+    )
     if echo is not None:
         logprobs = joined(echo_logprobs(echo, request.logprobs or 0), logprobs)
-    return CompletionChoice(index=index, text=before + result.text, logprobs=logprobs,
-                            finish_reason=finish_reason_of(result))
+    return CompletionChoice(
+        index=index, text=before + result.text, logprobs=logprobs, finish_reason=finish_reason_of(result)
+    )
 
 
 def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
@@ -145,24 +172,32 @@ def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
 
 
-async def complete(jobs: list[Job], request: CompletionRequest, texts: Sequence[str], model: str,
-                   disconnected: Callable[[], Awaitable[None]], cancel: Callable[[Job], None],
-                   detailed: bool = False, echoes: Sequence[Sequence[PromptToken]] | None = None) -> TextCompletion:
+async def complete(
+    jobs: list[Job],
+    request: CompletionRequest,
+    texts: Sequence[str],
+    model: str,
+    disconnected: Callable[[], Awaitable[None]],
+    cancel: Callable[[Job], None],
+    detailed: bool = False,
+    echoes: Sequence[Sequence[PromptToken]] | None = None,
+) -> TextCompletion:
     """Every prompt's answer (`texts`: the prompts), in order, as one text completion; `cancel` stops one
     job (client gone, or another prompt's answer failed); `detailed`: internal error texts unredacted;
     `echoes`: each prompt's echoed tokens, reported before the answer's."""
     try:
-        outcomes = await asyncio.gather(*(finished(job, disconnected, partial(cancel, job), detailed)
-                                          for job in jobs))
+        outcomes = await asyncio.gather(*(finished(job, disconnected, partial(cancel, job), detailed) for job in jobs))
     finally:
         for job in jobs:
             cancel(job)  # a no-op for those that ended
     first = outcomes[0][0]
-    choices = [_choice(i, p, r, request, echoes[i] if echoes else None)
-               for i, (p, (r, _)) in enumerate(zip(texts, outcomes))]
+    choices = [
+        _choice(i, p, r, request, echoes[i] if echoes else None) for i, (p, (r, _)) in enumerate(zip(texts, outcomes))
+    ]
     info = result_info(first, outcomes[0][1], detailed) if len(jobs) == 1 else FusionInfo(members=first.models)
-    return TextCompletion(id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices,
-                          usage=_usage(outcomes), segfuse=info)
+    return TextCompletion(
+        id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices, usage=_usage(outcomes), segfuse=info
+    )
 
 
 def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | None = None) -> str:
@@ -170,8 +205,9 @@ def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | No
     return sse(body.model_dump(mode="json", exclude={"usage"}))
 
 
-async def stream(job: Job, request: CompletionRequest, text: str, model: str,
-                 cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:
+async def stream(
+    job: Job, request: CompletionRequest, text: str, model: str, cancel: Callable[[], None], detailed: bool = False
+) -> AsyncIterator[str]:
     """SSE frames: the echoed prompt `text` (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
     k, offset = request.logprobs, len(text) if request.echo else 0
     started: Started | None = None
@@ -190,11 +226,16 @@ async def stream(job: Job, request: CompletionRequest, text: str, model: str,
                 yield _chunk(job, model, CompletionChoice(text=item.segment.text, logprobs=logprobs))
             elif isinstance(item, DoneEvent):
                 result = item.result
-                yield _chunk(job, model, CompletionChoice(text="", finish_reason=finish_reason_of(result)),
-                             result_info(result, started, detailed))
+                yield _chunk(
+                    job,
+                    model,
+                    CompletionChoice(text="", finish_reason=finish_reason_of(result)),
+                    result_info(result, started, detailed),
+                )
                 if request.include_usage:
-                    usage = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[],
-                                           usage=_usage([(result, started)]))
+                    usage = TextCompletion(
+                        id=job.id, created=int(job.created), model=model, choices=[], usage=_usage([(result, started)])
+                    )
                     yield sse(usage.model_dump(mode="json", exclude={"segfuse"}))
             elif (frame := failure_frame(item, detailed)) is not None:
                 yield frame

@@ -24,8 +24,7 @@ from .protocol import DetokenizeRequest, TokenizeRequest
 
 def _check_tokenize(request: TokenizeRequest, limits: Any) -> None:
     if len(request.prompt) > limits.max_content_chars:
-        raise exceeded("prompt", f"{len(request.prompt):,} characters", limits.max_content_chars,
-                       "max_content_chars")
+        raise exceeded("prompt", f"{len(request.prompt):,} characters", limits.max_content_chars, "max_content_chars")
 
 
 def _check_detokenize(request: DetokenizeRequest, limits: Any) -> None:
@@ -69,11 +68,15 @@ async def detokenize(state: ServerState, request: Request, path_model: str | Non
 def tokenizer_info(state: ServerState, request: Request, model: str | None = None) -> dict[str, Any]:
     """``/tokenizer_info``: whose tokens a model's are, its special tokens, template and window."""
     member = _reader(state, model, state.holds_key(request))
-    return {"model": model or state.model_id, "tokenizer_of": member.name,
-            "bos_token": (getattr(member, "bos_text", None) or None) if member.lead_tokens() else None,
-            "eos_token": getattr(member, "eos_text", None) or None, "pad_token": None,
-            "chat_template": getattr(member, "chat_template", None),
-            "model_max_length": state.contexts.get(member.name)}
+    return {
+        "model": model or state.model_id,
+        "tokenizer_of": member.name,
+        "bos_token": (getattr(member, "bos_text", None) or None) if member.lead_tokens() else None,
+        "eos_token": getattr(member, "eos_text", None) or None,
+        "pad_token": None,
+        "chat_template": getattr(member, "chat_template", None),
+        "model_max_length": state.contexts.get(member.name),
+    }
 
 
 __all__ = ["DETOKENIZE", "TOKENIZE", "detokenize", "tokenize", "tokenizer_info"]

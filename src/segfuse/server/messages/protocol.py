@@ -67,8 +67,11 @@ class AnthropicMessage(BaseModel):
         for block in value if isinstance(value, list) else []:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind not in BLOCK_TYPES:
-                raise PydanticCustomError("block_type", "content block type {kind} is not supported: segfuse "
-                                          "reads text, tool_use and tool_result blocks", {"kind": repr(kind)})
+                raise PydanticCustomError(
+                    "block_type",
+                    "content block type {kind} is not supported: segfuse reads text, tool_use and tool_result blocks",
+                    {"kind": repr(kind)},
+                )
         return value
 
 
@@ -95,8 +98,9 @@ class MessagesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = Field(None, description='{"type": "auto" | "any" | "none"} or '
-                                               '{"type": "tool", "name": ...}')
+    tool_choice: dict[str, Any] | None = Field(
+        None, description='{"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}'
+    )
     metadata: dict[str, Any] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     segfuse: dict[str, Any] | None = Field(None, description="segfuse options, as on chat completions")
@@ -129,12 +133,21 @@ def _assistant_turn(content: list[Any], where: str, called: set[str]) -> dict[st
     calls = []
     for j, block in enumerate(content):
         if isinstance(block, ToolResultBlock):
-            raise APIError(400, f"{where}.content.{j}: a tool_result belongs in a user turn",
-                           code="invalid_value", param=f"{where}.content.{j}")
+            raise APIError(
+                400,
+                f"{where}.content.{j}: a tool_result belongs in a user turn",
+                code="invalid_value",
+                param=f"{where}.content.{j}",
+            )
         if isinstance(block, ToolUseBlock):
             called.add(block.id)
-            calls.append({"id": block.id, "type": "function", "function": {
-                "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)},
+                }
+            )
     turn: dict[str, Any] = {"role": "assistant", "content": text or None}
     return {**turn, "tool_calls": calls} if calls else turn
 
@@ -143,12 +156,20 @@ def _user_turns(content: list[Any], where: str, called: set[str]) -> list[dict[s
     turns, text = [], []
     for j, block in enumerate(content):
         if isinstance(block, ToolUseBlock):
-            raise APIError(400, f"{where}.content.{j}: a tool_use belongs in an assistant turn",
-                           code="invalid_value", param=f"{where}.content.{j}")
+            raise APIError(
+                400,
+                f"{where}.content.{j}: a tool_use belongs in an assistant turn",
+                code="invalid_value",
+                param=f"{where}.content.{j}",
+            )
         if isinstance(block, ToolResultBlock):
             if block.tool_use_id not in called:
-                raise APIError(400, f"{where}.content.{j}.tool_use_id: no earlier tool_use has the id "
-                               f"{block.tool_use_id!r}", code="invalid_value", param=f"{where}.content.{j}.tool_use_id")
+                raise APIError(
+                    400,
+                    f"{where}.content.{j}.tool_use_id: no earlier tool_use has the id {block.tool_use_id!r}",
+                    code="invalid_value",
+                    param=f"{where}.content.{j}.tool_use_id",
+                )
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         else:
             text.append(block.text)
@@ -165,8 +186,12 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
         return "required"
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(400, 'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
-                   '{"type": "tool", "name": ...}', code="invalid_value", param="tool_choice")
+    raise APIError(
+        400,
+        'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...}',
+        code="invalid_value",
+        param="tool_choice",
+    )
 
 
 def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
@@ -182,14 +207,25 @@ def to_chat(request: MessagesRequest) -> ChatCompletionRequest:
             messages.append(_assistant_turn(m.content, f"messages.{i}", called))
         else:
             messages.extend(_user_turns(m.content, f"messages.{i}", called))
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}} for t in request.tools or []]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in request.tools or []
+    ]
     user = (request.metadata or {}).get("user_id")
     body: dict[str, Any] = {
-        "model": request.model, "messages": messages, "max_tokens": request.max_tokens,
-        "temperature": request.temperature, "top_p": request.top_p, "stop": request.stop_sequences,
-        "tools": tools or None, "tool_choice": _tool_choice(request.tool_choice),
-        "user": user if isinstance(user, str) else None, "cache_salt": request.cache_salt,
+        "model": request.model,
+        "messages": messages,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "stop": request.stop_sequences,
+        "tools": tools or None,
+        "tool_choice": _tool_choice(request.tool_choice),
+        "user": user if isinstance(user, str) else None,
+        "cache_salt": request.cache_salt,
         "segfuse": request.segfuse,
     }
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -215,9 +251,17 @@ class AnthropicResponse(BaseModel):
     segfuse: FusionInfo | None = None
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -227,5 +271,14 @@ def error_body(error: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {k: v for k, v in detail.items() if v is not None}}
 
 
-__all__ = ["MESSAGES_NEUTRAL", "MESSAGES_PARAMETERS", "PATH", "AnthropicResponse", "CountTokensRequest",
-           "MessagesRequest", "MessagesUsage", "error_body", "to_chat"]
+__all__ = [
+    "MESSAGES_NEUTRAL",
+    "MESSAGES_PARAMETERS",
+    "PATH",
+    "AnthropicResponse",
+    "CountTokensRequest",
+    "MessagesRequest",
+    "MessagesUsage",
+    "error_body",
+    "to_chat",
+]

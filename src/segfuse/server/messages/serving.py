@@ -62,8 +62,9 @@ MESSAGES = Endpoint(MessagesRequest, MESSAGES_PARAMETERS, MESSAGES_NEUTRAL, chec
 COUNT_TOKENS = Endpoint(CountTokensRequest, MESSAGES_PARAMETERS, MESSAGES_NEUTRAL, check_messages)
 
 
-def plan_messages(body: bytes, defaults: FusionOptions, limits: LimitsSection,
-                  endpoint: Endpoint = MESSAGES) -> tuple[MessagesRequest, ChatPlan]:
+def plan_messages(
+    body: bytes, defaults: FusionOptions, limits: LimitsSection, endpoint: Endpoint = MESSAGES
+) -> tuple[MessagesRequest, ChatPlan]:
     """Body bytes -> the request and the chat plan it means (CPU work: run off the event loop)."""
     try:
         request = parsing.parse_request(body, endpoint, limits)
@@ -130,11 +131,17 @@ def content_of(job: Job, result: Result) -> list[dict[str, Any]]:
     return [{"type": "text", "text": result.text}] if result.text else []
 
 
-def message_body(job: Job, model: str, result: Result, started: Started | None,
-                 detailed: bool = False) -> AnthropicResponse:
-    return AnthropicResponse(id=job.id, model=model, content=content_of(job, result),
-                             stop_reason=stop_reason(job, result), usage=_usage(result, started),
-                             segfuse=full_info(result, started, detailed))
+def message_body(
+    job: Job, model: str, result: Result, started: Started | None, detailed: bool = False
+) -> AnthropicResponse:
+    return AnthropicResponse(
+        id=job.id,
+        model=model,
+        content=content_of(job, result),
+        stop_reason=stop_reason(job, result),
+        usage=_usage(result, started),
+        segfuse=full_info(result, started, detailed),
+    )
 
 
 def _event(kind: str, **fields: Any) -> str:
@@ -143,8 +150,16 @@ def _event(kind: str, **fields: Any) -> str:
 
 def _start(job: Job, model: str, started: Started | None) -> str:
     prompt = max(started.prompt_tokens.values(), default=0) if started else 0
-    message: dict[str, Any] = {"id": job.id, "type": "message", "role": "assistant", "model": model, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 0}}
+    message: dict[str, Any] = {
+        "id": job.id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": 0},
+    }
     return _event("message_start", message=message)
 
 
@@ -152,25 +167,38 @@ def _held_blocks(job: Job, result: Result, held: list[str], index: int) -> list[
     """With tools offered, the answer at its end: one tool_use block, or the text held back."""
     call = call_of(job, result)
     if call is not None:
-        return [_event("content_block_start", index=index, content_block={
-                    "type": "tool_use", "id": call.id, "name": call.name, "input": {}}),
-                _event("content_block_delta", index=index, delta={
-                    "type": "input_json_delta", "partial_json": call.arguments}),
-                _event("content_block_stop", index=index)]
+        return [
+            _event(
+                "content_block_start",
+                index=index,
+                content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}},
+            ),
+            _event(
+                "content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": call.arguments}
+            ),
+            _event("content_block_stop", index=index),
+        ]
     text = "".join(held)
     if not text:
         return []
-    return [_event("content_block_start", index=index, content_block={"type": "text", "text": ""}),
-            _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}),
-            _event("content_block_stop", index=index)]
+    return [
+        _event("content_block_start", index=index, content_block={"type": "text", "text": ""}),
+        _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}),
+        _event("content_block_stop", index=index),
+    ]
 
 
 def _closing(job: Job, result: Result, started: Started | None, detailed: bool) -> list[str]:
     usage = _usage(result, started)
-    return [_event("message_delta", delta={"stop_reason": stop_reason(job, result), "stop_sequence": None},
-                   usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-                   segfuse=result_info(result, started, detailed).model_dump(mode="json")),
-            _event("message_stop")]
+    return [
+        _event(
+            "message_delta",
+            delta={"stop_reason": stop_reason(job, result), "stop_sequence": None},
+            usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+            segfuse=result_info(result, started, detailed).model_dump(mode="json"),
+        ),
+        _event("message_stop"),
+    ]
 
 
 async def stream(job: Job, model: str, cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:

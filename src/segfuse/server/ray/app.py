@@ -35,11 +35,22 @@ def application(config: ServerConfig) -> Application:
     """The application for `config` (its ``[ray]`` table sizes it)."""
     data = config.model_dump(mode="json")
     logs = {"log_level": config.server.log_level.upper()}
-    keeper = serve.deployment(name=KEEPER, num_replicas=1, max_ongoing_requests=64, max_constructor_retry_count=1,
-                              logging_config=logs, ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}})(Keeper)
-    front = serve.deployment(name=FRONT, num_replicas=config.ray.replicas,
-                             max_ongoing_requests=config.limits.limit_concurrency, graceful_shutdown_timeout_s=GRACE_S,
-                             logging_config=logs, ray_actor_options={"num_cpus": config.ray.frontend_cpus})(Front)
+    keeper = serve.deployment(
+        name=KEEPER,
+        num_replicas=1,
+        max_ongoing_requests=64,
+        max_constructor_retry_count=1,
+        logging_config=logs,
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}},
+    )(Keeper)
+    front = serve.deployment(
+        name=FRONT,
+        num_replicas=config.ray.replicas,
+        max_ongoing_requests=config.limits.limit_concurrency,
+        graceful_shutdown_timeout_s=GRACE_S,
+        logging_config=logs,
+        ray_actor_options={"num_cpus": config.ray.frontend_cpus},
+    )(Front)
     return front.bind(data, keeper.bind(data))
 
 
@@ -52,8 +63,10 @@ def build(args: dict[str, Any]) -> Application:
     try:
         config = build_config(path, defaults=defaults, **given)
     except ValueError as exc:
-        raise ConfigError(f"application args: {exc}", "give config (a TOML path) and segfuse serve's settings by "
-                          "their names (docs/deploy.md, On a cluster)") from None
+        raise ConfigError(
+            f"application args: {exc}",
+            "give config (a TOML path) and segfuse serve's settings by their names (docs/deploy.md, On a cluster)",
+        ) from None
     return application(config.model_copy(update={"ray": RaySection(**{**config.ray.model_dump(), "enabled": True})}))
 
 

@@ -26,8 +26,10 @@ Family = tuple[str, str, str, list[Sample]]  # name, type, help, samples
 
 def plain(metrics: Iterable[Metric]) -> list[Family]:
     """Metric families as plain data (what travels between processes)."""
-    return [(m.name, m.type, m.documentation, [(s.name, dict(s.labels), float(s.value)) for s in m.samples])
-            for m in metrics]
+    return [
+        (m.name, m.type, m.documentation, [(s.name, dict(s.labels), float(s.value)) for s in m.samples])
+        for m in metrics
+    ]
 
 
 def own_only(name: str) -> bool:
@@ -35,8 +37,9 @@ def own_only(name: str) -> bool:
     return name.startswith("segfuse_member_") and name not in SUMMED_MEMBER
 
 
-def merge(own: Sequence[Family], others: Iterable[tuple[float, Sequence[Family]]],
-          stale_s: float = STALE_S) -> list[Metric]:
+def merge(
+    own: Sequence[Family], others: Iterable[tuple[float, Sequence[Family]]], stale_s: float = STALE_S
+) -> list[Metric]:
     """`own` figures and the others' (each with its age in seconds) as one set of families (module docstring)."""
     order: list[str] = []
     kinds: dict[str, tuple[str, str]] = {}

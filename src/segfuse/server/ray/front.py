@@ -74,9 +74,15 @@ class Front:
 
     def _ensemble(self) -> Ensemble:
         """The keeper's copies as Ray members (they stay the keeper's), and the remote members loaded here."""
-        members = [spec if hosts is None else RayMember(hosts, settings) for spec, hosts, settings in self.setup.members]
-        return Ensemble(members, hedge_persist=self.config.server.hedge_persist, hedge_store=self.shared.weights,
-                        **remote_options(self.config))
+        members = [
+            spec if hosts is None else RayMember(hosts, settings) for spec, hosts, settings in self.setup.members
+        ]
+        return Ensemble(
+            members,
+            hedge_persist=self.config.server.hedge_persist,
+            hedge_store=self.shared.weights,
+            **remote_options(self.config),
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         self.asgi = create_app(self.config, self.ensemble, self.shared)

@@ -86,8 +86,9 @@ class Keeper:
         return self.id
 
     def setup(self) -> Setup:
-        members = [(p.spec, None if m is None else list(m.hosts), p.settings)
-                   for p, m in zip(self.planned, self.members)]
+        members = [
+            (p.spec, None if m is None else list(m.hosts), p.settings) for p, m in zip(self.planned, self.members)
+        ]
         return Setup(self.id, self.state, members)
 
     async def view(self) -> CopiesView:
@@ -110,8 +111,12 @@ class Keeper:
             member.refresh()
             rows = found[member.name] = rows_of(member) or []
             degraded += down_copies(member.name, rows)
-            degraded += [f"node {gone[row['node_id']]} left: {member.name} copy {row['index']} restarts on another "
-                         "node where one has room" for row in rows if row["node_id"] in gone]
+            degraded += [
+                f"node {gone[row['node_id']]} left: {member.name} copy {row['index']} restarts on another "
+                "node where one has room"
+                for row in rows
+                if row["node_id"] in gone
+            ]
         return CopiesView(found, degraded + self._fronts())
 
     def _fronts(self) -> list[str]:

@@ -51,8 +51,13 @@ def run_on_ray(config: ServerConfig) -> None:
             ours = start_serve(config, local)
             deploy(config)
             s = config.server
-            log.info("serving on Ray (%s): open http://%s:%d/ for the web view; API at /v1%s", ray.get_runtime_context()
-                     .gcs_address, s.host, s.port, " (API key required)" if s.api_key else "")
+            log.info(
+                "serving on Ray (%s): open http://%s:%d/ for the web view; API at /v1%s",
+                ray.get_runtime_context().gcs_address,
+                s.host,
+                s.port,
+                " (API key required)" if s.api_key else "",
+            )
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
@@ -69,8 +74,10 @@ def check(config: ServerConfig) -> None:
         raise ConfigError("serve --ray needs a port (Serve's proxy cannot pick one and say which)", "give --port")
     ip = config.ray.node_ip
     if ip is not None and ip.lower() in NOT_NODE_ADDRESSES:
-        raise ConfigError(f"[ray] node_ip {ip} cannot be a Ray node's address (Ray rewrites it into the machine's "
-                          "network address)", f"use another loopback address, e.g. {LOCAL_NODE_IP}")
+        raise ConfigError(
+            f"[ray] node_ip {ip} cannot be a Ray node's address (Ray rewrites it into the machine's network address)",
+            f"use another loopback address, e.g. {LOCAL_NODE_IP}",
+        )
     plan(config)  # the members' Ray keys
 
 
@@ -86,8 +93,10 @@ def cluster(config: ServerConfig) -> Iterator[bool]:
         asked, most = cpus_asked(config)
         cpus = r.local_cpus or max(os.cpu_count() or 1, math.ceil(asked))
         if most > cpus:
-            raise ConfigError(f"a copy asks for {most:g} CPUs and the local Ray instance has {cpus}",
-                              "lower the members' threads= or cpus=, or raise [ray] local_cpus")
+            raise ConfigError(
+                f"a copy asks for {most:g} CPUs and the local Ray instance has {cpus}",
+                "lower the members' threads= or cpus=, or raise [ray] local_cpus",
+            )
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # else Ray reports its usage over the internet
         os.environ.update(PROXY_ENV)  # what this instance's processes start with
         options.update(num_cpus=cpus, include_dashboard=False, _node_ip_address=r.node_ip or LOCAL_NODE_IP)
@@ -106,19 +115,32 @@ def start_serve(config: ServerConfig, local: bool) -> bool:
 
     running = serve.status()
     if config.ray.app_name in running.applications:
-        raise ConfigError(f"a Serve application named {config.ray.app_name!r} runs on this cluster already",
-                          "stop it, or name this one otherwise with [ray] app_name")
+        raise ConfigError(
+            f"a Serve application named {config.ray.app_name!r} runs on this cluster already",
+            "stop it, or name this one otherwise with [ray] app_name",
+        )
     if running.proxies:
-        log.warning("Serve runs on this cluster already: its proxies stay as they are (a stream whose replica "
-                    "dies ends without an error event unless they were started with %s=%s)", ENV, CALLBACK)
+        log.warning(
+            "Serve runs on this cluster already: its proxies stay as they are (a stream whose replica "
+            "dies ends without an error event unless they were started with %s=%s)",
+            ENV,
+            CALLBACK,
+        )
         return False
     s, limits = config.server, config.limits
-    http = {"host": s.host, "port": s.port, "keep_alive_timeout_s": limits.timeout_keep_alive_s,
-            "request_timeout_s": config.ray.proxy_timeout_s}
+    http = {
+        "host": s.host,
+        "port": s.port,
+        "keep_alive_timeout_s": limits.timeout_keep_alive_s,
+        "request_timeout_s": config.ray.proxy_timeout_s,
+    }
     try:
-        serve.start(http_options=http, proxy_location=config.ray.proxy_location,
-                    logging_config={"log_level": config.server.log_level.upper()},
-                    controller_options={"runtime_env": {"env_vars": PROXY_ENV}})
+        serve.start(
+            http_options=http,
+            proxy_location=config.ray.proxy_location,
+            logging_config={"log_level": config.server.log_level.upper()},
+            controller_options={"runtime_env": {"env_vars": PROXY_ENV}},
+        )
     except Exception as exc:  # Serve's proxy failed to start: the port is the usual reason
         if "Failed to bind" not in str(exc):
             raise
@@ -137,8 +159,10 @@ def deploy(config: ServerConfig) -> None:
     try:
         serve.run(application(config), name=config.ray.app_name, route_prefix="/", blocking=False)
     except RuntimeError as exc:  # Serve's deploy failure: the replica's own error ends its deployment's message
-        raise SegfuseError(f"the application could not start: {_why(config.ray.app_name) or _last_line(str(exc))}",
-                           "see the replicas' logs (Ray's session logs, serve/)") from None
+        raise SegfuseError(
+            f"the application could not start: {_why(config.ray.app_name) or _last_line(str(exc))}",
+            "see the replicas' logs (Ray's session logs, serve/)",
+        ) from None
 
 
 def stop_serve(serve: Any, name: str, shutdown: bool) -> None:

@@ -172,8 +172,12 @@ class RayShared(Shared):
             return await asyncio.wait_for(_await(self.keeper.view.remote()), VIEW_TIMEOUT_S)
         except Exception as exc:  # the view must never fail /health
             log.error("the members' keeper did not answer: %s", exc)
-            return CopiesView(degraded=[f"the deployment that owns the members' copies did not answer "
-                                        f"({type(exc).__name__}); Serve restarts it where its process died"])
+            return CopiesView(
+                degraded=[
+                    f"the deployment that owns the members' copies did not answer "
+                    f"({type(exc).__name__}); Serve restarts it where its process died"
+                ]
+            )
 
     def close(self) -> None:
         if self.figures is not None:

@@ -30,8 +30,13 @@ SEQUENCE = re.compile(rb'"sequence_number": (\d+)')
 
 
 def lost() -> APIError:
-    return APIError(502, "the front-end replica serving this stream stopped before the answer ended (its process "
-                    "died); retry the request", "server_error", "replica_lost")
+    return APIError(
+        502,
+        "the front-end replica serving this stream stopped before the answer ended (its process "
+        "died); retry the request",
+        "server_error",
+        "replica_lost",
+    )
 
 
 def ending(path: str, last_sequence: int | None) -> bytes:
@@ -97,8 +102,9 @@ class EndStreams:
                 raise
             log.exception("a stream on %s broke", scope.get("path"))
         if watch.unfinished:
-            log.warning("a stream on %s ended unfinished (its replica died): ending it with an error event",
-                        scope.get("path"))
+            log.warning(
+                "a stream on %s ended unfinished (its replica died): ending it with an error event", scope.get("path")
+            )
             body = (b"" if watch.whole else b"\n\n") + ending(scope.get("path", ""), watch.sequence)
             await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -54,8 +54,11 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-ITEMS: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                     "function_call_output": FunctionCallOutputItem}
+ITEMS: dict[str, type[BaseModel]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
 
 
 class ResponsesRequest(BaseModel):
@@ -68,8 +71,9 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    text: dict[str, Any] | None = Field(None, description='{"format": {"type": "text" | "json_object" | '
-                                        '"json_schema", ...}}')
+    text: dict[str, Any] | None = Field(
+        None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}'
+    )
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -102,20 +106,31 @@ def _item(data: dict[str, Any], where: str) -> BaseModel:
     kind = data.get("type", "message") if isinstance(data, dict) else None
     model = ITEMS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise APIError(400, f"{where}: input item type {kind!r} is not supported: segfuse reads messages "
-                       "of text, function_call and function_call_output items", code="invalid_value", param=where)
+        raise APIError(
+            400,
+            f"{where}: input item type {kind!r} is not supported: segfuse reads messages "
+            "of text, function_call and function_call_output items",
+            code="invalid_value",
+            param=where,
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         inner = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{where}.{inner}: {first['msg']}", code="invalid_value",
-                       param=f"{where}.{inner}") from None
+        raise APIError(
+            400, f"{where}.{inner}: {first['msg']}", code="invalid_value", param=f"{where}.{inner}"
+        ) from None
 
 
 def _calls(calls: list[FunctionCallItem]) -> dict[str, Any]:
-    return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ],
+    }
 
 
 def conversation(request: ResponsesRequest, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,8 +151,12 @@ def conversation(request: ResponsesRequest, earlier: list[dict[str, Any]]) -> li
             pending = []
         if isinstance(item, FunctionCallOutputItem):
             if item.call_id not in called:
-                raise APIError(400, f"input.{i}.call_id: no earlier function_call has the call_id {item.call_id!r}",
-                               code="invalid_value", param=f"input.{i}.call_id")
+                raise APIError(
+                    400,
+                    f"input.{i}.call_id: no earlier function_call has the call_id {item.call_id!r}",
+                    code="invalid_value",
+                    param=f"input.{i}.call_id",
+                )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         elif isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
@@ -151,8 +170,12 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise APIError(400, f"tools.{i}: tool type {kind!r} is not supported: segfuse serves function "
-                           "tools", code="invalid_value", param=f"tools.{i}.type")
+            raise APIError(
+                400,
+                f"tools.{i}: tool type {kind!r} is not supported: segfuse serves function tools",
+                code="invalid_value",
+                param=f"tools.{i}.type",
+            )
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         chat.append({"type": "function", "function": function})
     return chat or None
@@ -163,22 +186,35 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                   code="invalid_value", param="tool_choice")
+    raise APIError(
+        400,
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+        code="invalid_value",
+        param="tool_choice",
+    )
 
 
 def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``."""
     text = text or {}
     if set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None, "medium"):
-        raise APIError(400, "text: segfuse reads text.format only (verbosity: medium or null)",
-                       code="unsupported_parameter", param="text")
+        raise APIError(
+            400,
+            "text: segfuse reads text.format only (verbosity: medium or null)",
+            code="unsupported_parameter",
+            param="text",
+        )
     spec = text.get("format")
     if spec is None:
         return None
     if not isinstance(spec, dict) or spec.get("type") not in ("text", "json_object", "json_schema"):
-        raise APIError(400, 'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
-                       '"json_schema", "name": ..., "schema": {...}}', code="invalid_value", param="text.format")
+        raise APIError(
+            400,
+            'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+            '"json_schema", "name": ..., "schema": {...}}',
+            code="invalid_value",
+            param="text.format",
+        )
     if spec["type"] != "json_schema":
         return {"type": spec["type"]}
     inner = {k: spec[k] for k in ("name", "schema", "strict", "description") if k in spec}
@@ -193,17 +229,25 @@ def to_chat(request: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatCom
     if not messages:
         raise APIError(400, "input: give at least one item", code="invalid_value", param="input")
     body: dict[str, Any] = {
-        "model": request.model, "messages": messages, "max_tokens": request.max_output_tokens,
-        "temperature": request.temperature, "top_p": request.top_p, "tools": _tools(request.tools),
-        "tool_choice": _tool_choice(request.tool_choice), "response_format": _format(request.text),
-        "user": request.user, "cache_salt": request.cache_salt, "segfuse": request.segfuse,
+        "model": request.model,
+        "messages": messages,
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "tools": _tools(request.tools),
+        "tool_choice": _tool_choice(request.tool_choice),
+        "response_format": _format(request.text),
+        "user": request.user,
+        "cache_salt": request.cache_salt,
+        "segfuse": request.segfuse,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise APIError(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", code="invalid_value",
-                       param="input") from None
+        raise APIError(
+            400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", code="invalid_value", param="input"
+        ) from None
 
 
 __all__ = ["RESPONSES_NEUTRAL", "RESPONSES_PARAMETERS", "ResponsesRequest", "conversation", "to_chat"]

@@ -63,18 +63,21 @@ class ResponsesPlan:
     chat: ChatPlan
 
 
-def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection,
-                   store: Responses) -> ResponsesPlan:
+def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection, store: Responses) -> ResponsesPlan:
     """Body bytes -> the request, its conversation and its chat plan (CPU work: run off the event loop)."""
     request = parsing.parse_request(body, RESPONSES, limits)
     earlier: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
         found = store.get(request.previous_response_id)
         if found is None:
-            raise APIError(400, f"previous response {request.previous_response_id!r} not found: this server "
-                           "keeps the newest responses made with store on, in memory, until it restarts; send "
-                           "the whole input instead", code="previous_response_not_found",
-                           param="previous_response_id")
+            raise APIError(
+                400,
+                f"previous response {request.previous_response_id!r} not found: this server "
+                "keeps the newest responses made with store on, in memory, until it restarts; send "
+                "the whole input instead",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
         earlier = found
     chat = to_chat(request, earlier)
     checks.check_chat(chat, limits)
@@ -109,8 +112,16 @@ class ResponseWriter:
     def output(self, result: Result) -> list[dict[str, Any]]:
         call = call_of(self.job, result)
         if call is not None:
-            return [{"type": "function_call", "id": self.call_item_id, "call_id": call.id, "name": call.name,
-                     "arguments": call.arguments, "status": "completed"}]
+            return [
+                {
+                    "type": "function_call",
+                    "id": self.call_item_id,
+                    "call_id": call.id,
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "status": "completed",
+                }
+            ]
         return [self.message(result.text, "completed")]
 
     def message(self, text: str | None, status: str) -> dict[str, Any]:
@@ -120,14 +131,28 @@ class ResponseWriter:
     def snapshot(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The response object as it stands (``status``: in_progress, completed, incomplete)."""
         r = self.plan.request
-        return {"id": self.job.id, "object": "response", "created_at": int(self.job.created), "status": status,
-                "error": None, "incomplete_details": None, "instructions": r.instructions,
-                "max_output_tokens": r.max_output_tokens, "model": self.model, "output": output or [],
-                "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": r.previous_response_id, "store": r.store is not False,
-                "temperature": r.temperature, "top_p": r.top_p, "text": r.text or {"format": {"type": "text"}},
-                "tool_choice": r.tool_choice or "auto", "tools": r.tools or [], "metadata": r.metadata or {},
-                "usage": None}
+        return {
+            "id": self.job.id,
+            "object": "response",
+            "created_at": int(self.job.created),
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "model": self.model,
+            "output": output or [],
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "previous_response_id": r.previous_response_id,
+            "store": r.store is not False,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "text": r.text or {"format": {"type": "text"}},
+            "tool_choice": r.tool_choice or "auto",
+            "tools": r.tools or [],
+            "metadata": r.metadata or {},
+            "usage": None,
+        }
 
     def body(self, result: Result, started: Started | None) -> dict[str, Any]:
         """The finished response (kept in the store, unless the request said store: false)."""
@@ -136,9 +161,13 @@ class ResponseWriter:
         usage = usage_of(result, started)
         body = self.snapshot("incomplete" if length else "completed", output)
         body["incomplete_details"] = {"reason": "max_output_tokens"} if length else None
-        body["usage"] = {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                         "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                         "total_tokens": usage.total_tokens}
+        body["usage"] = {
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens,
+        }
         body["segfuse"] = full_info(result, started, self.detailed).model_dump(mode="json")
         if self.plan.request.store is not False:
             self.store.put(self.job.id, answered(self.plan.history, _as_chat(output[0])))
@@ -152,8 +181,10 @@ class ResponseWriter:
         """A message item opened (``text`` None), or opened, written and closed at once."""
         ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        frames = [self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
-                  self.event("response.content_part.added", **ids, part=part)]
+        frames = [
+            self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress")),
+            self.event("response.content_part.added", **ids, part=part),
+        ]
         if text is not None:
             frames.append(self.event("response.output_text.delta", **ids, delta=text, logprobs=[]))
         return frames
@@ -161,18 +192,22 @@ class ResponseWriter:
     def closing_text(self, text: str) -> list[str]:
         ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return [self.event("response.output_text.done", **ids, text=text, logprobs=[]),
-                self.event("response.content_part.done", **ids, part=part),
-                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]
+        return [
+            self.event("response.output_text.done", **ids, text=text, logprobs=[]),
+            self.event("response.content_part.done", **ids, part=part),
+            self.event("response.output_item.done", output_index=0, item=self.message(text, "completed")),
+        ]
 
     def call_events(self, item: dict[str, Any]) -> list[str]:
         ids = {"item_id": item["id"], "output_index": 0}
-        return [self.event("response.output_item.added", output_index=0, item={**item, "arguments": "",
-                                                                               "status": "in_progress"}),
-                self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", **ids, name=item["name"],
-                           arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=0, item=item)]
+        return [
+            self.event(
+                "response.output_item.added", output_index=0, item={**item, "arguments": "", "status": "in_progress"}
+            ),
+            self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
+            self.event("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"]),
+            self.event("response.output_item.done", output_index=0, item=item),
+        ]
 
     def ending(self, result: Result, started: Started | None, opened: bool, held: list[str]) -> list[str]:
         body = self.body(result, started)
@@ -206,8 +241,16 @@ class ResponseWriter:
                         continue
                     frames = [] if opened else self.text_events()
                     opened = True
-                    frames.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                             content_index=0, delta=item.segment.text, logprobs=[]))
+                    frames.append(
+                        self.event(
+                            "response.output_text.delta",
+                            item_id=self.message_id,
+                            output_index=0,
+                            content_index=0,
+                            delta=item.segment.text,
+                            logprobs=[],
+                        )
+                    )
                     for frame in frames:
                         yield frame
                 elif isinstance(item, DoneEvent):
@@ -223,8 +266,17 @@ class ResponseWriter:
 def error_event(error: APIError, sequence: int) -> str:
     """The ``error`` event that ends a stream, the `sequence`-th of its stream."""
     detail = error.detail.model_dump()
-    return sse({"type": "error", "sequence_number": sequence, "code": detail["code"], "message": detail["message"],
-                "param": detail["param"], "error": detail}, event="error")
+    return sse(
+        {
+            "type": "error",
+            "sequence_number": sequence,
+            "code": detail["code"],
+            "message": detail["message"],
+            "param": detail["param"],
+            "error": detail,
+        },
+        event="error",
+    )
 
 
 def answered(history: list[dict[str, Any]], turn: dict[str, Any]) -> list[dict[str, Any]]:
@@ -241,8 +293,17 @@ def answered(history: list[dict[str, Any]], turn: dict[str, Any]) -> list[dict[s
 def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the chat message a later request's conversation holds."""
     if item["type"] == "function_call":
-        return {"role": "assistant", "content": None, "tool_calls": [{"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]}}]}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]},
+                }
+            ],
+        }
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
