@@ -264,3 +264,15 @@ def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on()
     assert isinstance(results[crashed.id][-1], Failed) and "tokenizer" in str(results[crashed.id][-1].error)
     assert isinstance(results[fine.id][-1], DoneEvent)
     assert worker.snapshot()["failed"] == 1 and worker.snapshot()["completed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("streamed", "logprobs", "live"), [(True, False, True), (False, False, False), (True, True, False)]
+)
+def test_only_a_streamed_answer_hands_out_the_leaders_text_as_it_decodes(streamed, logprobs, live):
+    """A whole answer goes out once: its tokens' events would only wake the handler's loop for nothing."""
+    from segfuse.server.jobs import flight_of
+
+    job = Job(FusionRequest.of("hi", FusionOptions()), streamed=streamed, logprobs=logprobs)
+    flight = flight_of(job, iter(()), lambda name: None, lambda tell: None, lambda *a: None)
+    assert flight.live is live

@@ -89,6 +89,7 @@ class Job:
     # fails) and cache salt. A work job's has no messages: its work reads what it reads.
     request: FusionRequest
     tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
+    streamed: bool = True  # the answer goes out as it is written (else whole, once: no text handed out before)
     logprobs: bool = False  # the response reports each answer token's log-probability (and request.top_logprobs)
     # Instead of a generation, one call on the worker thread with the ensemble (reading an echoed
     # prompt: bounded by the members' windows); its value comes back as ``Worked``.
@@ -172,9 +173,11 @@ def flight_of(
             return
         job.emit(event)
 
-    # The leader's text as it decodes it, unless the answer's log-probabilities are asked for: they
-    # come with whole segments (and with tools offered the text is held to the end anyway).
-    return Flight(steps, on_event, lambda why: end(job, why, rounds[0]), job.cancel_flag.is_set, live=not job.logprobs)
+    # The leader's text as it decodes it, for a streamed answer whose log-probabilities are not asked
+    # for: they come with whole segments (and with tools offered the text is held to the end anyway). A
+    # whole answer gains nothing from it, and each token's event would wake the handler's loop.
+    live = job.streamed and not job.logprobs
+    return Flight(steps, on_event, lambda why: end(job, why, rounds[0]), job.cancel_flag.is_set, live=live)
 
 
 def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | None, int], None]) -> None:

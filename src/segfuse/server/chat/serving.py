@@ -66,7 +66,7 @@ async def answer(state: ServerState, request: Request) -> Response:
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = plan.request.model or state.model_id
-    job = job_of(state, plan, model)
+    job = job_of(state, plan, model, streamed=plan.request.stream)
     cancel = submit(state, [job], detailed, plan.request.user)
     if plan.request.stream:
         return event_stream(stream(job, model, plan.request.include_usage, cancel, detailed), cancel)

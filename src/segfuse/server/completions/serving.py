@@ -73,7 +73,14 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
     members = members_for(state, model)
     name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
     jobs = [
-        job_for(state, generation, members, id=name if i == 0 else f"{name}-{i}", logprobs=parsed.logprobs is not None)
+        job_for(
+            state,
+            generation,
+            members,
+            id=name if i == 0 else f"{name}-{i}",
+            logprobs=parsed.logprobs is not None,
+            streamed=bool(parsed.stream),
+        )
         for i, generation in enumerate(requests_of(parsed, texts, state.defaults))
     ]
     echoes = None

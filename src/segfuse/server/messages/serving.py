@@ -83,7 +83,7 @@ async def answer(state: ServerState, request: Request) -> Response:
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = parsed.model or state.model_id
-    job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}")
+    job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
     cancel = submit(state, [job], detailed, plan.request.user)
     if parsed.stream:
         return event_stream(stream(job, model, cancel, detailed), cancel)

@@ -92,7 +92,7 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = plan.request.model or state.model_id
-    job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}")
+    job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
     cancel = submit(state, [job], detailed, plan.request.user)
     reply = ResponseWriter(job, model, plan, store, detailed)
     if plan.request.stream:
