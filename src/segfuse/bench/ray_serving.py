@@ -20,7 +20,6 @@ member costs against a local one (``ray_calls.py``).
 
 from __future__ import annotations
 
-import json
 import secrets
 import tempfile
 import time
@@ -35,7 +34,7 @@ from .load import PROMPTS, Outcome, drive, summarise
 from .machine import git, loadavg, machine
 from .process_cpu import CpuMeter, spent
 from .processes import SegfuseServer, segfuse_server, sigterm_as_interrupt
-from .serving import server_config
+from .serving import fmt, server_config, write_report
 
 MODES = ("single", "ray")
 NODE_IP = "127.0.0.2"  # the local Ray instance's node (never 127.0.0.1: Ray rewrites it)
@@ -277,19 +276,10 @@ def run(
 
         log("== one call to a Ray member against a local one…")
         report["member_calls"] = measure(threads=threads or 1, cache_dir=cache_dir)
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        report["out"] = str(out)
-    return report
+    return write_report(report, out)
 
 
 # --------------------------------------------------------------------------- printing
-
-
-def _fmt(value: float | None, spec: str, unit: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{unit}"
 
 
 TABLE_HEADER = [
@@ -319,13 +309,13 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
                     level,
                     str(m["requests"]),
                     str(m["errors"]),
-                    _fmt(m["output_tokens_per_s"], ".1f"),
-                    _fmt(m["latency_p50_s"], ".3f", " s"),
-                    _fmt(m["latency_p95_s"], ".3f", " s"),
-                    _fmt(m["ttfs_p50_s"], ".3f", " s"),
-                    _fmt(r.get("p50_latency"), ".3f", "×") if r else "",
-                    _fmt(r.get("p50_first_content"), ".3f", "×") if r else "",
-                    _fmt(r.get("throughput"), ".3f", "×") if r else "",
+                    fmt(m["output_tokens_per_s"], ".1f"),
+                    fmt(m["latency_p50_s"], ".3f", " s"),
+                    fmt(m["latency_p95_s"], ".3f", " s"),
+                    fmt(m["ttfs_p50_s"], ".3f", " s"),
+                    fmt(r.get("p50_latency"), ".3f", "×") if r else "",
+                    fmt(r.get("p50_first_content"), ".3f", "×") if r else "",
+                    fmt(r.get("throughput"), ".3f", "×") if r else "",
                 ]
             )
     return rows
@@ -335,7 +325,7 @@ def format_targets(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for t in report["targets"].values():
         met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
-        rows.append([t["what"], _fmt(t["measured"], ".3f", "×"), t["target"].replace("<=", "≤"), met])
+        rows.append([t["what"], fmt(t["measured"], ".3f", "×"), t["target"].replace("<=", "≤"), met])
     return rows
 
 
@@ -346,12 +336,12 @@ def format_cpu(report: dict[str, Any]) -> list[list[str]]:
     rows = [
         [
             name,
-            _fmt(1000 * cpu["single"][name], ".1f") if name in cpu["single"] else "",
-            _fmt(1000 * cpu["ray"][name], ".1f") if name in cpu["ray"] else "",
+            fmt(1000 * cpu["single"][name], ".1f") if name in cpu["single"] else "",
+            fmt(1000 * cpu["ray"][name], ".1f") if name in cpu["ray"] else "",
         ]
         for name in roles
     ]
-    rows.append(["all", _fmt(1000 * sum(cpu["single"].values()), ".1f"), _fmt(1000 * sum(cpu["ray"].values()), ".1f")])
+    rows.append(["all", fmt(1000 * sum(cpu["single"].values()), ".1f"), fmt(1000 * sum(cpu["ray"].values()), ".1f")])
     return rows
 
 

@@ -161,9 +161,9 @@ def _run_mode(
             level = drive(server, c, per_level[c], max_tokens)
             entry["levels"][str(c)] = level
             log(
-                f"   concurrency {c}: {_fmt(level['requests_per_s'], '.2f')} req/s, "
-                f"{_fmt(level['output_tokens_per_s'], '.1f')} tok/s, "
-                f"p50 {_fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}"
+                f"   concurrency {c}: {fmt(level['requests_per_s'], '.2f')} req/s, "
+                f"{fmt(level['output_tokens_per_s'], '.1f')} tok/s, "
+                f"p50 {fmt(level['latency_p50_s'], '.2f')} s, errors {level['errors']}"
             )
         entry["server_counters"] = server.health().get("counters")  # with the key: counters are for key holders
     return entry
@@ -271,6 +271,11 @@ def run(
             )
     report["loadavg"]["end"] = loadavg()
     report["ratios"], report["targets"] = compare(report["modes"])
+    return write_report(report, out)
+
+
+def write_report(report: dict[str, Any], out: Path | None) -> dict[str, Any]:
+    """`report` as JSON in `out` (its folder made), which it then names; as it is where `out` is None."""
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +287,8 @@ def run(
 # --------------------------------------------------------------------------- printing
 
 
-def _fmt(value: float | None, spec: str, unit: str = "") -> str:
+def fmt(value: float | None, spec: str, unit: str = "") -> str:
+    """`value` formatted by `spec` with `unit`, or a dash where there is none."""
     return "–" if value is None else f"{value:{spec}}{unit}"
 
 
@@ -313,13 +319,13 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
                     level,
                     str(m["requests"]),
                     str(m["errors"]),
-                    _fmt(m["requests_per_s"], ".2f"),
-                    _fmt(m["output_tokens_per_s"], ".1f"),
-                    _fmt(m["latency_p50_s"], ".2f", " s"),
-                    _fmt(m["latency_p95_s"], ".2f", " s"),
-                    _fmt(m["ttfs_p50_s"], ".2f", " s"),
-                    _fmt(r.get("throughput"), ".2f", "×") if r else "",
-                    _fmt(r.get("p50_latency"), ".2f", "×") if r else "",
+                    fmt(m["requests_per_s"], ".2f"),
+                    fmt(m["output_tokens_per_s"], ".1f"),
+                    fmt(m["latency_p50_s"], ".2f", " s"),
+                    fmt(m["latency_p95_s"], ".2f", " s"),
+                    fmt(m["ttfs_p50_s"], ".2f", " s"),
+                    fmt(r.get("throughput"), ".2f", "×") if r else "",
+                    fmt(r.get("p50_latency"), ".2f", "×") if r else "",
                 ]
             )
     return rows
@@ -329,7 +335,7 @@ def format_targets(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for t in report["targets"].values():
         met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
-        rows.append([t["what"], _fmt(t["measured"], ".2f", "×"), t["target"], met])
+        rows.append([t["what"], fmt(t["measured"], ".2f", "×"), t["target"], met])
     return rows
 
 

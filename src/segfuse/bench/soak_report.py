@@ -7,10 +7,7 @@ from typing import Any
 
 from .accounting import CLIENT_OUTCOMES
 from .duration import format_duration
-
-
-def _fmt(value: float | None, spec: str, unit: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{unit}"
+from .serving import fmt
 
 
 def outcome_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -32,9 +29,9 @@ def target_rows(report: dict[str, Any]) -> list[list[str]]:
     for key, t in report["targets"].items():
         value = t["measured"]
         shown = (
-            _fmt(value * 100, "+.1f", " %")
+            fmt(value * 100, "+.1f", " %")
             if key == "memory_growth" and value is not None
-            else _fmt(value, ".2f", "×")
+            else fmt(value, ".2f", "×")
             if key == "p95_drift"
             else str(value)
         )
@@ -49,13 +46,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     m, lat = report["memory"], report["latency"]
     probes = report.get("probe_latency_s") or []
     return [
-        f"server RSS: start {_fmt(m['start_mb'], '.0f', ' MiB')}, after warm-up {_fmt(m['warm_mb'], '.0f', ' MiB')} "
-        f"({report['warm_checkpoint']}), end {_fmt(m['end_mb'], '.0f', ' MiB')}: "
-        f"{_fmt(m['growth_per_1000_requests_mb'], '+.1f', ' MiB')} per 1,000 requests "
+        f"server RSS: start {fmt(m['start_mb'], '.0f', ' MiB')}, after warm-up {fmt(m['warm_mb'], '.0f', ' MiB')} "
+        f"({report['warm_checkpoint']}), end {fmt(m['end_mb'], '.0f', ' MiB')}: "
+        f"{fmt(m['growth_per_1000_requests_mb'], '+.1f', ' MiB')} per 1,000 requests "
         f"({m['requests_since_warm']} accepted since warm-up)",
         _latency_line(lat),
-        f"probe alone on the idle server: first {_fmt(probes[0] if probes else None, '.2f', ' s')}, "
-        f"last {_fmt(probes[-1] if probes else None, '.2f', ' s')} ({len(probes)} probes)",
+        f"probe alone on the idle server: first {fmt(probes[0] if probes else None, '.2f', ' s')}, "
+        f"last {fmt(probes[-1] if probes else None, '.2f', ' s')} ({len(probes)} probes)",
         f"idle checkpoints: {len(report['checkpoints'])}, with anything held: {report['held_when_idle']}; "
         f"events: {', '.join(e['event'] for e in report['events']) or 'none'}; member faults: {_faults(report)}",
     ]
@@ -75,7 +72,7 @@ def _latency_line(lat: dict[str, Any]) -> str:
     def tenth(t: dict[str, Any]) -> str:
         cycles = f"cycle{'s' if len(t['cycles']) > 1 else ''} {', '.join(str(c + 1) for c in t['cycles'])}"
         return (
-            f"{cycles}: p50 {_fmt(t['p50_s'], '.2f', ' s')}, p95 {_fmt(t['p95_s'], '.2f', ' s')} "
+            f"{cycles}: p50 {fmt(t['p50_s'], '.2f', ' s')}, p95 {fmt(t['p95_s'], '.2f', ' s')} "
             f"({t['requests']} requests)"
         )
 
