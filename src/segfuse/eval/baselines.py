@@ -75,10 +75,12 @@ def write_answer(
     sampling: Sampling,
     stop: Sequence[str] = (),
     chunk: int = DEFAULT_CHUNK,
+    deterministic: bool = False,
 ) -> MemberAnswer:
-    """Let `member` answer alone on one session, `chunk` tokens per draft call."""
+    """Let `member` answer alone on one session, `chunk` tokens per draft call (`deterministic`: as
+    :meth:`Member.start` says, the same text whatever the member's prefix cache holds)."""
     started = time.perf_counter()
-    session = member.start(messages, seed=sampling.seed, reserve=chunk + 1)
+    session = member.start(messages, seed=sampling.seed, reserve=chunk + 1, deterministic=deterministic)
     try:
         # Like the engine: a run forced to full length (ignore_eos) ignores the member's stops too.
         stops = (*stop, *(() if sampling.ignore_eos else session.stops))
