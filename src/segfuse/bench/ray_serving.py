@@ -185,6 +185,44 @@ def cpu_per_request(blocks: Sequence[dict[str, Any]]) -> dict[str, dict[str, flo
     return out
 
 
+def start_servers(
+    stack: ExitStack,
+    workdir: Path,
+    sections: dict[str, dict[str, dict[str, Any]]],
+    report: dict[str, Any],
+    *,
+    max_tokens: int,
+    startup_s: float,
+    log: Log,
+) -> dict[str, SegfuseServer]:
+    """Both servers, up until `stack` closes, each warmed up by one request; their start in `report`."""
+    servers: dict[str, SegfuseServer] = {}
+    for mode in MODES:
+        log(f"== starting `segfuse serve{' --ray' if mode == 'ray' else ''}`…")
+        sections[mode]["server"]["api_key"] = secrets.token_hex(16)
+        t0 = time.perf_counter()
+        extra = ("--ray",) if mode == "ray" else ()
+        servers[mode] = stack.enter_context(
+            segfuse_server(workdir, mode, sections[mode], startup_s=startup_s, extra_args=extra)
+        )
+        health = servers[mode].health()
+        report.setdefault("servers", {})[mode] = {
+            "startup_s": time.perf_counter() - t0,
+            "members": health.get("members"),
+            "copies": health.get("copies"),
+        }
+        drive(servers[mode], 1, 1, max_tokens, offset=len(PROMPTS) - 1)  # warm-up
+    return servers
+
+
+def add_results(report: dict[str, Any], blocks: list[dict[str, Any]], levels: Sequence[int]) -> None:
+    """The blocks into `report`, with each mode's pooled figures, the ratios, the targets and the CPU."""
+    report["blocks"] = blocks
+    report["modes"] = {mode: {str(c): pooled(blocks, mode, str(c)) for c in levels} for mode in MODES}
+    report["ratios"], report["targets"] = compare(report["modes"])
+    report["cpu_per_request_s"] = cpu_per_request(blocks)
+
+
 def run(
     levels: Sequence[int] = (1, 4),
     requests: int = 8,
@@ -219,46 +257,31 @@ def run(
         n_ctx=n_ctx,
         cache_dir=cache_dir,
     )
+    settings = {
+        "levels": levels,
+        "requests_per_level": requests,
+        "max_tokens": max_tokens,
+        "reps": reps,
+        "order": block_order(reps),
+        "threads": threads,
+        "n_ctx": n_ctx,
+        "replicas": replicas,
+        "max_concurrent": {"single": max_concurrent * replicas, "ray": max_concurrent},
+        "members": list(models or []) or "default",
+        "prompts": list(PROMPTS),
+        "temperature": 0.0,
+        "stream": True,
+    }
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "git": git(),
-        "settings": {
-            "levels": levels,
-            "requests_per_level": requests,
-            "max_tokens": max_tokens,
-            "reps": reps,
-            "order": block_order(reps),
-            "threads": threads,
-            "n_ctx": n_ctx,
-            "replicas": replicas,
-            "max_concurrent": {"single": max_concurrent * replicas, "ray": max_concurrent},
-            "members": list(models or []) or "default",
-            "prompts": list(PROMPTS),
-            "temperature": 0.0,
-            "stream": True,
-        },
+        "settings": settings,
         "loadavg": {"start": loadavg()},
     }
     with sigterm_as_interrupt(), ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="segfuse-bench-ray-")))
-        servers: dict[str, SegfuseServer] = {}
-        for mode in MODES:
-            log(f"== starting `segfuse serve{' --ray' if mode == 'ray' else ''}`…")
-            sections[mode]["server"]["api_key"] = secrets.token_hex(16)
-            t0 = time.perf_counter()
-            servers[mode] = stack.enter_context(
-                segfuse_server(
-                    workdir, mode, sections[mode], startup_s=startup_s, extra_args=("--ray",) if mode == "ray" else ()
-                )
-            )
-            health = servers[mode].health()
-            report.setdefault("servers", {})[mode] = {
-                "startup_s": time.perf_counter() - t0,
-                "members": health.get("members"),
-                "copies": health.get("copies"),
-            }
-            drive(servers[mode], 1, 1, max_tokens, offset=len(PROMPTS) - 1)  # warm-up
+        servers = start_servers(stack, workdir, sections, report, max_tokens=max_tokens, startup_s=startup_s, log=log)
         meters = {mode: CpuMeter(server.process.pid) for mode, server in servers.items()}
         blocks = [
             run_block(i, mode, servers, meters, levels, requests, max_tokens, log)
@@ -266,10 +289,7 @@ def run(
         ]
         for mode, server in servers.items():
             report["servers"][mode]["counters"] = server.health().get("counters")
-    report["blocks"] = blocks
-    report["modes"] = {mode: {str(c): pooled(blocks, mode, str(c)) for c in levels} for mode in MODES}
-    report["ratios"], report["targets"] = compare(report["modes"])
-    report["cpu_per_request_s"] = cpu_per_request(blocks)
+    add_results(report, blocks, levels)
     report["loadavg"]["end"] = loadavg()
     if calls:
         from .ray_calls import measure
