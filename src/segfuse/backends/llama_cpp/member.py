@@ -55,6 +55,7 @@ from ...models import PromptFormat, check_gguf
 from ...types import DraftTokens, PromptToken, TokenScores
 from ..base import Capabilities, Occupancy
 from ..cached import LocalMember
+from ..compute import compute_here
 from ..spec import split_target
 from . import batch
 from .context import Context
@@ -63,7 +64,6 @@ from .private import PrivateContexts
 from .runtime import (
     COMPUTE,
     LogSoftmax,
-    compute_here,
     gpu_layers_for,
     init_backend,
     load_model,
@@ -170,7 +170,7 @@ class LlamaCppMember(LocalMember):
         )
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
         # Where its decodes run: side by side (wholly on a GPU), on the thread that calls it; else on the one
-        # thread every member on the CPU computes on (runtime.ComputeThread says why).
+        # thread every member on the CPU computes on (backends/compute.py says why).
         self.compute = compute_here if self.capabilities.parallel_safe else COMPUTE.run
 
     def _open_context(self, n_ctx: int, n_batch: int, max_outputs: int, cells: int, entries: int) -> Context:

@@ -13,15 +13,14 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import llama_cpp as lc
 import numpy as np
 
 from ...errors import MemberLoadError
+from ..compute import ComputeThread
 
 # llama.cpp logs into a short buffer instead of the terminal; errors quote its tail.
 # SEGFUSE_LLAMA_LOG=1 prints it as it comes.
@@ -85,57 +84,11 @@ def gpu_layers_for(requested: int | None) -> int:
     return ALL_LAYERS if can_offload() else 0
 
 
-T = TypeVar("T")
-
-
-class ComputeThread:
-    """The one thread of the process on which llama.cpp computes (loads weights, decodes) for the members
-    that share the CPU.
-
-    llama.cpp's CPU backend runs each decode as an OpenMP parallel region, and libgomp keeps a team of
-    compute threads for every thread that ever started one. Once its threads outnumber the cores, libgomp
-    makes every team wait at its barriers by sleeping almost at once instead of spinning, and every decode
-    slows down: on 2 cores, a member decoding while another thread's team was alive took 1.30 s where it
-    took 1.13-1.17 s alone (64 tokens, Qwen2.5-Coder-0.5B, 2 threads). So every caller, whatever its thread,
-    hands its compute to this one thread; a handoff costs tens of microseconds against milliseconds a token.
-    Members side by side (wholly on a GPU, each on its own thread) compute where they are called.
-    """
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._ident: int | None = None
-        self._lock = threading.Lock()
-        if hasattr(os, "register_at_fork"):  # a forked child has no such thread: it starts its own
-            os.register_at_fork(after_in_child=self._forget)
-
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the compute thread (at once when called there), its value or its exception."""
-        if threading.get_ident() == self._ident:
-            return fn(*args)
-        future = self._executor().submit(fn, *args)
-        try:
-            return future.result()
-        except KeyboardInterrupt:  # the computation ends before the caller unwinds (and frees what it reads)
-            wait([future])
-            raise
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="segfuse-llama")
-                self._ident = self._pool.submit(threading.get_ident).result()
-            return self._pool
-
-    def _forget(self) -> None:
-        self._pool, self._ident, self._lock = None, None, threading.Lock()
-
-
-COMPUTE = ComputeThread()
-
-
-def compute_here(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on the calling thread: where side-by-side members compute."""
-    return fn(*args)
+# The one thread of the process on which llama.cpp computes (loads weights, decodes) for the members that
+# share the CPU (``compute.py`` says why): on 2 cores, a member decoding while another thread's OpenMP team
+# was alive took 1.30 s where it took 1.13-1.17 s alone (64 tokens, Qwen2.5-Coder-0.5B, 2 threads). Members
+# side by side (wholly on a GPU, each on its own thread) compute where they are called (``compute_here``).
+COMPUTE = ComputeThread("segfuse-llama")
 
 
 def load_model(

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ...errors import MemberLoadError
 from ...models import cache_dir as default_cache_dir
 from ...models import is_gguf
+from ..compute import ComputeThread, device_thread
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -36,6 +37,40 @@ def pick_device(device: str | None) -> str:
     if device:
         return device
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_thread(device: str) -> ComputeThread:
+    """The compute thread of the device a member runs on (``cpu``, ``cuda:N``; ``cuda`` is the current one;
+    ``auto``, spread over GPUs by accelerate, has one of its own), with torch's intra-op thread count as
+    set now: OpenMP reads it per thread (it is set again there for every member: ``match_threads``)."""
+    key = device
+    if device == "cuda":
+        key = f"cuda:{torch.cuda.current_device()}"
+
+    def setup() -> None:
+        if key.startswith("cuda:"):
+            torch.cuda.set_device(key)  # the current device is per thread too
+
+    return device_thread(key, setup)
+
+
+def cudnn_attention_off() -> bool:
+    """Leave cuDNN's attention kernel out of torch's choice for scaled dot-product attention, process-wide
+    (the flash and memory-efficient kernels remain); whether it was left out.
+
+    cuDNN builds an execution plan for every new shape of attention and caches it per thread: a decode
+    meets a new key length at every token, and a verification of candidates a new shape at every round, so
+    each of them paid for a plan (tens of milliseconds a token on an H200, where a token took 20). torch's
+    other kernels need no plan. SEGFUSE_CUDNN_ATTENTION=1 keeps cuDNN's kernel in the choice."""
+    if os.environ.get("SEGFUSE_CUDNN_ATTENTION") == "1" or not torch.cuda.is_available():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
+def match_threads(count: int) -> None:
+    """Make torch's intra-op thread count `count` on the calling thread (OpenMP keeps it per thread)."""
+    torch.set_num_threads(count)
 
 
 def pick_dtype(dtype: str, device: str) -> torch.dtype:

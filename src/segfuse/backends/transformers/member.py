@@ -49,12 +49,14 @@ import torch
 
 from ...errors import MemberLoadError, ModelFileError
 from ...models import PromptFormat
-from ...types import PromptToken
+from ...types import DraftTokens, PromptToken
 from ..base import Capabilities, Occupancy
 from ..cached import LocalMember
+from ..compute import on_compute
 from ..spec import split_target
+from . import batch
 from .echo import echo_tokens
-from .load import load_checkpoint, pick_device, pick_dtype
+from .load import compute_thread, cudnn_attention_off, load_checkpoint, match_threads, pick_device, pick_dtype
 from .prefixes import StoredPrefixes
 from .session import TransformersSession
 from .tokens import Vocabulary
@@ -65,10 +67,11 @@ if TYPE_CHECKING:
 
 
 class TransformersMember(LocalMember):
-    """A causal LM loaded once; each session owns its own KV cache (on one device, concurrent
-    forwards only contend: not parallel_safe)."""
+    """A causal LM loaded once; each session owns its own KV cache. Its calls run on its device's compute
+    thread (``backends/compute.py``), one at a time: concurrent forwards on one device only contend (not
+    parallel_safe); several sessions' drafts share one forward pass per token (``draft_many``)."""
 
-    capabilities = Capabilities(constrained=True, echo=True)
+    capabilities = Capabilities(constrained=True, echo=True, batched=True)
     vocab: Vocabulary
 
     def __init__(
@@ -105,7 +108,12 @@ class TransformersMember(LocalMember):
             cache_dir=cache_dir,
             attn_implementation=attn_implementation,
         )
-        self.weights = Weights(model, name=self.name, dtype=torch_dtype, n_ctx=n_ctx)
+        if str(device) != "cpu":
+            cudnn_attention_off()
+        self.thread = compute_thread(device)
+        self.compute = self.thread.run
+        self.compute(match_threads, torch.get_num_threads())
+        self.weights = Weights(model, name=self.name, dtype=torch_dtype, n_ctx=n_ctx, compute=self.compute)
         self.n_params, self.n_ctx = self.weights.n_params, self.weights.n_ctx
         if prefix_cache_cells is not None and prefix_cache_cells < 0:
             raise ValueError("prefix_cache_cells must be 0 (off) or more")
@@ -121,10 +129,12 @@ class TransformersMember(LocalMember):
         )
         self.prompt = self.vocab.prompt
 
+    @on_compute
     def echo(self, prompt: str | Sequence[int], top_k: int = 0) -> list[PromptToken]:
         ids = self.vocab.tokenize_plain(prompt) if isinstance(prompt, str) else prompt
         return echo_tokens(ids, top_k, vocab=self.vocab, weights=self.weights)
 
+    @on_compute
     def open_session(
         self, prompt: list[int], seed: int | None, cache_salt: str | None = None, deterministic: bool = False
     ) -> TransformersSession:
@@ -133,9 +143,17 @@ class TransformersMember(LocalMember):
         whole prompt itself (its sessions never share a forward pass, so that is all it takes)."""
         session = TransformersSession(prompt, seed, vocab=self.vocab, weights=self.weights, prefixes=self.prefixes)
         session.cache_salt = cache_salt
+        session.deterministic = deterministic
         if not deterministic:
             session.n_cached = session.stats.reused = self.prefixes.restore(session.cache, prompt, cache_salt)
         return session
+
+    @on_compute
+    def draft_many(  # type: ignore[override]  # it batches only its own sessions
+        self, sessions: Sequence[TransformersSession], requests: Sequence[tuple[Any, ...]]
+    ) -> list[DraftTokens | Exception]:
+        """``draft`` for several sessions, one forward pass per token step for all of them (``batch.py``)."""
+        return batch.draft_many(sessions, requests, self.weights)
 
     def occupancy(self) -> Occupancy:
         return Occupancy(slots=self.slots, prefix=self.prefix_cache.stats())

@@ -16,6 +16,7 @@ from ...errors import PromptTooLongError
 from ...types import DraftTokens, Sampling, TokenScores
 from ..base import OnText, TextSoFar
 from ..cached import CachedSession, DraftState, Verified, top_alternatives
+from ..compute import on_compute
 from .prefixes import StoredPrefixes, attention_layers, keys_values
 from .tokens import Vocabulary
 from .weights import Weights
@@ -62,6 +63,64 @@ def _scores_at(rows: torch.Tensor, targets: Sequence[int]) -> TokenScores:
     return TokenScores(tuple((picked - lse).tolist()), tuple(picked.tolist()), tuple(tops.tolist()))
 
 
+class Drafting:
+    """One session's draft in progress: sample from the current row, feed the token, repeat (alone, or in a
+    batch of sessions: ``batch.py``). The last sampled token is never fed."""
+
+    def __init__(self, session: TransformersSession, n: int, sampling: Sampling, on_text: OnText | None = None) -> None:
+        self.session, self.n, self.sampling = session, n, sampling
+        self.text = TextSoFar(on_text)
+        self.row: torch.Tensor = session.next_logits
+        self.pos = len(session.tokens)  # where the next fed token goes
+        self.banned = session.eog if sampling.ignore_eos else None
+        self.ids: list[int] = []
+        self.rows: list[torch.Tensor] = []  # rows[j]: the logits row that sampled ids[j]
+        self.logprobs: list[float] = []
+        self.logits: list[float] = []
+        self.finished = False
+        self.done = n <= 0
+
+    def step(self) -> bool:
+        """Sample the next token; True when it must be fed for the draft to go on."""
+        if self.done:
+            return False
+        session, row = self.session, self.row
+        self.rows.append(row)
+        allowed = session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
+        if allowed is not None:
+            row = row.masked_fill(~torch.from_numpy(allowed).to(row.device), float("-inf"))
+        token = sample(row, self.sampling, session.generator, self.banned)
+        self.ids.append(token)
+        logit = float(self.row[token])
+        self.logits.append(logit)
+        self.logprobs.append(logit - float(torch.logsumexp(self.row, dim=-1)))
+        vocab = session.vocab
+        self.finished = vocab.is_eog(token)
+        self.text.add(b"" if self.finished else vocab.piece(token))
+        self.done = self.finished or len(self.ids) >= self.n
+        return not self.done
+
+    def fed(self, row: torch.Tensor) -> None:
+        """The last token was decoded: `row` is the logits row after it."""
+        self.row = row
+        self.pos += 1
+        self.session.stats.draft += 1
+        self.session.stats.decode_calls += 1
+
+    def finish(self) -> DraftTokens:
+        """The draft as the engine takes it; its tokens stay pending in the session until ``accept``."""
+        vocab = self.session.vocab
+
+        def piece(token: int) -> bytes:
+            return b"" if vocab.is_eog(token) else vocab.piece(token)
+
+        pieces = [piece(t) for t in self.ids]
+        self.session.pending = DraftState(self.ids, pieces, self.rows)
+        k = self.sampling.top_logprobs
+        tops = top_alternatives([r.float().cpu().numpy() for r in self.rows], k, piece) if k else ()
+        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
+
+
 class TransformersSession(CachedSession):
     """One request's context on a TransformersMember: one DynamicCache, run by `weights`; on closing, its
     keys and values go to `prefixes`. See the module docstring."""
@@ -75,6 +134,8 @@ class TransformersSession(CachedSession):
         self.vocab: Vocabulary = vocab
         self.weights = weights
         self.prefixes = prefixes
+        self.compute = weights.compute  # every call runs on the device's compute thread (``compute.py``)
+        self.deterministic = False  # it never shares a forward pass with other sessions (``batch.py``)
         self.eog = torch.tensor(vocab.eog_ids, device=weights.input_device)
         self.cache = DynamicCache()  # full layers: sliding windows are enforced by the masks, and cropping works
         self.generator: torch.Generator | None = None
@@ -93,55 +154,28 @@ class TransformersSession(CachedSession):
         if self.next_logits is None:
             raise RuntimeError("context is empty")
 
-    def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
-        if self.pending is not None:  # an earlier draft was never accepted: drop its tokens
+    def prepare_draft(self) -> None:
+        """Drop an earlier draft that was never accepted, and decode what the context still lacks."""
+        if self.pending is not None:
             _crop(self.cache, len(self.tokens))
             self.pending, self.verified = None, {}
         self.sync()
-        row = self.next_logits
-        ids: list[int] = []
-        rows: list[torch.Tensor] = []
-        logprobs: list[float] = []
-        logits: list[float] = []
-        finished = False
-        pos = len(self.tokens)
-        banned = self.eog if sampling.ignore_eos else None
-        vocab = self.vocab
-        text = TextSoFar(on_text)
-        for step in range(max_tokens):
-            rows.append(row)
-            allowed = self.allowed_next(ids)  # under a constraint; scores stay the model's own
-            token = sample(
-                row if allowed is None else row.masked_fill(~torch.from_numpy(allowed).to(row.device), float("-inf")),
-                sampling,
-                self.generator,
-                banned,
-            )
-            ids.append(token)
-            logit = float(row[token])
-            logits.append(logit)
-            logprobs.append(logit - float(torch.logsumexp(row, dim=-1)))
-            text.add(b"" if vocab.is_eog(token) else vocab.piece(token))
-            if vocab.is_eog(token):
-                finished = True
-                break
-            if step == max_tokens - 1:
-                break
-            row = self.weights.forward(self.cache, [token], [pos])[-1]
-            self.stats.draft += 1
-            self.stats.decode_calls += 1
-            pos += 1
-        pieces = [vocab.piece(t) if not vocab.is_eog(t) else b"" for t in ids]
-        self.pending = DraftState(ids, pieces, rows)
-        k = sampling.top_logprobs
-        tops = (
-            top_alternatives(
-                [r.float().cpu().numpy() for r in rows], k, lambda t: b"" if vocab.is_eog(t) else vocab.piece(t)
-            )
-            if k
-            else ()
-        )
-        return DraftTokens(tuple(pieces), tuple(logprobs), tuple(logits), finished, tops)
+
+    @on_compute
+    def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
+        self.prepare_draft()
+        drafting = Drafting(self, max_tokens, sampling, on_text)
+        while drafting.step():
+            drafting.fed(self.weights.forward(self.cache, [drafting.ids[-1]], [drafting.pos])[-1])
+        return drafting.finish()
+
+    @on_compute
+    def score(self, texts: Sequence[str]) -> list[TokenScores]:
+        return super().score(texts)
+
+    @on_compute
+    def accept(self, text: str) -> None:
+        super().accept(text)
 
     def _end_score(self) -> TokenScores:
         row = self.next_logits
@@ -193,6 +227,7 @@ class TransformersSession(CachedSession):
             layer.keys = torch.cat([keys, k], dim=-2)
             layer.values = torch.cat([values, v], dim=-2)
 
+    @on_compute
     def close(self) -> None:
         """Drop the context; its first ``n_cached`` positions stay in the member's prefix cache."""
         if self.n_cached and self.cache.get_seq_length() >= self.n_cached:

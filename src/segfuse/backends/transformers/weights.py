@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from ...errors import MemberLoadError
+from ..compute import Compute, compute_here
 
 
 class Weights:
@@ -21,8 +22,11 @@ class Weights:
 
     `n_ctx`: the context window asked for (None: the model's own, else 4096), at most the model's."""
 
-    def __init__(self, model: Any, *, name: str, dtype: torch.dtype, n_ctx: int | None) -> None:
+    def __init__(
+        self, model: Any, *, name: str, dtype: torch.dtype, n_ctx: int | None, compute: Compute = compute_here
+    ) -> None:
         self.model = model
+        self.compute = compute  # where its forward passes run: its device's compute thread (``compute.py``)
         self.name = name
         self.dtype = dtype
         self.n_params = int(model.num_parameters())  # the gate's default leader is the largest member
@@ -66,6 +70,24 @@ class Weights:
             logits_to_keep=1 if last_only else 0,
         )
         logits: torch.Tensor = out.logits[0].float()
+        return logits
+
+    @torch.inference_mode()
+    def decode_rows(
+        self, cache: DynamicCache, ids: Sequence[int], positions: Sequence[int], attention: torch.Tensor
+    ) -> torch.Tensor:
+        """One token for each row of a batched `cache` (row i's token `ids[i]` at `positions[i]`); the float32
+        logits row after each. `attention`: which of the cache's columns, and the new one, each row sees
+        (rows are left-padded to one length: ``batch.py``)."""
+        dev = self.input_device
+        out = self.model(
+            input_ids=torch.tensor([[t] for t in ids], device=dev),
+            position_ids=torch.tensor([[p] for p in positions], device=dev),
+            attention_mask=attention,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits: torch.Tensor = out.logits[:, -1].float()
         return logits
 
     def block_mask(self, n_prefix: int, n_hidden: int, lengths: Sequence[int]) -> Any:
