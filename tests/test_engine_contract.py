@@ -13,7 +13,7 @@ MOST_PARAMETERS = 6
 
 
 def modules() -> list[Path]:
-    found = sorted(ENGINE.glob("*.py"))
+    found = sorted(ENGINE.rglob("*.py"))  # subpackages too
     assert len(found) > 10, f"the engine's modules are not in {ENGINE}"
     return found
 

@@ -41,6 +41,7 @@ import time
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from ..backends.base import Member
 from ..errors import InvalidRequestError
@@ -165,7 +166,6 @@ class Generation:
     def __init__(self, members: Sequence[Member], request: FusionRequest) -> None:
         self.messages = request.messages
         self.context = GenerationContext.of(request)
-        self.options = request.options
         self.votes = Votes([m.name for m in members], request.weights)
         self.lineup = Lineup(members, self.context, self.votes.weights)
         self.seats = self.lineup.seats
@@ -173,30 +173,31 @@ class Generation:
 
     def run(self) -> Steps:
         """Seat the members, run rounds until the answer stops, then report."""
-        o, answer, messages = self.options, self.answer, self.messages
+        o, answer, messages = self.context.options, self.answer, self.messages
         answer.started = time.perf_counter()
         answer.prefill = prefill_of(messages)
         yield from self.lineup.start(messages)
         if o.prior == "prompt":
-            prior = yield from phases.prompt_prior(self.seats, messages, o.prior_temperature)
+            prior = yield from phases.prompt_prior(self.seats, self.context, messages)
             self.votes.weights.update(prior or {})
             yield from self.seats.release()
         while True:
             yield from self.lineup.catch_up(answer.text, answer.stats.rounds)
             if (reason := self._limit()) is not None:
                 break
-            round_no = answer.stats.rounds + 1
             round_start = time.perf_counter()
-            decision = yield from self._round(round_no)
+            at = answer.round(answer.stats.rounds + 1, o.max_tokens)
+            decision = yield from self._round(at)
             if isinstance(decision, Stop):
                 reason = decision.reason
                 break
-            record = round_record(round_no, decision, self.votes, self.seats.calls)
+            record = round_record(at, decision, self.votes, self.seats.calls)
             chosen = decision.winner.candidate
             yield from answer.append(record, self.seats.calls)
-            yield from phases.broadcast(self.seats, chosen.text, round_no)
+            yield from phases.broadcast(self.seats, at, chosen.text)
             if o.exit and not chosen.finished and not decision.gated:
-                phases.model_exit(self.seats, o, round_no, self.lineup.leader() if o.gate is not None else None)
+                keep = self.lineup.leader() if o.gate is not None else None
+                phases.model_exit(self.seats, self.context, at, keep)
             yield from self.seats.release()
             record.departures = list(self.seats.round_departures)
             record.total_s = time.perf_counter() - round_start
@@ -210,7 +211,7 @@ class Generation:
     def _limit(self) -> str | None:
         """Why no further round can run (the budget is spent, the deadline passed, a context window is
         full), or None."""
-        o, active = self.options, self.seats.active
+        o, active = self.context.options, self.seats.active
         if o.max_tokens - self.answer.stats.tokens <= 0:
             return "length"
         if self.context.passed_deadline():
@@ -219,74 +220,69 @@ class Generation:
             return "context"
         return None
 
-    def _round(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
+    def _round(self, at: Round) -> Generator[Calls, list[Reply], Decision | Stop]:
         """Gate, draft, consult, verify, rank: how the round's winner (not yet broadcast) was chosen."""
-        o, seats, context = self.options, self.seats, self.context
+        o, seats, context = self.context.options, self.seats, self.context
         seats.new_round()
-        calls_before = seats.calls
-        at = self.answer.round(round_no, o.max_tokens)
         leader = self.lineup.leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
         live = (
-            self.answer.stream(leader.name, round_no, phases.stops(leader, o))
+            self.answer.stream(leader.name, at.no, phases.stops(leader, context))
             if leader is not None and solo and self.lineup.answers_alone()
             else None
         )
         early: Drafted = []
-        confidence: float | None = None
+        decided = partial(Decision, leader=leader, confidence=None, calls_before=seats.calls)
         if leader is not None:
             early = yield from phases.draft(seats, context, [leader], min(o.window, at.budget), at, live)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
-                return (yield from self._take_over(round_no))
+                return (yield from self._take_over(at))
             if early:
-                check = phases.gate(
-                    early[0][1], o, answer=at.answer, last=at.last, patient=self.votes.hopeless < o.guard_patience
-                )
-                confidence = check.confidence
+                check = phases.gate(early[0][1], context, at, patient=self.votes.hopeless < o.guard_patience)
+                decided = partial(decided, confidence=check.confidence)
                 if check.passes or (solo and early[0][1].eligible):
-                    return Decision(
-                        gated_how(confidence, o), early, phases.alone(early, leader), leader, confidence, calls_before
-                    )
+                    how = gated_how(check.confidence, context)
+                    return decided(how=how, drafted=early, ranking=phases.alone(early, leader))
         solo = solo and leader in seats.active
         drafted = yield from phases.draft_all(seats, context, at, early, only=leader if solo else None, live=live)
         if not seats.active:
-            return (yield from self._take_over(round_no))
+            return (yield from self._take_over(at))
         if not drafted:
             return Stop("length")
         if solo and leader is not None:  # (solo implies a leader)
-            return Decision(
-                gated_how(confidence, o), drafted, phases.alone(drafted, leader), leader, confidence, calls_before
-            )
-        return (yield from self._vote(at, drafted, leader, confidence, calls_before))
+            how = gated_how(decided.keywords["confidence"], context)
+            return decided(how=how, drafted=drafted, ranking=phases.alone(drafted, leader))
+        return (yield from self._vote(at, drafted, decided))
 
     def _vote(
-        self, at: Round, drafted: Drafted, leader: Seat | None, confidence: float | None, calls_before: int
+        self, at: Round, drafted: Drafted, decided: partial[Decision]
     ) -> Generator[Calls, list[Reply], Decision | Stop]:
         """The leader consults the others' proposals (when it may accept one), then every member verifies
-        and the vote ranks the candidates."""
-        o, seats = self.options, self.seats
+        and the vote ranks the candidates. `decided` makes the decision from what the round knew before."""
+        o, seats, context = self.context.options, self.seats, self.context
+        leader: Seat | None = decided.keywords["leader"]
         consulted: dict[str, str] = {}
         known: Known = {}
         if leader is not None and o.accept_margin is not None and any(s is leader and d.eligible for s, d in drafted):
-            drafted, scores, verdicts = yield from phases.consult(seats, leader, drafted, o, at.no)
+            drafted, scores, verdicts = yield from phases.consult(seats, context, at, leader, drafted)
             consulted, known = {name: v.reason for name, v in verdicts.items()}, {leader.name: scores}
             if leader in seats.active and not any(v.accepted for v in verdicts.values()):
-                return Decision(
-                    "rejected", drafted, phases.alone(drafted, leader), leader, confidence, calls_before, consulted
-                )
-        drafted, known = yield from phases.verify(seats, drafted, at.no, known)
+                ranking = phases.alone(drafted, leader)
+                return decided(how="rejected", drafted=drafted, ranking=ranking, consulted=consulted)
+        drafted, known = yield from phases.verify(seats, at, drafted, known)
         if not any(d.eligible for _, d in drafted):
             return Stop("length")
         weights = self.votes.normalised([seat.name for seat, _ in drafted])
-        ranking = phases.rank([d for _, d in drafted], known, weights, o, at)
-        self.votes.learn(drafted, ranking, o)
-        return Decision("vote", drafted, ranking, leader, confidence, calls_before, consulted)
+        ranking = phases.rank([d for _, d in drafted], known, weights, context, at)
+        self.votes.learn(drafted, ranking, context)
+        return decided(how="vote", drafted=drafted, ranking=ranking, consulted=consulted)
 
-    def _take_over(self, round_no: int) -> Generator[Calls, list[Reply], Decision | Stop]:
-        """The leader failed mid-round with the others on standby: one catches up and the round runs again."""
-        self.answer.keep_streamed(round_no)
+    def _take_over(self, at: Round) -> Generator[Calls, list[Reply], Decision | Stop]:
+        """The leader failed mid-round with the others on standby: one catches up and the round runs again
+        (from the answer as it now stands: what the leader streamed stays in it)."""
+        self.answer.keep_streamed(at.no)
         yield from self.lineup.catch_up(self.answer.text, self.answer.stats.rounds)
-        return (yield from self._round(round_no))
+        return (yield from self._round(self.answer.round(at.no, self.context.options.max_tokens)))
 
     def _finish(self, reason: str) -> Steps:
         answer, stats = self.answer, self.answer.stats

@@ -74,11 +74,12 @@ def cut_segment(author: str, tokens: DraftTokens, answer: str, stops: Sequence[s
     return Draft(Candidate(author, text, tokens.finished or hit_stop, n_text, trail), own)
 
 
-def degenerates(options: FusionOptions, answer: str, text: str, last: str) -> str | None:
-    """Why `text` would make the answer loop, when the guard is on."""
+def degenerates(options: FusionOptions, at: Round, text: str) -> str | None:
+    """Why `text` would make the answer loop after the round's start `at`, when the guard is on."""
     if not options.guard:
         return None
-    return degeneration(answer, text, last, n=options.guard_ngram, times=options.guard_times, share=options.guard_share)
+    o = options
+    return degeneration(at.answer, text, at.last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
 
 
 # --- gate ---------------------------------------------------------------------------------
@@ -90,19 +91,16 @@ class GateCheck:
     confidence: float  # the leader's own mean token probability of its draft
 
 
-def gate(leader_draft: Draft, options: FusionOptions, *, answer: str, last: str, patient: bool) -> GateCheck:
+def gate(leader_draft: Draft, context: GenerationContext, at: Round, *, patient: bool) -> GateCheck:
     """The leader's draft wins alone when it is usable, confident, and (guard on) not a loop.
 
     A looping draft goes to a vote while the guard is still `patient`.
     """
+    options = context.options
     own = leader_draft.own_scores
     confidence = mean_probability(own.logprobs) if own else 0.0
     gated = options.gate is not None and gate_passes(confidence, options.gate)  # (a leader implies a gate)
-    passes = (
-        leader_draft.eligible
-        and gated
-        and not (patient and degenerates(options, answer, leader_draft.candidate.text, last))
-    )
+    passes = leader_draft.eligible and gated and not (patient and degenerates(options, at, leader_draft.candidate.text))
     return GateCheck(passes, confidence)
 
 
@@ -128,7 +126,7 @@ def draft(
     else:
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     drafted = [
-        (seat, cut_segment(seat.name, tokens, at.answer, stops(seat, context.options)))
+        (seat, cut_segment(seat.name, tokens, at.answer, stops(seat, context)))
         for seat, tokens in seats.survivors(chosen, outcomes, at.no, "draft")
     ]
     for _, d in drafted:
@@ -172,8 +170,9 @@ def draft_all(
         early, n = [], min(2 * n, at.budget)
 
 
-def stops(seat: Seat, options: FusionOptions) -> tuple[str, ...]:
+def stops(seat: Seat, context: GenerationContext) -> tuple[str, ...]:
     """The request's stop strings plus the member's own (unless the answer must run to length)."""
+    options = context.options
     own = () if options.ignore_eos or seat.session is None else seat.session.stops
     return (*options.stop, *own)
 
@@ -184,7 +183,7 @@ def stops(seat: Seat, options: FusionOptions) -> tuple[str, ...]:
 Known = dict[str, dict[str, TokenScores]]  # verifier name -> candidate text -> its scores
 
 
-def consult(seats: Seats, leader: Seat, drafted: Drafted, options: FusionOptions, round_no: int) -> Asking:
+def consult(seats: Seats, context: GenerationContext, at: Round, leader: Seat, drafted: Drafted) -> Asking:
     """The leader verifies the others' proposals in one call; a proposal it does not accept may not win.
 
     Returns the drafts (rejected proposals marked), the leader's scores of the
@@ -199,10 +198,11 @@ def consult(seats: Seats, leader: Seat, drafted: Drafted, options: FusionOptions
     if not texts:
         return drafted, {}, {}
     outcome = yield from seats.ask([leader], "verify", "score", lambda s: (texts,))
-    answered = seats.survivors([leader], outcome, round_no, "verify")
+    answered = seats.survivors([leader], outcome, at.no, "verify")
     if not answered:
         return [(seat, d) for seat, d in drafted if seat is not leader], {}, {}
     scores = dict(zip(texts, answered[0][1]))
+    options = context.options
     verdicts = {
         seat.name: leader_accepts(
             scores[d.candidate.text], own.own_scores, options.accept, options.accept_margin or 0.0
@@ -221,7 +221,7 @@ def consult(seats: Seats, leader: Seat, drafted: Drafted, options: FusionOptions
     return marked, scores, verdicts
 
 
-def verify(seats: Seats, drafted: Drafted, round_no: int, known_before: Known | None = None) -> Asking:
+def verify(seats: Seats, at: Round, drafted: Drafted, known_before: Known | None = None) -> Asking:
     """Every member scores every distinct usable candidate once (its own draft's scores are known).
 
     Identical texts share one score, so ties between them are exact. Scores in
@@ -240,7 +240,7 @@ def verify(seats: Seats, drafted: Drafted, round_no: int, known_before: Known | 
     scored = yield from seats.ask(asking, "verify", "score", lambda s: (asks[s.name],))
     answered = dict(zip(map(id, asking), scored))
     outcomes = [answered.get(id(s), []) for s in verifiers]
-    for seat, scores in seats.survivors(verifiers, outcomes, round_no, "verify"):
+    for seat, scores in seats.survivors(verifiers, outcomes, at.no, "verify"):
         known[seat.name].update(zip(asks[seat.name], scores))
     kept = [(seat, d) for seat, d in drafted if seat in seats.active]
     return kept, {seat.name: known[seat.name] for seat, _ in kept}
@@ -266,7 +266,7 @@ def rank(
     drafts: Sequence[Draft],
     known: Mapping[str, Mapping[str, TokenScores]],
     weights: Sequence[float],
-    options: FusionOptions,
+    context: GenerationContext,
     at: Round,
 ) -> Ranking:
     """Normalise per verifier, weight, aggregate; looping candidates may not win (guard on; it reads the
@@ -276,6 +276,7 @@ def rank(
     is keyed by the same authors' names, in the same order). Ties go to the
     lowest index.
     """
+    options = context.options
     names = [d.candidate.model for d in drafts]
     raw = {
         verifier: [
@@ -292,9 +293,7 @@ def rank(
         weights = hedge_update(weights, matrix, at.no, options.hedge_eta)
     totals = aggregate(matrix, weights)
     penalised = {
-        d.candidate.model: why
-        for d in drafts
-        if d.eligible and (why := degenerates(options, at.answer, d.candidate.text, at.last))
+        d.candidate.model: why for d in drafts if d.eligible and (why := degenerates(options, at, d.candidate.text))
     }
     allowed = guard_eligible([d.eligible for d in drafts], [d.candidate.model in penalised for d in drafts])
     winner = pick_winner(totals, allowed)
@@ -314,9 +313,9 @@ def alone(drafted: Drafted, leader: Seat) -> Ranking:
     return Ranking({}, {}, mine, mine, mine.index(1.0), {}, False)
 
 
-def quality_gains(ranking: Ranking, options: FusionOptions) -> list[float]:
+def quality_gains(ranking: Ranking, context: GenerationContext) -> list[float]:
     """Each candidate's addition to its author's cumulative quality (Model Exit)."""
-    if options.exit_votes != "others":
+    if context.options.exit_votes != "others":
         return list(ranking.totals)
     matrix = list(ranking.scores.values())
     return [cross_quality(matrix, ranking.weights, i) for i in range(len(ranking.totals))]
@@ -325,16 +324,16 @@ def quality_gains(ranking: Ranking, options: FusionOptions) -> list[float]:
 # --- broadcast, exit, prior ---------------------------------------------------------------
 
 
-def broadcast(seats: Seats, text: str, round_no: int) -> Asking:
+def broadcast(seats: Seats, at: Round, text: str) -> Asking:
     """Every active member's context gets the winning text."""
     chosen = list(seats.active)
     outcomes = yield from seats.ask(chosen, "accept", "accept", lambda s: (text,))
-    seats.survivors(chosen, outcomes, round_no, "accept")
+    seats.survivors(chosen, outcomes, at.no, "accept")
 
 
-def model_exit(seats: Seats, options: FusionOptions, round_no: int, keep: Seat | None) -> None:
+def model_exit(seats: Seats, context: GenerationContext, at: Round, keep: Seat | None) -> None:
     """Members whose share of cumulative quality lags leave the query; `keep` (the leader) stays."""
-    o = options
+    o, round_no = context.options, at.no
     active = list(seats.active)
     quality = [s.quality for s in active]
     leaving = exit_rule(quality, round_no, ExitRule.of(o))
@@ -343,7 +342,7 @@ def model_exit(seats: Seats, options: FusionOptions, round_no: int, keep: Seat |
             seats.depart(active[i], round_no, "exit", exit_reason(quality, i, o.exit_temperature))
 
 
-def prompt_prior(seats: Seats, messages: Sequence[Message], temperature: float) -> Asking:
+def prompt_prior(seats: Seats, context: GenerationContext, messages: Sequence[Message]) -> Asking:
     """Voting weights from how well each member predicts the prompt (PackLLM-sim), or None.
 
     Needs every active member to declare ``prompt_fit``; otherwise None and the
@@ -360,5 +359,5 @@ def prompt_prior(seats: Seats, messages: Sequence[Message], temperature: float) 
     bpbs = [seat.bpb for seat, _ in fits if seat.bpb is not None]
     if len(bpbs) < len(fits):
         return None
-    prior = prompt_weights(bpbs, temperature)
+    prior = prompt_weights(bpbs, context.options.prior_temperature)
     return {seat.name: w for (seat, _), w in zip(fits, prior)}

@@ -13,16 +13,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..options import FusionOptions
 from ..types import RoundRecord
 from . import phases
+from .context import GenerationContext, Round
 from .phases import Drafted, Ranking
 from .seats import Seat
 
 How = Literal["confident", "alone", "rejected", "vote"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Decision:
     """How a round's winner was chosen: "confident" (the gate passed), "alone" (the leader answers
     alone, accept_margin 0), "rejected" (the leader accepted no proposal), "vote"."""
@@ -45,8 +45,9 @@ class Decision:
         return self.drafted[self.ranking.winner][1]
 
 
-def gated_how(confidence: float | None, options: FusionOptions) -> How:
+def gated_how(confidence: float | None, context: GenerationContext) -> How:
     """How the leader's draft won alone: with the gate's confidence, or because it answers alone."""
+    options = context.options
     confident = confidence is not None and options.gate is not None and confidence >= options.gate
     return "confident" if confident else "alone"
 
@@ -65,22 +66,22 @@ class Votes:
         total = sum(values)
         return [v / total for v in values] if total > 0 else [1.0 / len(names)] * len(names)
 
-    def learn(self, drafted: Drafted, ranking: Ranking, options: FusionOptions) -> None:
+    def learn(self, drafted: Drafted, ranking: Ranking, context: GenerationContext) -> None:
         """What a vote teaches: Hedge's weights, the guard's patience, Model Exit's quality."""
-        if options.hedge:
+        if context.options.hedge:
             self.weights.update(zip([seat.name for seat, _ in drafted], ranking.weights))
         self.hopeless = self.hopeless + 1 if ranking.stuck else 0
-        for (seat, _), gain in zip(drafted, phases.quality_gains(ranking, options)):
+        for (seat, _), gain in zip(drafted, phases.quality_gains(ranking, context)):
             seat.quality += gain
 
 
-def round_record(round_no: int, decision: Decision, votes: Votes, calls_now: int) -> RoundRecord:
+def round_record(at: Round, decision: Decision, votes: Votes, calls_now: int) -> RoundRecord:
     """The record of a decided round (departures and its total time are added at its end)."""
     d, ranking = decision, decision.ranking
     names = [seat.name for seat, _ in d.drafted]
     weights = votes.normalised(names) if d.how == "rejected" else ranking.weights
     return RoundRecord(
-        index=round_no,
+        index=at.no,
         active=names,
         candidates=[draft.candidate for _, draft in d.drafted],
         raw_scores=ranking.raw,
