@@ -156,3 +156,147 @@ def test_a_json_answer_is_shown_formatted(server, browser, tmp_path):
     )
     assert json.loads(text) == value  # the coloured segments still show who wrote what
     assert browser.save_screenshot(str(tmp_path / "segfuse-json.png"))
+
+
+# Plain fusion of the three embedded members, greedy: a prompt on which more than one member wins a round.
+PLAIN_PROMPT = "Write a short poem about the sea."
+PLAIN_TOKENS = "56"
+
+
+def open_page(browser, server, query=""):
+    """The web view at `query`, with the API key in localStorage (as after a user typed it once) and the
+    members listed; the browser log of the keyless first visit is dropped."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/")
+    browser.execute_script("localStorage.setItem('segfuse-api-key', arguments[0])", server.api_key)
+    browser.get_log("browser")
+    browser.get(server.url + "/" + query)
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#legend .member input"))
+
+
+def ask(browser, question, max_tokens, temperature="0"):
+    """Send `question` with these settings and wait for the answer's chart: the finished answer's turn."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    before = len(browser.find_elements(By.CSS_SELECTOR, ".turn.assistant"))
+    for field, value in (("max-tokens", max_tokens), ("temperature", temperature)):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element(By.ID, "prompt").send_keys(question)
+    browser.find_element(By.ID, "send").click()
+    WebDriverWait(browser, 400).until(
+        lambda d: (
+            len(turns := d.find_elements(By.CSS_SELECTOR, ".turn.assistant")) > before
+            and turns[-1].find_elements(By.CSS_SELECTOR, ".summary .bar")
+        )
+    )
+    assert "error" not in browser.find_element(By.ID, "status").get_attribute("class")
+    return browser.find_elements(By.CSS_SELECTOR, ".turn.assistant")[-1]
+
+
+def control(browser):
+    """The fusion control as the page shows it: mode, margin (None while disabled), ticked members."""
+    from selenium.webdriver.common.by import By
+
+    margin = browser.find_element(By.ID, "margin")
+    return {
+        "mode": browser.find_element(By.CSS_SELECTOR, "input[name=mode]:checked").get_attribute("value"),
+        "margin": None if not margin.is_enabled() else margin.get_attribute("value"),
+        "members": [b.get_attribute("value") for b in browser.find_elements(By.CSS_SELECTOR, "#legend input:checked")],
+    }
+
+
+def query(browser):
+    from urllib.parse import parse_qs, urlsplit
+
+    return {k: v[0] for k, v in parse_qs(urlsplit(browser.current_url).query).items()}
+
+
+def check_plain_fusion(browser, turn):
+    """A plain-fusion answer: segments of at least two members, each in its member's legend colour, and
+    its rounds listed, each put to a vote among every member's draft; the winners wrote the segments."""
+    from selenium.webdriver.common.by import By
+
+    assert turn.find_element(By.CLASS_NAME, "who").text == "ensemble · plain fusion"
+    segments = turn.find_elements(By.CSS_SELECTOR, ".answer .seg")
+    authors = [s.get_attribute("data-model") for s in segments]
+    assert len(set(authors)) >= 2, f"one author only: {authors}: {turn.text}"
+    legend = {
+        label.text: label.find_element(By.CLASS_NAME, "swatch").value_of_css_property("background-color")
+        for label in browser.find_elements(By.CSS_SELECTOR, "#legend .member")
+    }
+    assert len(set(legend.values())) == len(MEMBERS)
+    for segment, author in zip(segments, authors):
+        assert segment.value_of_css_property("border-bottom-color") == legend[author]
+
+    rounds = turn.find_element(By.CSS_SELECTOR, "details.rounds")
+    rounds.find_element(By.TAG_NAME, "summary").click()  # open the list: who drafted what, the scores
+    entries = rounds.find_elements(By.CSS_SELECTOR, "ol > li")
+    assert entries and entries[0].is_displayed()
+    assert len(entries) >= len({s.get_attribute("data-round") for s in segments})
+    assert {e.get_attribute("data-decision") for e in entries} == {"vote"}
+    assert set(authors) <= {e.get_attribute("data-winner") for e in entries}
+    for entry in entries:
+        rows = entry.find_elements(By.CSS_SELECTOR, "tbody tr")
+        assert sorted(r.find_element(By.TAG_NAME, "td").text.rstrip(" ✓") for r in rows) == sorted(MEMBERS)
+        assert len(entry.find_elements(By.CSS_SELECTOR, "tr.won")) == 1
+        box = entry.rect  # every row shown inside its round's entry (to a pixel: tables round their borders)
+        for row in rows:
+            assert box["y"] - 1 <= row.rect["y"] and row.rect["y"] + row.rect["height"] <= box["y"] + box["height"] + 1
+        assert "put to a vote" in entry.find_element(By.CLASS_NAME, "caption").text
+    return authors
+
+
+def test_the_control_switches_to_plain_fusion_and_keeps_it_in_the_url(server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, server)
+    assert control(browser) == {"mode": "leader", "margin": None, "members": MEMBERS}
+    assert query(browser) == {}
+
+    browser.find_element(By.CSS_SELECTOR, "input[name=mode][value=consult]").click()
+    assert control(browser) == {"mode": "consult", "margin": "2", "members": MEMBERS}
+    assert query(browser) == {"mode": "consult", "margin": "2"}
+
+    # Two of three members: the API fuses every member or lets one answer alone, so Send waits.
+    boxes = browser.find_elements(By.CSS_SELECTOR, "#legend input")
+    boxes[0].click()
+    assert query(browser) == {"mode": "consult", "margin": "2", "members": ",".join(MEMBERS[1:])}
+    assert not browser.find_element(By.ID, "send").is_enabled()
+    assert "error" in browser.find_element(By.ID, "fusion-note").get_attribute("class")
+    boxes[0].send_keys(" ")  # the keyboard ticks it again
+    assert query(browser) == {"mode": "consult", "margin": "2"}
+    assert browser.find_element(By.ID, "send").is_enabled()
+
+    browser.find_element(By.CSS_SELECTOR, "input[name=mode][value=plain]").click()
+    assert control(browser) == {"mode": "plain", "margin": None, "members": MEMBERS}
+    assert query(browser) == {"mode": "plain"}
+
+    turn = ask(browser, PLAIN_PROMPT, PLAIN_TOKENS)
+    authors = check_plain_fusion(browser, turn)
+    assert browser.save_screenshot(str(tmp_path / "segfuse-plain-fusion.png"))
+    print(f"authors: {authors}")
+    problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not problems, problems
+
+
+def test_the_url_sets_the_control(server, browser):
+    from selenium.webdriver.common.by import By
+
+    # One member ticked: that member answers alone (the request's model), whatever the mode.
+    open_page(browser, server, f"?mode=consult&margin=1.5&members={MEMBERS[1]}")
+    assert control(browser) == {"mode": "consult", "margin": "1.5", "members": [MEMBERS[1]]}
+    turn = ask(browser, "Say hello.", "8")
+    assert turn.find_element(By.CLASS_NAME, "who").text == f"{MEMBERS[1]} alone"
+    assert {s.get_attribute("data-model") for s in turn.find_elements(By.CSS_SELECTOR, ".answer .seg")} == {MEMBERS[1]}
+
+    open_page(browser, server, f"?mode=plain&members={','.join(MEMBERS)}")
+    assert control(browser) == {"mode": "plain", "margin": None, "members": MEMBERS}
+    assert query(browser) == {"mode": "plain", "members": ",".join(MEMBERS)}  # loading leaves the link as it was
+    check_plain_fusion(browser, ask(browser, PLAIN_PROMPT, PLAIN_TOKENS))
+    problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not problems, problems

@@ -1,12 +1,13 @@
 // segfuse web view: streams /v1/chat/completions and colours each segment by its author.
 // Plain JS, no build step, no external resources (the page must work offline).
+// The fusion control (mode, margin, members) lives in the query string, so a view can be shared.
 "use strict";
 
 // Okabe–Ito colours: distinguishable with the common colour-vision deficiencies.
 const PALETTE = ["#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#0072B2", "#D55E00", "#F0E442"];
 
 const $ = (id) => document.getElementById(id);
-const state = { model: "segfuse", members: [], history: [], controller: null };
+const state = { model: "segfuse", members: [], history: [], controller: null, asked: null, problems: [] };
 
 function colour(name) {
   const i = state.members.indexOf(name);
@@ -45,15 +46,117 @@ async function loadModels() {
     const ensemble = body.data.find((m) => Array.isArray(m.members) && m.members.length);
     state.model = ensemble ? ensemble.id : body.data[0].id;
     state.members = ensemble ? ensemble.members : body.data.map((m) => m.id);
-    $("legend").replaceChildren(...state.members.map((name) =>
-      el("span", { className: "member" }, el("span", { className: "swatch", style: { background: colour(name) } }), name)));
+    showMembers();
     setStatus(`${state.members.length} members ready`);
   } catch (err) {
     setStatus(`cannot list models: ${err.message}`, true);
   }
 }
 
-// ---------------------------------------------------------------- hover: the round's candidates
+// ---------------------------------------------------------------- the fusion control, kept in the URL
+
+// What each mode sends as the request's `segfuse` options (consult: the margin input's accept_margin).
+const MODES = {
+  leader: { name: "leader alone", options: () => ({}) },  // the server's defaults
+  consult: { name: "consulting", options: () => ({ accept_margin: margin() }) },
+  plain: { name: "plain fusion", options: () => ({ gate: null, accept_margin: null }) },
+};
+
+// The control as the URL asks for it: ?mode=leader|consult|plain&margin=NATS&members=a,b (absent: all).
+function fromURL() {
+  const query = new URLSearchParams(location.search);
+  const members = (query.get("members") || "").split(",").map((m) => m.trim()).filter(Boolean);
+  return { mode: query.get("mode"), margin: query.get("margin"), members: members.length ? members : null };
+}
+
+function applyURL() {
+  const asked = fromURL();
+  const problems = [];
+  if (asked.mode && !MODES[asked.mode]) problems.push(`unknown mode "${asked.mode}" (leader, consult or plain)`);
+  const radio = document.querySelector(`input[name=mode][value="${MODES[asked.mode] ? asked.mode : "leader"}"]`);
+  radio.checked = true;
+  if (asked.margin !== null) {
+    if (Number(asked.margin) > 0) $("margin").value = asked.margin;
+    else problems.push(`margin must be a number above 0, not "${asked.margin}"`);
+  }
+  state.asked = asked.members;  // checked against the members once they are listed
+  state.problems = problems;
+}
+
+function mode() {
+  return document.querySelector("input[name=mode]:checked").value;
+}
+
+function margin() {
+  return Number($("margin").value);
+}
+
+function chosen() {
+  return Array.from(document.querySelectorAll("#legend input:checked"), (box) => box.value);
+}
+
+// The members as a legend of their colours and a checkbox each (the URL's choice, else all of them).
+function showMembers() {
+  const before = document.querySelectorAll("#legend input").length ? chosen() : state.asked;
+  const unknown = (before || []).filter((m) => !state.members.includes(m));
+  const picked = (before || []).filter((m) => state.members.includes(m));
+  if (unknown.length) state.problems.push(`no member named ${unknown.join(", ")}`);
+  $("legend").replaceChildren(...state.members.map((name) => el("label", { className: "member" },
+    el("input", { type: "checkbox", value: name, checked: !picked.length || picked.includes(name) }),
+    el("span", { className: "swatch", style: { background: colour(name) } }), name)));
+  updateFusion();
+}
+
+// What the control asks of the API: `model` (the ensemble, or one member answering alone) and the
+// `segfuse` options; or why it cannot be asked. The API fuses every member or lets one answer alone.
+function fusion() {
+  const members = chosen(), current = mode();
+  if (!state.members.length) return { model: state.model, options: MODES[current].options(), label: "ensemble" };
+  if (!members.length) return { error: "Tick at least one member." };
+  if (members.length === 1 && state.members.length > 1) {
+    return { model: members[0], options: {}, label: `${members[0]} alone`,
+      note: `${members[0]} answers alone (model "${members[0]}"): the mode does not apply.` };
+  }
+  if (members.length < state.members.length) {
+    return { error: "Tick all members or one: the API fuses every member of this server, or lets one answer alone " +
+      `(to fuse only ${members.join(" and ")}, start a server with them: segfuse serve ${members.map((m) => `-m ${m}`).join(" ")}).` };
+  }
+  if (current === "consult" && !(margin() > 0)) return { error: "The margin must be a number of nats above 0." };
+  const notes = {
+    leader: "The server's defaults: the leader (the largest member) answers alone; the others are not asked.",
+    consult: `Where the leader is unsure, the others propose segments; it accepts those within ${margin()} nats of its own choices, and they go to a vote with its own.`,
+    plain: "No leader: every member drafts each round, every member scores every draft, and the best scored wins.",
+  };
+  return { model: state.model, options: MODES[current].options(), label: `ensemble · ${MODES[current].name}`, note: notes[current] };
+}
+
+function updateFusion() {
+  const asked = fusion();
+  $("margin").disabled = mode() !== "consult";
+  const note = [...state.problems, asked.error || asked.note].join(" · ");
+  $("fusion-note").textContent = note;
+  $("fusion-note").classList.toggle("error", Boolean(asked.error));
+  $("send").disabled = Boolean(state.controller) || Boolean(asked.error);
+}
+
+// The URL says what the control says (defaults left out), replacing the history entry: a link to share.
+function writeURL() {
+  const query = new URLSearchParams(location.search);
+  const current = mode(), members = chosen();
+  if (current === "leader") query.delete("mode"); else query.set("mode", current);
+  if (current === "consult") query.set("margin", $("margin").value); else query.delete("margin");
+  if (members.length === state.members.length) query.delete("members"); else query.set("members", members.join(","));
+  const search = query.toString().replace(/%2C/g, ",");  // commas are fine in a query, and easier to read
+  history.replaceState(null, "", `${location.pathname}${search ? `?${search}` : ""}${location.hash}`);
+}
+
+function onFusionChange() {
+  state.problems = [];  // the user has moved on from what the URL asked
+  updateFusion();
+  writeURL();
+}
+
+// ---------------------------------------------------------------- the round's candidates (hover, and the list)
 
 function fmt(x) {
   return typeof x === "number" ? x.toFixed(3) : "–";
@@ -73,9 +176,10 @@ const DECISIONS = {
   vote: "put to a vote",
 };
 
-function showRound(span, round) {
+// A round as a caption (who won, how it was decided) and a table of its candidates and their scores.
+function roundView(round) {
   const verifiers = Object.keys(round.scores);
-  const head = el("tr", {}, el("th", { textContent: "member" }), el("th", { textContent: "candidate" }),
+  const head = el("tr", {}, el("th", { textContent: "member" }), el("th", { className: "text", textContent: "candidate" }),
     el("th", { textContent: "total" }), ...verifiers.map((v) => el("th", { textContent: `by ${v}`, title: "normalised score from this verifier" })));
   const rows = round.candidates.map((cand, i) => el("tr", { className: i === round.winner_index ? "won" : "" },
     el("td", {}, el("span", { className: "swatch", style: { background: colour(cand.model) } }), cand.model, i === round.winner_index ? " ✓" : ""),
@@ -88,11 +192,17 @@ function showRound(span, round) {
   const values = round.weights ? Object.values(round.weights) : [];
   const moved = values.some((w) => Math.abs(w - values[0]) > 1e-9);
   const weights = moved ? Object.entries(round.weights).map(([m, w]) => `${m} ${w.toFixed(2)}`).join(", ") : "";
+  const how = DECISIONS[round.decision] || round.decision;
+  return [
+    el("div", { className: "caption", textContent: `round ${round.index} · won by ${round.winner} · ${how}` +
+      (round.leader ? ` (leader ${round.leader}, confidence ${fmt(round.confidence)})` : "") + (weights ? ` · weights: ${weights}` : "") }),
+    el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)),
+  ];
+}
+
+function showRound(span, round) {
   const tip = $("tip");
-  tip.replaceChildren(
-    el("div", { className: "caption", textContent: `round ${round.index} · won by ${round.winner}` + (weights ? ` · weights: ${weights}` : "") +
-      (round.leader ? ` · ${DECISIONS[round.decision] || round.decision} (leader ${round.leader}, confidence ${fmt(round.confidence)})` : "") }),
-    el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
+  tip.replaceChildren(...roundView(round));
   tip.hidden = false;
   const box = span.getBoundingClientRect();
   const width = tip.offsetWidth, height = tip.offsetHeight;
@@ -109,15 +219,17 @@ function hideRound() {
 // ---------------------------------------------------------------- one answer
 
 class Answer {
-  constructor() {
+  constructor(label) {
     this.text = "";
     this.open = null;  // the span of a segment still being written
     this.wins = new Map();
     this.body = el("div", { className: "answer waiting" });
     this.summary = el("div", { className: "summary" });
     this.meta = el("div", { className: "meta" });
-    this.node = el("section", { className: "turn assistant" }, el("div", { className: "who", textContent: "ensemble" }),
-      this.body, this.summary, this.meta);
+    this.roundList = el("ol");
+    this.rounds = el("details", { className: "rounds" }, el("summary", { textContent: "rounds" }), this.roundList);
+    this.node = el("section", { className: "turn assistant" }, el("div", { className: "who", textContent: label }),
+      this.body, this.summary, this.rounds, this.meta);
     $("log").append(this.node);
   }
 
@@ -136,23 +248,28 @@ class Answer {
     }
     span.textContent += text;
     this.open = round ? null : span;
-    if (round) this.hover(span, round);
+    if (round) this.record(round, span);
     this.node.scrollIntoView({ block: "end" });
   }
 
   // A round's record that came after its pieces, in a chunk of its own: the open span's hover.
   round(round) {
     const span = this.open;
-    if (!span || span.dataset.round !== String(round.index)) return;  // a "stop here" round: no text
-    this.open = null;
-    this.hover(span, round);
+    if (span && span.dataset.round === String(round.index)) this.open = null;
+    this.record(round, span && span.dataset.round === String(round.index) ? span : null);  // no span: "stop here"
   }
 
-  hover(span, round) {
-    span.addEventListener("mouseenter", () => showRound(span, round));
-    span.addEventListener("focus", () => showRound(span, round));
-    span.addEventListener("mouseleave", hideRound);
-    span.addEventListener("blur", hideRound);
+  // A round's record: its segment's hover, and an entry in the answer's list of rounds.
+  record(round, span) {
+    if (span) {
+      span.addEventListener("mouseenter", () => showRound(span, round));
+      span.addEventListener("focus", () => showRound(span, round));
+      span.addEventListener("mouseleave", hideRound);
+      span.addEventListener("blur", hideRound);
+    }
+    this.roundList.append(el("li", { dataset: { winner: round.winner, decision: round.decision } }, ...roundView(round)));
+    const n = this.roundList.children.length;
+    this.rounds.firstChild.textContent = `${n} round${n === 1 ? "" : "s"}: who drafted what, the scores, who won`;
   }
 
   // A structured answer, indented, below the segments (which keep showing who wrote what).
@@ -227,17 +344,19 @@ async function* sseEvents(response) {
 async function ask(question) {
   state.history.push({ role: "user", content: question });
   $("log").append(el("section", { className: "turn user" }, el("div", { className: "who", textContent: "you" }), question));
-  const answer = new Answer();
+  const asked = fusion();
+  const answer = new Answer(asked.label);
   const hedge = $("hedge").checked;
   const body = {
-    model: state.model,
+    model: asked.model,
     messages: state.history,
     stream: true,
     stream_options: { include_usage: true },
     max_tokens: Number($("max-tokens").value) || 96,
     temperature: Number($("temperature").value),
   };
-  if (hedge) body.segfuse = { hedge: true };
+  const options = { ...asked.options, ...(hedge ? { hedge: true } : {}) };
+  if (Object.keys(options).length) body.segfuse = options;
   if ($("json").checked) body.response_format = { type: "json_object" };
   state.controller = new AbortController();
   busy(true);
@@ -282,21 +401,21 @@ async function ask(question) {
       setStatus(err.message, true);
     }
   } finally {
-    busy(false);
     state.controller = null;
+    busy(false);
   }
 }
 
 function busy(on) {
-  $("send").disabled = on;
   $("stop").disabled = !on;
   document.body.dataset.busy = on ? "1" : "";
+  updateFusion();  // Send: off while busy, or while the control asks for what the API cannot do
 }
 
 $("ask").addEventListener("submit", (event) => {
   event.preventDefault();
   const question = $("prompt").value.trim();
-  if (!question || state.controller) return;
+  if (!question || state.controller || fusion().error) return;
   $("prompt").value = "";
   ask(question);
 });
@@ -317,5 +436,9 @@ $("api-key").addEventListener("change", () => {
   localStorage.setItem("segfuse-api-key", $("api-key").value);
   loadModels();
 });
+$("fusion").addEventListener("change", onFusionChange);
+$("margin").addEventListener("input", onFusionChange);
 $("api-key").value = localStorage.getItem("segfuse-api-key") || "";
+applyURL();
+updateFusion();
 loadModels();
