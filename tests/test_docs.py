@@ -15,6 +15,9 @@ Small limits are the test's, not the docs': one item (``--limit 1``), a few toke
 (``SEGFUSE_THREADS=1``), its own port and output folders. Inline commands (``segfuse ...`` in prose and
 tables) are parsed by the CLI too, and the README's one-line commands for other tools (curl, llm,
 lm_eval) run against the shared server. A block no rule covers fails: run it here, or mark it.
+
+docs/design.md's map of the package is checked both ways: every module it names exists, and it names every
+module.
 """
 
 from __future__ import annotations
@@ -578,12 +581,29 @@ def test_block_runs_as_written(block: Block, tmp_path: Path, request: pytest.Fix
         )
 
 
+PACKAGE = ROOT / "src" / "segfuse"
+DESIGN = ROOT / "docs" / "design.md"
+INIT_FILES = ("__init__.py", "__main__.py")  # a package's own files: the folder's name stands for them
+
+
+def design_names() -> list[str]:
+    """The files and folders docs/design.md names: its `code` spans that are a path (`engine/loop.py`,
+    `backends/ray/`), and the first column of its layout block (the fenced block that starts `src/segfuse/`)."""
+    spans = [s for s in inline_code(DESIGN) if re.fullmatch(r"[\w/]+\.py|[\w/]+/", s)]
+    [layout] = [b for b in BLOCKS if b.path == DESIGN and b.text.startswith("src/segfuse/")]
+    return spans + re.findall(r"^  (\S+)", layout.text, flags=re.M)
+
+
+def package_paths() -> list[str]:
+    """Every file and folder under src/segfuse, relative to it (`backends/ray/loop.py`, `backends/ray`)."""
+    return [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if "__pycache__" not in p.parts]
+
+
 def test_every_module_the_design_names_exists():
     """docs/design.md draws the house: every file or folder it names in `code` is in src/segfuse (named from the
     package root, or from a folder the text is about: `chat/planning.py` is server/chat/planning.py)."""
-    package = ROOT / "src" / "segfuse"
-    files = [p.relative_to(package).as_posix() for p in package.rglob("*") if "__pycache__" not in p.parts]
-    named = [s for s in inline_code(ROOT / "docs" / "design.md") if re.fullmatch(r"[\w/]+\.py|[\w/]+/", s)]
+    files = package_paths()
+    named = design_names()
     assert len(named) > 40
     missing = [
         s
@@ -592,6 +612,55 @@ def test_every_module_the_design_names_exists():
         and not any(f == s.removeprefix("segfuse/").rstrip("/") or f.endswith("/" + s.rstrip("/")) for f in files)
     ]
     assert not missing, f"docs/design.md names modules that are not in src/segfuse: {missing}"
+
+
+def modules_to_name() -> list[str]:
+    """What docs/design.md must name: every Python module under src/segfuse but `__init__.py` and `__main__.py`,
+    and every folder that holds one (`backends/ray/`; a folder is written with its slash). Not modules, so
+    not required: the web page's static assets (server/static/) and lm-eval's task files (YAML)."""
+    modules = [f for f in package_paths() if f.endswith(".py") and f.rsplit("/", 1)[-1] not in INIT_FILES]
+    folders = sorted({f.rsplit("/", 1)[0] + "/" for f in package_paths() if f.endswith(".py") and "/" in f})
+    return sorted(modules) + folders
+
+
+def names_module(span: str, module: str, everything: list[str]) -> bool:
+    """Whether the `code` span names `module` (a path relative to src/segfuse; a folder ends with `/`): its
+    whole path (`backends/ray/loop.py`, `segfuse/echo.py`), or a tail of it (`ray/loop.py`, `jobs.py`,
+    `chat/`) that no other file or folder under src/segfuse ends with. So `echo.py` names src/segfuse/echo.py
+    alone, and `member.py`, or `ray/`, names nothing: write `backends/ray/member.py`, `server/ray/`."""
+    span = span.removeprefix("src/").removeprefix("segfuse/").rstrip("/")
+    path = module.rstrip("/")
+    if span == path:
+        return True
+    if not path.endswith("/" + span):
+        return False
+    return not any(other != path and (other == span or other.endswith("/" + span)) for other in everything)
+
+
+def test_every_module_is_named_in_the_design():
+    """The other direction: docs/design.md, the newcomer's map, names every module and folder of the package
+    (`modules_to_name`), matched by `names_module`; a module added without a word on the map fails here."""
+    everything = package_paths()
+    spans = set(design_names())
+    unnamed = [m for m in modules_to_name() if not any(names_module(s, m, everything) for s in spans)]
+    assert not unnamed, (
+        f"docs/design.md does not name these modules of src/segfuse: {unnamed}. Name each in `code` by its path "
+        "(or a tail only it has), with a few words of what it is for, in the section of the house it belongs to "
+        "(a list of the small ones is fine)"
+    )
+
+
+def test_a_module_is_named_by_its_path_or_a_tail_only_it_has():
+    """`names_module` on a small package: a whole path always names; a tail names only where it is unique."""
+    everything = ["echo.py", "server/jobs.py", "backends/ray", "backends/ray/member.py", "server/ray", "b/echo.py"]
+    assert names_module("echo.py", "echo.py", everything)
+    assert not names_module("echo.py", "b/echo.py", everything)  # echo.py is the root's module too
+    assert names_module("jobs.py", "server/jobs.py", everything) and names_module("segfuse/echo.py", "echo.py", [])
+    assert names_module("ray/member.py", "backends/ray/member.py", everything)
+    assert not names_module("member.py", "backends/ray/member.py", [*everything, "remote/member.py"])
+    assert not names_module("ray/", "backends/ray/", everything)  # server/ray ends with ray too
+    assert names_module("backends/ray/", "backends/ray/", everything)
+    assert not names_module("obs.py", "server/jobs.py", everything)  # a tail is whole names, not characters
 
 
 def test_blocks_not_run_say_why():
