@@ -45,7 +45,8 @@ browser:
 	fi
 
 # The checks CI runs before the tests: lint and format (ruff), types (mypy; strict on the engine and the
-# backends' protocol), and the import contracts (the layers, no import circle: [tool.importlinter]).
+# backends' protocol), and the import contracts (the layers, the engine only through its __init__, no import
+# circle: [tool.importlinter]).
 lint: $(FULL)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench

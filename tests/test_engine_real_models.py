@@ -298,7 +298,8 @@ def test_hedge_weights_move_and_are_reported(recording):
 
 def test_rerank_scores_an_answer_longer_than_one_batch(default_ensemble):
     """A text over n_batch tokens is scored in pieces on a second session, opened after the first closed."""
-    from segfuse.eval.baselines import score_answers, split_for_scoring
+    from segfuse.backends.likelihood import split_for_scoring
+    from segfuse.eval.baselines import score_answers
 
     qwen = next(m for m in default_ensemble.members if m.name.startswith("qwen"))
     long_text = " ".join(f"step {i}: add {i} and {i + 1} to get {2 * i + 1}." for i in range(90))

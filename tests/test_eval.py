@@ -550,7 +550,7 @@ def test_report_counts_answers_at_the_limit_and_looping_answers():
 
 
 def test_scoring_pieces_are_bounded_in_bytes_not_characters():
-    from segfuse.eval.baselines import split_for_scoring
+    from segfuse.backends.likelihood import split_for_scoring
 
     text = "天气很好。" * 200 + " and some words at the end"
     pieces = split_for_scoring(text, limit=400)

@@ -10,7 +10,7 @@ from .backends.base import Member
 from .backends.registry import load_member
 from .constraints import Constraint
 from .echo import echo_text
-from .engine import Steps, drive, fusion_steps
+from .engine import Steps, drive, fusion_steps, run_all
 from .errors import InvalidRequestError
 from .hedge_store import MemoryWeights, WeightStore
 from .likelihood import ItemScores, Rule, score_item, score_items
@@ -161,8 +161,6 @@ class Ensemble:
         Results come in the order of `prompts`; the first failure is raised
         once every prompt has run.
         """
-        from .engine.scheduler import run_all
-
         opts = options.pop("options", None) or FusionOptions.build(**options)
         generations = [self.steps(p if isinstance(p, FusionRequest) else FusionRequest.of(p, opts)) for p in prompts]
         outcomes = run_all(generations, min(max_concurrent or self.slots, self.slots))

@@ -22,10 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..backends.base import Member, MemberSession
-from ..backends.likelihood import SCORE_PIECE_BYTES, score_in_pieces, split_for_scoring  # noqa: F401  # re-exported: moved there
-from ..engine import drive, member_seed
-from ..engine.phases import Draft, cut_segment
-from ..engine.scoring import aggregate, normalise, pick_winner, raw_score
+from ..backends.likelihood import score_in_pieces
+from ..engine import Draft, aggregate, cut_segment, drive, member_seed, normalise, pick_winner, raw_score
 from ..ensemble import Ensemble
 from ..errors import PromptTooLongError
 from ..options import FusionOptions, ScoreMode

@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from ..engine.selection import loops
+from ..engine import loops
 from ..errors import InvalidRequestError
 from .runner import read_records
 from .tasks import TASKS, Task

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..backends.base import Member
-from ..engine import Steps
-from ..engine.scheduler import Flight, FlightCancelled
+from ..engine import Flight, FlightCancelled, Steps
 from ..ensemble import Ensemble
 from ..errors import InvalidRequestError, SegfuseError
 from ..request import FusionRequest

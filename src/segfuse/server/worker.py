@@ -36,7 +36,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from ..backends.base import Occupancy
-from ..engine.scheduler import Scheduler
+from ..engine import Scheduler
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
 from .jobs import (
