@@ -29,23 +29,23 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
+import psutil
 import pytest
+
+from helpers import wait_for
+from live_app import serve_app
+from ray_cluster import HEAD, WORKER, LoopbackCluster
+from segfuse import Ensemble
+from segfuse.bench.processes import segfuse_server
+from segfuse.config import ServerConfig
+from segfuse.models import DEFAULT_MODELS
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install '.[ray]'")
 
-import anthropic  # noqa: E402
-import openai  # noqa: E402
-import psutil  # noqa: E402
-
-from helpers import wait_for  # noqa: E402
-from live_app import serve_app  # noqa: E402
-from ray_cluster import HEAD, WORKER, LoopbackCluster  # noqa: E402
-from segfuse import Ensemble  # noqa: E402
-from segfuse.bench.processes import segfuse_server  # noqa: E402
-from segfuse.config import ServerConfig  # noqa: E402
-from segfuse.models import DEFAULT_MODELS  # noqa: E402
-from segfuse.server.ray.front import REPLICA_HEADER  # noqa: E402
+from segfuse.server.ray.front import REPLICA_HEADER  # noqa: E402  # it imports ray: after the skip
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(1200)]
 

@@ -37,7 +37,7 @@ def figures(requests: float, queued: float, free_slots: float) -> list:
 
 
 def values(families) -> dict[str, float]:
-    text = generate_latest(Families(families)).decode()  # type: ignore[arg-type]
+    text = generate_latest(Families(families)).decode()
     return {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -214,10 +214,6 @@ def test_a_request_serve_cancelled_reads_as_a_disconnect():
     async def send(message):
         sent.append(message)
 
-    asyncio.run(
-        ReplicaHeader(app, "r1")(  # type: ignore[arg-type]
-            {"type": "http"}, receive, send
-        )
-    )
+    asyncio.run(ReplicaHeader(app, "r1")({"type": "http"}, receive, send))
     assert heard == [{"type": "http.disconnect"}]
     assert (b"x-segfuse-replica", b"r1") in sent[0]["headers"]

@@ -75,7 +75,7 @@ def peak_rss_self_mb() -> float:
 
 def tree_pids(pid: int) -> list[int]:
     """`pid` and every process below it (a `serve --ray` command's Ray instance and its workers)."""
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     try:
         root = psutil.Process(pid)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import psutil  # type: ignore[import-untyped]
+import psutil
 
 # Title prefix -> role, first match wins (a worker's title is "ray::<actor class>[...]").
 ROLES = (

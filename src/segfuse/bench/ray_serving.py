@@ -243,9 +243,10 @@ def run(
     levels = sorted({int(c) for c in levels})
     if not levels or levels[0] < 1 or requests < 1 or max_tokens < 1 or reps < 1 or replicas < 1:
         raise SegfuseError("levels, --requests, --max-tokens, --reps and --replicas must be positive")
-    import httpx  # noqa: F401  (the client libraries: missing ones fail here, before any server starts)
-    import openai  # noqa: F401
-    import ray  # noqa: F401
+    # the client libraries: missing ones fail here, before any server starts
+    import httpx  # noqa: F401  # imported to fail early
+    import openai  # noqa: F401  # imported to fail early
+    import ray  # noqa: F401  # imported to fail early
 
     queue = max(16, levels[-1])
     sections = configs(

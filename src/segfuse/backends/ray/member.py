@@ -60,13 +60,13 @@ class RayMember(Member):
             )
         self.name, self.n_params = first.name, first.n_params
         self.capabilities = replace(first.capabilities, parallel_safe=True)
-        self.slots = None if any(i.slots is None for i in infos) else sum(i.slots for i in infos)  # type: ignore[misc]
+        self.slots = None if any(i.slots is None for i in infos) else sum(i.slots or 0 for i in infos)
         self.copies = Copies(self.hosts, infos, name=self.name, timeout=self.settings.timeout)
         self.stats: Counter[str] = Counter()  # sessions read again ("reread")
         self._lead: list[int] | None = None
 
     @property
-    def placement(self) -> str:  # type: ignore[override]
+    def placement(self) -> str:  # type: ignore[override]  # the base's attribute, read off the copies here
         where = ", ".join(
             f"{c.info.node_ip} {c.info.placement or '?'}" + ("" if c.up else " (down)") for c in self.copies.all
         )
@@ -93,7 +93,7 @@ class RayMember(Member):
 
     def draft_many(
         self,
-        sessions: Sequence[RaySession],  # type: ignore[override]
+        sessions: Sequence[RaySession],  # type: ignore[override]  # the scheduler hands a member its own sessions
         requests: Sequence[tuple[Any, ...]],
     ) -> list[DraftTokens | Exception]:
         """One streaming call per copy for its sessions' drafts; a hook gets its draft's text as it comes."""
@@ -103,7 +103,7 @@ class RayMember(Member):
 
     def score_many(
         self,
-        sessions: Sequence[RaySession],  # type: ignore[override]
+        sessions: Sequence[RaySession],  # type: ignore[override]  # the scheduler hands a member its own sessions
         requests: Sequence[tuple[Sequence[str]]],
     ) -> list[list[TokenScores] | Exception]:
         return self._many("score", sessions, [(list(r[0]),) for r in requests], [None] * len(requests))
@@ -121,7 +121,7 @@ class RayMember(Member):
                 return out
             groups: dict[Copy, list[int]] = {}
             for i in todo:
-                groups.setdefault(sessions[i].copy, []).append(i)  # type: ignore[arg-type]
+                groups.setdefault(sessions[i].copy, []).append(i)  # type: ignore[arg-type]  # open: has a copy
             again: list[tuple[int, Copy | None]] = []
             for copy, done in self._send(kind, groups, sessions, items, hooks, streamed):
                 indices = groups[copy]
@@ -177,7 +177,7 @@ class RayMember(Member):
                 return results + [(calls[p], self.copies.lost(calls[p], TimeoutError("no reply"))) for p in pending]
             call, copy = ready[0], calls[ready[0]]
             try:
-                event = ray.get(next(call) if kind == "draft" else call)  # type: ignore[arg-type]
+                event = ray.get(next(call) if kind == "draft" else call)  # type: ignore[arg-type]  # a draft: a stream
             except StopIteration:  # a stream that ended without its Done
                 event = RayActorError()
             except RayActorError as exc:

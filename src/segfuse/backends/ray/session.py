@@ -113,7 +113,7 @@ class RaySession(MemberSession):
                 if self.answer:
                     self._once("accept", (self.answer,))
             except (CopyLost, SessionLost):
-                exclude.append(self.copy)  # type: ignore[arg-type]
+                exclude.append(self.copy)  # type: ignore[arg-type]  # open() has just set it
                 continue
             self.m.stats["reread"] += 1
             return

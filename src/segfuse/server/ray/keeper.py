@@ -101,7 +101,7 @@ class Keeper:
             return self._seen[1]
 
     def _read(self) -> CopiesView:
-        nodes = ray.nodes()  # type: ignore[no-untyped-call]
+        nodes = ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
         gone = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes if not n["Alive"]}
         found: dict[str, list[dict[str, Any]]] = {}
         degraded: list[str] = []
