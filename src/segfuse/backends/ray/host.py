@@ -31,7 +31,7 @@ from ...member_options import MemberOptions
 from ...types import Message
 from ..base import Member
 from ..registry import load_member
-from .loop import Job, MemberLoop, SessionBook
+from .loop import CopyJob, MemberLoop, SessionBook
 from .settings import RaySettings, placement
 from .wire import Done, Held, HostInfo, Opened, portable
 
@@ -82,7 +82,7 @@ class MemberHost:
             opened = Opened(sid, tuple(session.stops), session.room, session.streams_text, len(book))
             return Done([opened], len(book), [session.room])
 
-        return await self._run(Job("call", work=work))
+        return await self._run(CopyJob("call", work=work))
 
     async def session(self, sid: str, method: str, args: tuple[Any, ...]) -> Done:
         """``session.<method>(*args)`` for one of :data:`SESSION_METHODS`; ``close`` of a session this copy
@@ -100,7 +100,7 @@ class MemberHost:
             value = getattr(session, method)(*args)
             return Done([value], len(book), [session.room])
 
-        return await self._run(Job("call", work=work, sids=frozenset({sid})))
+        return await self._run(CopyJob("call", work=work, sids=frozenset({sid})))
 
     async def draft(self, items: Sequence[tuple[str, int, Any, bool]]) -> AsyncIterator[tuple[int, str] | Done]:
         """Drafts of items ``(sid, max_tokens, sampling, streams)``: ``(item, text so far)`` while those that
@@ -111,21 +111,21 @@ class MemberHost:
         def on_text(index: int, text: str) -> None:  # on the member's thread: hand over, never wait
             loop.call_soon_threadsafe(events.put_nowait, (index, text))
 
-        future = self.loop.submit(Job("draft", items, on_text=on_text))
+        future = self.loop.submit(CopyJob("draft", items, on_text=on_text))
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
         while (event := await events.get()) is not None:
             yield event
         yield future.result()
 
     async def score(self, items: Sequence[tuple[str, Sequence[str]]]) -> Done:
-        return await self._run(Job("score", items))
+        return await self._run(CopyJob("score", items))
 
     async def call(self, method: str, args: tuple[Any, ...]) -> Done:
         """``member.<method>(*args)`` for one of :data:`MEMBER_METHODS`."""
         if method not in MEMBER_METHODS:
             return Done([ValueError(f"no member method {method!r}")], len(self.book), [None])
         return await self._run(
-            Job("call", work=lambda member, book: Done([getattr(member, method)(*args)], len(book), [None]))
+            CopyJob("call", work=lambda member, book: Done([getattr(member, method)(*args)], len(book), [None]))
         )
 
     async def held(self) -> Done:
@@ -135,7 +135,7 @@ class MemberHost:
         held = Held(seen.occupancy, seen.sessions, seen.stats, self.about, self.loop.waiting)
         return Done([held], seen.sessions, [None])
 
-    async def _run(self, job: Job) -> Done:
+    async def _run(self, job: CopyJob) -> Done:
         return await asyncio.wrap_future(self.loop.submit(job))
 
 

@@ -2,7 +2,7 @@
 and sessions no call touched for a while are closed.
 
 A member's context serves one call at a time (a llama.cpp context is not thread-safe), so the
-copy's callers (front ends in other processes, each with its own requests) queue :class:`Job` s
+copy's callers (front ends in other processes, each with its own requests) queue :class:`CopyJob` s
 and this thread takes them in turns. Whatever waits when it comes back for more is served
 together: the other calls first (opening and closing sessions, accepting text: cheap), then every
 draft in one ``draft_many`` and every score in one ``score_many``, as the scheduler batches one
@@ -59,7 +59,7 @@ class Seen:
 
 
 @dataclass(eq=False)
-class Job:
+class CopyJob:
     """A caller's call: drafts (items ``(sid, max_tokens, sampling, wants_text)``), scores (items
     ``(sid, texts)``), or other work on the member; its Done comes back through `future`."""
 
@@ -134,7 +134,7 @@ class MemberLoop:
         self.member, self.book = member, book
         self.expire_s, self.gather_s = expire_s, gather_s
         self.stats: Counter[str] = Counter()
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[CopyJob] = queue.SimpleQueue()
         self.seen = Seen(member.occupancy(), 0, {})  # nothing decodes yet: safe to read here
         self._tick = min(1.0, expire_s / 4)  # how often an idle thread looks for expired sessions
         self._thread = threading.Thread(target=self._serve, name="segfuse-ray-member", daemon=True)
@@ -145,7 +145,7 @@ class MemberLoop:
         """Calls queued for the thread now."""
         return self._queue.qsize()
 
-    def submit(self, job: Job) -> Future[Any]:
+    def submit(self, job: CopyJob) -> Future[Any]:
         """Queue `job`; its sessions count as touched from now (they cannot expire while it waits)."""
         self.book.touch(job.sids)
         self._queue.put(job)
@@ -154,7 +154,7 @@ class MemberLoop:
     # --- the thread -----------------------------------------------------------------------------
     def _serve(self) -> None:  # for as long as the copy's process lives
         while True:
-            jobs: list[Job] = []
+            jobs: list[CopyJob] = []
             try:
                 self._take(jobs)
                 self._settle(self._run(jobs))
@@ -164,14 +164,14 @@ class MemberLoop:
                 log.exception("the member thread's step failed")
                 self._fail(jobs, exc)
 
-    def _fail(self, jobs: list[Job], exc: Exception) -> None:
+    def _fail(self, jobs: list[CopyJob], exc: Exception) -> None:
         """Reply `exc` to each of `jobs` not answered yet."""
         for job in jobs:
             if not job.future.done():
                 n = max(1, len(job.items))
                 job.future.set_result(Done([portable(exc)] * n, len(self.book), [None] * n))
 
-    def _settle(self, replies: list[tuple[Job, Done]]) -> None:
+    def _settle(self, replies: list[tuple[CopyJob, Done]]) -> None:
         """Note what the member holds now, then hand the replies out: a caller that has its reply reads
         a view at least as new (``seen``)."""
         try:
@@ -183,7 +183,7 @@ class MemberLoop:
         for job, done in replies:
             job.future.set_result(done)
 
-    def _take(self, jobs: list[Job]) -> None:
+    def _take(self, jobs: list[CopyJob]) -> None:
         """Into `jobs`: what waits now (after a tick's wait for the first), and what the gather brings."""
         taken = []
         try:
@@ -199,7 +199,7 @@ class MemberLoop:
         if self.gather_s > 0 and any(j.kind != "call" for j in jobs):
             self._gather(jobs)
 
-    def _running(self, job: Job) -> bool:
+    def _running(self, job: CopyJob) -> bool:
         """Mark `job` running (its caller can no longer cancel it, so its reply can always be set); False where
         its caller cancelled it while it waited (nobody waits for it: it is dropped)."""
         if job.future.set_running_or_notify_cancel():
@@ -207,7 +207,7 @@ class MemberLoop:
         self.stats["dropped"] += 1
         return False
 
-    def _gather(self, jobs: list[Job]) -> None:
+    def _gather(self, jobs: list[CopyJob]) -> None:
         """Wait a little for the next drafts and scores of sessions busy a moment ago (module docstring)."""
         now = time.monotonic()
         awaited = self.book.recent(now - RECENT_S) - {sid for job in jobs for sid in job.sids}
@@ -229,7 +229,7 @@ class MemberLoop:
             awaited -= job.sids
             self.stats["gathered"] += 1
 
-    def _run(self, jobs: list[Job]) -> list[tuple[Job, Done]]:
+    def _run(self, jobs: list[CopyJob]) -> list[tuple[CopyJob, Done]]:
         replies = [self._call(job) for job in jobs if job.kind == "call"]
         drafts = [job for job in jobs if job.kind == "draft"]
         if drafts:
@@ -239,7 +239,7 @@ class MemberLoop:
             replies += self._batch(scores, "score", self.member.score_many)
         return replies
 
-    def _call(self, job: Job) -> tuple[Job, Done]:
+    def _call(self, job: CopyJob) -> tuple[CopyJob, Done]:
         assert job.work is not None
         self.stats["calls"] += 1
         try:
@@ -248,12 +248,12 @@ class MemberLoop:
             done = Done([portable(exc)], len(self.book), [None])
         return job, done
 
-    def _batch(self, jobs: list[Job], kind: str, many: Callable[..., list[Any]]) -> list[tuple[Job, Done]]:
+    def _batch(self, jobs: list[CopyJob], kind: str, many: Callable[..., list[Any]]) -> list[tuple[CopyJob, Done]]:
         """Every item of `jobs` in one batched call; each job's Done holds its items' values."""
         values: dict[int, list[Any]] = {id(job): [None] * len(job.items) for job in jobs}
         sessions: list[MemberSession] = []
         requests: list[tuple[Any, ...]] = []
-        where: list[tuple[Job, int]] = []
+        where: list[tuple[CopyJob, int]] = []
         for job in jobs:
             for i, item in enumerate(job.items):
                 try:
@@ -312,7 +312,7 @@ class MemberLoop:
         return expired
 
 
-def _request(job: Job, index: int, item: tuple[Any, ...]) -> tuple[Any, ...]:
+def _request(job: CopyJob, index: int, item: tuple[Any, ...]) -> tuple[Any, ...]:
     """A draft item as ``draft``'s positional arguments (with a hook that streams its text where asked), or a
     score item as ``score``'s."""
     if job.kind == "score":

@@ -16,7 +16,8 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 from ray.exceptions import TaskCancelledError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as AsgiMessage
 
 from ...backends.ray.member import RayMember
 from ...config import ServerConfig
@@ -45,12 +46,12 @@ class ReplicaHeader:
             await self.app(scope, receive, send)
             return
 
-        async def named(message: Message) -> None:
+        async def named(message: AsgiMessage) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.value)]
             await send(message)
 
-        async def listened() -> Message:
+        async def listened() -> AsgiMessage:
             try:
                 return await receive()
             except TaskCancelledError:
