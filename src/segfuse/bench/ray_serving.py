@@ -34,7 +34,7 @@ from .load import PROMPTS, Outcome, drive, summarise
 from .machine import git, loadavg, machine
 from .process_cpu import CpuMeter, spent
 from .processes import SegfuseServer, segfuse_server, sigterm_as_interrupt
-from .serving import fmt, server_config, write_report
+from .serving import fmt, format_targets, print_load, print_targets, server_config, write_report
 
 MODES = ("single", "ray")
 NODE_IP = "127.0.0.2"  # the local Ray instance's node (never 127.0.0.1: Ray rewrites it)
@@ -342,14 +342,6 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def format_targets(report: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for t in report["targets"].values():
-        met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
-        rows.append([t["what"], fmt(t["measured"], ".3f", "×"), t["target"].replace("<=", "≤"), met])
-    return rows
-
-
 def format_cpu(report: dict[str, Any]) -> list[list[str]]:
     """CPU ms per request by role, each mode over its own blocks."""
     cpu = report["cpu_per_request_s"]
@@ -382,12 +374,7 @@ def print_report(report: dict[str, Any], console: Any) -> None:
     for row in format_table(report):
         table.add_row(*row)
     console.print(table)
-    targets = Table(
-        "check", "measured", "target", "", title="targets (reported, not enforced: the machine may be busy)"
-    )
-    for row in format_targets(report):
-        targets.add_row(*row)
-    console.print(targets)
+    print_targets(format_targets(report, ".3f"), console)
     cpu = Table(
         "process",
         "single: CPU ms per request",
@@ -410,11 +397,7 @@ def print_report(report: dict[str, Any], console: Any) -> None:
         for row in format_rows(calls):
             table.add_row(*row)
         console.print(table)
-    load = report.get("loadavg", {})
-    console.print(
-        f"load average at start {load.get('start')}, at end {load.get('end')} ({report['machine']['cores']} cores)",
-        soft_wrap=True,
-    )
+    print_load(report, console)
 
 
 __all__ = [

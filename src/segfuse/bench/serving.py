@@ -331,12 +331,34 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def format_targets(report: dict[str, Any]) -> list[list[str]]:
+def format_targets(report: dict[str, Any], spec: str = ".2f") -> list[list[str]]:
+    """One row per target: what, the measured ratio (`spec`), the target, whether it was met."""
     rows = []
     for t in report["targets"].values():
         met = "not measured" if t["met"] is None else ("✓" if t["met"] else "✗ (not met)")
-        rows.append([t["what"], fmt(t["measured"], ".2f", "×"), t["target"], met])
+        rows.append([t["what"], fmt(t["measured"], spec, "×"), t["target"].replace("<=", "≤"), met])
     return rows
+
+
+def print_targets(rows: list[list[str]], console: Any) -> None:
+    """The targets' rows (`format_targets`) as a rich table."""
+    from rich.table import Table
+
+    targets = Table(
+        "check", "measured", "target", "", title="targets (reported, not enforced: the machine may be busy)"
+    )
+    for row in rows:
+        targets.add_row(*row)
+    console.print(targets)
+
+
+def print_load(report: dict[str, Any], console: Any) -> None:
+    """The load average the report noted at its start and end, beside the machine's cores."""
+    load = report.get("loadavg", {})
+    console.print(
+        f"load average at start {load.get('start')}, at end {load.get('end')} ({report['machine']['cores']} cores)",
+        soft_wrap=True,
+    )
 
 
 def print_report(report: dict[str, Any], console: Any) -> None:
@@ -352,17 +374,8 @@ def print_report(report: dict[str, Any], console: Any) -> None:
     for row in format_table(report):
         table.add_row(*row)
     console.print(table)
-    targets = Table(
-        "check", "measured", "target", "", title="targets (reported, not enforced: the machine may be busy)"
-    )
-    for row in format_targets(report):
-        targets.add_row(*row)
-    console.print(targets)
-    load = report.get("loadavg", {})
-    console.print(
-        f"load average at start {load.get('start')}, at end {load.get('end')} ({report['machine']['cores']} cores)",
-        soft_wrap=True,
-    )
+    print_targets(format_targets(report), console)
+    print_load(report, console)
 
 
 __all__ = ["TARGETS", "compare", "print_report", "run"]
