@@ -149,20 +149,25 @@ def test_wilson_interval():
     assert wilson(0, 10)[0] == 0.0 and wilson(0, 0) == (0.0, 0.0)
 
 
+def gsm8k_record(i: int, system: str, ok: bool, **fields) -> dict:
+    """A GSM8K record of `system` on item `i` as the runner writes one; `fields` add to it or replace."""
+    return {
+        "id": f"gsm8k-{i}",
+        "index": i,
+        "system": system,
+        "correct": ok,
+        "exact_match": ok,
+        "total_s": 1.0,
+        "ttft_s": 0.5,
+        "member_calls": 3,
+        "tokens": 10,
+        **fields,
+    }
+
+
 def test_summary_uses_only_items_every_system_finished():
     def rec(i, system, ok):
-        return {
-            "id": f"gsm8k-{i}",
-            "index": i,
-            "system": system,
-            "correct": ok,
-            "exact_match": ok,
-            "total_s": 1.0,
-            "ttft_s": 0.5,
-            "member_calls": 3,
-            "tokens": 10,
-            "wins": {"x": 2, "y": 1} if system == "specfuse" else None,
-        }
+        return gsm8k_record(i, system, ok, wins={"x": 2, "y": 1} if system == "specfuse" else None)
 
     records = [rec(0, "specfuse", True), rec(0, "rerank", False), rec(1, "specfuse", True)]
     rows, common = summarise(GSM8K, records)
@@ -174,18 +179,7 @@ def test_summary_uses_only_items_every_system_finished():
 @pytest.mark.slow
 def test_systems_that_went_further_get_their_own_section(tmp_path):
     def rec(i, system, ok):
-        return {
-            "id": f"gsm8k-{i}",
-            "index": i,
-            "system": system,
-            "correct": ok,
-            "exact_match": ok,
-            "total_s": 1.0,
-            "ttft_s": 0.5,
-            "member_calls": 3,
-            "tokens": 10,
-            "rounds": 1,
-        }
+        return gsm8k_record(i, system, ok, rounds=1)
 
     # `specfuse` and `rerank` finished items 0-3, `specfuse+exit` only 0-1, `member:a` 0-2.
     coverage = {"member:a": 3, "specfuse": 4, "rerank": 4, "specfuse+exit": 2}
@@ -219,18 +213,7 @@ def test_mcnemar_exact_p_values():
 
 def test_paired_comparison_and_calls_per_round():
     def rec(i, system, ok, calls=6, rounds=None):
-        return {
-            "id": f"gsm8k-{i}",
-            "index": i,
-            "system": system,
-            "correct": ok,
-            "exact_match": ok,
-            "total_s": 1.0,
-            "ttft_s": 0.5,
-            "member_calls": calls,
-            "tokens": 10,
-            "rounds": rounds,
-        }
+        return gsm8k_record(i, system, ok, member_calls=calls, rounds=rounds)
 
     outcomes = {"member:a": [1, 1, 0, 0], "specfuse": [1, 0, 0, 1], "specfuse+exit": [1, 1, 1, 0]}
     records = [
@@ -521,19 +504,7 @@ def test_report_counts_answers_at_the_limit_and_looping_answers():
     loop = "The total is 5 apples and 3 pears. " * 4
 
     def rec(i, system, ok, output, finish):
-        return {
-            "id": f"gsm8k-{i}",
-            "index": i,
-            "system": system,
-            "correct": ok,
-            "exact_match": ok,
-            "total_s": 1.0,
-            "ttft_s": 0.5,
-            "member_calls": 3,
-            "tokens": 10,
-            "output": output,
-            "finish_reason": finish,
-        }
+        return gsm8k_record(i, system, ok, output=output, finish_reason=finish)
 
     records = [
         rec(0, "member:a", True, "The answer is 8.", "stop"),
