@@ -162,28 +162,26 @@ def report(study_dir: str, confirm_dir: str | None = None, study_stop: int | Non
     study, seconds = load_split(study_dir, study_stop)
     results = outcomes(study, None)
     chosen, best = choose(results)
-    parts = [
-        f"## Study ({study_dir})",
-        table(results, {chosen: " ← chosen", best: " ← best member"}),
+    parts = [f"## Study ({study_dir})", *_section(results, seconds, chosen, best, "")]
+    if confirm_dir:
+        confirm, c_seconds = load_split(confirm_dir)
+        c_results = outcomes(confirm, {t: study[t] for t in confirm})
+        parts += [f"\n## Confirmation ({confirm_dir})", *_section(c_results, c_seconds, chosen, best, " on study")]
+    return "\n".join(parts)
+
+
+def _section(
+    results: Mapping[str, Mapping[str, list[bool]]], seconds: Mapping[str, float], chosen: str, best: str, where: str
+) -> list[str]:
+    """A split's table (`chosen` and `best` marked, as picked `where`), their pairing, the seconds per item."""
+    return [
+        table(results, {chosen: f" ← chosen{where}", best: f" ← best member{where}"}),
         f"\n{chosen} vs {best}:\n",
         pairing_lines(results[chosen], results[best]),
         "\nseconds per item: "
         + ", ".join(f"{n} {s:.2f}" for n, s in seconds.items())
         + f"; all members {sum(seconds.values()):.2f}",
     ]
-    if confirm_dir:
-        confirm, c_seconds = load_split(confirm_dir)
-        c_results = outcomes(confirm, {t: study[t] for t in confirm})
-        parts += [
-            f"\n## Confirmation ({confirm_dir})",
-            table(c_results, {chosen: " ← chosen on study", best: " ← best member on study"}),
-            f"\n{chosen} vs {best}:\n",
-            pairing_lines(c_results[chosen], c_results[best]),
-            "\nseconds per item: "
-            + ", ".join(f"{n} {s:.2f}" for n, s in c_seconds.items())
-            + f"; all members {sum(c_seconds.values()):.2f}",
-        ]
-    return "\n".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
