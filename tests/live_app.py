@@ -18,6 +18,11 @@ from segfuse.server.state import ServerState
 
 KEY = "apis-key"
 LEADER = "smollm2-135m"  # the quickest member, alone, where the test is not about fusion
+WEATHER = {  # a tool as the Messages API offers it
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @dataclass
@@ -48,6 +53,14 @@ def live(ensemble: Any, *, limits: dict[str, Any] | None = None, **server: Any) 
     )
     with serve_app(config, ensemble) as (url, state):
         yield Live(url, state)
+
+
+@contextmanager
+def live_unfailing(ensemble: Any, **server: Any) -> Iterator[Live]:
+    """`live`, and at its end the worker failed no generation (a module's server fixture)."""
+    with live(ensemble, **server) as running:
+        yield running
+        assert running.state.worker.snapshot()["failed"] == 0
 
 
 @contextmanager

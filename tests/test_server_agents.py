@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from live_app import KEY, live
+from live_app import KEY, live_unfailing
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -25,9 +25,8 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(default_ensemble):
-    with live(default_ensemble) as running:
+    with live_unfailing(default_ensemble) as running:
         yield running
-        assert running.state.worker.snapshot()["failed"] == 0
 
 
 def _model(server, api: str):

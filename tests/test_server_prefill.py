@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from live_app import KEY, LEADER, live
+from live_app import KEY, LEADER, WEATHER, live_unfailing
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -27,18 +27,12 @@ PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schem
 PREFILL = '{"name":'
 ASK = "Extract the person as JSON: Maria Lopez, 34, lives in Seville."
 CONTINUED = [{"role": "user", "content": ASK}, {"role": "assistant", "content": PREFILL}]
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
 
 
 @pytest.fixture(scope="module")
 def server(uncached_ensemble):  # no prefix cache: a streamed and a whole greedy answer agree to the bit
-    with live(uncached_ensemble) as running:
+    with live_unfailing(uncached_ensemble) as running:
         yield running
-        assert running.state.worker.snapshot()["failed"] == 0
 
 
 @pytest.fixture(scope="module")

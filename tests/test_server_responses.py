@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from helpers import wait_for
-from live_app import KEY, LEADER, idle, live
+from live_app import KEY, LEADER, idle, live_unfailing
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -26,9 +26,8 @@ NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 @pytest.fixture(scope="module")
 def server(uncached_ensemble):  # no prefix cache: a streamed and a whole greedy answer agree to the bit
-    with live(uncached_ensemble) as running:
+    with live_unfailing(uncached_ensemble) as running:
         yield running
-        assert running.state.worker.snapshot()["failed"] == 0
 
 
 @pytest.fixture(scope="module")
