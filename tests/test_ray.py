@@ -11,7 +11,6 @@ for a quarter CPU, so that the copies of several tests fit at once. The last tes
 from __future__ import annotations
 
 import signal
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,7 @@ from segfuse.backends.ray.host import create_hosts
 from segfuse.backends.ray.member import RayMember
 from segfuse.backends.ray.settings import RaySettings
 from segfuse.backends.registry import load_member
+from segfuse.bench.ray_calls import median_ms
 from segfuse.errors import InvalidRequestError
 from segfuse.member_options import MemberOptions
 from segfuse.models import DEFAULT_MODELS
@@ -379,17 +379,6 @@ def test_a_caller_killed_mid_draft_leaves_the_copy_free_and_its_session_expires(
 # --- cost ------------------------------------------------------------------------------------------
 
 
-def median_ms(call, then, n: int = 50) -> float:
-    """The median time of `call` over `n` calls, `then` run after each (untimed)."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-        then()
-    return 1000 * statistics.median(times)
-
-
 CANDIDATES = [" Red", " Blue, green", " The", ""]
 
 
@@ -404,8 +393,8 @@ def costs(member) -> tuple[float, float, object, object]:
             session.accept("")
 
         return (
-            median_ms(lambda: session.draft(1, greedy), drop),
-            median_ms(lambda: session.score(CANDIDATES), drop),
+            median_ms(lambda: session.draft(1, greedy), drop, 50),
+            median_ms(lambda: session.score(CANDIDATES), drop, 50),
             session.draft(1, greedy),
             session.score(CANDIDATES),
         )
