@@ -1,5 +1,7 @@
 """The engine's shape, read from its source: it imports nothing above it, and no function of it takes
-more than six parameters (what is constant for a generation travels as one GenerationContext)."""
+more than six parameters (what is constant for a generation travels as one GenerationContext). The
+server's functions keep to six too (what is constant for a response travels as its answer object,
+``server/answer.py``)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,15 @@ import ast
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[1] / "src" / "segfuse" / "engine"
+SERVER = ENGINE.parent / "server"
 # What lies above the engine: the ensemble (the public surface) and every interface built on it.
 ABOVE = ("ensemble", "echo", "likelihood", "likelihood_weights", "server", "cli", "eval", "bench", "llm_plugin")
 MOST_PARAMETERS = 6
 
 
-def modules() -> list[Path]:
-    found = sorted(ENGINE.rglob("*.py"))  # subpackages too
-    assert len(found) > 10, f"the engine's modules are not in {ENGINE}"
+def modules(root: Path = ENGINE) -> list[Path]:
+    found = sorted(root.rglob("*.py"))  # subpackages too
+    assert len(found) > 10, f"the modules are not in {root}"
     return found
 
 
@@ -53,13 +56,23 @@ def parameters(path: Path) -> dict[str, int]:
     return counts
 
 
-def test_no_engine_function_takes_more_than_six_parameters():
-    long = [
-        f"{path.name} {where} takes {n}"
-        for path in modules()
+def long_signatures(root: Path) -> list[str]:
+    """Each function under `root` that takes more than six parameters, with where it is."""
+    return [
+        f"{path.relative_to(root)} {where} takes {n}"
+        for path in modules(root)
         for where, n in parameters(path).items()
         if n > MOST_PARAMETERS
     ]
+
+
+def test_no_engine_function_takes_more_than_six_parameters():
+    long = long_signatures(ENGINE)
+    assert not long, long
+
+
+def test_no_server_function_takes_more_than_six_parameters():
+    long = long_signatures(SERVER)
     assert not long, long
 
 

@@ -16,13 +16,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from segfuse.config import ConfigError, build_config
 from segfuse.errors import InvalidRequestError
+from segfuse.server.answer import Answer
+from segfuse.server.chat.serving import ChatAnswer
+from segfuse.server.completions.serving import CompletionAnswer
 from segfuse.server.messages.protocol import error_body
+from segfuse.server.messages.serving import MessagesAnswer
 from segfuse.server.metrics import Families
 from segfuse.server.ray.app import build
 from segfuse.server.ray.board import merge, plain
 from segfuse.server.ray.plan import copy_options, cpus_asked, plan
 from segfuse.server.ray.run import check
-from segfuse.server.ray.streams import EndStreams, ending, lost
+from segfuse.server.ray.streams import EndStreams, answer_for, ending, lost
+from segfuse.server.responses.serving import ResponsesAnswer
 
 # --- metrics -------------------------------------------------------------------------------------------
 
@@ -84,6 +89,16 @@ def test_each_api_gets_its_own_error_event():
     assert responses[0][0] == "error" and len(responses) == 1
     event = json.loads(responses[0][1])
     assert event["type"] == "error" and event["sequence_number"] == 7 and event["code"] == "replica_lost"
+
+
+def test_the_answer_class_of_a_path_names_the_ending():
+    """The proxy asks the class that serves a path (templates too) for its ending; another path gets OpenAI's."""
+    assert answer_for("/v1/chat/completions") is ChatAnswer
+    assert answer_for("/m/gemma3-270m/v1/completions") is answer_for("/v1/completions") is CompletionAnswer
+    assert answer_for("/v1/messages/count_tokens") is answer_for("/v1/messages") is MessagesAnswer
+    assert answer_for("/v1/responses") is ResponsesAnswer
+    assert answer_for("/m//v1/completions") is answer_for("/v1/responses/x") is answer_for("/health") is Answer
+    assert ending("/health", 3) == ending("/v1/chat/completions", None)
 
 
 def run_asgi(app, path: str, disconnect: bool = False) -> list[dict]:

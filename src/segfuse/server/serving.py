@@ -1,8 +1,8 @@
 """What every endpoint shares: errors, reading a job's items, server-sent events, disconnects, bodies.
 
 Each API's serving (``chat``, ``completions``, ``messages``, ``responses``) turns
-its request into jobs and the jobs' items into its own wire shape; what they
-all need lives here, written once: ``APIError`` (sent in each API's own error
+its request into jobs, and its answer object (``answer.py``) the jobs' items into
+its own wire shape; what they all need lives here, written once: ``APIError`` (sent in each API's own error
 shape by the app), ``finished`` (the whole answer, cancelled when the client
 hangs up), ``event_stream`` (SSE headers and the cancel-on-hangup), the
 request body within ``[limits]``, and the parts of a result every response

@@ -9,29 +9,35 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger("segfuse.server")
 
 
-class Watchdog:
-    """Every few seconds: has a tick run too long (said once per tick), has the worker thread died?
+@dataclass(frozen=True)
+class Watched:
+    """What the watchdog asks of the worker and tells it.
 
     `tick_since` gives the ``time.monotonic()`` start of the tick in progress (None between ticks);
     `on_stall` is called once per stalled tick, `on_dead` when the worker thread is gone while it
-    should run (`expected` says whether it should); the watch ends when `stopped` is set."""
+    should run (`expected` says whether it should)."""
+
+    tick_since: Callable[[], float | None]
+    on_stall: Callable[[], None]
+    on_dead: Callable[[], None]
+    expected: Callable[[], bool]
+
+
+class Watchdog:
+    """Every few seconds: has a tick run too long (said once per tick), has the worker thread died?
+    (`watched`: what it asks and tells the worker); the watch ends when `stopped` is set."""
 
     def __init__(
-        self,
-        worker: threading.Thread,
-        stall_after_s: float,
-        tick_since: Callable[[], float | None],
-        on_stall: Callable[[], None],
-        on_dead: Callable[[], None],
-        expected: Callable[[], bool],
-        stopped: threading.Event,
+        self, worker: threading.Thread, stall_after_s: float, watched: Watched, stopped: threading.Event
     ) -> None:
-        self.worker, self.stall_after_s, self.tick_since = worker, stall_after_s, tick_since
-        self.on_stall, self.on_dead, self.expected, self.stopped = on_stall, on_dead, expected, stopped
+        self.worker, self.stall_after_s, self.stopped = worker, stall_after_s, stopped
+        self.tick_since, self.on_stall = watched.tick_since, watched.on_stall
+        self.on_dead, self.expected = watched.on_dead, watched.expected
         self._seen: float | None = None  # the tick last reported
         self._thread = threading.Thread(target=self._watch, name="segfuse-watchdog", daemon=True)
 

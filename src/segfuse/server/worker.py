@@ -57,7 +57,7 @@ from .jobs import (
     run_work,
     tell,
 )
-from .watchdog import Watchdog
+from .watchdog import Watchdog, Watched
 
 log = logging.getLogger("segfuse.server")
 
@@ -128,15 +128,13 @@ class Worker:
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="segfuse-worker", daemon=True)
-        self._watchdog = Watchdog(
-            self._thread,
-            stall_after_s,
+        watched = Watched(
             lambda: self._tick_since,
             lambda: self._count("stalls"),
             lambda: self._die("the worker thread died", None),
             lambda: self.fatal is None and not self._stopping,
-            self._stopped,
         )
+        self._watchdog = Watchdog(self._thread, stall_after_s, watched, self._stopped)
 
     def start(self, ensemble: Ensemble) -> None:
         self._ensemble = ensemble

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ..wire import FusionInfo, GenerationRequest, Usage
 
+PATH = "/v1/chat/completions"
+
 # --------------------------------------------------------------------------- requests
 
 

@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..wire import FusionInfo, GenerationRequest, Usage
 
+PATH = "/v1/completions"
+MODEL_PATH = "/m/{model}/v1/completions"  # one model's own: its tokenizer routes beside it
+
 
 class CompletionRequest(GenerationRequest):
     """The body of ``POST /v1/completions``: a text every member continues as it is (no chat template)."""

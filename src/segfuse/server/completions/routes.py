@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from ..state import ServerState
 from . import serving
 from . import tokenize as tokens
+from .protocol import MODEL_PATH, PATH
 
 
 def api_router(state: ServerState) -> APIRouter:
@@ -18,13 +19,13 @@ def api_router(state: ServerState) -> APIRouter:
     own ``/m/{model}/v1/completions``, over `state` (the app adds the API key check)."""
     router = APIRouter()
 
-    @router.post("/v1/completions")
+    @router.post(PATH)
     async def text_completions(request: Request) -> Response:
         return await serving.answer(state, request)
 
     # One model's own path (its tokens in /m/{model}/tokenize beside it): lm-eval's remote tokenizer
     # finds the tokenizer next to the completions URL and names no model.
-    @router.post("/m/{model}/v1/completions")
+    @router.post(MODEL_PATH)
     async def model_text_completions(request: Request, model: str) -> Response:
         return await serving.answer(state, request, model)
 

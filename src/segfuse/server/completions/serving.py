@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -22,23 +23,12 @@ from fastapi.responses import JSONResponse, Response
 from ...logprobs import TokenLogprob, answer_logprobs
 from ...options import FusionOptions
 from ...request import FusionRequest
-from ...types import DoneEvent, Message, PromptToken, Result, SegmentEvent
+from ...types import Message, PromptToken, Result, SegmentEvent
 from .. import parsing
+from ..answer import Answer
 from ..limits import check_text
 from ..parsing import Endpoint, fusion_options
-from ..serving import (
-    KEEPALIVE_FRAME,
-    KEEPALIVE_S,
-    APIError,
-    disconnected,
-    event_stream,
-    failure_frame,
-    finish_reason_of,
-    finished,
-    result_info,
-    sse,
-    usage_of,
-)
+from ..serving import APIError, disconnected, finish_reason_of, finished, result_info, sse, usage_of
 from ..state import ServerState, job_for, members_for, require_members, submit
 from ..wire import FusionInfo, Usage
 from ..worker import Job, Started
@@ -46,6 +36,8 @@ from .echo import echo_logprobs, joined, prompt_texts, read_prompts
 from .protocol import (
     COMPLETION_NEUTRAL,
     COMPLETION_PARAMETERS,
+    MODEL_PATH,
+    PATH,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -90,10 +82,10 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
             return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
     # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
     cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
+    reply = CompletionAnswer(jobs, parsed, texts, model, detailed, echoes)
     if parsed.stream:
-        return event_stream(stream(jobs[0], parsed, texts[0], model, cancel, detailed), cancel)
-    result = await complete(jobs, parsed, texts, model, disconnected(request), state.worker.cancel, detailed, echoes)
-    return JSONResponse(result.model_dump(mode="json"))
+        return reply.response(cancel)
+    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
 
 
 def requests_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions) -> list[FusionRequest]:
@@ -158,20 +150,6 @@ def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
     return table
 
 
-def _choice(
-    index: int, prompt: str, result: Result, request: CompletionRequest, echo: Sequence[PromptToken] | None = None
-) -> CompletionChoice:
-    before = prompt if request.echo else ""
-    logprobs = (
-        legacy_logprobs(result.logprobs(), request.logprobs, len(before)) if request.logprobs is not None else None
-    )
-    if echo is not None:
-        logprobs = joined(echo_logprobs(echo, request.logprobs or 0), logprobs)
-    return CompletionChoice(
-        index=index, text=before + result.text, logprobs=logprobs, finish_reason=finish_reason_of(result)
-    )
-
-
 def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
     """Every prompt's usage (``serving.usage_of``), summed."""
     each = [usage_of(result, started) for result, started in outcomes]
@@ -179,76 +157,94 @@ def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
 
 
-async def complete(
-    jobs: list[Job],
-    request: CompletionRequest,
-    texts: Sequence[str],
-    model: str,
-    disconnected: Callable[[], Awaitable[None]],
-    cancel: Callable[[Job], None],
-    detailed: bool = False,
-    echoes: Sequence[Sequence[PromptToken]] | None = None,
-) -> TextCompletion:
-    """Every prompt's answer (`texts`: the prompts), in order, as one text completion; `cancel` stops one
-    job (client gone, or another prompt's answer failed); `detailed`: internal error texts unredacted;
-    `echoes`: each prompt's echoed tokens, reported before the answer's."""
-    try:
-        outcomes = await asyncio.gather(*(finished(job, disconnected, partial(cancel, job), detailed) for job in jobs))
-    finally:
-        for job in jobs:
-            cancel(job)  # a no-op for those that ended
-    first = outcomes[0][0]
-    choices = [
-        _choice(i, p, r, request, echoes[i] if echoes else None) for i, (p, (r, _)) in enumerate(zip(texts, outcomes))
-    ]
-    info = result_info(first, outcomes[0][1], detailed) if len(jobs) == 1 else FusionInfo(members=first.models)
-    return TextCompletion(
-        id=jobs[0].id, created=int(jobs[0].created), model=model, choices=choices, usage=_usage(outcomes), segfuse=info
-    )
+class CompletionAnswer(Answer):
+    """A text completion: every prompt's answer (`texts`: the prompts, one job each), in order, one choice
+    each; or the stream of one: the echoed prompt (if asked), one chunk per accepted segment, finish,
+    [usage], [DONE]. `echoes`: each prompt's echoed tokens, reported before the answer's."""
+
+    PATHS = (PATH, MODEL_PATH)
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        request: CompletionRequest,
+        texts: Sequence[str],
+        model: str,
+        detailed: bool = False,
+        echoes: Sequence[Sequence[PromptToken]] | None = None,
+    ) -> None:
+        super().__init__(jobs[0], model, detailed)
+        self.jobs, self.request, self.texts, self.echoes = list(jobs), request, texts, echoes
+        self.offset = len(texts[0]) if request.echo else 0  # characters before the next segment (an echo)
+
+    # ----------------------------------------------------------------------- the whole answer
+
+    async def whole(self, disconnected: Callable[[], Awaitable[None]], stop: Callable[[Job], None]) -> dict[str, Any]:
+        """Every prompt's answer; `stop` cancels one job (client gone, or another prompt's answer failed)."""
+        try:
+            outcomes = await asyncio.gather(
+                *(finished(job, disconnected, partial(stop, job), self.detailed) for job in self.jobs)
+            )
+        finally:
+            for job in self.jobs:
+                stop(job)  # a no-op for those that ended
+        first, self.started = outcomes[0]
+        choices = [self._choice(i, result) for i, (result, _) in enumerate(outcomes)]
+        info = (
+            result_info(first, self.started, self.detailed) if len(self.jobs) == 1 else FusionInfo(members=first.models)
+        )
+        completion = TextCompletion(
+            id=self.job.id,
+            created=int(self.job.created),
+            model=self.model,
+            choices=choices,
+            usage=_usage(outcomes),
+            segfuse=info,
+        )
+        return completion.model_dump(mode="json")
+
+    def _choice(self, index: int, result: Result) -> CompletionChoice:
+        request = self.request
+        before = self.texts[index] if request.echo else ""
+        logprobs = (
+            legacy_logprobs(result.logprobs(), request.logprobs, len(before)) if request.logprobs is not None else None
+        )
+        if self.echoes is not None:
+            logprobs = joined(echo_logprobs(self.echoes[index], request.logprobs or 0), logprobs)
+        return CompletionChoice(
+            index=index, text=before + result.text, logprobs=logprobs, finish_reason=finish_reason_of(result)
+        )
+
+    # ----------------------------------------------------------------------- the answer as it is written
+
+    def _chunk(self, choice: CompletionChoice, info: FusionInfo | None = None) -> str:
+        body = TextCompletion(
+            id=self.job.id, created=int(self.job.created), model=self.model, choices=[choice], segfuse=info
+        )
+        return sse(body.model_dump(mode="json", exclude={"usage"}))
+
+    def opening(self) -> list[str]:
+        return [self._chunk(CompletionChoice(text=self.texts[0]))] if self.request.echo else []
+
+    def segment(self, event: SegmentEvent) -> list[str]:
+        k = self.request.logprobs
+        logprobs = legacy_logprobs(answer_logprobs([event.segment]), k, self.offset) if k is not None else None
+        self.offset += len(event.segment.text)
+        return [self._chunk(CompletionChoice(text=event.segment.text, logprobs=logprobs))]
+
+    def done(self, result: Result) -> list[str]:
+        finish = CompletionChoice(text="", finish_reason=finish_reason_of(result))
+        frames = [self._chunk(finish, result_info(result, self.started, self.detailed))]
+        if self.request.include_usage:
+            usage = TextCompletion(
+                id=self.job.id,
+                created=int(self.job.created),
+                model=self.model,
+                choices=[],
+                usage=_usage([(result, self.started)]),
+            )
+            frames.append(sse(usage.model_dump(mode="json", exclude={"segfuse"})))
+        return frames
 
 
-def _chunk(job: Job, model: str, choice: CompletionChoice, info: FusionInfo | None = None) -> str:
-    body = TextCompletion(id=job.id, created=int(job.created), model=model, choices=[choice], segfuse=info)
-    return sse(body.model_dump(mode="json", exclude={"usage"}))
-
-
-async def stream(
-    job: Job, request: CompletionRequest, text: str, model: str, cancel: Callable[[], None], detailed: bool = False
-) -> AsyncIterator[str]:
-    """SSE frames: the echoed prompt `text` (if asked), one chunk per accepted segment, finish, [usage], [DONE]."""
-    k, offset = request.logprobs, len(text) if request.echo else 0
-    started: Started | None = None
-    try:
-        if request.echo:
-            yield _chunk(job, model, CompletionChoice(text=text))
-        async for item in job.items(keepalive_s=KEEPALIVE_S):
-            if item is None:
-                yield KEEPALIVE_FRAME
-            elif isinstance(item, Started):
-                started = item
-            elif isinstance(item, SegmentEvent):
-                tokens = answer_logprobs([item.segment])
-                logprobs = legacy_logprobs(tokens, k, offset) if k is not None else None
-                offset += len(item.segment.text)
-                yield _chunk(job, model, CompletionChoice(text=item.segment.text, logprobs=logprobs))
-            elif isinstance(item, DoneEvent):
-                result = item.result
-                yield _chunk(
-                    job,
-                    model,
-                    CompletionChoice(text="", finish_reason=finish_reason_of(result)),
-                    result_info(result, started, detailed),
-                )
-                if request.include_usage:
-                    usage = TextCompletion(
-                        id=job.id, created=int(job.created), model=model, choices=[], usage=_usage([(result, started)])
-                    )
-                    yield sse(usage.model_dump(mode="json", exclude={"segfuse"}))
-            elif (frame := failure_frame(item, detailed)) is not None:
-                yield frame
-        yield sse("[DONE]")
-    finally:
-        cancel()
-
-
-__all__ = ["COMPLETIONS", "answer", "complete", "legacy_logprobs", "requests_of", "stream"]
+__all__ = ["COMPLETIONS", "CompletionAnswer", "answer", "legacy_logprobs", "requests_of"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
@@ -18,31 +18,21 @@ from fastapi.responses import JSONResponse, Response
 
 from ...config import LimitsSection
 from ...options import FusionOptions
-from ...types import DoneEvent, Message, Result, SegmentEvent
+from ...types import Message, Result, SegmentEvent
 from .. import limits as checks
 from .. import parsing
+from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
 from ..jobs import prompt_tokens
 from ..parsing import Endpoint
-from ..serving import (
-    KEEPALIVE_S,
-    APIError,
-    call_of,
-    disconnected,
-    event_stream,
-    failure_of,
-    finished,
-    full_info,
-    result_info,
-    sse,
-    usage_of,
-)
+from ..serving import APIError, call_of, disconnected, full_info, result_info, sse, usage_of
 from ..state import ServerState, members_for, require_members, submit
 from ..worker import Job, Started
 from .protocol import (
     MESSAGES_NEUTRAL,
     MESSAGES_PARAMETERS,
+    PATH,
     AnthropicResponse,
     CountTokensRequest,
     MessagesRequest,
@@ -85,10 +75,10 @@ async def answer(state: ServerState, request: Request) -> Response:
     model = parsed.model or state.model_id
     job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
     cancel = submit(state, [job], detailed, plan.request.user)
+    reply = MessagesAnswer(job, model, detailed)
     if parsed.stream:
-        return event_stream(stream(job, model, cancel, detailed), cancel)
-    result, started = await finished(job, disconnected(request), cancel, detailed)
-    return JSONResponse(message_body(job, model, result, started, detailed).model_dump(mode="json"))
+        return reply.response(cancel)
+    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
 
 
 async def count_tokens(state: ServerState, request: Request) -> JSONResponse:
@@ -131,107 +121,103 @@ def content_of(job: Job, result: Result) -> list[dict[str, Any]]:
     return [{"type": "text", "text": result.text}] if result.text else []
 
 
-def message_body(
-    job: Job, model: str, result: Result, started: Started | None, detailed: bool = False
-) -> AnthropicResponse:
-    return AnthropicResponse(
-        id=job.id,
-        model=model,
-        content=content_of(job, result),
-        stop_reason=stop_reason(job, result),
-        usage=_usage(result, started),
-        segfuse=full_info(result, started, detailed),
-    )
-
-
 def _event(kind: str, **fields: Any) -> str:
     return sse({"type": kind, **fields}, event=kind)
 
 
-def _start(job: Job, model: str, started: Started | None) -> str:
-    prompt = max(started.prompt_tokens.values(), default=0) if started else 0
-    message: dict[str, Any] = {
-        "id": job.id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": prompt, "output_tokens": 0},
-    }
-    return _event("message_start", message=message)
+class MessagesAnswer(Answer):
+    """A Message, or Anthropic's events: message_start (when the worker takes the job), one text block
+    whose deltas are the segments as they come, message_delta (stop reason, usage), message_stop; ping
+    while waiting; an ``error`` event ends a stream whose job failed (no ``[DONE]``). With tools, the
+    answer is held to its end (a call or text)."""
 
+    PATHS = (PATH, f"{PATH}/count_tokens")
+    LAST = ()
 
-def _held_blocks(job: Job, result: Result, held: list[str], index: int) -> list[str]:
-    """With tools offered, the answer at its end: one tool_use block, or the text held back."""
-    call = call_of(job, result)
-    if call is not None:
+    def __init__(self, job: Job, model: str, detailed: bool = False) -> None:
+        super().__init__(job, model, detailed)
+        self.opened = False  # the text block has started
+
+    def body(self, result: Result) -> dict[str, Any]:
+        message = AnthropicResponse(
+            id=self.job.id,
+            model=self.model,
+            content=content_of(self.job, result),
+            stop_reason=stop_reason(self.job, result),
+            usage=_usage(result, self.started),
+            segfuse=full_info(result, self.started, self.detailed),
+        )
+        return message.model_dump(mode="json")
+
+    @classmethod
+    def error_ending(cls, error: APIError, sequence: int = 0) -> list[str]:
+        return [sse(error_body(error), event="error")]
+
+    def keepalive(self) -> list[str]:
+        return [_event("ping")]
+
+    def on_start(self) -> list[str]:
+        started = self.started
+        prompt = max(started.prompt_tokens.values(), default=0) if started else 0
+        message: dict[str, Any] = {
+            "id": self.job.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt, "output_tokens": 0},
+        }
+        return [_event("message_start", message=message)]
+
+    def segment(self, event: SegmentEvent) -> list[str]:
+        frames = []
+        if not self.opened:
+            self.opened = True
+            frames.append(_event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
+        frames.append(_event("content_block_delta", index=0, delta={"type": "text_delta", "text": event.segment.text}))
+        return frames
+
+    def done(self, result: Result) -> list[str]:
+        frames = [_event("content_block_stop", index=0)] if self.opened else self._held_blocks(result, 0)
+        usage = _usage(result, self.started)
         return [
+            *frames,
             _event(
-                "content_block_start",
-                index=index,
-                content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}},
+                "message_delta",
+                delta={"stop_reason": stop_reason(self.job, result), "stop_sequence": None},
+                usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
+                segfuse=result_info(result, self.started, self.detailed).model_dump(mode="json"),
             ),
-            _event(
-                "content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": call.arguments}
-            ),
+            _event("message_stop"),
+        ]
+
+    def _held_blocks(self, result: Result, index: int) -> list[str]:
+        """With tools offered, the answer at its end: one tool_use block, or the text held back."""
+        call = call_of(self.job, result)
+        if call is not None:
+            return [
+                _event(
+                    "content_block_start",
+                    index=index,
+                    content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}},
+                ),
+                _event(
+                    "content_block_delta",
+                    index=index,
+                    delta={"type": "input_json_delta", "partial_json": call.arguments},
+                ),
+                _event("content_block_stop", index=index),
+            ]
+        text = "".join(self.held)
+        if not text:
+            return []
+        return [
+            _event("content_block_start", index=index, content_block={"type": "text", "text": ""}),
+            _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}),
             _event("content_block_stop", index=index),
         ]
-    text = "".join(held)
-    if not text:
-        return []
-    return [
-        _event("content_block_start", index=index, content_block={"type": "text", "text": ""}),
-        _event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}),
-        _event("content_block_stop", index=index),
-    ]
 
 
-def _closing(job: Job, result: Result, started: Started | None, detailed: bool) -> list[str]:
-    usage = _usage(result, started)
-    return [
-        _event(
-            "message_delta",
-            delta={"stop_reason": stop_reason(job, result), "stop_sequence": None},
-            usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-            segfuse=result_info(result, started, detailed).model_dump(mode="json"),
-        ),
-        _event("message_stop"),
-    ]
-
-
-async def stream(job: Job, model: str, cancel: Callable[[], None], detailed: bool = False) -> AsyncIterator[str]:
-    """Anthropic's events: message_start (when the worker takes the job), one text block whose deltas are
-    the segments as they come, message_delta (stop reason, usage), message_stop; ping while waiting; an
-    ``error`` event ends a stream whose job failed. With tools, the answer is held to its end (a call or
-    text)."""
-    opened = False  # the text block has started
-    held: list[str] = []
-    started: Started | None = None
-    try:
-        async for item in job.items(keepalive_s=KEEPALIVE_S):
-            if item is None:
-                yield _event("ping")
-            elif isinstance(item, Started):
-                started = item
-                yield _start(job, model, started)
-            elif isinstance(item, SegmentEvent):
-                if job.tools:
-                    held.append(item.segment.text)
-                    continue
-                if not opened:
-                    opened = True
-                    yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": item.segment.text})
-            elif isinstance(item, DoneEvent):
-                frames = [_event("content_block_stop", index=0)] if opened else _held_blocks(job, item.result, held, 0)
-                for frame in frames + _closing(job, item.result, started, detailed):
-                    yield frame
-            elif (error := failure_of(item, detailed)) is not None:
-                yield sse(error_body(error), event="error")
-    finally:
-        cancel()
-
-
-__all__ = ["COUNT_TOKENS", "MESSAGES", "answer", "count_tokens", "message_body", "plan_messages", "stream"]
+__all__ = ["COUNT_TOKENS", "MESSAGES", "MessagesAnswer", "answer", "count_tokens", "plan_messages"]

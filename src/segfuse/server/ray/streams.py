@@ -7,6 +7,8 @@ starts a proxy), watches each response; an event stream (``text/event-stream``) 
 when the proxy is done with it ends with the error event the replica itself would have sent on a
 failure: OpenAI's ``data: {"error": ...}`` then ``data: [DONE]`` (chat, text completions), Anthropic's
 ``event: error`` (Messages), the Responses API's ``error`` event (numbered after the last one sent).
+The proxy knows a stream by its path only: the API's answer class that serves the path
+(``Answer.serves``) says how its streams end (``Answer.cut_ending``).
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import re
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..messages.protocol import PATH as MESSAGES_PATH
-from ..messages.protocol import error_body
-from ..responses.serving import error_event
-from ..serving import APIError, sse
+from ..answer import Answer
+from ..chat.serving import ChatAnswer
+from ..completions.serving import CompletionAnswer
+from ..messages.serving import MessagesAnswer
+from ..responses.serving import ResponsesAnswer
+from ..serving import APIError
 
 log = logging.getLogger("segfuse.server")
 ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "segfuse.server.ray.streams:middlewares"
-RESPONSES_PATH = "/v1/responses"
+ANSWERS: tuple[type[Answer], ...] = (ChatAnswer, CompletionAnswer, MessagesAnswer, ResponsesAnswer)
 SEQUENCE = re.compile(rb'"sequence_number": (\d+)')
 
 
@@ -39,13 +43,14 @@ def lost() -> APIError:
     )
 
 
+def answer_for(path: str) -> type[Answer]:
+    """The answer class whose streams `path` serves (another path: OpenAI's ending, the base's)."""
+    return next((answer for answer in ANSWERS if answer.serves(path)), Answer)
+
+
 def ending(path: str, last_sequence: int | None) -> bytes:
     """The frames that end an unfinished stream of the API at `path`."""
-    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
-        return sse(error_body(lost()), event="error").encode()
-    if path == RESPONSES_PATH:
-        return error_event(lost(), 0 if last_sequence is None else last_sequence + 1).encode()
-    return (sse(lost().body()) + sse("[DONE]")).encode()
+    return answer_for(path).cut_ending(lost(), last_sequence).encode()
 
 
 class _Watch:
@@ -114,4 +119,4 @@ def middlewares() -> list[Middleware]:
     return [Middleware(EndStreams)]
 
 
-__all__ = ["CALLBACK", "ENV", "EndStreams", "ending", "middlewares"]
+__all__ = ["ANSWERS", "CALLBACK", "ENV", "EndStreams", "answer_for", "ending", "middlewares"]

@@ -15,6 +15,8 @@ from ..chat.protocol import ChatCompletionRequest
 from ..serving import APIError
 from ..wire import MAX_CACHE_SALT_CHARS
 
+PATH = "/v1/responses"
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # annotations, logprobs of an earlier output
@@ -250,4 +252,4 @@ def to_chat(request: ResponsesRequest, earlier: list[dict[str, Any]]) -> ChatCom
         ) from None
 
 
-__all__ = ["RESPONSES_NEUTRAL", "RESPONSES_PARAMETERS", "ResponsesRequest", "conversation", "to_chat"]
+__all__ = ["PATH", "RESPONSES_NEUTRAL", "RESPONSES_PARAMETERS", "ResponsesRequest", "conversation", "to_chat"]

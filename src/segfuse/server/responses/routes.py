@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from ..state import ServerState
 from . import serving
+from .protocol import PATH
 
 
 def api_router(state: ServerState) -> APIRouter:
@@ -15,7 +16,7 @@ def api_router(state: ServerState) -> APIRouter:
     router = APIRouter()
     store = state.extras["responses"] = state.shared.responses  # what previous_response_id finds
 
-    @router.post("/v1/responses")
+    @router.post(PATH)
     async def responses(request: Request) -> Response:
         return await serving.answer(state, store, request)
 

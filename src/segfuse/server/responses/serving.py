@@ -9,7 +9,6 @@ function call, or the Responses stream of events (``response.created`` ... ``res
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,29 +17,19 @@ from fastapi.responses import JSONResponse, Response
 
 from ...config import LimitsSection
 from ...options import FusionOptions
-from ...types import DoneEvent, Result, SegmentEvent
+from ...types import Result, SegmentEvent
 from .. import limits as checks
 from .. import parsing
+from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
 from ..parsing import Endpoint
-from ..serving import (
-    KEEPALIVE_FRAME,
-    KEEPALIVE_S,
-    APIError,
-    call_of,
-    disconnected,
-    event_stream,
-    failure_of,
-    finished,
-    full_info,
-    sse,
-    usage_of,
-)
+from ..serving import APIError, call_of, disconnected, full_info, sse, usage_of
 from ..shared import Responses
 from ..state import ServerState, require_members, submit
-from ..worker import Job, Started
+from ..worker import Job
 from .protocol import (
+    PATH,
     RESPONSES_NEUTRAL,
     RESPONSES_PARAMETERS,
     ResponsesRequest,
@@ -94,20 +83,28 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     model = plan.request.model or state.model_id
     job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
     cancel = submit(state, [job], detailed, plan.request.user)
-    reply = ResponseWriter(job, model, plan, store, detailed)
+    reply = ResponsesAnswer(job, model, plan, store, detailed)
     if plan.request.stream:
-        return event_stream(reply.stream(cancel), cancel)
-    result, started = await finished(job, disconnected(request), cancel, detailed)
-    return JSONResponse(reply.body(result, started))
+        return reply.response(cancel)
+    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
 
 
-class ResponseWriter:
-    """One response's wire shapes: its output items, the response object, its stream of events."""
+class ResponsesAnswer(Answer):
+    """One response's wire shapes: its output items, the response object, its stream of events:
+    response.created at once, response.in_progress when the worker takes the job, the answer's text as
+    output_text deltas as the segments come (with tools: held to the end, a call or text), then the
+    closing events and response.completed (response.incomplete at the budget); an ``error`` event ends
+    a stream whose job failed. Every event is numbered (``sequence_number``), from 0."""
 
-    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: Responses, detailed: bool) -> None:
-        self.job, self.model, self.plan, self.store, self.detailed = job, model, plan, store, detailed
+    PATHS = (PATH,)
+    LAST = ()
+
+    def __init__(self, job: Job, model: str, plan: ResponsesPlan, store: Responses, detailed: bool = False) -> None:
+        super().__init__(job, model, detailed)
+        self.plan, self.store = plan, store
         self.message_id, self.call_item_id = f"msg_{uuid.uuid4().hex}", f"fc_{uuid.uuid4().hex}"
-        self.sequence = 0
+        self.sequence = 0  # the next event's number
+        self.opened = False  # the message item is open (its text streams)
 
     def output(self, result: Result) -> list[dict[str, Any]]:
         call = call_of(self.job, result)
@@ -154,11 +151,11 @@ class ResponseWriter:
             "usage": None,
         }
 
-    def body(self, result: Result, started: Started | None) -> dict[str, Any]:
+    def body(self, result: Result) -> dict[str, Any]:
         """The finished response (kept in the store, unless the request said store: false)."""
         output = self.output(result)
         length = result.stats.finish_reason != "stop"
-        usage = usage_of(result, started)
+        usage = usage_of(result, self.started)
         body = self.snapshot("incomplete" if length else "completed", output)
         body["incomplete_details"] = {"reason": "max_output_tokens"} if length else None
         body["usage"] = {
@@ -168,7 +165,7 @@ class ResponseWriter:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens,
         }
-        body["segfuse"] = full_info(result, started, self.detailed).model_dump(mode="json")
+        body["segfuse"] = full_info(result, self.started, self.detailed).model_dump(mode="json")
         if self.plan.request.store is not False:
             self.store.put(self.job.id, answered(self.plan.history, _as_chat(output[0])))
         return body
@@ -209,58 +206,37 @@ class ResponseWriter:
             self.event("response.output_item.done", output_index=0, item=item),
         ]
 
-    def ending(self, result: Result, started: Started | None, opened: bool, held: list[str]) -> list[str]:
-        body = self.body(result, started)
+    def opening(self) -> list[str]:
+        return [self.event("response.created", response=self.snapshot("in_progress"))]
+
+    def on_start(self) -> list[str]:
+        return [self.event("response.in_progress", response=self.snapshot("in_progress"))]
+
+    def segment(self, event: SegmentEvent) -> list[str]:
+        frames = [] if self.opened else self.text_events()
+        self.opened = True
+        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        frames.append(self.event("response.output_text.delta", **ids, delta=event.segment.text, logprobs=[]))
+        return frames
+
+    def done(self, result: Result) -> list[str]:
+        body = self.body(result)
         item = body["output"][0]
         if item["type"] == "function_call":
             frames = self.call_events(item)
         else:
-            frames = [] if opened else self.text_events("".join(held) or None)
+            frames = [] if self.opened else self.text_events("".join(self.held) or None)
             frames += self.closing_text(result.text)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [*frames, self.event(kind, response=body)]
 
-    async def stream(self, cancel: Callable[[], None]) -> AsyncIterator[str]:
-        """response.created at once, response.in_progress when the worker takes the job, the answer's text
-        as output_text deltas as the segments come (with tools: held to the end, a call or text), then
-        the closing events and response.completed (response.incomplete at the budget); an ``error`` event
-        ends a stream whose job failed."""
-        opened, held = False, []
-        started: Started | None = None
-        try:
-            yield self.event("response.created", response=self.snapshot("in_progress"))
-            async for item in self.job.items(keepalive_s=KEEPALIVE_S):
-                if item is None:
-                    yield KEEPALIVE_FRAME
-                elif isinstance(item, Started):
-                    started = item
-                    yield self.event("response.in_progress", response=self.snapshot("in_progress"))
-                elif isinstance(item, SegmentEvent):
-                    if self.job.tools:
-                        held.append(item.segment.text)
-                        continue
-                    frames = [] if opened else self.text_events()
-                    opened = True
-                    frames.append(
-                        self.event(
-                            "response.output_text.delta",
-                            item_id=self.message_id,
-                            output_index=0,
-                            content_index=0,
-                            delta=item.segment.text,
-                            logprobs=[],
-                        )
-                    )
-                    for frame in frames:
-                        yield frame
-                elif isinstance(item, DoneEvent):
-                    for frame in self.ending(item.result, started, opened, held):
-                        yield frame
-                elif (error := failure_of(item, self.detailed)) is not None:
-                    self.sequence += 1
-                    yield error_event(error, self.sequence - 1)
-        finally:
-            cancel()
+    def failure(self, error: APIError) -> list[str]:
+        self.sequence += 1
+        return self.error_ending(error, self.sequence - 1)
+
+    @classmethod
+    def error_ending(cls, error: APIError, sequence: int = 0) -> list[str]:
+        return [error_event(error, sequence)]
 
 
 def error_event(error: APIError, sequence: int) -> str:
@@ -307,4 +283,4 @@ def _as_chat(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": "".join(p["text"] for p in item["content"])}
 
 
-__all__ = ["RESPONSES", "ResponseWriter", "answer", "error_event", "plan_responses"]
+__all__ = ["RESPONSES", "ResponsesAnswer", "answer", "error_event", "plan_responses"]
