@@ -186,6 +186,8 @@ class PrefixDir:
         try:
             with stored.path.open("rb") as f:
                 data = bytearray(f.read())
+        except FileNotFoundError:  # removed by the bound (this process's or another's): nothing to say
+            raise Unusable("it is gone", broken=False) from None
         except OSError as exc:
             raise self.ignore(stored.path, f"it cannot be read ({exc.strerror or exc})") from None
         if len(data) != stored.state_at + stored.state_len:

@@ -1,12 +1,13 @@
 """How much a prefix cache kept across restarts saves: the first segment of a request with a long system prompt,
 cold and after a restart that reads the prompt back from ``prefix_cache_dir``.
 
-``python -m segfuse.bench.restart_cache [--items 3] [--max-tokens 32] [--out docs/results/restart-cache/...]``:
+``python -m segfuse.bench.restart_cache [--items 3] [--max-tokens 32] [--vote] [--out FILE]``:
 each item is its own system prompt of about 2,000 tokens (rules in another order) and a question. The
 first ensemble (the default embedded members, with a fresh directory) answers every item cold and
 writes its cached prefixes after each (as the server does every few minutes); it is closed, and a
 second ensemble on the same directory (a restart) answers the same items, each reading its prompt
-back from disk; then once more, from memory. Timed: from the call to the first segment of the
+back from disk; then once more, from memory (``--vote``: every proposal to the vote, so every
+member reads the prompt, not the leader alone). Timed: from the call to the first segment of the
 answer (opening the sessions, reading back, and decoding what is left of the prompt, included).
 Prints the ratio restart/cold (target: at most 0.3) and writes a JSON record.
 """
@@ -47,12 +48,12 @@ def chat(item: int) -> list[Message]:
     ]
 
 
-def first_segment(ensemble: Ensemble, messages: list[Message], max_tokens: int) -> tuple[float, Result]:
+def first_segment(ensemble: Ensemble, messages: list[Message], options: dict[str, Any]) -> tuple[float, Result]:
     """Seconds from the call to the answer's first segment, and the whole result."""
     start = time.perf_counter()
     first = None
     result = None
-    for event in ensemble.stream(messages, temperature=0.0, max_tokens=max_tokens):
+    for event in ensemble.stream(messages, temperature=0.0, **options):
         if first is None and isinstance(event, SegmentEvent):
             first = time.perf_counter() - start
         if isinstance(event, DoneEvent):
@@ -78,14 +79,17 @@ def figures(ensemble: Ensemble) -> dict[str, dict[str, int]]:
     return seen
 
 
-def run(items: int, max_tokens: int, directory: Path, threads: int | None) -> dict[str, Any]:
+def run(items: int, max_tokens: int, directory: Path, threads: int | None, vote: bool) -> dict[str, Any]:
     options: dict[str, Any] = {"prefix_cache_dir": str(directory)}
     if threads:
         options["threads"] = threads
+    asked: dict[str, Any] = {"max_tokens": max_tokens}
+    if vote:  # every proposal to the vote: every member reads the prompt for the first segment
+        asked["accept_margin"] = None
     rows: list[dict[str, Any]] = [{"item": i} for i in range(items)]
     with Ensemble(**options) as first:
         for row in rows:
-            cold_s, cold = first_segment(first, chat(row["item"]), max_tokens)
+            cold_s, cold = first_segment(first, chat(row["item"]), asked)
             row["cold_s"], row["save_s"] = round(cold_s, 3), round(save(first), 3)
             row["answer_cold"] = cold.text
             row["prompt_tokens"] = {n: c["prompt"] + c["reused"] for n, c in cold.counters.items()}
@@ -94,10 +98,10 @@ def run(items: int, max_tokens: int, directory: Path, threads: int | None) -> di
     with Ensemble(**options) as second:
         load_s = time.perf_counter() - started
         for row in rows:
-            restart_s, warm = first_segment(second, chat(row["item"]), max_tokens)
+            restart_s, warm = first_segment(second, chat(row["item"]), asked)
             row["restart_s"], row["answer_restart"] = round(restart_s, 3), warm.text
             row["reused"] = {n: c["reused"] for n, c in warm.counters.items()}
-            row["memory_s"] = round(first_segment(second, chat(row["item"]), max_tokens)[0], 3)
+            row["memory_s"] = round(first_segment(second, chat(row["item"]), asked)[0], 3)
             print(
                 f"item {row['item']}: first segment cold {row['cold_s']:.2f} s, after a restart "
                 f"{row['restart_s']:.2f} s ({row['restart_s'] / row['cold_s']:.2f}x), from memory {row['memory_s']:.2f} s"
@@ -109,7 +113,7 @@ def run(items: int, max_tokens: int, directory: Path, threads: int | None) -> di
         "git": git(),
         "loadavg": loadavg(),
         "items": f"{items} system prompts of 60 rules (about 2,000 tokens), each with one question",
-        "members": "the embedded default three",
+        "members": "the embedded default three" + (", every proposal to the vote" if vote else ""),
         "threads": threads,
         "max_tokens": max_tokens,
         "cold_s": round(cold_s, 3),
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads per member (default: theirs)")
+    parser.add_argument("--vote", action="store_true", help="every proposal to the vote (accept_margin none)")
     parser.add_argument("--dir", default=None, help="the prefix-cache directory (default: a fresh temporary one)")
     parser.add_argument("--out", default="runs/restart-cache.json")
     args = parser.parse_args()
@@ -138,7 +143,7 @@ def main() -> None:
         directory = Path(args.dir) if args.dir else Path(scratch)
         if directory.is_dir() and any(directory.iterdir()):
             parser.error(f"{directory} is not empty: the first answers must be cold")
-        report = run(args.items, args.max_tokens, directory, args.threads)
+        report = run(args.items, args.max_tokens, directory, args.threads, args.vote)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(

@@ -29,6 +29,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
+from ...errors import MemberLoadError
 from ..prefix_cache import Entry, PrefixCache, common_prefix
 from ..prefix_files import DEFAULT_MAX_BYTES, Key, PrefixDir, Stored, Unusable, file_name, salt_digest
 from .context import Context, layout
@@ -80,6 +81,13 @@ def open_disk(
         log.info("prefix cache: %s keeps no prefix cache, so nothing goes to %s", table.name, where)
         return None
     directory = PrefixDir(resolve_dir(where), max_bytes or DEFAULT_MAX_BYTES)
+    try:
+        directory.ensure()
+    except OSError as exc:
+        raise MemberLoadError(
+            f"cannot use {directory.path} as the prefix-cache directory: {exc.strerror or exc}",
+            "name a directory this user may write (prefix_cache_dir), or leave it out",
+        ) from None
     return DiskPrefixes(directory, model=model, settings=settings, table=table)
 
 
