@@ -6,7 +6,7 @@ each item is its own system prompt of about 2,000 tokens (rules in another order
 first ensemble (the default embedded members, with a fresh directory) answers every item cold and
 writes its cached prefixes after each (as the server does every few minutes); it is closed, and a
 second ensemble on the same directory (a restart) answers the same items, each reading its prompt
-back from disk; then once more, from memory (``--vote``: every proposal to the vote, so every
+back from disk; then once more, from memory (``--vote``: every proposal to the vote, no gate, so every
 member reads the prompt, not the leader alone). Timed: from the call to the first segment of the
 answer (opening the sessions, reading back, and decoding what is left of the prompt, included).
 Prints the ratio restart/cold (target: at most 0.3) and writes a JSON record.
@@ -85,7 +85,7 @@ def run(items: int, max_tokens: int, directory: Path, threads: int | None, vote:
         options["threads"] = threads
     asked: dict[str, Any] = {"max_tokens": max_tokens}
     if vote:  # every proposal to the vote: every member reads the prompt for the first segment
-        asked["accept_margin"] = None
+        asked.update(accept_margin=None, gate=None)
     rows: list[dict[str, Any]] = [{"item": i} for i in range(items)]
     with Ensemble(**options) as first:
         for row in rows:
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads per member (default: theirs)")
-    parser.add_argument("--vote", action="store_true", help="every proposal to the vote (accept_margin none)")
+    parser.add_argument("--vote", action="store_true", help="every proposal to the vote (accept_margin and gate none)")
     parser.add_argument("--dir", default=None, help="the prefix-cache directory (default: a fresh temporary one)")
     parser.add_argument("--out", default="runs/restart-cache.json")
     args = parser.parse_args()
