@@ -144,12 +144,9 @@ class LlamaCppMember(LocalMember):
         self.table = Slots(self.context, name=self.name, slots=slots, cells=cells, entries=entries, swa=swa)
         self.prefix_cache = self.table.prefix_cache
         if prefix_cache_dir is not None:
+            settings = settings_of(self.n_ctx, self.gpu_layers, self.model_params)
             self.table.disk = open_disk(
-                prefix_cache_dir,
-                prefix_cache_dir_max_bytes,
-                model=self.path,
-                settings=settings_of(self.n_ctx, self.gpu_layers, self.model_params),
-                table=self.table,
+                prefix_cache_dir, prefix_cache_dir_max_bytes, model=self.path, settings=settings, table=self.table
             )
         self.context.make_room = self.prefix_cache.evict_one  # no room: cached prefixes give way first
         self.softmax = LogSoftmax(self.vocab.n_vocab)
