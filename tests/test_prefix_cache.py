@@ -75,3 +75,29 @@ def test_a_bound_of_zero_is_off():
     cache.store([1, 2, 3], copy)
     assert stored == {} and cache.lookup([1, 2, 3, 4], limit=3) is None
     assert cache.stats().misses == 0
+
+
+def test_peek_counts_nothing_and_an_entry_serves_only_matches_from_its_min_match():
+    floors: dict[int, int] = {}
+    dropped: list[int] = []
+    cache = PrefixCache(100, range(4), dropped.append, min_match=lambda h: floors.get(h, 0))
+    cache.store(list(range(10)), lambda h, n: None)
+    floors[0] = 9  # e.g. read back from disk: its sliding-window layers hold only the last positions
+    assert cache.peek([*range(5), 99], limit=5) == 0  # a match of 5 is too short for it
+    assert cache.peek([*range(10), 99], limit=10) == 10
+    assert cache.stats().hits == cache.stats().misses == 0
+    assert cache.lookup([*range(5), 99], limit=5) is None
+    cache.store(list(range(6)), lambda h, n: None)  # it does not cover a prefix it cannot serve
+    assert sorted(cache.lengths().values()) == [6, 10]
+    assert cache.lookup([*range(6), 99], limit=6) == (1, 6)
+
+
+def test_an_entry_remembers_where_the_entries_it_replaced_ended():
+    cache, copy, _stored, _ = make(100)
+    cache.store([1, 2, 3], copy)  # a request's prompt, kept once read
+    cache.store([1, 2, 3, 4, 5], copy)  # its prompt and answer
+    cache.store([1, 2, 3, 4, 5, 6, 7, 8], copy)  # the next turn
+    (entry,) = cache.snapshot()
+    assert entry.marks == (3, 5) and len(entry.tokens) == 8
+    cache.store([9, 9], copy)
+    assert [len(e.tokens) for e in cache.snapshot()] == [2, 8]  # most recently used first

@@ -276,3 +276,30 @@ def test_only_a_streamed_answer_hands_out_the_leaders_text_as_it_decodes(streame
     job = Job(FusionRequest.of("hi", FusionOptions()), streamed=streamed, logprobs=logprobs)
     flight = flight_of(job, iter(()), lambda name: None, lambda tell: None, lambda *a: None)
     assert flight.live is live
+
+
+def test_the_periodic_chore_runs_on_the_worker_thread_idle_or_busy_and_a_failure_stops_nothing():
+    from segfuse.server.periodic import Periodic
+
+    ran: list[str] = []
+
+    def chore():
+        ran.append(threading.current_thread().name)
+        if len(ran) == 1:
+            raise RuntimeError("a disk that is full")  # logged; the worker goes on
+
+    session = ScriptedSession(list(WORDS), {})
+    with Ensemble([ScriptedMember("m", session)]) as ensemble:
+        worker = Worker(queue_size=4, max_concurrent=1)
+        worker.periodic = Periodic(0.05, chore, "a chore")
+        worker.start(ensemble)
+        for _ in range(100):  # idle: it wakes for the chore alone
+            if len(ran) >= 3:
+                break
+            threading.Event().wait(0.05)
+        results, _ = run_jobs(worker, [job("q")])
+        worker.stop()
+    assert len(ran) >= 3 and set(ran) == {"segfuse-worker"}
+    (items,) = results.values()
+    assert items[-1].result.text == " one. two."
+    assert worker.fatal is None and worker.snapshot()["worker_errors"] == 0

@@ -22,6 +22,7 @@ Example ``segfuse.toml``::
     models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     n_ctx = 4096
     prefix_cache_cells = 8192    # kept between requests (default: n_ctx x max_concurrent; 0: off)
+    prefix_cache_dir = "auto"    # ...and across restarts, in this directory ("auto": the user's cache; default: none)
     gpu_layers = -1              # llama.cpp layers on the GPU (default: all where it can offload, else 0)
 
     [defaults]                   # fusion options for requests that do not set them
@@ -71,6 +72,13 @@ class ServerSection(BaseModel):
         gt=0,
         le=86_400,
         description="a worker step running longer is stalled: /health answers 503 with status stalled",
+    )
+    prefix_cache_save_minutes: float = Field(
+        10.0,
+        ge=0,
+        le=10_080,
+        description="with [members] prefix_cache_dir: write the members' cached prefixes there this often "
+        "(0: only at shutdown)",
     )
     allowed_hosts: list[str] | None = Field(
         None,

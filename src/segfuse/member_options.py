@@ -52,6 +52,18 @@ class MemberOptions(BaseModel):
         ge=0,
         description="KV-cache cells a llama.cpp member keeps between requests (default n_ctx x slots; 0: off)",
     )
+    prefix_cache_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="a directory where llama.cpp members keep their cached prefixes across restarts: written "
+        "on close (and by the server every few minutes), read back when a prompt matches ('auto': the user's "
+        "cache directory; default: none, the cache lives in memory only)",
+    )
+    prefix_cache_dir_max_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description="the most bytes prefix_cache_dir may hold; the least recently used files go first (default 2 GiB)",
+    )
     gpu_layers: int | None = Field(
         None,
         ge=-1,

@@ -183,6 +183,11 @@ class Member(ABC):
     def close(self) -> None:  # noqa: B027  # a default, not abstract: a member with nothing to free keeps it
         """Free the model."""
 
+    def save_prefix_cache(self) -> int:
+        """Write the prefixes it caches to its prefix-cache directory, where it keeps one (llama.cpp members
+        given ``prefix_cache_dir``); how many files it wrote. Call it from the thread that runs its calls."""
+        return 0
+
     def prompt_tokens(self, messages: Sequence[Message]) -> list[int] | None:
         """The templated prompt's tokens; None where the member cannot tell."""
         return None

@@ -16,6 +16,12 @@ This module is the bookkeeping alone, backend-agnostic: an entry names a
 *handle* (for llama.cpp a cache sequence id) and the backend copies cells in
 and out through the callables it passes. The bound counts each entry's tokens
 in full even where entries share cells, so the cells held never pass it.
+Where a backend's entry cannot serve every match (a sliding-window model's
+state read back from disk keeps only the window's last cells), `min_match`
+says the shortest match it may serve. An entry remembers where the shorter
+entries it replaced ended (`marks`: where a request's prompt ended), so that
+a backend writing entries to disk (``prefix_files.py``) can also keep them
+at those lengths.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 import numpy as np
 
 H = TypeVar("H")  # what the backend names an entry's storage by (a sequence id, a cache object)
+MARKS = 4  # lengths of replaced entries an entry remembers (the longest)
 
 
 @dataclass(eq=False)  # entries are told apart by identity (their tokens are arrays)
@@ -37,6 +44,7 @@ class Entry(Generic[H]):
     handle: H
     used: int  # logical clock of the last hit or store (least recently used goes first)
     salt: str | None = None  # only sessions with the same salt may start from it
+    marks: tuple[int, ...] = ()  # lengths of the entries it replaced (where their prompts ended)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class PrefixStats:
     misses: int  # sessions that found none
     reused_tokens: int  # prompt tokens not decoded thanks to a hit
     evictions: int  # entries dropped to make room
+    restored: int = 0  # entries read back from disk (prefix_cache_dir)
+    saved: int = 0  # entries written to disk
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -64,17 +74,26 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class PrefixCache(Generic[H]):
     """Entries of cached token prefixes within `bound` cells, over a fixed set of handles.
 
-    `drop(handle)` frees an entry's storage. All methods are safe to call from
+    `drop(handle)` frees an entry's storage; `min_match(handle)`, the shortest match
+    the entry may serve (default 0: any). All methods are safe to call from
     several threads; the backend's copies run under the same lock.
     """
 
-    def __init__(self, bound: int, handles: Sequence[H], drop: Callable[[H], None]) -> None:
+    def __init__(
+        self,
+        bound: int,
+        handles: Sequence[H],
+        drop: Callable[[H], None],
+        min_match: Callable[[H], int] | None = None,
+    ) -> None:
         self.bound = max(0, bound)
         self._free = list(handles)
         self._drop = drop
+        self._min_match = min_match or _any_match
         self._entries: list[Entry[H]] = []
         self._clock = 0
         self._hits = self._misses = self._reused = self._evictions = 0
+        self.restored = self.saved = 0  # counted by the backend that reads and writes entries on disk
         self.lock = threading.RLock()
 
     @property
@@ -100,15 +119,8 @@ class PrefixCache(Generic[H]):
         """
         if not self.enabled:
             return None
-        wanted = np.asarray(prompt, dtype=np.int64)
         with self.lock:
-            best, length = None, 0
-            for entry in self._entries:
-                if entry.salt != salt:
-                    continue
-                n = min(common_prefix(entry.tokens, wanted), limit)
-                if n > length:
-                    best, length = entry, n
+            best, length = self._best(prompt, limit, salt)
             if best is None:
                 self._misses += 1
                 return None
@@ -117,12 +129,31 @@ class PrefixCache(Generic[H]):
             self._reused += length
             return best.handle, length
 
+    def peek(self, prompt: Sequence[int], limit: int, salt: str | None = None) -> int:
+        """How many tokens :meth:`lookup` would find now (counting nothing)."""
+        if not self.enabled:
+            return 0
+        with self.lock:
+            return self._best(prompt, limit, salt)[1]
+
+    def _best(self, prompt: Sequence[int], limit: int, salt: str | None) -> tuple[Entry[H] | None, int]:
+        wanted = np.asarray(prompt, dtype=np.int64)
+        best, length = None, 0
+        for entry in self._entries:
+            if entry.salt != salt:
+                continue
+            n = min(common_prefix(entry.tokens, wanted), limit)
+            if n > length and n >= self._min_match(entry.handle):
+                best, length = entry, n
+        return best, length
+
     def store(self, tokens: Sequence[int], copy: Callable[[H, int], None], salt: str | None = None) -> None:
         """Keep `tokens` (cut to the bound) as an entry under `salt`; `copy(handle, n)` puts their cells
         under `handle`.
 
-        An entry (under the same salt) that already covers them is only marked
-        used; entries they cover are replaced; the least recently used go until
+        An entry (under the same salt) that already covers them, and may serve
+        any match, is only marked used; entries they cover are replaced (their
+        lengths become the new entry's marks); the least recently used go until
         the new one fits.
         """
         if not self.enabled:
@@ -133,10 +164,13 @@ class PrefixCache(Generic[H]):
         with self.lock:
             mine = [e for e in self._entries if e.salt == salt]
             for entry in mine:
-                if len(entry.tokens) >= len(kept) and common_prefix(entry.tokens, kept) == len(kept):
+                covers = len(entry.tokens) >= len(kept) and common_prefix(entry.tokens, kept) == len(kept)
+                if covers and self._min_match(entry.handle) == 0:
                     entry.used = self._tick()
                     return
+            marks: set[int] = set()
             for entry in [e for e in mine if common_prefix(e.tokens, kept) == len(e.tokens)]:
+                marks.update((len(entry.tokens), *entry.marks))
                 self._remove(entry)
             while self._entries and (self.cells + len(kept) > self.bound or not self._free):
                 self.evict_one()
@@ -150,7 +184,7 @@ class PrefixCache(Generic[H]):
                 with contextlib.suppress(Exception):
                     self._drop(handle)
                 raise
-            self._entries.append(Entry(kept, handle, self._tick(), salt))
+            self._entries.append(Entry(kept, handle, self._tick(), salt, tuple(sorted(marks - {len(kept)})[-MARKS:])))
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry (a request needs the room); False when there is none."""
@@ -175,6 +209,12 @@ class PrefixCache(Generic[H]):
     def cells(self) -> int:
         return sum(len(e.tokens) for e in self._entries)
 
+    def snapshot(self) -> list[Entry[H]]:
+        """The live entries, most recently used first (copies: their handles may be reused once the lock
+        is let go, so read their storage under :attr:`lock`)."""
+        with self.lock:
+            return [replace(e) for e in sorted(self._entries, key=lambda e: -e.used)]
+
     def lengths(self) -> dict[H, int]:
         """Tokens held per live handle (to check the backend's storage against)."""
         with self.lock:
@@ -183,5 +223,17 @@ class PrefixCache(Generic[H]):
     def stats(self) -> PrefixStats:
         with self.lock:
             return PrefixStats(
-                self.bound, len(self._entries), self.cells, self._hits, self._misses, self._reused, self._evictions
+                self.bound,
+                len(self._entries),
+                self.cells,
+                self._hits,
+                self._misses,
+                self._reused,
+                self._evictions,
+                self.restored,
+                self.saved,
             )
+
+
+def _any_match(handle: object) -> int:
+    return 0

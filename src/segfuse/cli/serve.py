@@ -68,6 +68,15 @@ def serve(
             "of their answer; more get 503 (default 64). Connections without a request do not count.",
         ),
     ] = None,
+    prefix_cache_save_minutes: Annotated[
+        float | None,
+        typer.Option(
+            "--prefix-cache-save-minutes",
+            min=0,
+            help="With --prefix-cache-dir: write the cached prefixes there this often, and at shutdown "
+            "(default 10; 0: only at shutdown).",
+        ),
+    ] = None,
     ray: Annotated[
         bool,
         typer.Option(
@@ -112,6 +121,7 @@ def serve(
         max_tokens=max_tokens_limit,
         request_timeout_s=request_timeout,
         limit_concurrency=limit_concurrency,
+        prefix_cache_save_minutes=prefix_cache_save_minutes,
         defaults=fusion or None,
         enabled=ray or ray_address is not None or None,
         address=ray_address,

@@ -48,6 +48,7 @@ from .guards import Gate, quoted, redact
 from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
+from .periodic import saving_prefix_caches
 from .responses import routes as responses
 from .responses.store import ResponseStore
 from .serving import APIError, api_error
@@ -81,6 +82,7 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
         if not ens.members:
             state.status, state.error = "failed", "the ensemble has no members"
             return
+        state.worker.periodic = saving_prefix_caches(ens.members, config.server.prefix_cache_save_minutes)
         state.worker.start(ens)
         state.metrics.members(ens.names)
         state.members, state.status = ens.names, "ok"

@@ -120,6 +120,8 @@ PREFIX_METRICS = (
     ("misses", "Sessions that found no cached prefix", True),
     ("reused_tokens", "Prompt tokens not decoded thanks to the prefix cache", True),
     ("evictions", "Prefix-cache entries dropped to make room", True),
+    ("restored", "Prefix-cache entries read back from its directory (prefix_cache_dir)", True),
+    ("saved", "Prefix-cache entries written to its directory (prefix_cache_dir)", True),
 )
 
 

@@ -212,6 +212,8 @@ class PrefixCacheState(BaseModel):
     misses: int = Field(description="sessions that found none")
     reused_tokens: int = Field(description="prompt tokens not decoded thanks to a hit")
     evictions: int = Field(description="entries dropped to make room")
+    restored: int = Field(0, description="entries read back from the prefix-cache directory")
+    saved: int = Field(0, description="entries written to the prefix-cache directory")
 
 
 class MemberOccupancy(BaseModel):

@@ -13,7 +13,8 @@ cells): only it may read a llama.cpp cache, which must not be read mid-decode.
 A job that ends leaves the count of jobs in flight together with a fresh note
 (its sessions are closed by then), and only then does its handler get its
 result: a client that has its whole answer, asking /health at once, never sees
-its request still in flight, nor the slot it held.
+its request still in flight, nor the slot it held. Between ticks (or idle) it
+runs its ``periodic`` chore when due (``periodic.py``: writing the prefix caches).
 The job and what it hands its handler are in ``jobs.py``; the watchdog is in ``watchdog.py``.
 
 The worker is never silent about its own faults: an exception that escapes a
@@ -57,6 +58,7 @@ from .jobs import (
     run_work,
     tell,
 )
+from .periodic import Periodic
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger("segfuse.server")
@@ -124,6 +126,7 @@ class Worker:
         self.observer: Observer | None = None
         self.fatal: str | None = None  # why the worker cannot go on; None while it can
         self.on_fatal: Callable[[str], None] | None = None  # told once, from the worker or watchdog thread
+        self.periodic: Periodic | None = None  # a chore run on the worker thread between ticks when due
         self._tick_since: float | None = None  # time.monotonic() at the start of the tick in progress
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
@@ -236,8 +239,8 @@ class Worker:
         try:
             while True:
                 with self._cond:
-                    while not self._waiting and not self._running and not self._stopping:
-                        self._cond.wait()
+                    while not self._waiting and not self._running and not self._stopping and not self._chore_due():
+                        self._cond.wait(None if self.periodic is None else self.periodic.wait_s())
                     if self._stopping and not self._waiting and not self._running:
                         return
                     admitted = []
@@ -245,7 +248,11 @@ class Worker:
                         job = self._waiting.popleft()
                         self._running.add(job)
                         admitted.append(job)
-                if not self._step(admitted):
+                    busy = bool(self._running)
+                if self._chore_due():
+                    assert self.periodic is not None
+                    self.periodic.run()
+                if busy and not self._step(admitted):
                     return
         except BaseException as exc:  # the loop itself broke: nothing will serve the queue any more
             self._die(f"the worker thread stopped on {type(exc).__name__}", exc)
@@ -254,6 +261,9 @@ class Worker:
                 self._scheduler.close()
             except Exception:
                 log.exception("closing the scheduler failed")
+
+    def _chore_due(self) -> bool:
+        return self.periodic is not None and self.periodic.due()
 
     def _step(self, admitted: Sequence[Job]) -> bool:
         """One tick: admit `admitted`, advance every generation, note what members hold.

@@ -6,6 +6,7 @@ book and ``member.py`` (the member) puts the two together.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -157,6 +158,24 @@ class Context:
         last = lc.llama_memory_seq_pos_max(self._mem, seq)
         return last - lc.llama_memory_seq_pos_min(self._mem, seq) + 1 if last >= 0 else 0
 
+    def seq_pos_min(self, seq: int) -> int:
+        """The first position sequence `seq` holds in every layer (-1: none). A sliding-window model's
+        window layers may hold fewer than the rest: this is where theirs start."""
+        return int(lc.llama_memory_seq_pos_min(self._mem, seq))
+
+    # --- a sequence's state (kept on disk between runs: persist.py) --------------------
+    def state_get(self, seq: int) -> Any:
+        """Sequence `seq`'s cells as llama.cpp writes them (a ctypes byte array)."""
+        return self.compute(_state_get, self._ctx, seq, self.name)
+
+    def state_set(self, seq: int, data: bytearray, start: int, length: int) -> bool:
+        """Read `length` bytes of `data` from `start` (what :meth:`state_get` gave) into sequence `seq`,
+        replacing what it held; False when llama.cpp refuses them (it then holds nothing)."""
+        ok = bool(self.compute(_state_set, self._ctx, seq, data, start, length))
+        if not ok:
+            self.seq_drop(seq)
+        return ok
+
     def held_cells(self) -> int:
         """Positions held, summed over the sequences (a cell two sequences share counts twice)."""
         return sum(self.seq_cells(seq) for seq in range(self.n_seq))
@@ -170,6 +189,33 @@ class Context:
             lc.llama_batch_free(self._batch)
             lc.llama_free(self._ctx)
             self._ctx = None
+
+
+def _state_get(ctx: Any, seq: int, name: str) -> Any:
+    size = lc.llama_state_seq_get_size(ctx, seq)
+    buf = (ctypes.c_uint8 * size)()
+    if lc.llama_state_seq_get_data(ctx, buf, size, seq) != size:
+        raise MemberLoadError(f"{name}: llama.cpp could not copy the state of sequence {seq}", "see the log above")
+    return buf
+
+
+def _state_set(ctx: Any, seq: int, data: bytearray, start: int, length: int) -> bool:
+    buf = (ctypes.c_uint8 * length).from_buffer(data, start)
+    return int(lc.llama_state_seq_set_data(ctx, buf, length, seq)) == length
+
+
+def layout() -> dict[str, Any]:
+    """What every context is made with that changes what its cells hold (beyond the model and the member's
+    window and offload): the cache's types and attention kernel, as :func:`_create` leaves or sets them."""
+    params = lc.llama_context_default_params()
+    return {
+        "type_k": int(params.type_k),
+        "type_v": int(params.type_v),
+        "flash_attn": int(params.flash_attn_type),
+        "offload_kqv": bool(params.offload_kqv),
+        "kv_unified": True,
+        "swa_full": True,
+    }
 
 
 def _create(model: Any, n_ctx: int, n_batch: int, n_seq: int, threads: int, shape: str) -> Any:

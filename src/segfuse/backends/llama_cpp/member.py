@@ -35,10 +35,15 @@ entry into its sequence 0 and decodes only the rest of its prompt.
 
 A deterministic session (``deterministic=True``) runs in a context of its own instead
 (``private.py``): it reads no cached prefix, keeps none, and shares no decode.
+
+Across runs (``prefix_cache_dir``): the entries are written to a directory when the member
+closes or is asked (``save_prefix_cache``), and read back when a session's prompt finds a
+longer prefix there than in memory (``persist.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -60,6 +65,7 @@ from ..spec import split_target
 from . import batch
 from .context import Context
 from .echo import echo_tokens
+from .persist import open_disk, settings_of
 from .private import PrivateContexts
 from .runtime import (
     COMPUTE,
@@ -77,6 +83,7 @@ from .slots import SEQS_PER_SESSION, Slots, prefix_entries
 from .vocab import Vocabulary
 
 __all__ = ["LlamaCppMember", "LlamaCppOptions", "load"]
+log = logging.getLogger("segfuse.backends.prefix_cache")
 
 
 class LlamaCppMember(LocalMember):
@@ -105,8 +112,11 @@ class LlamaCppMember(LocalMember):
         split: str = "layer",
         tensor_split: tuple[float, ...] | None = None,
         side_by_side: str | None = None,
+        prefix_cache_dir: str | os.PathLike[str] | None = None,
+        prefix_cache_dir_max_bytes: int | None = None,
     ) -> None:
-        """`prefix_cache_cells`: cells kept between requests (None: ``n_ctx * slots``; 0: off).
+        """`prefix_cache_cells`: cells kept between requests (None: ``n_ctx * slots``; 0: off), and written to
+        `prefix_cache_dir` on close (``auto``: the user's cache; within `prefix_cache_dir_max_bytes`).
         `reencode`: every call re-encodes the whole context, as the paper's reference code (benchmarks only).
         `gpu_layers`: layers offloaded (None: all where llama.cpp can offload, else none; -1: all), on
         `main_gpu`, or spread over the GPUs by `split` ("layer", "row"; "none": main_gpu only) in
@@ -130,8 +140,14 @@ class LlamaCppMember(LocalMember):
         self.context = self._open_context(n_ctx, n_batch, max_outputs, cells, entries)
         self.n_ctx = (self.context.n_cells - cells) // slots  # one session's window
         self.context.window = self.n_ctx
-        self.table = Slots(self.context, name=self.name, slots=slots, cells=cells, entries=entries)
+        swa = int(lc.llama_model_n_swa(self._model))
+        self.table = Slots(self.context, name=self.name, slots=slots, cells=cells, entries=entries, swa=swa)
         self.prefix_cache = self.table.prefix_cache
+        if prefix_cache_dir is not None:
+            settings = settings_of(self.n_ctx, self.gpu_layers, self.model_params)
+            self.table.disk = open_disk(
+                prefix_cache_dir, prefix_cache_dir_max_bytes, model=self.path, settings=settings, table=self.table
+            )
         self.context.make_room = self.prefix_cache.evict_one  # no room: cached prefixes give way first
         self.softmax = LogSoftmax(self.vocab.n_vocab)
         self.context.reserve_outputs(self.n_ctx)
@@ -271,8 +287,18 @@ class LlamaCppMember(LocalMember):
         """``score`` for several sessions: every session's new candidates in one batch (chunked at n_batch)."""
         return batch.score_many(sessions, texts)
 
+    def save_prefix_cache(self) -> int:
+        """Write the cached prefixes not on disk yet to ``prefix_cache_dir`` (none without one); how many
+        files. Call it between decodes, from the thread that runs this member's calls."""
+        disk = self.table.disk
+        return disk.save() if disk is not None and self.context.is_open else 0
+
     def close(self) -> None:
         if getattr(self, "context", None) is not None and self.context.is_open:
+            try:
+                self.save_prefix_cache()
+            except Exception:  # the cache is a favour to the next run: closing goes on
+                log.exception("%s: could not write its prefix cache", self.name)
             self.private.close()
             self.context.close()
             lc.llama_model_free(self._model)

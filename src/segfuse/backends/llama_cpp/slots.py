@@ -3,12 +3,17 @@
 
 Slot k owns sequences 8k..8k+7 of the unified cache; each prefix-cache entry is one
 sequence after the slots'. Nothing here decodes: it copies and drops cells through the
-member's :class:`~segfuse.backends.llama_cpp.context.Context`.
+member's :class:`~segfuse.backends.llama_cpp.context.Context`. With a directory for the
+prefix cache (``persist.py``), a session whose prompt finds a longer prefix on disk than
+in memory reads it back first.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
 from ...errors import NoFreeSlotError
 from ..base import Occupancy
@@ -28,14 +33,33 @@ def prefix_entries(slots: int, cells: int, reencode: bool) -> int:
     return min(max(4, 2 * slots), MAX_SEQUENCES - SEQS_PER_SESSION * slots) if cells and not reencode else 0
 
 
-class Slots:
-    """`slots` session windows of a context and the prefix cache in `entries` sequences after them."""
+class PrefixDisk(Protocol):
+    """Where the prefix cache is kept across runs (``persist.DiskPrefixes``)."""
 
-    def __init__(self, ctx: Context, *, name: str, slots: int, cells: int, entries: int) -> None:
-        self.ctx, self.name, self.slots = ctx, name, slots
+    def read_back(self, prompt: list[int], limit: int, salt: str | None) -> bool:
+        """Make a longer prefix of `prompt` than memory holds an entry, if one is on disk."""
+        ...
+
+    def save(self) -> int:
+        """Write the entries not on disk yet; how many files."""
+        ...
+
+
+class Slots:
+    """`slots` session windows of a context and the prefix cache in `entries` sequences after them.
+
+    `swa`: the model's sliding window (0: none). Its window layers must hold the `swa` positions
+    before the first token a session decodes; an entry read back from disk holds only the last
+    ones, so it serves only matches that reach them (:meth:`min_match`)."""
+
+    def __init__(self, ctx: Context, *, name: str, slots: int, cells: int, entries: int, swa: int = 0) -> None:
+        self.ctx, self.name, self.slots, self.swa = ctx, name, slots, swa
         first = SEQS_PER_SESSION * slots
         self.entry_seqs = range(first, first + entries)
-        self.prefix_cache: PrefixCache[int] = PrefixCache(cells, self.entry_seqs, lambda seq: ctx.seq_rm(seq, -1, -1))
+        self.prefix_cache: PrefixCache[int] = PrefixCache(
+            cells, self.entry_seqs, lambda seq: ctx.seq_rm(seq, -1, -1), self.min_match
+        )
+        self.disk: PrefixDisk | None = None  # the prefix cache's directory (prefix_cache_dir), if any
         self._free = list(range(slots))
         self._slot_free = threading.Condition()
         self.wait_s = SLOT_WAIT_S
@@ -101,12 +125,32 @@ class Slots:
         """
         cache = self.prefix_cache
         with cache.lock:
+            if self.disk is not None:
+                self.disk.read_back(prompt, len(prompt) - 1, salt)
             found = cache.lookup(prompt, len(prompt) - 1, salt)
             if found is None:
                 return 0
             entry, length = found
             self.ctx.seq_cp(entry, seq, 0, length)
             return length
+
+    def min_match(self, seq: int) -> int:
+        """The shortest match sequence `seq` may serve: any, unless its window layers start late."""
+        first = self.ctx.seq_pos_min(seq) if self.swa else 0
+        return first + self.swa - 1 if first > 0 else 0
+
+    @contextmanager
+    def spare(self) -> Iterator[int | None]:
+        """A free slot's first sequence to work in, held meanwhile and emptied after; None when none is free."""
+        with self._slot_free:
+            slot = self._free.pop(0) if self._free else None
+        if slot is None:
+            yield None
+            return
+        try:
+            yield self.base(slot)
+        finally:
+            self.release(slot)
 
     def keep_prefix(self, seq: int, tokens: list[int], salt: str | None = None) -> None:
         """Keep the cells of `tokens`, held by sequence `seq` from position 0, in the prefix cache
@@ -136,5 +180,8 @@ class Slots:
             cells = self.ctx.seq_cells(seq)
             held, stray = (held, stray + cells) if seq // SEQS_PER_SESSION in free else (held + cells, stray)
         for seq in self.entry_seqs:
-            stray += abs(self.ctx.seq_cells(seq) - entries.get(seq, 0))
+            cells, kept = self.ctx.seq_cells(seq), entries.get(seq, 0)
+            if kept and self.swa:  # read back from disk, its window layers hold only the window's last positions
+                cells += max(0, self.ctx.seq_pos_min(seq))
+            stray += abs(cells - kept)
         return Occupancy(self.slots, len(free), held, stray, self.prefix_cache.stats())
