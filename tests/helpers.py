@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ import pytest
 from segfuse import models as catalogue
 from segfuse.backends.base import Member, MemberSession
 from segfuse.bench.processes import SegfuseServer, segfuse_server
+from segfuse.types import Result
 
 
 class SessionWrapper(MemberSession):
@@ -150,3 +152,52 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+# --- greedy answers that kernel noise may part ------------------------------------------------
+
+# Two greedy answers whose cells were computed in other batch shapes (a prefix read from a cache, other
+# requests decoded beside it) may part where two tokens were all but tied: llama.cpp's quantized kernels then
+# add in another order, which moved one token's log-probability by up to 0.32 nats here (Gemma-3-270M,
+# tests/test_cache_reuse.py). The two leading tokens may each move that much, the opposite way: where the
+# answers part, they must have been within twice that of each other in both answers, or it is no noise.
+NEAR_TIE_NATS = 0.7
+TOP_LOGPROBS = 3  # alternatives to ask for per token: the other answer's token must be among them
+
+# The same texts scored from cells computed in other batch shapes: a likely token's probability moved by up to
+# 0.07, an unlikely token's log-probability by up to 0.32 nats (Gemma-3-270M, tests/test_cache_reuse.py; a
+# likely token's log-probability hardly moves, an unlikely one's probability hardly does). Each bound is about
+# 1.5x and 3x those; a wrong cell (a token at the wrong position, another prompt's) moves the likely
+# tokens' probabilities by far more.
+SCORE_PROBABILITY, SCORE_NATS = 0.1, 1.0
+
+
+def assert_scores_agree(first: list[float], second: list[float], what: object = "") -> tuple[float, float]:
+    """Two scorings of the same tokens (log-probabilities) agree to kernel noise; returns how far apart they
+    were at most: (probability, nats)."""
+    assert len(first) == len(second), (what, first, second)
+    probability = max((abs(math.exp(x) - math.exp(y)) for x, y in zip(first, second)), default=0.0)
+    nats = max((abs(x - y) for x, y in zip(first, second)), default=0.0)
+    assert probability <= SCORE_PROBABILITY and nats <= SCORE_NATS, (what, first, second)
+    return probability, nats
+
+
+def same_until_a_near_tie(a: Result, b: Result, near: float = NEAR_TIE_NATS) -> int:
+    """How many leading tokens two greedy answers (asked with ``top_logprobs=TOP_LOGPROBS``) share; all of
+    them when the texts are the same. Where they part, each answer's token and the other's were within
+    `near` nats in both answers' alternatives; where one ended and the other went on, the one that went on
+    had a runner-up within `near` there."""
+    first, second = a.logprobs(), b.logprobs()
+    for i, (x, y) in enumerate(zip(first, second)):
+        if x.bytes != y.bytes:
+            for own, other in ((x, y), (y, x)):
+                alternatives = {piece: logprob for _, piece, logprob in own.top}
+                assert other.bytes in alternatives, (i, own, other, a.text, b.text)
+                assert own.logprob - alternatives[other.bytes] < near, (i, own, other, a.text, b.text)
+            return i
+    if len(first) != len(second):
+        went_on = (first if len(first) > len(second) else second)[min(len(first), len(second))]
+        assert len(went_on.top) > 1 and went_on.top[0][2] - went_on.top[1][2] < near, (went_on, a.text, b.text)
+        return min(len(first), len(second))
+    assert a.text == b.text
+    return len(first)

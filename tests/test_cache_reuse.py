@@ -4,22 +4,22 @@ The straightforward path is the reference mode (``reencode=True``): every
 draft and every verification re-encodes the whole context, as the paper's code
 does. Both run the same llama.cpp kernels on different batch shapes: a token
 decoded in a batch with the whole prompt or decoded after the cached prompt.
-For SmolLM2 (Q4_1) that gives bit-identical log-probabilities; for the Q4_K_M
-models llama.cpp's quantized matmuls round differently per batch shape
-(measured on the fixed answer below: up to 0.14 nats / 0.03 probability for
-Qwen2.5-0.5B and 0.32 nats / 0.07 probability for Gemma-3-270M, with flash
-attention on or off and with an f32 KV cache alike), so a long greedy answer
-can flip at a near-tie. Hence: identical rounds until such a flip (if any),
-scores within that noise, exact equality for SmolLM2 on one fixed answer and a
-stated tolerance for the others.
+llama.cpp's quantized matmuls may round differently per batch shape (measured
+on the fixed answer below: up to 0.14 nats / 0.03 probability for Qwen2.5-0.5B
+and 0.32 nats / 0.07 probability for Gemma-3-270M, with flash attention on or
+off and with an f32 KV cache alike; SmolLM2's Q4_1 gave bit-identical numbers
+on the CPU where that was measured, which another CPU's kernels, such as
+repacked weight layouts, need not), so a long greedy answer can flip at a
+near-tie. Hence: identical rounds until such a flip (if any), scores within
+that noise, and on one fixed answer every member's scores within the stated
+bounds of tests/helpers.py (each member's largest difference is printed).
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
+from helpers import assert_scores_agree
 from segfuse import Ensemble
 from segfuse.backends.llama_cpp.member import load
 from segfuse.member_options import MemberOptions
@@ -82,15 +82,18 @@ def test_cached_scores_match_reencoded_scores_on_a_fixed_answer(default_ensemble
     messages = [Message("user", PROMPT)]
     fast, slow = fast_member.start(messages, seed=0, reserve=64), slow_member.start(messages, seed=0, reserve=64)
     try:
+        apart = []
         for texts, winner in STEPS:
-            for a, b in zip(fast.score(texts), slow.score(texts)):
-                assert len(a.logprobs) == len(b.logprobs)
-                for x, y in zip(a.logprobs, b.logprobs):
-                    assert abs(math.exp(x) - math.exp(y)) <= 0.1, (name, texts, a.logprobs, b.logprobs)
-                    if name == "smollm2-135m":
-                        assert x == pytest.approx(y, abs=1e-5)
+            apart += [
+                assert_scores_agree(a.logprobs, b.logprobs, (name, texts))
+                for a, b in zip(fast.score(texts), slow.score(texts))
+            ]
             fast.accept(winner)
             slow.accept(winner)
+        print(
+            f"{name}: cached and re-encoded scores at most {max(p for p, _ in apart):.2e} in probability, "
+            f"{max(n for _, n in apart):.2e} nats apart"
+        )
         assert fast.counters()["prompt"] + fast.counters()["reused"] == fast.prompt_len
         assert slow.counters()["prompt"] == slow.prompt_len * len(STEPS)
     finally:

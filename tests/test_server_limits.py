@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -615,27 +616,46 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
-def test_slow_sockets_from_one_address_do_not_starve_others(default_ensemble, caplog):
-    # A header deadline far longer than the test: whatever closes the slow sockets, and whatever lets the
+# A request beside the slow sockets is answered within max(2 s, SLOWER x the same request to an idle server):
+# the sockets cost the server a little accepting and closing, not a wait. 10x leaves room for a loaded
+# machine, where one 2-token request can take several times another; the header deadline is set far beyond
+# it, so that a request that waited for the deadline to close the slow sockets fails however slow the machine.
+SLOWER = 10
+
+
+def _idle_time(server: Live, n: int = 3) -> float:
+    """The median of `n` plain requests to the idle server (seconds): this machine's baseline, now."""
+    times = []
+    for _ in range(n):
+        began = time.monotonic()
+        assert server.post("/v1/chat/completions", chat(model=LEADER)).status_code == 200
+        times.append(time.monotonic() - began)
+    print(f"the same request to an idle server: {', '.join(f'{t:.2f}' for t in times)} s")
+    return statistics.median(times)
+
+
+def test_slow_sockets_from_one_address_do_not_starve_others(default_ensemble, server, caplog):
+    allowed = max(2.0, SLOWER * _idle_time(server))  # the module's server: the same app, idle
+    # A header deadline far longer than that: whatever closes the slow sockets, and whatever lets the
     # request through, is not the deadline.
-    limits = {"header_timeout_s": 120}
+    limits = {"header_timeout_s": max(120.0, 4 * allowed)}
     bound = LimitsSection().max_pending_per_client
-    with live(default_ensemble, limits=limits) as server:
+    with live(default_ensemble, limits=limits) as crowded:
         with ExitStack() as stack, caplog.at_level(logging.WARNING, logger="segfuse.server"):
             slow = []
             for _ in range(200):
                 sock = stack.enter_context(socket.socket())
                 sock.bind((SLOW_ADDRESS, 0))
-                sock.connect(server.address)
+                sock.connect(crowded.address)
                 sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
                 sock.setblocking(False)
                 slow.append(sock)
             began = time.monotonic()
-            response = server.post("/v1/chat/completions", chat(model=LEADER))
+            response = crowded.post("/v1/chat/completions", chat(model=LEADER))
             took = time.monotonic() - began
-            print(f"answered in {took:.2f} s beside 200 slow sockets")
+            print(f"answered in {took:.2f} s beside 200 slow sockets ({allowed:.2f} s allowed)")
             assert response.status_code == 200, response.text  # at once: before, 503 until the deadline closed them
-            assert took < limits["header_timeout_s"]
+            assert took <= allowed, f"{took:.2f} s beside 200 slow sockets, {allowed:.2f} s allowed"
             closed = wait_for(
                 lambda: (n := sum(map(_closed_by_server, slow))) >= len(slow) - bound and n,
                 60,
@@ -645,7 +665,7 @@ def test_slow_sockets_from_one_address_do_not_starve_others(default_ensemble, ca
             refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused:")]
             assert 1 <= len(refusals) <= 2, refusals  # one line at once, the rest counted into one more
             assert "max_pending_per_client" in refusals[0] and SLOW_ADDRESS in refusals[0], refusals
-        assert_healthy(server)  # and it serves on once they are gone
+        assert_healthy(crowded)  # and it serves on once they are gone
 
 
 def test_pending_connections_close_the_oldest_past_each_bound():
