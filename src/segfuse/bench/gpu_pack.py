@@ -33,10 +33,19 @@ ROOT = Path(__file__).resolve().parents[3]  # the source checkout (pyproject.tom
 # What segfuse imports for an ensemble of transformers members and the GPU check, beyond the standard library,
 # torch, transformers and what they require (numpy, jinja2, huggingface_hub, safetensors, tokenizers, PyYAML,
 # tqdm, packaging, typing_extensions): the options' models (pydantic), the cache folder (platformdirs) and the
-# [hf] extra's check (gguf). Structured output's llguidance and jsonschema, profiles' tomli-w and the CLI's
-# typer and rich are imported only where used, never by the check. tests/test_gpu_check.py runs the check
-# with nothing else installed and checks that it imported every one of these.
-DEPENDENCIES = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "platformdirs", "gguf")
+# [hf] extra's check (gguf), and typing_extensions at the version pydantic asks for (torch asks for an older
+# one: the newer goes ahead of it, and adds only). Structured output's llguidance and jsonschema, profiles'
+# tomli-w and the CLI's typer and rich are imported only where used, never by the check.
+# tests/test_gpu_check.py runs the check with nothing else installed and checks that it imported each of these.
+DEPENDENCIES = (
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "platformdirs",
+    "gguf",
+)
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 MIB = 2**20
 LEFT_OUT = (".git", ".venv", ".cache", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
