@@ -7,10 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from segfuse.bench.plan import Plan, check_reference
+from segfuse.bench.plan import Plan, check_reference, settle
 from segfuse.bench.speeds import floor_seconds
 from segfuse.bench.systems import DEFAULT, PLAIN
 from segfuse.bench.table import summary, tables
@@ -96,6 +97,23 @@ def test_the_reference_method_is_left_out_for_transformers_members_and_refused_w
     with pytest.raises(SegfuseError, match=r"llama\.cpp members only"):
         check_reference(Plan(reference=True), ["transformers:gemma3-270m"])
     assert check_reference(Plan(reference=False), ["smollm2-135m"]).reference is False
+
+
+class Placed:
+    """What settle reads of a loaded ensemble: its members' names and placements (pure logic)."""
+
+    def __init__(self, *placements: str) -> None:
+        self.members = [SimpleNamespace(name=f"m{i}", placement=p) for i, p in enumerate(placements)]
+
+
+def test_rss_is_left_out_on_a_gpu_and_what_was_left_out_is_said():
+    cpu = settle(Plan(response_level=False, users=0), Placed("CPU", "CPU"))
+    assert cpu.rss is True
+    assert set(cpu.skipped) == {"response level: --no-response-level", "users: --users 0"}
+    gpu = settle(Plan(), Placed("CPU", "cuda:0"))
+    assert gpu.rss is False and gpu.skipped == ("RSS: m1 on a GPU",)
+    with pytest.raises(SegfuseError, match="add --no-rss"):
+        settle(Plan(rss=True), Placed("GPU: 25/25 layers"))
 
 
 def test_users_take_the_fixed_prompts_in_turn():

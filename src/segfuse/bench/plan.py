@@ -45,10 +45,22 @@ def check_reference(plan: Plan, specs: list[str]) -> Plan:
 
 
 def settle(plan: Plan, ens: Ensemble) -> Plan:
-    """Settle `rss` once the members are loaded: RSS measures nothing of a member on a GPU."""
+    """Settle `rss` once the members are loaded (RSS measures nothing of a member on a GPU), and list what the
+    run leaves out because it was told to."""
     gpu = [m.name for m in ens.members if on_gpu(m)]
     if plan.rss and gpu:
         raise SegfuseError(f"{', '.join(gpu)} on a GPU: peak RSS says nothing there", "add --no-rss")
+    told = {
+        "reference method: --no-reference": plan.reference is False and not _listed(plan, "reference method"),
+        "response level: --no-response-level": not plan.response_level,
+        "RSS: --no-rss": plan.rss is False,
+        "users: --users 0": not plan.users,
+    }
+    skipped = (*plan.skipped, *(why for why, left_out in told.items() if left_out))
     if plan.rss is None and gpu:
-        return replace(plan, rss=False, skipped=(*plan.skipped, f"RSS: {', '.join(gpu)} on a GPU"))
-    return replace(plan, rss=plan.rss is not False)
+        return replace(plan, rss=False, skipped=(*skipped, f"RSS: {', '.join(gpu)} on a GPU"))
+    return replace(plan, rss=plan.rss is not False, skipped=skipped)
+
+
+def _listed(plan: Plan, what: str) -> bool:
+    return any(why.startswith(what) for why in plan.skipped)
