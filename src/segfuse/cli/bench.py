@@ -328,7 +328,8 @@ def _bench_local(plan: Plan, model: list[str] | None, out: str) -> None:
     console.print("; ".join(describe_systems(plan.window)))
     if report["skipped"]:
         console.print("left out: " + "; ".join(report["skipped"]))
-    err.print(f"wrote {Path(out) / 'bench.json'} {report.get('plot', '')}")
+    plot = f" and {report['plot']}" if "plot" in report else ""
+    err.print(f"wrote {Path(out) / 'bench.json'}{plot}")
 
 
 def _bench_serve(
