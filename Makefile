@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo lint test test-fast test-vllm dist bench bench-serve bench-chat bench-followers soak clean
+.PHONY: install models browser demo lint test test-fast test-vllm dist bench gpu-pack bench-serve bench-chat bench-followers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,13 @@ dist: $(FULL)
 
 bench: $(FULL) models
 	$(BIN)/segfuse bench
+
+# The GPU check's pack (docs/deploy.md#checking-on-a-gpu): segfuse's wheel, its dependencies' wheels for the GPU
+# machine's Python (GPU_PYTHON), the embedded models' tokenizers and check.py, run there as
+# `python3 .cache/gpu-pack/check.py --out DIR`.
+GPU_PYTHON ?= 3.12
+gpu-pack: $(FULL) models
+	$(BIN)/python -m segfuse.bench.gpu_pack --out .cache/gpu-pack --python-version $(GPU_PYTHON)
 
 # The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
 bench-serve: $(FULL) models

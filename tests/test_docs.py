@@ -244,7 +244,7 @@ def test_every_segfuse_command_in_the_docs_parses():
     assert not failures, "\n".join(failures)
 
 
-# Flags the docs name in passing that belong to other programs (vLLM, SGLang, lm-eval, llm, llama-cpp-python).
+# Flags the docs name in passing that belong to other programs (vLLM, SGLang, lm-eval, llm, llama-cpp-python, the GPU check).
 OTHER_PROGRAMS_FLAGS = {
     "--apply_chat_template": "lm_eval",
     "--include_path": "lm_eval",
@@ -257,6 +257,10 @@ OTHER_PROGRAMS_FLAGS = {
     "--served-model-name": "vllm",
     "--dtype": "vllm",
     "--disable-radix-cache": "sglang",
+    "--budget": "segfuse.bench.gpu_check",  # the GPU check's check.py (docs/deploy.md)
+    "--small": "segfuse.bench.gpu_check",
+    "--device": "segfuse.bench.gpu_check",
+    "--no-deps-download": "segfuse.bench.gpu_pack",
 }
 
 

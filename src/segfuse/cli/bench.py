@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -14,12 +14,15 @@ from ..extras import require
 from .app import app, err
 from .flags import CacheOpt, ModelOpt
 
+if TYPE_CHECKING:
+    from ..bench.plan import Plan
+
 # The options, named once here so that the command's signature reads as a list.
-Lengths = Annotated[str, typer.Option(help="Answer lengths in tokens, comma-separated.")]
+Lengths = Annotated[str | None, typer.Option(help="Answer lengths in tokens, comma-separated (default 128,256).")]
 Reps = Annotated[
     int, typer.Option(help="Repetitions per length (median and spread); with --chat, of the whole script.")
 ]
-Window = Annotated[int, typer.Option(help="Max tokens each member drafts per round.")]
+Window = Annotated[int | None, typer.Option(help="Max tokens each member drafts per round (default 10).")]
 Out = Annotated[
     str | None,
     typer.Option(
@@ -28,7 +31,38 @@ Out = Annotated[
         "its plot beside it)."
     ),
 ]
-Rss = Annotated[bool, typer.Option("--rss/--no-rss", help="Measure peak RSS in subprocesses.")]
+Rss = Annotated[
+    bool | None,
+    typer.Option(
+        "--rss/--no-rss",
+        help="Measure peak RSS in subprocesses (default: unless a member is on a GPU, where it is meaningless).",
+    ),
+]
+Reference = Annotated[
+    bool | None,
+    typer.Option(
+        "--reference/--no-reference",
+        help="Time the paper's reference method, every context re-encoded every round (default: when every member "
+        "is a llama.cpp one; only they re-encode).",
+    ),
+]
+ResponseLevel = Annotated[
+    bool | None,
+    typer.Option(
+        "--response-level/--no-response-level",
+        help="Time the response-level ensemble: every member writes the whole answer, every member scores it "
+        "(default on).",
+    ),
+]
+Users = Annotated[
+    int | None,
+    typer.Option(
+        "--users",
+        min=0,
+        help="N requests at once (generate_many) against the same N one by one, for the default and plain "
+        "fusion (default 4; 0: not measured).",
+    ),
+]
 Serve = Annotated[
     bool,
     typer.Option(
@@ -121,12 +155,15 @@ DEFAULT_LEVELS = "1,2,4,8"
 
 @app.command()
 def bench(
-    lengths: Lengths = "128,256",
+    lengths: Lengths = None,
     reps: Reps = 3,
     model: ModelOpt = None,
-    window: Window = 10,
+    window: Window = None,
     out: Out = None,
-    rss: Rss = True,
+    rss: Rss = None,
+    reference: Reference = None,
+    response_level: ResponseLevel = None,
+    users: Users = None,
     serve: Serve = False,
     concurrency: Concurrency = DEFAULT_LEVELS,
     requests: Requests = None,
@@ -144,14 +181,19 @@ def bench(
 ) -> None:
     """Time plain fusion (gate none, accept-margin none: every member drafts and votes every round)
     against its members, the floor, the reference method and response level, and the default (the
-    leader alone) against the leader by itself; the systems and their options are printed first.
+    leader alone) against the leader by itself; both with N users at once against one by one. Members
+    may be llama.cpp or transformers ones, on the CPU or a GPU; the systems and their options are
+    printed first.
 
     With --serve: measure the server under concurrent users instead (docs/performance.md); with
     --serve --soak DURATION: soak it under mixed traffic (docs/reliability.md); with --ray, `segfuse serve --ray`.
     """
     levels_given = concurrency != DEFAULT_LEVELS
+    speed = {"lengths": lengths, "window": window, "rss": rss, "reference": reference}
+    speed |= {"response_level": response_level, "users": users}
     _check_flags(
         serve,
+        {name: value is not None for name, value in speed.items()},
         concurrency=levels_given,
         requests=requests is not None,
         max_tokens=max_tokens is not None,
@@ -201,14 +243,21 @@ def bench(
     elif serve:
         _bench_serve(concurrency, requests, max_tokens or 32, model, threads, max_concurrent, remote, out, cache_dir)
     else:
-        _bench_local(lengths, reps, model, window, out or "runs/bench", rss)
+        _bench_local(_speed_plan(reps, **speed), model, out or "runs/bench")
 
 
-def _check_flags(serve: bool, **given: bool) -> None:
-    """Options of the serving benchmark need --serve; the seed needs --soak, which runs its own concurrency."""
+def _check_flags(serve: bool, speed: dict[str, bool], **given: bool) -> None:
+    """Options of the serving benchmark need --serve, those of the speed benchmark refuse it; the seed needs
+    --soak, which runs its own concurrency."""
     flags = [f"--{name.replace('_', '-')}" for name, on in given.items() if on]
     if flags and not serve:
         raise SegfuseError(f"{', '.join(flags)}: options of the serving benchmark", "add --serve")
+    own = [f"--{name.replace('_', '-')}" for name, on in speed.items() if on]
+    if own and serve:
+        raise SegfuseError(
+            f"{', '.join(own)}: options of the speed benchmark (segfuse bench without --serve)",
+            "leave them out with --serve",
+        )
     if given["seed"] and not given["soak"]:
         raise SegfuseError("--seed: an option of the soak", "add --soak DURATION")
     modes = [f"--{name}" for name in ("soak", "chat", "followers") if given[name]]
@@ -238,23 +287,49 @@ def _check_flags(serve: bool, **given: bool) -> None:
         )
 
 
-def _bench_local(lengths: str, reps: int, model: list[str] | None, window: int, out: str, rss: bool) -> None:
-    from pathlib import Path
+def _speed_plan(reps: int, **given: Any) -> Plan:
+    """The speed benchmark's plan from its flags (None: not given, the default)."""
+    from ..bench.plan import Plan
 
+    return Plan(
+        lengths=_lengths(given["lengths"] or "128,256"),
+        reps=reps,
+        window=given["window"] or 10,
+        users=4 if given["users"] is None else given["users"],
+        rss=given["rss"],
+        reference=given["reference"],
+        response_level=given["response_level"] is not False,
+    )
+
+
+def _lengths(lengths: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in lengths.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise SegfuseError(f"--lengths {lengths!r} is not a list of token counts", "e.g. --lengths 128,256")
+    return sizes
+
+
+def _bench_local(plan: Plan, model: list[str] | None, out: str) -> None:
     require("bench", "segfuse bench")
     from ..bench import local as benchmark
+    from ..bench.systems import describe_systems
+    from ..bench.table import tables
 
-    sizes = [int(x) for x in lengths.split(",") if x.strip()]
-    report = benchmark.run(sizes, reps, model or None, window, Path(out), log=err.print, rss=rss)
-    table = Table(
-        *benchmark.TABLE_HEADER,
-        title=f"segfuse benchmark ({', '.join(report['models'])})",
-        caption="; ".join(benchmark.describe_systems(window)),
-    )
-    for row in benchmark.format_table(report):
-        table.add_row(*row)
-    Console(width=200).print(table)
-    err.print(f"wrote {Path(out) / 'bench.json'} and {report.get('plot', '')}")
+    report = benchmark.run(plan, model or None, Path(out), log=err.print)
+    console = Console(width=240)
+    for system, header, rows in tables(report):
+        table = Table(*header, title=f"segfuse benchmark: {system} ({', '.join(report['models'])})")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print("; ".join(describe_systems(plan.window)))
+    if report["skipped"]:
+        console.print("left out: " + "; ".join(report["skipped"]))
+    plot = f" and {report['plot']}" if "plot" in report else ""
+    err.print(f"wrote {Path(out) / 'bench.json'}{plot}")
 
 
 def _bench_serve(
