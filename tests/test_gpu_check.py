@@ -127,7 +127,7 @@ def test_the_pack_and_the_check_run_every_phase_on_the_cpu(tmp_path):
     assert environment["torch"] and environment["transformers"] and environment["python"]
     assert set(report["phases"]["load"]["figures"]["members"]) == {s.name for s in SHAPES}
     diagnosis = report["phases"]["diagnose"]["figures"]
-    for place in ("main_thread", "new_thread", "new_thread_no_cudnn_sdp"):
+    for place in ("main_thread", "new_thread", "new_thread_cudnn_sdp", "new_thread_no_cudnn_sdp"):
         assert diagnosis[place]["median"] > 0 and diagnosis[place]["ms_per_token"] > 0, place
     entry = report["bench"]["lengths"]["6"]
     assert entry["fusion_tokens"]["median"] == entry["default_tokens"]["median"] == 6

@@ -62,16 +62,21 @@ def in_new_thread(fn: Callable[[], float]) -> float:
     return out[0]
 
 
-def without_cudnn_attention(fn: Callable[[], float]) -> float:
-    """`fn()` on a new thread with cuDNN's SDPA off, restored to what it was afterwards."""
-    import torch
+def with_cudnn_attention(on: bool) -> Callable[[Callable[[], float]], float]:
+    """Run `fn()` on a new thread with cuDNN's SDPA kernel in torch's choice (`on`) or out of it, restored to
+    what it was afterwards. (A CUDA transformers member leaves it out on loading: ``cudnn_attention_off``.)"""
 
-    before = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]  # torch leaves it untyped
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        return in_new_thread(fn)
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
+    def run(fn: Callable[[], float]) -> float:
+        import torch
+
+        before = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        torch.backends.cuda.enable_cudnn_sdp(on)
+        try:
+            return in_new_thread(fn)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(before)
+
+    return run
 
 
 def variants(member: TransformersMember) -> dict[str, Callable[[Callable[[], float]], float]]:
@@ -79,7 +84,8 @@ def variants(member: TransformersMember) -> dict[str, Callable[[Callable[[], flo
     found: dict[str, Callable[[Callable[[], float]], float]] = {
         "main_thread": lambda fn: fn(),
         "new_thread": in_new_thread,
-        "new_thread_no_cudnn_sdp": without_cudnn_attention,
+        "new_thread_cudnn_sdp": with_cudnn_attention(True),
+        "new_thread_no_cudnn_sdp": with_cudnn_attention(False),
     }
     compute: Any = getattr(member, "compute", None)
     if callable(compute):
