@@ -187,7 +187,7 @@ def _crop(cache: Any, length: int) -> None:
 
 def generate_seconds(member: Member, messages: Sequence[Message], length: int) -> float | None:
     """Hugging Face ``model.generate`` writing `length` greedy tokens from the member's prompt tokens (EOS held
-    off to the end), on the calling thread; None for a member that is not a transformers one."""
+    off to the end), on the member's compute thread; None for a member that is not a transformers one."""
     if backend_of(member) != "transformers":
         return None
     import torch
@@ -206,9 +206,12 @@ def generate_seconds(member: Member, messages: Sequence[Message], length: int) -
         sync()
         return out
 
+    def timed_write() -> Any:
+        with torch.inference_mode():  # per thread: on the thread that writes
+            return timed(write)
+
     sync()
-    with torch.inference_mode():
-        dt, out = timed(write)
+    dt, out = on_compute(member)(timed_write)  # where the member's own sessions decode, as the default's do
     written = out.shape[1] - ids.shape[1]
     if written != length:
         raise RuntimeError(f"{member.name}: generate wrote {written} tokens, not {length}")
