@@ -22,9 +22,14 @@ CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 MEMBERS = list(catalogue.DEFAULT_MODELS)
 
 
+DUO = MEMBERS[:2]  # a second ensemble, loaded only if a request names it
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with live_server(tmp_path_factory.mktemp("browser-server")) as running:
+    members = [arg for name in MEMBERS for arg in ("-m", name)]
+    extra = (*members, "--ensemble", f"duo={','.join(DUO)}")
+    with live_server(tmp_path_factory.mktemp("browser-server"), extra_args=extra) as running:
         yield running
 
 
@@ -298,5 +303,24 @@ def test_the_url_sets_the_control(server, browser):
     assert control(browser) == {"mode": "plain", "margin": None, "members": MEMBERS}
     assert query(browser) == {"mode": "plain", "members": ",".join(MEMBERS)}  # loading leaves the link as it was
     check_plain_fusion(browser, ask(browser, PLAIN_PROMPT, PLAIN_TOKENS))
+    problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not problems, problems
+
+
+def test_the_model_picker_shows_each_ensembles_members_and_keeps_the_choice_in_the_url(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    open_page(browser, server, "?model=duo&mode=plain")
+    picker = Select(browser.find_element(By.ID, "model"))
+    assert [o.get_attribute("value") for o in picker.options] == ["segfuse", "duo"]
+    assert picker.first_selected_option.get_attribute("value") == "duo"
+    assert control(browser) == {"mode": "plain", "margin": None, "members": DUO}
+    assert "not loaded yet" in browser.find_element(By.ID, "status").text  # nothing asked duo yet
+    picker.select_by_value("segfuse")
+    assert control(browser)["members"] == MEMBERS
+    assert query(browser) == {"mode": "plain"}  # the default model is left out of the link
+    picker.select_by_value("duo")
+    assert query(browser) == {"mode": "plain", "model": "duo"}
     problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not problems, problems

@@ -29,20 +29,45 @@ Example ``segfuse.toml``::
     max_tokens = 256
     temperature = 0.6
     window = 10
+
+    [ensembles.small]            # more models to serve, loaded when a request names them (docs/server.md)
+    members = ["smollm2-135m", "gemma3-270m"]
+    defaults = { gate = "none" } # over [defaults], for requests to this model
+    # profile = "small.toml"     # or a profile's [fusion] table (`segfuse calibrate` writes one)
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import SegfuseError
+from .errors import InvalidRequestError, SegfuseError
+from .keep_alive import keep_alive_seconds
 from .member_options import MAX_CONCURRENT, MemberOptions
 from .options import FusionOptions
+
+MAX_ENSEMBLE_MEMBERS = 7  # as Ensemble takes
+DEFAULT_MEMBER_COUNT = 3  # an ensemble that names no members has the embedded three
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_count(value: int | str, where: str = "bytes") -> int:
+    """A size as people write it: ``12GiB``, ``800MB``, ``1.5GB`` or a number of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        number, unit = (float(match[1]), match[2].lower()) if match else (-1.0, "?")
+    if number <= 0 or unit not in _UNITS:
+        raise InvalidRequestError(f"{where}: {value!r} is not a size", 'write e.g. "12GiB", "800MB" or a byte count')
+    return int(number * _UNITS[unit])
 
 
 class ConfigError(SegfuseError):
@@ -85,6 +110,40 @@ class ServerSection(BaseModel):
         description="Host header values served, without the port ('*': any); default: the bound host, "
         "localhost, 127.0.0.1 and ::1 (bound to every interface with an API key: any)",
     )
+    keep_alive: str | float = Field(
+        "5m",
+        description="how long a member loaded on demand stays after its last answer: a duration, seconds, "
+        "0 (free at once) or -1 (keep); a request's keep_alive goes over it",
+    )
+    preload: list[str] | None = Field(
+        None, description="models loaded at start and kept until a request says otherwise (default: model_id)"
+    )
+    max_loaded_members: int | None = Field(
+        None, ge=1, le=256, description="members loaded at once; past it the least recently used idle one goes"
+    )
+    max_loaded_bytes: int | str | None = Field(
+        None, description='bytes of weights loaded at once ("12GiB", "800MB" or a number); the same'
+    )
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value: str | float) -> str | float:
+        try:
+            keep_alive_seconds(value)
+        except InvalidRequestError as exc:
+            raise ValueError(f"{exc.message}; {exc.hint}") from None
+        return value
+
+    @field_validator("max_loaded_bytes")
+    @classmethod
+    def _bytes(cls, value: int | str | None) -> int | str | None:
+        try:
+            return value if value is None else byte_count(value)
+        except InvalidRequestError as exc:
+            raise ValueError(f"{exc.message}; {exc.hint}") from None
+
+    def budget_bytes(self) -> int | None:
+        return None if self.max_loaded_bytes is None else byte_count(self.max_loaded_bytes)
 
     def hosts(self) -> frozenset[str] | None:
         """The Host names this server answers (lower case, no port); None: any.
@@ -180,6 +239,16 @@ class MembersSection(MemberOptions):
         return MemberOptions.build(self.model_dump(exclude={"models"}), where="[members]")
 
 
+class EnsembleSection(BaseModel):
+    """One more model the server serves: its members, loaded when a request names it, and its defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    members: list[str] = Field(min_length=1, max_length=MAX_ENSEMBLE_MEMBERS, description="member specs, in order")
+    defaults: dict[str, Any] = Field(default_factory=dict, description="fusion options over [defaults]")
+    profile: str | None = Field(None, description="a profile file whose [fusion] table goes under `defaults`")
+
+
 class RaySection(BaseModel):
     """`segfuse serve --ray`: the server as a Ray Serve application (docs/deploy.md, On a cluster)."""
 
@@ -229,10 +298,38 @@ class ServerConfig(BaseModel):
     limits: LimitsSection = Field(default_factory=LimitsSection)
     ray: RaySection = Field(default_factory=RaySection)
     defaults: dict[str, Any] = Field(default_factory=dict)
+    ensembles: dict[str, EnsembleSection] = Field(default_factory=dict)
 
     def fusion_defaults(self) -> FusionOptions:
         """The [defaults] table as validated options (raises InvalidRequestError)."""
         return FusionOptions.build(**self.defaults)
+
+    def ensemble_defaults(self, name: str) -> FusionOptions:
+        """A declared ensemble's defaults: [defaults], its profile's [fusion] table, its own table."""
+        from .profiles import load_profile
+
+        section = self.ensembles[name]
+        profile = load_profile(section.profile) if section.profile else {}
+        return FusionOptions.build(**{**self.defaults, **profile, **section.defaults})
+
+    def declared(self) -> dict[str, list[str]]:
+        """Every model of ensembles the server serves, by name, with its member specs (empty: the
+        embedded three). ``[server] model_id`` is one of them when [members] names models or when no
+        [ensembles] are declared; the others are [ensembles]'."""
+        models: dict[str, list[str]] = {}
+        if self.members.models or not self.ensembles:
+            models[self.server.model_id] = list(self.members.models)
+        models.update({name: list(section.members) for name, section in self.ensembles.items()})
+        return models
+
+    def default_model(self) -> str:
+        """What a request that names no model gets: model_id where it is served, else the first ensemble."""
+        models = self.declared()
+        return self.server.model_id if self.server.model_id in models else next(iter(models))
+
+    def preloaded(self) -> list[str]:
+        """The models loaded at start (and kept until a request says otherwise)."""
+        return list(self.server.preload) if self.server.preload is not None else [self.default_model()]
 
 
 def _describe(exc: ValidationError, source: str) -> str:
@@ -243,65 +340,155 @@ def _describe(exc: ValidationError, source: str) -> str:
     return f"invalid server configuration in {source}: " + "; ".join(lines)
 
 
+def split_members(text: str) -> list[str]:
+    """``SPEC,SPEC,...`` as `serve --ensemble` takes them: a piece with ``=`` after a spec with ``#``
+    options goes on that spec's options (``transformers:x#device=cuda:0,dtype=bf16``)."""
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if specs and "#" in specs[-1] and "=" in piece and ":" not in piece.split("=")[0]:
+            specs[-1] += "," + piece
+        elif piece:
+            specs.append(piece)
+    return specs
+
+
+def ensemble_flags(values: list[str]) -> dict[str, list[str]]:
+    """``NAME=SPEC,SPEC,...`` flags -> name -> member specs."""
+    declared: dict[str, list[str]] = {}
+    for value in values:
+        name, eq, members = value.partition("=")
+        if not eq or not name.strip() or not split_members(members):
+            raise ConfigError(
+                f"--ensemble {value!r} is not NAME=SPEC,SPEC,...", "e.g. --ensemble small=smollm2-135m,gemma3-270m"
+            )
+        declared[name.strip()] = split_members(members)
+    return declared
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "server": ServerSection,
+    "members": MembersSection,
+    "limits": LimitsSection,
+    "ray": RaySection,
+}
+
+
 def build_config(
-    path: str | os.PathLike[str] | None = None, *, defaults: dict[str, Any] | None = None, **overrides: Any
+    path: str | os.PathLike[str] | None = None,
+    *,
+    defaults: dict[str, Any] | None = None,
+    ensembles: dict[str, list[str]] | None = None,
+    **overrides: Any,
 ) -> ServerConfig:
     """Read the TOML file (if any), apply non-None ``section.key`` overrides, validate.
 
     ``overrides`` use flat names: host, port, api_key, max_concurrent, queue_size, max_body_bytes,
-    log_level, model_id, allowed_hosts (server); models and any MemberOptions field (members);
-    any [limits] field by its name (limits); any [ray] field (ray: enabled, address, replicas...). ``defaults`` are
-    fusion options laid over the file's [defaults]. The API key falls back to $SEGFUSE_API_KEY.
+    log_level, model_id, allowed_hosts, keep_alive, preload, max_loaded_* (server); models and any
+    MemberOptions field (members); any [limits] field by its name (limits); any [ray] field (ray: enabled,
+    address, replicas...). ``defaults`` are fusion options laid over the file's [defaults]; ``ensembles``
+    (name -> member specs) are declared over the file's [ensembles]. The API key falls back to
+    $SEGFUSE_API_KEY.
     """
-    data: dict[str, Any] = {}
-    source = "flags"
-    if path is not None:
-        source = str(path)
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}", "check the --config path") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}", "check its permissions") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}", "fix the syntax") from None
+    source = "flags" if path is None else str(path)
+    data = _read_file(path) if path is not None else {}
     if defaults:
         table = data.setdefault("defaults", {})
         if isinstance(table, dict):  # else validation below reports the malformed section
             table.update(defaults)
-    sections: dict[str, type[BaseModel]] = {
-        "server": ServerSection,
-        "members": MembersSection,
-        "limits": LimitsSection,
-        "ray": RaySection,
-    }
+    if ensembles:
+        table = data.setdefault("ensembles", {})
+        if isinstance(table, dict):
+            for name, members in ensembles.items():
+                table[name] = {**(table.get(name) or {}), "members": members}
+    _apply_overrides(data, overrides)
+    _api_key_from_environment(data)
+    try:
+        config = ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source), "see `segfuse serve --help` and docs/server.md") from None
+    _check_defaults(config, source)
+    _check_ensembles(config, source)
+    return config
+
+
+def _read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}", "check the --config path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}", "check its permissions") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}", "fix the syntax") from None
+
+
+def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Each flat override into the section that has a field of its name."""
     for key, value in overrides.items():
         if value is None or (key == "models" and not value):
             continue
-        section = next((name for name, cls in sections.items() if key in cls.model_fields), None)
+        section = next((name for name, cls in SECTIONS.items() if key in cls.model_fields), None)
         if section is None:
             raise ValueError(f"unknown override {key!r}")  # a programming error, not user input
         target = data.setdefault(section, {})
         if not isinstance(target, dict):
-            break  # validation below reports the malformed section
+            break  # validation reports the malformed section
         target[key] = value
+
+
+def _api_key_from_environment(data: dict[str, Any]) -> None:
     server = data.get("server")
     if isinstance(server, dict) and "api_key" not in server and os.environ.get("SEGFUSE_API_KEY"):
         server["api_key"] = os.environ["SEGFUSE_API_KEY"]
     elif server is None and os.environ.get("SEGFUSE_API_KEY"):
         data["server"] = {"api_key": os.environ["SEGFUSE_API_KEY"]}
-    try:
-        config = ServerConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, source), "see `segfuse serve --help` and docs/server.md") from None
-    try:
-        fusion = config.fusion_defaults()
-    except SegfuseError as exc:
-        raise ConfigError(f"[defaults] in {source}: {exc.message}", "see docs/server.md") from None
-    if fusion.max_tokens > config.limits.max_tokens:
+
+
+def _check_defaults(config: ServerConfig, source: str) -> None:
+    """[defaults] and every ensemble's valid, their max_tokens within [limits]."""
+    tables = [("[defaults]", config.fusion_defaults)]
+    tables += [(f"[ensembles.{name}]", partial(config.ensemble_defaults, name)) for name in config.ensembles]
+    for where, build in tables:
+        try:
+            fusion = build()
+        except SegfuseError as exc:
+            raise ConfigError(f"{where} in {source}: {exc.message}", exc.hint or "see docs/server.md") from None
+        if fusion.max_tokens > config.limits.max_tokens:
+            raise ConfigError(
+                f"{where} max_tokens {fusion.max_tokens} is above [limits] max_tokens "
+                f"{config.limits.max_tokens} in {source}",
+                "lower the default or raise the limit",
+            )
+
+
+def _check_ensembles(config: ServerConfig, source: str) -> None:
+    """Several models: served by the local server, preloading ones it serves, without a shared Hedge state."""
+    models = config.declared()
+    unknown = [name for name in config.preloaded() if name not in models]
+    if unknown:
         raise ConfigError(
-            f"[defaults] max_tokens {fusion.max_tokens} is above [limits] max_tokens "
-            f"{config.limits.max_tokens} in {source}",
-            "lower the default or raise the limit",
+            f"[server] preload names {unknown[0]!r}, which is not served, in {source}",
+            f"name one of: {', '.join(models)}",
         )
-    return config
+    budget = config.server.max_loaded_members
+    sizes = {name: len(specs) or DEFAULT_MEMBER_COUNT for name, specs in models.items()}
+    largest = max(sizes, key=sizes.__getitem__)
+    size = sizes[largest]
+    if budget is not None and size > budget:
+        raise ConfigError(
+            f"model {largest!r} has {size} members and [server] max_loaded_members is {budget} in {source}",
+            "raise max_loaded_members to the largest ensemble's size at least",
+        )
+    if len(models) < 2:
+        return
+    if config.server.hedge_persist:
+        raise ConfigError(
+            f"[server] hedge_persist with {len(models)} models in {source}: the weights carried over are one "
+            "ensemble's",
+            "serve one ensemble with hedge_persist, or turn it off",
+        )
+    if config.ray.enabled or config.ray.address is not None:
+        raise ConfigError(
+            f"{len(models)} models with --ray in {source}: a Ray server serves one ensemble",
+            "serve the other ensembles with a server of their own, or without --ray",
+        )

@@ -48,6 +48,8 @@ class Ensemble:
         if len(specs) > MAX_MEMBERS:
             raise InvalidRequestError(f"{len(specs)} members given", f"use at most {MAX_MEMBERS}")
         self.members: list[Member] = []
+        # What each member was loaded from (None: given loaded): a server that loads more knows them.
+        self.specs: list[str | None] = [spec if isinstance(spec, str) else None for spec in specs]
         try:
             for spec in specs:
                 self.members.append(spec if not isinstance(spec, str) else load_member(spec, shared))
@@ -57,6 +59,17 @@ class Ensemble:
         _make_names_unique(self.members)
         self.hedge_persist = hedge_persist
         self.hedge_store: WeightStore = hedge_store if hedge_store is not None else MemoryWeights()
+
+    @classmethod
+    def holding(cls, members: Sequence[Member], *, hedge_persist: bool = False) -> Ensemble:
+        """An ensemble of members loaded elsewhere, none at all included (a server adds and removes
+        members as requests need them); closing it closes those it holds then."""
+        ensemble = cls.__new__(cls)
+        ensemble.members = list(members)
+        ensemble.specs = [None] * len(ensemble.members)
+        ensemble.hedge_persist = hedge_persist
+        ensemble.hedge_store = MemoryWeights()
+        return ensemble
 
     @property
     def hedge_weights(self) -> dict[str, float]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -38,9 +39,13 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..backends.registry import load_member
 from ..config import WILDCARD_HOSTS, ServerConfig
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
+from ..keep_alive import keep_alive_seconds
+from ..member_options import MemberOptions
+from .catalog import Catalog
 from .chat import routes as chat
 from .completions import routes as completions
 from .connections import h11_protocol
@@ -49,12 +54,13 @@ from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
 from .periodic import saving_prefix_caches
+from .pool import Budget, Pool
 from .responses import routes as responses
 from .responses.store import ResponseStore
 from .serving import APIError, api_error
 from .shared import Shared
 from .state import ServerState, key_check
-from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
+from .wire import Health, HealthStatus, MemberLoad, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker import Worker
 
 log = logging.getLogger("segfuse.server")
@@ -65,60 +71,48 @@ API_ROUTERS = (chat.api_router, completions.api_router, messages.api_router, res
 def load_ensemble(config: ServerConfig) -> Ensemble:
     """Load the configured members (the embedded three when none are named)."""
     m = config.members
-    options = {**m.load_options().given(), "slots": config.server.max_concurrent}  # one slot per generation in flight
-    return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **options)
+    return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **member_options(config))
+
+
+def member_options(config: ServerConfig) -> dict[str, Any]:
+    """What every member is loaded with: [members]' options, one slot per generation in flight."""
+    return {**config.members.load_options().given(), "slots": config.server.max_concurrent}
+
+
+def pool_of(config: ServerConfig, worker: Worker, given: Ensemble | None) -> Pool:
+    """The server's members: `given` (the caller's, kept) and what the catalog names, loaded on demand."""
+    shared = MemberOptions.build(member_options(config))
+    catalog = Catalog.of(config, given)
+    s = config.server
+    budget = Budget(s.max_loaded_members, s.budget_bytes())
+    pool = Pool(catalog, worker, lambda spec: load_member(spec, shared), budget, keep_alive_seconds(s.keep_alive))
+    pool.ensemble.hedge_persist = s.hedge_persist and catalog.single()
+    if given is not None:
+        pool.adopt(given.members)
+    return pool
 
 
 def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: Shared | None = None) -> FastAPI:
-    """The ASGI app. With ``ensemble`` given the caller keeps ownership of it. `shared`: what this app
-    shares with other front ends of the same server (default: nothing, all in memory; ``shared.py``)."""
+    """The ASGI app. With ``ensemble`` given, it is the default model and the caller keeps ownership of
+    it; the config's other models load on demand. Without, the models to preload load in a background
+    thread (``preload`` loads them here and now instead). `shared`: what this app shares with other front
+    ends of the same server (default: nothing, all in memory; ``shared.py``)."""
     worker = Worker(config.server.queue_size, config.server.max_concurrent, stall_after_s=config.server.stall_after_s)
     shared = shared if shared is not None else Shared(ResponseStore())
-    state = ServerState(config, config.fusion_defaults(), worker, shared.metrics(worker), shared)
+    pool = pool_of(config, worker, ensemble)
+    state = ServerState(config, pool, shared.metrics(worker), shared)
     worker.observer = state.metrics
-    owned: list[Ensemble] = []
-
-    def attach(ens: Ensemble) -> None:
-        if not ens.members:
-            state.status, state.error = "failed", "the ensemble has no members"
-            return
-        state.worker.periodic = saving_prefix_caches(ens.members, config.server.prefix_cache_save_minutes)
-        state.worker.start(ens)
-        state.metrics.members(ens.names)
-        state.members, state.status = ens.names, "ok"
-        state.placement = {m.name: m.placement or "?" for m in ens.members}
-        state.contexts = {m.name: getattr(m, "n_ctx", None) for m in ens.members}
-        state.loaded = list(ens.members)
-        log.info(
-            "serving %s with members %s",
-            state.model_id,
-            ", ".join(f"{name} ({where})" for name, where in state.placement.items()),
-        )
-
-    def load_in_background() -> None:
-        try:
-            ens = load_ensemble(config)
-        except SegfuseError as exc:
-            state.status, state.error = "failed", str(exc)
-            log.error("could not load the members: %s", exc)
-            return
-        except Exception as exc:  # report, keep the server up so /health can say why
-            state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
-            log.exception("could not load the members")
-            return
-        owned.append(ens)
-        attach(ens)
+    if ensemble is not None:
+        pool.ensemble.hedge_store = ensemble.hedge_store  # its hedge_persist state is the caller's
+        state.status = "ok" if ensemble.members else "failed"
+        state.error = None if ensemble.members else "the ensemble has no members"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if ensemble is not None:
-            attach(ensemble)
-        else:
-            threading.Thread(target=load_in_background, name="segfuse-loader", daemon=True).start()
+        _start(state)
         yield
         await asyncio.to_thread(state.worker.stop)
-        for ens in owned:
-            ens.close()
+        pool.close()
 
     # No /docs or /redoc: their pages load scripts from a CDN, and the server must work offline.
     # /openapi.json is a route of ours, behind the key (_add_model_routes).
@@ -136,6 +130,36 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
     _add_routes(app, state)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+def preload(state: ServerState) -> None:
+    """Load the models to preload, here and now (a SegfuseError says which could not load, and why)."""
+    for name in state.catalog.preload:
+        state.pool.load_now(state.catalog.models[name])
+    state.status = "ok"
+
+
+def _start(state: ServerState) -> None:
+    """Start the worker and the pool; preload in the background unless it was done or nothing is to load."""
+    pool, config = state.pool, state.config
+    pool.start()
+    state.worker.periodic = saving_prefix_caches(pool.loaded, config.server.prefix_cache_save_minutes)
+    state.worker.start(pool.ensemble)
+    state.metrics.members(state.members)
+    if state.status == "loading":
+        threading.Thread(target=_preload_in_background, args=(state,), name="segfuse-loader", daemon=True).start()
+    log.info("serving %s (by default %s)", ", ".join(state.catalog.ensembles), state.model_id)
+
+
+def _preload_in_background(state: ServerState) -> None:
+    try:
+        preload(state)
+    except SegfuseError as exc:
+        state.status, state.error = "failed", str(exc)
+        log.error("could not load the members: %s", exc)
+    except Exception as exc:  # report, keep the server up so /health can say why
+        state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
+        log.exception("could not load the members")
 
 
 # --------------------------------------------------------------------------- errors
@@ -219,6 +243,8 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             copies=copies.members,
             degraded=copies.degraded,
             replica=state.shared.replica,
+            ensembles={name: list(state.catalog.models[name].members) for name in state.catalog.ensembles},
+            memory=memory_of(state),
         )
         return JSONResponse(body.model_dump(), status_code=code)
 
@@ -233,14 +259,44 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:
-    """The fused model, then each member (a member alone is a model of its own: a baseline); each with the
-    context it takes (the fused model: its smallest member's)."""
+    """Every ensemble, then each member (a member alone is a model of its own: a baseline); each with the
+    context it takes (an ensemble: its smallest member's) and whether it is loaded."""
+    catalog, loaded = state.catalog, {m.name for m in state.loaded}
 
     def card(model: str, **more: Any) -> ModelCard:
         window = state.context_length(model)
         return ModelCard(id=model, created=state.started, context_length=window, max_model_len=window, **more)
 
-    return [card(state.model_id, members=state.members)] + [card(n, parent=state.model_id) for n in state.members]
+    ensembles = [
+        card(m.name, members=list(m.members), loaded=loaded.issuperset(m.members))
+        for m in catalog.models.values()
+        if m.ensemble
+    ]
+    members = [
+        card(
+            name, parent=next(iter(catalog.holders(name)), None), ensembles=catalog.holders(name), loaded=name in loaded
+        )
+        for name in state.members
+    ]
+    return ensembles + members
+
+
+def memory_of(state: ServerState) -> dict[str, MemberLoad]:
+    """Each member's place in memory, as /health shows it."""
+    now = time.monotonic()
+    return {
+        place.name: MemberLoad(
+            state=place.state,
+            ensembles=state.catalog.holders(place.name),
+            in_use=place.users,
+            bytes=place.nbytes,
+            loading_s=None if place.state != "loading" or place.since is None else round(now - place.since, 1),
+            expires_in_s=None if (at := place.expires_at()) is None else round(max(0.0, at - now), 1),
+            error=place.error,
+            loads=place.loads,
+        )
+        for place in state.pool.snapshot()
+    }
 
 
 def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
@@ -268,26 +324,31 @@ def run(config: ServerConfig) -> None:
     worker cannot go on: then exit with status 1, for a supervisor to restart the server)."""
     configure_logging(config)
     log.info("loading members…")
-    with load_ensemble(config) as ensemble:
-        app = create_app(config, ensemble)
-        s = config.server
-        log.info(
-            "open http://%s:%d/ for the web view; API at /v1%s",
-            s.host,
-            s.port,
-            " (API key required)" if s.api_key else "",
-        )
-        server = _server(app, config)
-        try:
-            server.run()
-        except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down (as uvicorn.run)
-            pass
-        if not server.started:
-            raise SystemExit(3)  # as uvicorn.run: the port could not be bound
-        fatal = app.state.segfuse.worker.fatal
-        if fatal is not None:
-            log.critical("exiting: the worker stopped (%s)", fatal)
-            raise SystemExit(1)
+    app = create_app(config)
+    state: ServerState = app.state.segfuse
+    try:
+        preload(state)
+        _serve(app, config)
+    finally:
+        state.pool.close()  # a no-op for what the app's shutdown closed
+
+
+def _serve(app: FastAPI, config: ServerConfig) -> None:
+    s = config.server
+    log.info(
+        "open http://%s:%d/ for the web view; API at /v1%s", s.host, s.port, " (API key required)" if s.api_key else ""
+    )
+    server = _server(app, config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C again once it has shut down (as uvicorn.run)
+        pass
+    if not server.started:
+        raise SystemExit(3)  # as uvicorn.run: the port could not be bound
+    fatal = app.state.segfuse.worker.fatal
+    if fatal is not None:
+        log.critical("exiting: the worker stopped (%s)", fatal)
+        raise SystemExit(1)
 
 
 def configure_logging(config: ServerConfig) -> None:

@@ -101,12 +101,21 @@ class Job:
     # Its result (the DoneEvent, or a work job's Worked), held back until the worker has let the job go
     # (``ending``): a client that has its whole answer finds the job no longer in flight, its slots free.
     result: Item | None = None
+    # Told once when the worker lets the job go (its sessions closed), or when it never ran: the pool
+    # lets its members go then (``Lease.hold``).
+    on_over: Callable[[], None] | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _items: asyncio.Queue[Item] | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._items = asyncio.Queue()
+
+    def over(self) -> None:
+        """The job holds nothing any more: tell ``on_over`` (once)."""
+        told, self.on_over = self.on_over, None
+        if told is not None:
+            told()
 
     def emit(self, item: Item) -> None:
         """Thread-safe: hand an item to the waiting handler (dropped if its loop is gone)."""
@@ -193,6 +202,31 @@ def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | N
     end(job, None, 0)
 
 
+def start_job(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | None, int], None]) -> Steps | None:
+    """On the worker thread, as it admits `job`: its generation's steps, its Started told; or None when
+    it ended here (past its deadline, refused, or a work job run now, as the members are this thread's)."""
+    request = job.request
+    if request.deadline is not None and time.monotonic() >= request.deadline:
+        waited = time.monotonic() - job.accepted_at
+        error = DeadlineError(
+            f"the request waited {waited:.0f} s in the queue, past its deadline of "
+            f"{request.deadline - job.accepted_at:g} s",
+            "retry when the server is less busy",
+        )
+        end(job, error, 0)
+        return None
+    if job.work is not None:
+        run_work(job, ensemble, end)
+        return None
+    try:
+        steps = ensemble.steps(request)
+    except SegfuseError as exc:
+        end(job, exc, 0)
+        return None
+    job.emit(Started(time.time() - job.created, prompt_tokens(ensemble.pick(request.members), request.messages)))
+    return steps
+
+
 def tell(observer: Observer | None, call: Callable[[Observer], None]) -> None:
     """Tell the observer (if any) what happened; metrics must never stop a generation."""
     if observer is None:
@@ -225,6 +259,7 @@ def ending(job: Job, why: BaseException | None, rounds: int, count: Callable[[st
         count("failed")
         log.error("%s crashed", job.id, exc_info=why)
         told = Failed(why)
+    job.over()  # before its handler hears: a client with its answer finds its members let go
     for item in (job.result, told):  # a failure after the result (closing its sessions) does not take it back
         if item is not None:
             job.emit(item)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,9 +155,23 @@ def _refuse_lone_surrogates(data: Any, where: str = "") -> None:
             _refuse_lone_surrogates(value, f"{where}.{i}" if where else str(i))
 
 
-def fusion_options(request: Any, defaults: FusionOptions) -> FusionOptions:
-    """The server's defaults with whatever the request sets on top."""
-    values: dict[str, Any] = defaults.model_dump()
+@dataclass(frozen=True)
+class Defaults:
+    """The fusion options of requests that do not set them: each model's (an ensemble's own, over the
+    server's), by the name a request gives (none: the server's default model)."""
+
+    models: Mapping[str, FusionOptions]
+    default: str
+
+    def of(self, model: str | None) -> FusionOptions:
+        chosen = self.models.get(model or self.default)
+        return chosen if chosen is not None else self.models[self.default]
+
+
+def fusion_options(request: Any, defaults: FusionOptions | Defaults) -> FusionOptions:
+    """The defaults of the model the request names, with whatever the request sets on top."""
+    base = defaults.of(request.model) if isinstance(defaults, Defaults) else defaults
+    values: dict[str, Any] = base.model_dump()
     asked = {
         "max_tokens": request.answer_budget,
         "temperature": request.temperature,
@@ -192,6 +206,7 @@ def _option_param(request: Any, field: str | None) -> str | None:
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "Defaults",
     "Endpoint",
     "fusion_options",
     "parse_request",

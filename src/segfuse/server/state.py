@@ -1,9 +1,11 @@
 """What the routes share: the server's state, and a request's way to the worker (members, jobs, room).
 
 Every API's ``serving`` runs the same steps: read the body (``serving.json_body``),
-parse it off the event loop (``ServerState.offload``), check the members are
-ready and which answer (``require_members``, ``members_for``), then ``submit``
-its jobs; the answer comes back through ``serving.finished`` or a stream.
+parse it off the event loop (``ServerState.offload``), check the server is
+ready (``require_members``), take a lease on the model's members (``using``:
+loads what is missing, ``pool.py``), then ``submit`` its jobs, each holding the
+lease until the worker lets it go; the answer comes back through
+``serving.finished`` or a stream.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -20,11 +23,14 @@ from fastapi import Request
 
 from ..backends.base import Member
 from ..config import ServerConfig
-from ..errors import SegfuseError
-from ..options import FusionOptions
+from ..errors import InvalidRequestError, SegfuseError
+from ..keep_alive import keep_alive_seconds
 from ..request import FusionRequest
+from .catalog import Catalog
 from .guards import quoted, redact
 from .metrics import ServerMetrics
+from .parsing import Defaults
+from .pool import Lease, Pool
 from .serving import APIError, api_error, json_body
 from .shared import Shared
 from .worker import Job, Worker
@@ -35,26 +41,56 @@ PARSERS = 2  # requests parsed and compiled at once, off the event loop (the res
 
 @dataclass
 class ServerState:
-    """What the routes share: the config, the worker and whether members are ready."""
+    """What the routes share: the config, the models and their pool, the worker, and whether the
+    models loaded at start are ready."""
 
     config: ServerConfig
-    defaults: FusionOptions
-    worker: Worker
+    pool: Pool  # the members, loaded on demand (its catalog: the models served)
     metrics: ServerMetrics
     shared: Shared  # what other front ends of the server share (shared.py)
     status: Literal["ok", "loading", "failed"] = "loading"
     error: str | None = None
-    members: list[str] = field(default_factory=list)
-    placement: dict[str, str] = field(default_factory=dict)  # member -> where it runs, in words
-    contexts: dict[str, int | None] = field(default_factory=dict)  # member -> one session's window, in tokens
-    loaded: list[Member] = field(default_factory=list)  # the members themselves (prompt token counts)
     started: int = field(default_factory=lambda: int(time.time()))
     parsers: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PARSERS))
     extras: dict[str, Any] = field(default_factory=dict)  # what one API keeps between requests (its store)
 
     @property
+    def worker(self) -> Worker:
+        return self.pool.worker
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.pool.catalog
+
+    @property
     def model_id(self) -> str:
-        return self.config.server.model_id
+        """The model of requests that name none."""
+        return self.catalog.default
+
+    @property
+    def defaults(self) -> Defaults:
+        """Each model's fusion defaults."""
+        return Defaults({name: m.defaults for name, m in self.catalog.models.items()}, self.catalog.default)
+
+    @property
+    def members(self) -> list[str]:
+        """Every member the server may load, by name."""
+        return list(self.pool.places)
+
+    @property
+    def loaded(self) -> list[Member]:
+        """The members loaded now."""
+        return self.pool.loaded()
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where each loaded member runs, in words."""
+        return {m.name: m.placement or "?" for m in self.loaded}
+
+    @property
+    def contexts(self) -> dict[str, int | None]:
+        """Each loaded member's window for one session, in tokens."""
+        return {m.name: getattr(m, "n_ctx", None) for m in self.loaded}
 
     async def offload(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` in a thread, at most ``PARSERS`` at once: CPU work on client input never runs on
@@ -83,12 +119,17 @@ class ServerState:
         return await json_body(request, self.config.server.max_body_bytes, self.config.limits.body_timeout_s)
 
     def context_length(self, model: str) -> int | None:
-        """The prompt and answer a model takes, in tokens: a member's window, or for the fused model the
-        smallest of its members' (every member reads the whole conversation)."""
-        if model == self.model_id:
-            known = [n for n in self.contexts.values() if n is not None]
-            return min(known) if known and len(known) == len(self.contexts) else None
-        return self.contexts.get(model)
+        """The prompt and answer a model takes, in tokens: a member's window, or for an ensemble the
+        smallest of its members' (every member reads the whole conversation); None until all are loaded."""
+        chosen = self.catalog.models.get(model)
+        contexts = self.contexts
+        windows = [contexts.get(name) for name in chosen.members] if chosen is not None else [contexts.get(model)]
+        return None if None in windows or not windows else min(w for w in windows if w is not None)
+
+    def members_of(self, lease: Lease) -> list[Member]:
+        """The loaded members a lease holds, in its model's order."""
+        by_name = {m.name: m for m in self.loaded}
+        return [by_name[name] for name in lease.model.members if name in by_name]
 
 
 def require_members(state: ServerState, detailed: bool) -> None:
@@ -100,28 +141,29 @@ def require_members(state: ServerState, detailed: bool) -> None:
         raise APIError(503, f"no members available: {why if detailed else redact(why)}", "server_error", "no_members")
 
 
-def members_for(state: ServerState, model: str) -> list[str] | None:
-    """Who answers a request for `model`: every member (None) for the fused model, or one member alone."""
-    if model == state.model_id:
-        return None
-    if model in state.members:
-        return [model]
-    raise APIError(
-        404,
-        f"unknown model {model!r}; this server serves {state.model_id!r} and its members {', '.join(state.members)}",
-        code="model_not_found",
-        param="model",
-    )
+@asynccontextmanager
+async def using(state: ServerState, model: str | None, keep_alive: str | float | None = None) -> AsyncIterator[Lease]:
+    """The members of `model` (None: the default), loaded if they were not and held while the request
+    queues its jobs (404 for an unknown model; 400 for a bad keep_alive)."""
+    chosen = state.catalog.model(model)
+    try:
+        keep = None if keep_alive is None else keep_alive_seconds(keep_alive)
+    except InvalidRequestError as exc:
+        raise APIError(400, f"{exc.message}; {exc.hint}", code="invalid_value", param="keep_alive") from None
+    seconds = state.config.limits.deadline_s
+    deadline = None if seconds is None else time.monotonic() + seconds
+    async with state.pool.lease(chosen, keep, deadline) as lease:
+        yield lease
 
 
-def job_for(state: ServerState, request: FusionRequest, members: list[str] | None, **fields: Any) -> Job:
-    """The worker's job for `request` (as its parsing made it), answered by `members` (None: every one)
-    and accepted now: its deadline is ``[limits] request_timeout_s`` from now. `fields`: the server's own
+def job_for(state: ServerState, request: FusionRequest, lease: Lease, **fields: Any) -> Job:
+    """The worker's job for `request` (as its parsing made it), answered by the lease's members and
+    accepted now: its deadline is ``[limits] request_timeout_s`` from now. `fields`: the server's own
     Job fields (tools, logprobs, id, work)."""
     accepted = time.monotonic()
     seconds = state.config.limits.deadline_s
     deadline = None if seconds is None else accepted + seconds
-    return Job(replace(request, members=members, deadline=deadline), accepted_at=accepted, **fields)
+    return Job(replace(request, members=lease.members, deadline=deadline), accepted_at=accepted, **fields)
 
 
 def room(worker: Worker) -> int:
@@ -131,10 +173,15 @@ def room(worker: Worker) -> int:
 
 
 def submit(
-    state: ServerState, jobs: Sequence[Job], detailed: bool, user: str | None = None, param: str = "prompt"
+    state: ServerState,
+    jobs: Sequence[Job],
+    lease: Lease,
+    detailed: bool,
+    user: str | None = None,
+    param: str = "prompt",
 ) -> Callable[[], None]:
-    """Queue a request's jobs, all or none (429 naming `param` when they do not all fit); returns what
-    cancels them all (a no-op for those that ended)."""
+    """Queue a request's jobs, all or none (429 naming `param` when they do not all fit), each holding
+    the `lease` until the worker lets it go; returns what cancels them all (a no-op for those that ended)."""
     worker = state.worker
     if user:
         log.info("%s for user %s", jobs[0].id, quoted(user))
@@ -152,10 +199,12 @@ def submit(
     try:
         for job in jobs:
             job.bind(loop)
+            job.on_over = lease.hold()
             worker.submit(job)
     except SegfuseError as exc:
         for job in jobs:
             worker.cancel(job)
+            job.over()  # a no-op for those the worker let go already
         raise api_error(exc, detailed) from None
 
     def cancel() -> None:
@@ -177,4 +226,4 @@ def key_check(
     return require_key
 
 
-__all__ = ["ServerState", "job_for", "key_check", "members_for", "require_members", "room", "submit"]
+__all__ = ["ServerState", "job_for", "key_check", "require_members", "room", "submit", "using"]

@@ -29,6 +29,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+KEEP_ALIVE = (
+    "how long the model's members stay loaded after this answer, as Ollama's keep_alive: a duration "
+    '("5m"), seconds, 0 (free them now, if nothing else uses them) or -1 (keep them)'
+)
+
+
 class GenerationRequest(BaseModel):
     """What chat and text completions share: the model, the answer's budget and sampling, streaming."""
 
@@ -53,6 +59,7 @@ class GenerationRequest(BaseModel):
     segfuse: dict[str, Any] | None = Field(
         None, description="segfuse options (window, score, self_score, hedge, exit, ...): FusionOptions fields"
     )
+    keep_alive: str | int | float | None = Field(None, description=KEEP_ALIVE)
 
     @field_validator("n")
     @classmethod
@@ -180,8 +187,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "segfuse"
-    parent: str | None = Field(None, description="for a member: the ensemble it belongs to")
-    members: list[str] | None = Field(None, description="for the ensemble: its members, in order")
+    parent: str | None = Field(None, description="for a member: the (first) ensemble it belongs to")
+    members: list[str] | None = Field(None, description="for an ensemble: its members, in order")
+    ensembles: list[str] | None = Field(None, description="for a member: every ensemble it belongs to")
+    loaded: bool = Field(True, description="loaded now (else a request for it loads it first)")
     context_length: int | None = Field(
         None,
         description="tokens of prompt and answer it takes (the ensemble: "
@@ -246,6 +255,21 @@ class CopyState(BaseModel):
     prefix_hits: int | None = Field(None, description="sessions that started from its prefix cache")
 
 
+class MemberLoad(BaseModel):
+    """Where one member stands in the server's memory (``ollama ps``, for a member)."""
+
+    state: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+    ensembles: list[str] = Field(description="the ensembles it belongs to")
+    in_use: int = Field(description="requests and generations holding it (never freed while any do)")
+    bytes: int | None = Field(None, description="its weights' bytes where it runs, once loaded")
+    loading_s: float | None = Field(None, description="while it loads: for how long so far")
+    expires_in_s: float | None = Field(
+        None, description="when idle: seconds until it is freed (null: in use, kept, or not loaded)"
+    )
+    error: str | None = Field(None, description="why its last load failed (the next request tries again)")
+    loads: int = Field(0, description="times it was loaded since the server started")
+
+
 class Health(BaseModel):
     """``GET /health``: readiness plus the work counters tests and operators read."""
 
@@ -269,3 +293,7 @@ class Health(BaseModel):
         description="what is down and coming back: a copy, a node, a front-end replica (empty when all is well)",
     )
     replica: str | None = Field(None, description="the front-end replica that answered (a Ray Serve replica)")
+    ensembles: dict[str, list[str]] = Field(default_factory=dict, description="each model served: its members")
+    memory: dict[str, MemberLoad] = Field(
+        default_factory=dict, description="per member: loaded or not, in use, its bytes, when it will be freed"
+    )

@@ -14,7 +14,8 @@ A job that ends leaves the count of jobs in flight together with a fresh note
 (its sessions are closed by then), and only then does its handler get its
 result: a client that has its whole answer, asking /health at once, never sees
 its request still in flight, nor the slot it held. Between ticks (or idle) it
-runs its ``periodic`` chore when due (``periodic.py``: writing the prefix caches).
+runs its ``periodic`` chore when due (``periodic.py``: writing the prefix caches), and what other
+threads asked of it (``between_ticks``: the pool frees members there).
 The job and what it hands its handler are in ``jobs.py``; the watchdog is in ``watchdog.py``.
 
 The worker is never silent about its own faults: an exception that escapes a
@@ -33,13 +34,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
-from ..backends.base import Occupancy
+from ..backends.base import Member, Occupancy
 from ..engine import Scheduler
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
+from .job_queue import COUNTERS, JobQueue
 from .jobs import (
     Cancelled,
     DeadlineError,
@@ -54,11 +56,10 @@ from .jobs import (
     WorkerFailedError,
     ending,
     flight_of,
-    prompt_tokens,
-    run_work,
+    start_job,
     tell,
 )
-from .periodic import Periodic
+from .periodic import Chores, Periodic, run_one
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger("segfuse.server")
@@ -79,27 +80,12 @@ __all__ = [
     "WorkerFailedError",
 ]
 
-# accepted/rejected: at the queue; started: picked up by the worker; then each started job ends
-# completed, cancelled, invalid (its input was bad, e.g. a prompt too long) or failed (a fault).
-# worker_errors: ticks that raised (every request in flight failed); stalls: ticks the watchdog saw run too long.
-COUNTERS = (
-    "accepted",
-    "rejected",
-    "started",
-    "completed",
-    "cancelled",
-    "invalid",
-    "failed",
-    "rounds",
-    "worker_errors",
-    "stalls",
-)
 STALL_AFTER_S = 120.0  # a tick that runs longer than this is stalled (/health says so)
 FATAL_AFTER = 3  # ticks that raise, with no generation completed between them, before the worker gives up
 
 
-class Worker:
-    """The bounded queue and the thread that serves it."""
+class Worker(JobQueue):
+    """The thread that serves the bounded queue."""
 
     def __init__(
         self,
@@ -109,24 +95,18 @@ class Worker:
         stall_after_s: float = STALL_AFTER_S,
         fatal_after: int = FATAL_AFTER,
     ) -> None:
-        self.queue_size = queue_size
-        self.max_concurrent = max_concurrent
+        super().__init__(queue_size, max_concurrent)
         self.stall_after_s = stall_after_s
         self.fatal_after = fatal_after
-        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._ensemble: Ensemble | None = None
-        self._waiting: deque[Job] = deque()
-        self._running: set[Job] = set()
-        self._cond = threading.Condition()
-        self._stopping = False
         self._scheduler = Scheduler()
-        self._occupancy: dict[str, Occupancy] = {}
         # Told of each generation's first segment and result here, where it happens: a client that
         # left must not make a completed request go unobserved.
         self.observer: Observer | None = None
-        self.fatal: str | None = None  # why the worker cannot go on; None while it can
         self.on_fatal: Callable[[str], None] | None = None  # told once, from the worker or watchdog thread
         self.periodic: Periodic | None = None  # a chore run on the worker thread between ticks when due
+        self._chores = Chores()  # one-off chores other threads asked for (between_ticks)
+        self._serving = False  # the thread takes chores (else whoever asks runs them)
         self._tick_since: float | None = None  # time.monotonic() at the start of the tick in progress
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
@@ -140,91 +120,29 @@ class Worker:
         self._watchdog = Watchdog(self._thread, stall_after_s, watched, self._stopped)
 
     def start(self, ensemble: Ensemble) -> None:
+        """Serve `ensemble` (its members may come and go: ``between_ticks``)."""
         self._ensemble = ensemble
-        # llama.cpp members hold as many sessions as they were loaded with.
-        self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
+        if ensemble.members:  # llama.cpp members hold as many sessions as they were loaded with
+            self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
         self._observe()  # the thread has not started: nothing decodes yet
+        self._serving = True
         self._thread.start()
         self._watchdog.start()
 
-    def _count(self, name: str) -> None:
-        with self._cond:  # the worker thread and the event loop both count
-            self.counters[name] += 1
-
-    def snapshot(self) -> dict[str, int]:
+    def between_ticks(self, chore: Callable[[], object]) -> Future[None]:
+        """Run `chore` on the worker thread between two steps (at once, here, when the thread is not
+        serving: nothing decodes then); its Future ends when it has run."""
         with self._cond:
-            return dict(self.counters)
-
-    def state(self) -> tuple[int, int]:
-        """Jobs waiting, jobs in flight."""
-        with self._cond:
-            return len(self._waiting), len(self._running)
+            if self._serving:
+                future = self._chores.add(chore)
+                self._cond.notify()
+                return future
+        return run_one(chore, Future())
 
     @property
     def stalled(self) -> str | None:
         """Why the worker looks stuck: a tick running longer than ``stall_after_s``; None when it is not."""
         return self._watchdog.stalled()
-
-    def occupancy(self) -> dict[str, Occupancy]:
-        """What each member held after the worker's last step (all slots free and no cells when idle)."""
-        with self._cond:
-            return dict(self._occupancy)
-
-    def view(self) -> tuple[int, int, dict[str, Occupancy]]:
-        """Jobs waiting, jobs in flight and what members hold, read together: with none in flight, what
-        members hold was noted after the last job closed its sessions."""
-        with self._cond:
-            return len(self._waiting), len(self._running), dict(self._occupancy)
-
-    def submit(self, job: Job) -> None:
-        """Queue a bound job, or raise QueueFullError when every slot is taken."""
-        with self._cond:
-            if self.fatal is not None:
-                raise ShuttingDownError(
-                    f"the server cannot generate any more ({self.fatal})", "retry once it has restarted"
-                )
-            if self._stopping:
-                raise ShuttingDownError("the server is shutting down", "retry in a moment")
-            free = self.max_concurrent - len(self._running)
-            if len(self._waiting) >= self.queue_size + max(0, free):  # queue_size wait behind the running
-                self.counters["rejected"] += 1
-                raise QueueFullError(
-                    f"the request queue is full ({self.queue_size} waiting)", "retry in a little while"
-                )
-            self._waiting.append(job)
-            self.counters["accepted"] += 1
-            self._cond.notify()
-
-    def cancel(self, job: Job, reason: SegfuseError | None = None) -> None:
-        """Stop a job: drop it from the queue, or make the worker stop it at its next step.
-
-        `reason`: why the server stops it (its handler gets ``Failed(reason)``); None: the client
-        went away (``Cancelled``). Safe to call more than once and after the job ended.
-        """
-        with self._cond:
-            if job.cancel_flag.is_set():
-                return
-            job.cancel_reason = reason
-            job.cancel_flag.set()
-            if job in self._waiting:
-                self._waiting.remove(job)
-                self.counters["cancelled"] += 1
-                log.info("%s cancelled while queued", job.id)
-                job.emit(Cancelled() if reason is None else Failed(reason))
-            self._cond.notify()
-
-    def begin_shutdown(self) -> None:
-        """Take no new work and stop every job (waiting ones at once, running ones at their next step),
-        each with a ShuttingDownError, so that open streams end now rather than hold the shutdown up.
-        Returns at once; safe from any thread."""
-        with self._cond:
-            self._stopping = True
-            jobs = list(self._waiting) + list(self._running)
-        reason = ShuttingDownError("the server is shutting down", "retry in a moment")
-        for job in jobs:
-            self.cancel(job, reason)
-        with self._cond:
-            self._cond.notify_all()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and wait for the worker to finish its step."""
@@ -239,7 +157,7 @@ class Worker:
         try:
             while True:
                 with self._cond:
-                    while not self._waiting and not self._running and not self._stopping and not self._chore_due():
+                    while not (self._waiting or self._running or self._stopping or self._chores or self._chore_due()):
                         self._cond.wait(None if self.periodic is None else self.periodic.wait_s())
                     if self._stopping and not self._waiting and not self._running:
                         return
@@ -249,6 +167,7 @@ class Worker:
                         self._running.add(job)
                         admitted.append(job)
                     busy = bool(self._running)
+                self._chores.run()
                 if self._chore_due():
                     assert self.periodic is not None
                     self.periodic.run()
@@ -257,6 +176,9 @@ class Worker:
         except BaseException as exc:  # the loop itself broke: nothing will serve the queue any more
             self._die(f"the worker thread stopped on {type(exc).__name__}", exc)
         finally:
+            with self._cond:
+                self._serving = False
+            self._chores.run()  # those asked before it stopped
             try:
                 self._scheduler.close()
             except Exception:
@@ -342,41 +264,14 @@ class Worker:
     def _read_occupancy(self) -> dict[str, Occupancy]:
         """What each member holds now; on the worker thread, between decodes (or before it starts)."""
         assert self._ensemble is not None
-        seen = {}
-        for member in self._ensemble.members:
-            try:
-                seen[member.name] = member.occupancy()
-            except Exception:  # a view for operators must never stop the worker
-                log.exception("could not read what %s holds", member.name)
-                seen[member.name] = Occupancy(member.slots)
-        return seen
+        return read_occupancy(self._ensemble.members)
 
     def _admit(self, job: Job) -> None:
         self._count("started")
-        ensemble = self._ensemble
-        assert ensemble is not None
-        request = job.request
-        if request.deadline is not None and time.monotonic() >= request.deadline:
-            self._end(
-                job,
-                DeadlineError(
-                    f"the request waited {time.monotonic() - job.accepted_at:.0f} s in the queue, past its deadline "
-                    f"of {request.deadline - job.accepted_at:g} s",
-                    "retry when the server is less busy",
-                ),
-                0,
-            )
-            return
-        if job.work is not None:  # one call, now, on this thread (the members are this thread's)
-            run_work(job, ensemble, self._end)
-            return
-        try:
-            steps = ensemble.steps(request)
-        except SegfuseError as exc:
-            self._end(job, exc, 0)
-            return
-        job.emit(Started(time.time() - job.created, prompt_tokens(ensemble.pick(request.members), request.messages)))
-        self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
+        assert self._ensemble is not None
+        steps = start_job(job, self._ensemble, self._end)
+        if steps is not None:
+            self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         """`job` is over and its sessions closed: it leaves the jobs in flight together with a fresh note of
@@ -392,3 +287,15 @@ class Worker:
         if why is None:
             self._failed_ticks = 0  # the worker works: earlier failures were passing ones
         ending(job, why, rounds, self._count)
+
+
+def read_occupancy(members: Sequence[Member]) -> dict[str, Occupancy]:
+    """What each member holds now (a member that cannot tell: all its slots free)."""
+    seen = {}
+    for member in members:
+        try:
+            seen[member.name] = member.occupancy()
+        except Exception:  # a view for operators must never stop the worker
+            log.exception("could not read what %s holds", member.name)
+            seen[member.name] = Occupancy(member.slots)
+    return seen

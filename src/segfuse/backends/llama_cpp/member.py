@@ -185,6 +185,7 @@ class LlamaCppMember(LocalMember):
             parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total),
         )
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest
+        self.nbytes = int(lc.llama_model_size(self._model))
         # Where its decodes run: side by side (wholly on a GPU), on the thread that calls it; else on the one
         # thread every member on the CPU computes on (backends/compute.py says why).
         self.compute = compute_here if self.capabilities.parallel_safe else COMPUTE.run

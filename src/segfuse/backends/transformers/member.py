@@ -114,7 +114,7 @@ class TransformersMember(LocalMember):
         self.compute = self.thread.run
         self.compute(match_threads, torch.get_num_threads())
         self.weights = Weights(model, name=self.name, dtype=torch_dtype, n_ctx=n_ctx, compute=self.compute)
-        self.n_params, self.n_ctx = self.weights.n_params, self.weights.n_ctx
+        self.n_params, self.n_ctx, self.nbytes = self.weights.n_params, self.weights.n_ctx, self.weights.nbytes
         if prefix_cache_cells is not None and prefix_cache_cells < 0:
             raise ValueError("prefix_cache_cells must be 0 (off) or more")
         self.prefixes = StoredPrefixes(self.n_ctx if prefix_cache_cells is None else prefix_cache_cells)

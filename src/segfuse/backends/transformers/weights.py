@@ -30,6 +30,7 @@ class Weights:
         self.name = name
         self.dtype = dtype
         self.n_params = int(model.num_parameters())  # the gate's default leader is the largest member
+        self.nbytes = int(model.get_memory_footprint())
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of its logits
         self.input_device = model.get_input_embeddings().weight.device
         self._read_attention(n_ctx)

@@ -25,7 +25,7 @@ from ...tools import (
 )
 from ...types import Message
 from .. import limits as checks
-from ..parsing import DEFAULT_LIMITS, Endpoint, fusion_options, parse_request
+from ..parsing import DEFAULT_LIMITS, Defaults, Endpoint, fusion_options, parse_request
 from ..serving import APIError
 from .protocol import NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS, ChatCompletionRequest
 
@@ -177,14 +177,14 @@ class ChatPlan:
     logprobs: bool  # the answer's log-probabilities are reported
 
 
-def plan_chat(body: bytes, defaults: FusionOptions, limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
+def plan_chat(body: bytes, defaults: FusionOptions | Defaults, limits: LimitsSection = DEFAULT_LIMITS) -> ChatPlan:
     """Body bytes -> everything the worker needs: parsing, limits, tools, messages, options, the compiled
     constraint. CPU work on client input, bounded by ``limits``: the app runs it off the event loop."""
     return plan_of(parse_request(body, CHAT, limits), defaults, limits)
 
 
 def plan_of(
-    request: ChatCompletionRequest, defaults: FusionOptions, limits: LimitsSection = DEFAULT_LIMITS
+    request: ChatCompletionRequest, defaults: FusionOptions | Defaults, limits: LimitsSection = DEFAULT_LIMITS
 ) -> ChatPlan:
     """A validated chat request (of any API: Messages and Responses translate theirs) -> its plan."""
     try:

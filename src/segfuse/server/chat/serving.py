@@ -16,8 +16,9 @@ from ...logprobs import TokenLogprob, answer_logprobs
 from ...tools import ToolCall
 from ...types import Result, RoundEvent, Segment, SegmentEvent
 from ..answer import Answer
+from ..pool import Lease
 from ..serving import call_of, disconnected, finish_reason_of, full_info, result_info, segment_info, sse, usage_of
-from ..state import ServerState, job_for, members_for, require_members, submit
+from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, RoundInfo
 from ..worker import Job
 from . import planning
@@ -36,11 +37,10 @@ from .protocol import (
 )
 
 
-def job_of(state: ServerState, plan: ChatPlan, model: str, **fields: Any) -> Job:
-    """The worker's job for a planned chat request (`fields`: more Job fields, e.g. its id)."""
-    return job_for(
-        state, plan.generation, members_for(state, model), tools=plan.tools, logprobs=plan.logprobs, **fields
-    )
+def job_of(state: ServerState, plan: ChatPlan, lease: Lease, **fields: Any) -> Job:
+    """The worker's job for a planned chat request, answered by the lease's members (`fields`: more Job
+    fields, e.g. its id)."""
+    return job_for(state, plan.generation, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
 
 
 async def answer(state: ServerState, request: Request) -> Response:
@@ -53,8 +53,9 @@ async def answer(state: ServerState, request: Request) -> Response:
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = plan.request.model or state.model_id
-    job = job_of(state, plan, model, streamed=plan.request.stream)
-    cancel = submit(state, [job], detailed, plan.request.user)
+    async with using(state, model, plan.request.keep_alive) as lease:
+        job = job_of(state, plan, lease, streamed=plan.request.stream)
+        cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = ChatAnswer(job, model, detailed, plan.request.include_usage)
     if plan.request.stream:
         return reply.response(cancel)

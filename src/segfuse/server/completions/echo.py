@@ -23,26 +23,21 @@ from ...ensemble import Ensemble
 from ...errors import InvalidRequestError
 from ...request import FusionRequest
 from ...types import PromptToken
+from ..pool import Lease
 from ..serving import APIError, disconnected, worked
-from ..state import ServerState, job_for, members_for, submit
+from ..state import ServerState, job_for, submit
 from .protocol import CompletionLogprobs, CompletionRequest
 
 
-def reader_for(state: ServerState, model: str) -> Member:
-    """Whose tokens `model`'s token ids and echoes are: the member itself, or the largest member."""
-    names = members_for(state, model)
-    chosen = [m for m in state.loaded if names is None or m.name in names]
-    return reader_of(chosen)
-
-
-def prompt_texts(state: ServerState, request: CompletionRequest, model: str) -> list[str]:
-    """Each prompt as text: token arrays spelled by the reader's vocabulary (400 for an id outside it)."""
+def prompt_texts(members: Sequence[Member], request: CompletionRequest) -> list[str]:
+    """Each prompt as text: token arrays spelled by the reader's vocabulary (``reader_of`` the members
+    that answer: the member alone, or the largest; 400 for an id outside it)."""
     texts = []
     for prompt in request.prompts:
         if isinstance(prompt, str):
             texts.append(prompt)
             continue
-        texts.append(spelled(reader_for(state, model), prompt, "prompt"))
+        texts.append(spelled(reader_of(members), prompt, "prompt"))
     return texts
 
 
@@ -64,22 +59,23 @@ def _read(prompt: str | list[int], k: int, members: list[str] | None, ensemble: 
 
 
 async def read_prompts(
-    state: ServerState, http: Request, request: CompletionRequest, model: str, detailed: bool
+    state: ServerState, http: Request, request: CompletionRequest, lease: Lease, detailed: bool
 ) -> list[list[PromptToken]]:
     """Every prompt's echoed tokens, each read by a work job (all queued, or refused whole)."""
     if request.stream:
         raise APIError(
             400, "echo with logprobs is answered whole: send stream: false", code="invalid_value", param="stream"
         )
-    members = members_for(state, model)
+    members = lease.members
     k = request.logprobs or 0
     name = f"echo-{uuid.uuid4().hex}"
-    reading = FusionRequest((), state.defaults, cache_salt=request.cache_salt)  # no generation: its work reads
+    # No generation: its work reads.
+    reading = FusionRequest((), state.defaults.of(lease.model.name), cache_salt=request.cache_salt)
     jobs = [
-        job_for(state, reading, members, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
+        job_for(state, reading, lease, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
         for i, prompt in enumerate(request.prompts)
     ]
-    submit(state, jobs, detailed, request.user, param="prompt")
+    submit(state, jobs, lease, detailed, request.user, param="prompt")
     try:
         values = await asyncio.gather(
             *(worked(job, disconnected(http), partial(state.worker.cancel, job), detailed) for job in jobs)
@@ -121,4 +117,4 @@ def joined(echo: CompletionLogprobs, answer: CompletionLogprobs | None) -> Compl
     )
 
 
-__all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "reader_for", "spelled"]
+__all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "spelled"]

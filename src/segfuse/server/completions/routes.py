@@ -36,7 +36,7 @@ def api_router(state: ServerState) -> APIRouter:
         return await tokens.detokenize(state, request, path_model)
 
     async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
-        return tokens.tokenizer_info(state, request, model)
+        return await tokens.tokenizer_info(state, request, model)
 
     # The server's own model's tokens, and one model's beside its /m/{model}/v1/completions.
     router.post("/tokenize")(tokenize)

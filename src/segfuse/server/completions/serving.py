@@ -29,7 +29,7 @@ from ..answer import Answer
 from ..limits import check_text
 from ..parsing import Endpoint, fusion_options
 from ..serving import APIError, disconnected, finish_reason_of, finished, result_info, sse, usage_of
-from ..state import ServerState, job_for, members_for, require_members, submit
+from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, Usage
 from ..worker import Job, Started
 from .echo import echo_logprobs, joined, prompt_texts, read_prompts
@@ -61,27 +61,27 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
             param="model",
         )
     model = path_model or parsed.model or state.model_id
-    texts = await state.offload(prompt_texts, state, parsed, model)
-    members = members_for(state, model)
-    name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
-    jobs = [
-        job_for(
-            state,
-            generation,
-            members,
-            id=name if i == 0 else f"{name}-{i}",
-            logprobs=parsed.logprobs is not None,
-            streamed=bool(parsed.stream),
-        )
-        for i, generation in enumerate(requests_of(parsed, texts, state.defaults))
-    ]
-    echoes = None
-    if parsed.echo and parsed.logprobs is not None:
-        echoes = await read_prompts(state, request, parsed, model, detailed)
-        if parsed.max_tokens == 0:
-            return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
-    # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
-    cancel = submit(state, jobs, detailed, parsed.user, param="prompt")
+    async with using(state, model, parsed.keep_alive) as lease:
+        texts = await state.offload(prompt_texts, state.members_of(lease), parsed)
+        name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
+        jobs = [
+            job_for(
+                state,
+                generation,
+                lease,
+                id=name if i == 0 else f"{name}-{i}",
+                logprobs=parsed.logprobs is not None,
+                streamed=bool(parsed.stream),
+            )
+            for i, generation in enumerate(requests_of(parsed, texts, state.defaults.of(model)))
+        ]
+        echoes = None
+        if parsed.echo and parsed.logprobs is not None:
+            echoes = await read_prompts(state, request, parsed, lease, detailed)
+            if parsed.max_tokens == 0:
+                return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
+        # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
+        cancel = submit(state, jobs, lease, detailed, parsed.user, param="prompt")
     reply = CompletionAnswer(jobs, parsed, texts, model, detailed, echoes)
     if parsed.stream:
         return reply.response(cancel)

@@ -8,17 +8,19 @@ in them, so that its context/continuation split is the server's. Bodies are boun
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
 
 from ...backends.base import Member
+from ...echo import reader_of
 from .. import parsing
 from ..limits import exceeded
 from ..parsing import Endpoint
 from ..serving import APIError
-from ..state import ServerState, require_members
-from .echo import reader_for, spelled
+from ..state import ServerState, require_members, using
+from .echo import spelled
 from .protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -43,31 +45,42 @@ def _tokens(member: Member, request: TokenizeRequest) -> list[int]:
     return member.lead_tokens() + ids if request.add_special_tokens else ids
 
 
-def _reader(state: ServerState, model: str | None, detailed: bool) -> Member:
-    require_members(state, detailed)
-    return reader_for(state, model or state.model_id)
+async def _by_reader(state: ServerState, request: Request, model: str | None, work: Callable[..., Any]) -> Any:
+    """`work(reader)` off the event loop, the model's members loaded and held meanwhile; the reader is
+    the member alone, or the largest."""
+    require_members(state, state.holds_key(request))
+    async with using(state, model or state.model_id) as lease:
+        return await state.offload(work, reader_of(state.members_of(lease)))
 
 
 async def tokenize(state: ServerState, request: Request, path_model: str | None = None) -> dict[str, Any]:
     """``/tokenize``: the prompt's token ids (`path_model`: the model its path names)."""
     body = await state.body(request)
     parsed = await state.offload(parsing.parse_request, body, TOKENIZE, state.config.limits)
-    member = _reader(state, path_model or parsed.model, state.holds_key(request))
-    tokens = await state.offload(_tokens, member, parsed)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.contexts.get(member.name)}
+
+    def read(member: Member) -> dict[str, Any]:
+        tokens = _tokens(member, parsed)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": getattr(member, "n_ctx", None)}
+
+    result: dict[str, Any] = await _by_reader(state, request, path_model or parsed.model, read)
+    return result
 
 
 async def detokenize(state: ServerState, request: Request, path_model: str | None = None) -> dict[str, Any]:
     """``/detokenize``: the text token ids spell."""
     body = await state.body(request)
     parsed = await state.offload(parsing.parse_request, body, DETOKENIZE, state.config.limits)
-    member = _reader(state, path_model or parsed.model, state.holds_key(request))
-    return {"prompt": await state.offload(spelled, member, parsed.tokens, "tokens")}
+    text = await _by_reader(state, request, path_model or parsed.model, lambda m: spelled(m, parsed.tokens, "tokens"))
+    return {"prompt": text}
 
 
-def tokenizer_info(state: ServerState, request: Request, model: str | None = None) -> dict[str, Any]:
+async def tokenizer_info(state: ServerState, request: Request, model: str | None = None) -> dict[str, Any]:
     """``/tokenizer_info``: whose tokens a model's are, its special tokens, template and window."""
-    member = _reader(state, model, state.holds_key(request))
+    info: dict[str, Any] = await _by_reader(state, request, model, lambda member: _info(state, model, member))
+    return info
+
+
+def _info(state: ServerState, model: str | None, member: Member) -> dict[str, Any]:
     return {
         "model": model or state.model_id,
         "tokenizer_of": member.name,
@@ -75,7 +88,7 @@ def tokenizer_info(state: ServerState, request: Request, model: str | None = Non
         "eos_token": getattr(member, "eos_text", None) or None,
         "pad_token": None,
         "chat_template": getattr(member, "chat_template", None),
-        "model_max_length": state.contexts.get(member.name),
+        "model_max_length": getattr(member, "n_ctx", None),
     }
 
 

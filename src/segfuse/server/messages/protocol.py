@@ -17,7 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from ..chat.protocol import ChatCompletionRequest
 from ..serving import APIError
-from ..wire import MAX_CACHE_SALT_CHARS, FusionInfo
+from ..wire import KEEP_ALIVE, MAX_CACHE_SALT_CHARS, FusionInfo
 
 PATH = "/v1/messages"  # its errors, and those of the paths under it, are in Anthropic's shape
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
@@ -104,6 +104,7 @@ class MessagesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     segfuse: dict[str, Any] | None = Field(None, description="segfuse options, as on chat completions")
+    keep_alive: str | int | float | None = Field(None, description=KEEP_ALIVE)
 
 
 class CountTokensRequest(MessagesRequest):

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ...backends.base import Member
 from ...config import LimitsSection
 from ...options import FusionOptions
 from ...types import Message, Result, SegmentEvent
@@ -25,9 +26,9 @@ from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
 from ..jobs import prompt_tokens
-from ..parsing import Endpoint
+from ..parsing import Defaults, Endpoint
 from ..serving import APIError, call_of, disconnected, full_info, result_info, sse, usage_of
-from ..state import ServerState, members_for, require_members, submit
+from ..state import ServerState, require_members, submit, using
 from ..worker import Job, Started
 from .protocol import (
     MESSAGES_NEUTRAL,
@@ -53,7 +54,7 @@ COUNT_TOKENS = Endpoint(CountTokensRequest, MESSAGES_PARAMETERS, MESSAGES_NEUTRA
 
 
 def plan_messages(
-    body: bytes, defaults: FusionOptions, limits: LimitsSection, endpoint: Endpoint = MESSAGES
+    body: bytes, defaults: FusionOptions | Defaults, limits: LimitsSection, endpoint: Endpoint = MESSAGES
 ) -> tuple[MessagesRequest, ChatPlan]:
     """Body bytes -> the request and the chat plan it means (CPU work: run off the event loop)."""
     try:
@@ -73,8 +74,9 @@ async def answer(state: ServerState, request: Request) -> Response:
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = parsed.model or state.model_id
-    job = job_of(state, plan, model, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
-    cancel = submit(state, [job], detailed, plan.request.user)
+    async with using(state, model, parsed.keep_alive) as lease:
+        job = job_of(state, plan, lease, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
+        cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = MessagesAnswer(job, model, detailed)
     if parsed.stream:
         return reply.response(cancel)
@@ -86,14 +88,13 @@ async def count_tokens(state: ServerState, request: Request) -> JSONResponse:
     body = await state.body(request)
     parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits, COUNT_TOKENS)
     require_members(state, state.holds_key(request))
-    names = members_for(state, parsed.model or state.model_id)
-    counted = await state.offload(_count, state, plan.generation.messages, names)
+    async with using(state, parsed.model or state.model_id, parsed.keep_alive) as lease:
+        counted = await state.offload(_count, state.members_of(lease), plan.generation.messages)
     return JSONResponse({"input_tokens": counted})
 
 
-def _count(state: ServerState, messages: Sequence[Message], names: list[str] | None) -> int:
+def _count(members: Sequence[Member], messages: Sequence[Message]) -> int:
     """The templated prompt's tokens: the longest among the members that would answer (as usage counts)."""
-    members = [m for m in state.loaded if names is None or m.name in names]
     return max(prompt_tokens(members, messages).values(), default=0)
 
 

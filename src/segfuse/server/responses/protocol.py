@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..chat.protocol import ChatCompletionRequest
 from ..serving import APIError
-from ..wire import MAX_CACHE_SALT_CHARS
+from ..wire import KEEP_ALIVE, MAX_CACHE_SALT_CHARS
 
 PATH = "/v1/responses"
 
@@ -87,6 +87,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     segfuse: dict[str, Any] | None = Field(None, description="segfuse options, as on chat completions")
+    keep_alive: str | int | float | None = Field(None, description=KEEP_ALIVE)
 
 
 RESPONSES_PARAMETERS: tuple[str, ...] = tuple(ResponsesRequest.model_fields)

@@ -23,10 +23,10 @@ from .. import parsing
 from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
-from ..parsing import Endpoint
+from ..parsing import Defaults, Endpoint
 from ..serving import APIError, call_of, disconnected, full_info, sse, usage_of
 from ..shared import Responses
-from ..state import ServerState, require_members, submit
+from ..state import ServerState, require_members, submit, using
 from ..worker import Job
 from .protocol import (
     PATH,
@@ -52,7 +52,9 @@ class ResponsesPlan:
     chat: ChatPlan
 
 
-def plan_responses(body: bytes, defaults: FusionOptions, limits: LimitsSection, store: Responses) -> ResponsesPlan:
+def plan_responses(
+    body: bytes, defaults: FusionOptions | Defaults, limits: LimitsSection, store: Responses
+) -> ResponsesPlan:
     """Body bytes -> the request, its conversation and its chat plan (CPU work: run off the event loop)."""
     request = parsing.parse_request(body, RESPONSES, limits)
     earlier: list[dict[str, Any]] = []
@@ -81,8 +83,9 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = plan.request.model or state.model_id
-    job = job_of(state, plan.chat, model, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
-    cancel = submit(state, [job], detailed, plan.request.user)
+    async with using(state, model, plan.request.keep_alive) as lease:
+        job = job_of(state, plan.chat, lease, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
+        cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = ResponsesAnswer(job, model, plan, store, detailed)
     if plan.request.stream:
         return reply.response(cancel)

@@ -7,7 +7,7 @@
 const PALETTE = ["#E69F00", "#56B4E9", "#009E73", "#CC79A7", "#0072B2", "#D55E00", "#F0E442"];
 
 const $ = (id) => document.getElementById(id);
-const state = { model: "segfuse", members: [], history: [], controller: null, asked: null, problems: [] };
+const state = { model: "segfuse", members: [], ensembles: [], history: [], controller: null, asked: null, problems: [] };
 
 function colour(name) {
   const i = state.members.indexOf(name);
@@ -43,14 +43,26 @@ async function loadModels() {
     const response = await fetch("v1/models", { headers: headers() });
     const body = await response.json();
     if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
-    const ensemble = body.data.find((m) => Array.isArray(m.members) && m.members.length);
-    state.model = ensemble ? ensemble.id : body.data[0].id;
-    state.members = ensemble ? ensemble.members : body.data.map((m) => m.id);
-    showMembers();
-    setStatus(`${state.members.length} members ready`);
+    // Every ensemble the server serves, the first being the server's default (the URL's ?model= picks one).
+    state.ensembles = body.data.filter((m) => Array.isArray(m.members) && m.members.length);
+    const wanted = state.ensembles.find((m) => m.id === fromURL().model);
+    if (fromURL().model && !wanted) state.problems.push(`no ensemble named "${fromURL().model}"`);
+    $("model").replaceChildren(...state.ensembles.map((m) => el("option", { value: m.id, textContent: m.id })));
+    $("model-label").hidden = state.ensembles.length < 2;
+    pickEnsemble(wanted || state.ensembles[0], body.data);
   } catch (err) {
     setStatus(`cannot list models: ${err.message}`, true);
   }
+}
+
+// One ensemble's members as the legend (none listed: every model is a member of the one ensemble).
+function pickEnsemble(ensemble, models = []) {
+  state.model = ensemble ? ensemble.id : models[0].id;
+  state.members = ensemble ? ensemble.members : models.map((m) => m.id);
+  if (ensemble) $("model").value = ensemble.id;
+  showMembers();
+  const loading = ensemble && ensemble.loaded === false ? " (not loaded yet: the first request loads them)" : "";
+  setStatus(`${state.members.length} members${loading || " ready"}`);
 }
 
 // ---------------------------------------------------------------- the fusion control, kept in the URL
@@ -66,7 +78,8 @@ const MODES = {
 function fromURL() {
   const query = new URLSearchParams(location.search);
   const members = (query.get("members") || "").split(",").map((m) => m.trim()).filter(Boolean);
-  return { mode: query.get("mode"), margin: query.get("margin"), members: members.length ? members : null };
+  return { mode: query.get("mode"), margin: query.get("margin"), members: members.length ? members : null,
+    model: query.get("model") };
 }
 
 function applyURL() {
@@ -118,8 +131,8 @@ function fusion() {
       note: `${members[0]} answers alone (model "${members[0]}"): the mode does not apply.` };
   }
   if (members.length < state.members.length) {
-    return { error: "Tick all members or one: the API fuses every member of this server, or lets one answer alone " +
-      `(to fuse only ${members.join(" and ")}, start a server with them: segfuse serve ${members.map((m) => `-m ${m}`).join(" ")}).` };
+    return { error: "Tick all members or one: the API fuses every member of an ensemble, or lets one answer alone " +
+      `(to fuse only ${members.join(" and ")}, declare an ensemble of them: segfuse serve --ensemble NAME=${members.join(",")}).` };
   }
   if (current === "consult" && !(margin() > 0)) return { error: "The margin must be a number of nats above 0." };
   const notes = {
@@ -146,6 +159,8 @@ function writeURL() {
   if (current === "leader") query.delete("mode"); else query.set("mode", current);
   if (current === "consult") query.set("margin", $("margin").value); else query.delete("margin");
   if (members.length === state.members.length) query.delete("members"); else query.set("members", members.join(","));
+  if (state.ensembles.length < 2 || state.model === state.ensembles[0].id) query.delete("model");
+  else query.set("model", state.model);
   const search = query.toString().replace(/%2C/g, ",");  // commas are fine in a query, and easier to read
   history.replaceState(null, "", `${location.pathname}${search ? `?${search}` : ""}${location.hash}`);
 }
@@ -436,6 +451,7 @@ $("api-key").addEventListener("change", () => {
   localStorage.setItem("segfuse-api-key", $("api-key").value);
   loadModels();
 });
+$("model").addEventListener("change", () => pickEnsemble(state.ensembles.find((m) => m.id === $("model").value)));
 $("fusion").addEventListener("change", onFusionChange);
 $("margin").addEventListener("input", onFusionChange);
 $("api-key").value = localStorage.getItem("segfuse-api-key") || "";

@@ -1,0 +1,360 @@
+"""Members loaded when a request needs them and freed when idle: the server's pool.
+
+Every member the catalog names has a place here: unloaded, loading, loaded, unloading or failed (its
+last load's error; the next request tries again). A request takes a lease on its model's members
+(``Pool.lease``): when they are all loaded it pins them at once; else it waits its turn (one request
+loads at a time, at most ``queue_size`` wait: 429 beyond), then pins them, makes room within the
+budget and loads what is missing, off the event loop, while loaded models go on being served. Each
+job the request queues holds the lease again until the worker lets the job go (``submit``), so a
+member in use is never freed. When the last holder lets a member go, it stays for its keep-alive
+(the request's ``keep_alive``, else the server's; members of preloaded models: until a request says
+otherwise), then a reaper frees it; past the budget (``max_loaded_members``, ``max_loaded_bytes``) the
+least recently used idle member goes first. The members join and leave the worker's ensemble under
+the pool's lock; a member leaves, and closes, on the worker thread between two steps, where nothing
+can be decoding with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+from ..backends.base import Member
+from ..ensemble import Ensemble
+from ..errors import SegfuseError
+from ..keep_alive import FOREVER
+from .catalog import Catalog, Model
+from .guards import redact
+from .serving import APIError
+from .worker import Worker
+
+log = logging.getLogger("segfuse.server")
+POLL_S = 0.05  # how often a request waiting for room looks again
+REAP_S = 1.0  # the reaper's longest sleep: freeing is never later than this past a keep-alive
+
+PlaceState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+
+
+@dataclass
+class Place:
+    """One member's place in the pool."""
+
+    name: str
+    spec: str | None  # what loads it (None: a member given loaded, that cannot be loaded again)
+    member: Member | None = None
+    state: PlaceState = "unloaded"
+    users: int = 0  # requests and jobs holding it: never freed while any do
+    keep_s: float = FOREVER  # how long it stays after its last user lets it go
+    idle_since: float | None = None  # time.monotonic() when its last user let it go
+    last_used: float = 0.0  # time.monotonic() of its last lease (the least recently used goes first)
+    owned: bool = True  # False: the caller's members, never freed nor closed here
+    nbytes: int | None = None  # its weights' bytes, once loaded (kept to make room before a reload)
+    error: str | None = None  # why its last load failed
+    loads: int = 0  # times it was loaded (a member two models share: once, while it stays)
+    since: float | None = None  # time.monotonic() when its load began
+
+    def expires_at(self) -> float | None:
+        """When the reaper frees it (None: in use, kept, or not loaded)."""
+        if self.state != "loaded" or self.users or not self.owned or self.idle_since is None:
+            return None
+        return None if self.keep_s == FOREVER else self.idle_since + self.keep_s
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What may be loaded at once: members, bytes of weights (None: no bound)."""
+
+    members: int | None = None
+    nbytes: int | None = None
+
+    def over(self, places: Sequence[Place], adding: Sequence[Place] = ()) -> bool:
+        held = [p for p in places if p.state in ("loaded", "loading", "unloading")] + list(adding)
+        if self.members is not None and len(held) > self.members:
+            return True
+        return self.nbytes is not None and sum(p.nbytes or 0 for p in held) > self.nbytes
+
+
+class Pool:
+    """The members a server holds, loaded on demand; see the module's docstring."""
+
+    def __init__(
+        self, catalog: Catalog, worker: Worker, load: Callable[[str], Member], budget: Budget, keep_alive_s: float
+    ) -> None:
+        self.catalog, self.worker, self.budget, self.keep_alive_s = catalog, worker, budget, keep_alive_s
+        self._load = load
+        self.ensemble = Ensemble.holding([])
+        self.places = {name: Place(name, spec) for name, spec in catalog.specs.items()}
+        self._lock = threading.Lock()
+        self._turn: asyncio.Lock | None = None  # made on the event loop, at the first load
+        self.waiting = 0  # requests waiting for their turn to load
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="segfuse-reaper", daemon=True)
+
+    # ------------------------------------------------------------------ at start and stop
+
+    def adopt(self, members: Sequence[Member], owned: bool = False) -> None:
+        """Members loaded elsewhere join, by name, kept until the server stops (the caller's: never closed)."""
+        for member in members:
+            place = self.places.setdefault(member.name, Place(member.name, None))
+            self._joined(place, member)
+            place.owned = owned
+
+    def load_now(self, model: Model) -> None:
+        """Load `model`'s members here and now, kept until a request says otherwise (preloading)."""
+        for name in model.members:
+            place = self.places[name]
+            if place.state != "loaded":
+                self._load_one(place)
+            place.keep_s = FOREVER
+
+    def start(self) -> None:
+        self._reaper.start()
+
+    def close(self) -> None:
+        """At shutdown, once the worker stopped: close every member the pool loaded."""
+        self._stop.set()
+        for place in self.places.values():
+            if place.member is not None and place.owned:
+                self._close(place)
+
+    # ------------------------------------------------------------------ leases
+
+    @asynccontextmanager
+    async def lease(self, model: Model, keep_s: float | None, deadline: float | None) -> AsyncIterator[Lease]:
+        """`model`'s members loaded and pinned while the request queues its jobs (each holds them again:
+        ``Lease.hold``); `keep_s`: the request's keep-alive (None: the default)."""
+        lease = Lease(self, model, keep_s)
+        if not self._pin_if_loaded(model.members):
+            await self._bring(model, deadline)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    def pin(self, names: Sequence[str]) -> None:
+        with self._lock:
+            self._pin_locked(names)
+
+    def _pin_locked(self, names: Sequence[str]) -> None:
+        for name in names:
+            self.places[name].users += 1
+            self.places[name].last_used = time.monotonic()
+
+    def unpin(self, names: Sequence[str], keep_s: float | None) -> None:
+        """Names let go once; a member nothing holds any more starts its keep-alive (0: freed now)."""
+        now, free = time.monotonic(), []
+        with self._lock:
+            for name in names:
+                place = self.places[name]
+                place.users -= 1
+                if place.users == 0:
+                    place.idle_since = now
+                    place.keep_s = self._keep(place, keep_s)
+                    if place.keep_s == 0 and place.owned and place.state == "loaded":
+                        free.append(place)
+        for place in free:
+            self._free(place)
+
+    def _keep(self, place: Place, keep_s: float | None) -> float:
+        """The request's keep-alive, else: kept for a member of a preloaded model, the server's for others."""
+        if keep_s is not None:
+            return keep_s
+        preloaded = any(model in self.catalog.preload for model in self.catalog.holders(place.name))
+        return FOREVER if preloaded else self.keep_alive_s
+
+    def _pin_if_loaded(self, names: Sequence[str]) -> bool:
+        """Pin `names` if every one is loaded (in one look: none can be freed in between)."""
+        with self._lock:
+            if any(self.places[n].state != "loaded" for n in names):
+                return False
+            self._pin_locked(names)
+        return True
+
+    # ------------------------------------------------------------------ loading
+
+    async def _bring(self, model: Model, deadline: float | None) -> None:
+        """Wait for the turn to load, pin `model`'s members, make room and load what is missing."""
+        if self.waiting > self.worker.queue_size:
+            raise APIError(
+                429,
+                f"{self.waiting} requests are waiting for models to load; retry in a little while",
+                "rate_limit_error",
+                "queue_full",
+            )
+        self._turn = self._turn or asyncio.Lock()
+        self.waiting += 1
+        entered = False
+        try:
+            async with self._turn:
+                self.waiting, entered = self.waiting - 1, True
+                self.pin(model.members)
+                try:
+                    await self._load_missing(model, deadline)
+                except BaseException:
+                    self.unpin(model.members, None)
+                    raise
+        finally:
+            if not entered:
+                self.waiting -= 1
+
+    async def _load_missing(self, model: Model, deadline: float | None) -> None:
+        for name in model.members:
+            place = self.places[name]
+            while place.state == "unloading":  # freed a moment ago: load it again once it is closed
+                await asyncio.sleep(POLL_S)
+            if place.state == "loaded":
+                continue
+            if place.spec is None:
+                raise APIError(503, f"member {name} was freed and cannot be loaded again", "server_error")
+            await self._make_room(place, model, deadline)
+            try:
+                await asyncio.to_thread(self._load_one, place)
+            except SegfuseError as exc:
+                raise APIError(
+                    503,
+                    f"could not load member {name} of model {model.name}: {redact(str(exc))}",
+                    "server_error",
+                    "model_load_failed",
+                    param="model",
+                ) from None
+            await self._make_room(None, model, None)  # its size is known now: free what the bytes want
+
+    async def _make_room(self, place: Place | None, model: Model, deadline: float | None) -> None:
+        """Free the least recently used idle members until `place` fits (None: until what is loaded fits);
+        wait while every one is in use, up to `deadline` (None with a place: for ever; without: not at all)."""
+        while True:
+            with self._lock:
+                if not self.budget.over(list(self.places.values()), [place] if place else []):
+                    return
+                idle = [p for p in self.places.values() if p.state == "loaded" and not p.users and p.owned]
+                victim = min(idle, key=lambda p: p.last_used, default=None)
+                if victim is not None:
+                    victim.state = "unloading"
+            if victim is not None:
+                log.info("freeing %s to make room for %s (the memory budget)", victim.name, model.name)
+                await asyncio.wrap_future(self.worker.between_ticks(partial(self._close, victim)))
+            elif place is None:
+                log.warning("the members in use take more than the memory budget (model %s loaded)", model.name)
+                return
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise APIError(
+                    503,
+                    f"model {model.name} does not fit the memory budget beside the members in use; retry later",
+                    "server_error",
+                    "no_room",
+                )
+            else:
+                await asyncio.sleep(POLL_S)
+
+    def _load_one(self, place: Place) -> None:
+        """Load one member here (a loader's thread, or at start), then let it join the worker's ensemble."""
+        assert place.spec is not None
+        with self._lock:
+            place.state, place.since, place.error = "loading", time.monotonic(), None
+        log.info("loading %s (%s)", place.name, place.spec)
+        try:
+            member = self._load(place.spec)
+        except BaseException as exc:
+            with self._lock:
+                place.state, place.error, place.since = "failed", str(exc), None
+            log.error("could not load %s: %s", place.name, exc)
+            raise
+        member.name = place.name  # the catalog's name, whatever the backend would call it
+        self._joined(place, member)
+        log.info("loaded %s in %.1f s", place.name, time.monotonic() - (place.since or time.monotonic()))
+
+    def _joined(self, place: Place, member: Member) -> None:
+        with self._lock:
+            place.member, place.state, place.nbytes = member, "loaded", member.nbytes
+            place.loads += 1
+            self.ensemble.members = [*self.ensemble.members, member]
+
+    # ------------------------------------------------------------------ freeing
+
+    def _free(self, place: Place) -> None:
+        """Free an idle member (the reaper's or a keep-alive of 0): it leaves on the worker thread."""
+        with self._lock:
+            if place.state != "loaded" or place.users:
+                return
+            place.state = "unloading"
+        log.info("freeing %s (idle past its keep-alive)", place.name)
+        self.worker.between_ticks(lambda: self._close(place))
+
+    def _close(self, place: Place) -> None:
+        """On the worker thread between steps (or at shutdown): out of the ensemble, then closed."""
+        member = place.member
+        with self._lock:
+            self.ensemble.members = [m for m in self.ensemble.members if m is not member]
+        try:
+            if member is not None:
+                member.close()
+        except Exception:
+            log.exception("closing %s failed", place.name)
+        with self._lock:
+            place.member, place.state, place.idle_since = None, "unloaded", None
+
+    def _reap(self) -> None:
+        while not self._stop.wait(self._next_wait()):
+            now = time.monotonic()
+            with self._lock:
+                due = [p for p in self.places.values() if (at := p.expires_at()) is not None and at <= now]
+            for place in due:
+                self._free(place)
+
+    def _next_wait(self) -> float:
+        with self._lock:
+            times = [at for p in self.places.values() if (at := p.expires_at()) is not None]
+        return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
+
+    # ------------------------------------------------------------------ what it holds
+
+    def loaded(self) -> list[Member]:
+        with self._lock:
+            return list(self.ensemble.members)
+
+    def snapshot(self) -> list[Place]:
+        """Copies of every place, read together."""
+        with self._lock:
+            return [Place(**vars(p)) for p in self.places.values()]
+
+
+class Lease:
+    """A request's hold on its model's members: one for the request itself (let go when it has queued
+    its jobs), one more for each job (let go when the worker lets the job go)."""
+
+    def __init__(self, pool: Pool, model: Model, keep_s: float | None) -> None:
+        self.pool, self.model, self.keep_s = pool, model, keep_s
+        self._released = False
+
+    @property
+    def members(self) -> list[str] | None:
+        """Who answers, as the job's request names them: None for the one ensemble a server serves (its
+        Hedge weights may carry over), else the model's members in order."""
+        whole = self.model.ensemble and self.pool.catalog.single()
+        return None if whole else list(self.model.members)
+
+    def hold(self) -> Callable[[], None]:
+        """Hold the members once more; returns what lets them go (once, however often it is called)."""
+        self.pool.pin(self.model.members)
+        once = threading.Lock()
+
+        def release() -> None:
+            if once.acquire(blocking=False):
+                self.pool.unpin(self.model.members, self.keep_s)
+
+        return release
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.pool.unpin(self.model.members, self.keep_s)
+
+
+__all__ = ["Budget", "Lease", "Place", "Pool"]

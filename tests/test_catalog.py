@@ -1,0 +1,131 @@
+"""Pure logic of a server of several models: names, keep-alive durations, sizes, the config's checks."""
+
+import math
+
+import pytest
+
+from segfuse.config import ConfigError, build_config, byte_count, ensemble_flags, split_members
+from segfuse.errors import InvalidRequestError
+from segfuse.keep_alive import FOREVER, describe_keep_alive, keep_alive_seconds
+
+pytest.importorskip("fastapi")
+from segfuse.server.catalog import Catalog, spec_name
+from segfuse.server.pool import Budget, Place
+from segfuse.server.serving import APIError
+
+
+def test_a_member_is_named_by_its_spec_as_its_backend_would_name_it():
+    assert spec_name("smollm2-135m") == "smollm2-135m"
+    assert spec_name("/models/Qwen2.5-7B-Q4_K_M.gguf") == "Qwen2.5-7B-Q4_K_M"
+    assert spec_name("transformers:/models/Qwen2.5-7B#device=cuda:0,dtype=bf16") == "Qwen2.5-7B"
+    assert spec_name("transformers:/models/x#coder,device=cpu") == "coder"
+    assert spec_name("llama_cpp:gemma3-270m") == "gemma3-270m"
+    assert spec_name("remote:http://127.0.0.1:8000/v1#big") == "big"
+    assert spec_name("hf:org/repo:Q4_K_M") == "hf:org/repo:Q4_K_M"
+
+
+def test_ensemble_flags_keep_a_specs_options_together_and_refuse_what_is_not_name_equals_specs():
+    assert split_members("a,transformers:x#device=cuda:0,dtype=bf16,b") == [
+        "a",
+        "transformers:x#device=cuda:0,dtype=bf16",
+        "b",
+    ]
+    assert ensemble_flags(["small=smollm2-135m,gemma3-270m"]) == {"small": ["smollm2-135m", "gemma3-270m"]}
+    for bad in ("small", "=a,b", "small="):
+        with pytest.raises(ConfigError, match="NAME=SPEC"):
+            ensemble_flags([bad])
+
+
+def test_keep_alive_is_read_as_ollama_reads_it():
+    assert keep_alive_seconds("5m") == 300
+    assert keep_alive_seconds("1h30m") == 5400
+    assert keep_alive_seconds("250ms") == 0.25
+    assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0
+    assert keep_alive_seconds(-1) == FOREVER and keep_alive_seconds("-1m") == FOREVER
+    assert keep_alive_seconds(12.5) == 12.5
+    for bad in ("soon", "5 parsecs", "m5", True, math.nan):
+        with pytest.raises(InvalidRequestError, match="keep_alive"):
+            keep_alive_seconds(bad)
+    assert [describe_keep_alive(s) for s in (FOREVER, 0, 300, 5400, 2.5)] == ["forever", "0s", "5m", "1h30m", "2.5s"]
+
+
+def test_sizes_are_read_with_their_units():
+    assert byte_count("12GiB") == 12 * 2**30
+    assert byte_count("800MB") == 800 * 10**6
+    assert byte_count(1024) == 1024
+    for bad in ("lots", "-1GB", 0, "12 parsecs"):
+        with pytest.raises(InvalidRequestError):
+            byte_count(bad)
+
+
+def test_two_ensembles_share_one_member_under_one_name_and_each_member_is_a_model():
+    config = build_config(
+        ensembles={
+            "small": ["smollm2-135m", "gemma3-270m"],
+            "full": ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"],
+        }
+    )
+    catalog = Catalog.of(config)
+    assert catalog.ensembles == ["small", "full"] and catalog.default == "small" and catalog.preload == ["small"]
+    assert catalog.models["full"].members == ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
+    assert set(catalog.specs) == {"qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"}
+    assert catalog.holders("smollm2-135m") == ["small", "full"]
+    assert catalog.model("gemma3-270m").members == ("gemma3-270m",) and not catalog.model("gemma3-270m").ensemble
+    assert catalog.model(None).name == "small"
+    with pytest.raises(APIError) as caught:
+        catalog.model("large")
+    assert caught.value.status == 404 and "small, full" in str(caught.value.body())
+
+
+def test_one_spec_twice_in_an_ensemble_is_two_members():
+    catalog = Catalog.of(build_config(models=["smollm2-135m", "smollm2-135m"]))
+    assert catalog.models["segfuse"].members == ("smollm2-135m", "smollm2-135m#2")
+    assert catalog.single()
+
+
+def test_an_ensembles_defaults_go_over_the_servers_and_a_profiles_under_its_own(tmp_path):
+    profile = tmp_path / "small.toml"
+    profile.write_text('[fusion]\nwindow = 6\ngate = "none"\n')
+    config = build_config(defaults={"max_tokens": 40, "window": 8})
+    config = build_config(
+        defaults={"max_tokens": 40, "window": 8},
+        ensembles={"small": ["smollm2-135m", "gemma3-270m"]},
+    )
+    assert config.ensemble_defaults("small").window == 8
+    path = tmp_path / "segfuse.toml"
+    path.write_text(
+        f'[defaults]\nmax_tokens = 40\n\n[ensembles.small]\nmembers = ["smollm2-135m", "gemma3-270m"]\n'
+        f'profile = "{profile}"\ndefaults = {{ window = 4 }}\n'
+    )
+    small = build_config(path).ensemble_defaults("small")
+    assert (small.window, small.gate, small.max_tokens) == (4, None, 40)
+
+
+def test_the_config_refuses_what_several_models_cannot_do():
+    two = {"small": ["smollm2-135m"], "full": ["smollm2-135m", "gemma3-270m"]}
+    with pytest.raises(ConfigError, match="hedge_persist"):
+        build_config(ensembles=two, hedge_persist=True)
+    with pytest.raises(ConfigError, match="Ray server serves one ensemble"):
+        build_config(ensembles=two, enabled=True)
+    with pytest.raises(ConfigError, match="preload names 'large'"):
+        build_config(ensembles=two, preload=["large"])
+    with pytest.raises(ConfigError, match="keep_alive"):
+        build_config(keep_alive="soon")
+    assert build_config(ensembles=two, preload=[]).preloaded() == []
+
+
+def test_the_budget_counts_what_is_loaded_loading_or_not_yet_closed():
+    places = [Place("a", "a", state="loaded", nbytes=600), Place("b", "b", state="unloading", nbytes=300)]
+    places.append(Place("c", "c", state="unloaded", nbytes=900))
+    assert not Budget(members=2).over(places)
+    assert Budget(members=2).over(places, [places[2]])
+    assert Budget(nbytes=1000).over(places, [places[2]])
+    assert not Budget(nbytes=1000).over(places)
+    assert not Budget().over(places, [places[2]])
+
+
+def test_a_budget_smaller_than_an_ensemble_is_refused_at_start():
+    with pytest.raises(ConfigError, match="'full' has 3 members and \\[server\\] max_loaded_members is 2"):
+        build_config(ensembles={"full": ["a", "b", "c"], "one": ["a"]}, max_loaded_members=2)
+    with pytest.raises(ConfigError, match="has 3 members"):  # the embedded three
+        build_config(max_loaded_members=2)
