@@ -1,6 +1,6 @@
 """The soak: the real server under a long run of mixed traffic; nothing may be lost, nothing may leak.
 
-``segfuse bench --serve --soak DURATION`` starts ``segfuse serve`` on loopback
+``segfuse bench soak DURATION`` starts ``segfuse serve`` on loopback
 (a small context window, so that prompts near it are cheap; a small queue, so
 that bursts pass it) and sends it the seeded mix of ``traffic.py`` with the real
 ``openai`` client, phase after phase, until DURATION is spent or the request cap
