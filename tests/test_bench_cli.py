@@ -13,6 +13,7 @@ from segfuse.cli.bench import new_spelling
 from segfuse.errors import SegfuseError
 
 # Every subcommand with exactly the long flags it takes (its --help shows these and no other).
+SERVING = {"--max-tokens", "--model", "--threads", "--out"}  # what serve, followers, soak and ray all take
 FLAGS = {
     "speed": {
         "--model",
@@ -25,44 +26,11 @@ FLAGS = {
         "--response-level",
         "--users",
     },
-    "serve": {
-        "--concurrency",
-        "--requests",
-        "--max-tokens",
-        "--model",
-        "--threads",
-        "--max-concurrent",
-        "--remote",
-        "--out",
-        "--cache-dir",
-    },
+    "serve": SERVING | {"--concurrency", "--requests", "--max-concurrent", "--remote", "--cache-dir"},
     "chat": {"--reps", "--max-tokens", "--threads", "--out"},
-    "followers": {"--concurrency", "--requests", "--max-tokens", "--model", "--threads", "--out"},
-    "soak": {
-        "--seed",
-        "--requests",
-        "--max-tokens",
-        "--model",
-        "--threads",
-        "--max-concurrent",
-        "--remote",
-        "--ray",
-        "--replicas",
-        "--out",
-        "--cache-dir",
-    },
-    "ray": {
-        "--concurrency",
-        "--requests",
-        "--max-tokens",
-        "--reps",
-        "--model",
-        "--threads",
-        "--max-concurrent",
-        "--replicas",
-        "--out",
-        "--cache-dir",
-    },
+    "followers": SERVING | {"--concurrency", "--requests"},
+    "soak": SERVING | {"--seed", "--requests", "--max-concurrent", "--remote", "--ray", "--replicas", "--cache-dir"},
+    "ray": SERVING | {"--concurrency", "--requests", "--reps", "--max-concurrent", "--replicas", "--cache-dir"},
     "gpu": {
         "--pack",
         "--out",

@@ -15,7 +15,7 @@ from .bench import bench_app
 from .flags import CacheOpt, ModelOpt
 
 # The options, named once here so that the commands' signatures read as lists; each command's help shows its
-# own default.
+# own default, and the help of an option that means something else in one command is its own.
 Concurrency = Annotated[str, typer.Option(help="Users in flight, comma-separated: one level after another.")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", help="max_tokens of every request.")]
 Threads = Annotated[int | None, typer.Option(help="llama.cpp threads per member (default: the server's).")]
@@ -28,6 +28,35 @@ Remote = Annotated[
     ),
 ]
 Replicas = Annotated[int, typer.Option("--replicas", min=1, help="Front-end replicas of `serve --ray`.")]
+Report = Annotated[str, typer.Option(help="The report (JSON).")]
+ServeRequests = Annotated[int | None, typer.Option(help="Requests per concurrency level (default max(8, 2 x users)).")]
+ServeWidth = Annotated[
+    int | None,
+    typer.Option("--max-concurrent", help="max_concurrent of the concurrent mode (default: the most users)."),
+]
+ChatReps = Annotated[int, typer.Option(help="Repetitions of the whole script.")]
+ChatThreads = Annotated[int, typer.Option(help="llama.cpp threads per member, on every server.")]
+LevelRequests = Annotated[int, typer.Option(help="Requests per concurrency level.")]
+Duration = Annotated[str, typer.Argument(metavar="DURATION", help="How long: 30m, 90s, 1h30m.")]
+Seed = Annotated[int, typer.Option(help="The seed of the traffic mix.")]
+SoakRequests = Annotated[int | None, typer.Option(help="The most requests of the run (default 10 per second of it).")]
+SoakMaxTokens = Annotated[int, typer.Option("--max-tokens", help="max_tokens of a request, at most.")]
+SoakWidth = Annotated[int, typer.Option("--max-concurrent", help="The server's max_concurrent.")]
+SoakRay = Annotated[bool, typer.Option("--ray", help="Soak `segfuse serve --ray` (a local Ray instance on 127.0.0.2).")]
+SoakReplicas = Annotated[
+    int | None, typer.Option("--replicas", min=1, help="With --ray: its front-end replicas (default 1).")
+]
+SoakOut = Annotated[
+    str, typer.Option(help="The report (JSON; a folder: soak.json in it), its plot and the server's log beside it.")
+]
+BlockRequests = Annotated[int, typer.Option(help="Requests per concurrency level and block.")]
+Pairs = Annotated[int, typer.Option(help="Pairs of blocks, in turns single, ray, ray, single, ...")]
+RayWidth = Annotated[
+    int,
+    typer.Option(
+        "--max-concurrent", help="max_concurrent of `serve --ray`; the single-process server gets it x replicas."
+    ),
+]
 
 
 def _console() -> Console:
@@ -37,18 +66,13 @@ def _console() -> Console:
 @bench_app.command()
 def serve(
     concurrency: Concurrency = "1,2,4,8",
-    requests: Annotated[
-        int | None, typer.Option(help="Requests per concurrency level (default max(8, 2 x users)).")
-    ] = None,
+    requests: ServeRequests = None,
     max_tokens: MaxTokens = 32,
     model: ModelOpt = None,
     threads: Threads = None,
-    max_concurrent: Annotated[
-        int | None,
-        typer.Option("--max-concurrent", help="max_concurrent of the concurrent mode (default: the most users)."),
-    ] = None,
+    max_concurrent: ServeWidth = None,
     remote: Remote = False,
-    out: Annotated[str, typer.Option(help="The report (JSON).")] = "runs/bench-serve.json",
+    out: Report = "runs/bench-serve.json",
     cache_dir: CacheOpt = None,
 ) -> None:
     """The real `segfuse serve` under 1..N streaming users, serial (max_concurrent 1) against the concurrent
@@ -74,10 +98,10 @@ def serve(
 
 @bench_app.command()
 def chat(
-    reps: Annotated[int, typer.Option(help="Repetitions of the whole script.")] = 3,
+    reps: ChatReps = 3,
     max_tokens: MaxTokens = 32,
-    threads: Annotated[int, typer.Option(help="llama.cpp threads per member, on every server.")] = 1,
-    out: Annotated[str, typer.Option(help="The report (JSON).")] = "runs/bench-chat.json",
+    threads: ChatThreads = 1,
+    out: Report = "runs/bench-chat.json",
 ) -> None:
     """A 6-turn chat and 4 users sharing a long system prompt, with the prefix cache, without it, and
     llama-cpp-python's server with its cache, on the default members (docs/performance.md)."""
@@ -92,11 +116,11 @@ def chat(
 @bench_app.command()
 def followers(
     concurrency: Concurrency = "1,4",
-    requests: Annotated[int, typer.Option(help="Requests per concurrency level.")] = 8,
+    requests: LevelRequests = 8,
     max_tokens: MaxTokens = 32,
     model: ModelOpt = None,
     threads: Threads = None,
-    out: Annotated[str, typer.Option(help="The report (JSON).")] = "runs/bench-followers.json",
+    out: Report = "runs/bench-followers.json",
 ) -> None:
     """What the members the default never asks cost: the leader-alone default, eager followers and
     model=<leader>, side by side, on one server as wide as the widest level (docs/performance.md)."""
@@ -118,25 +142,17 @@ def followers(
 
 @bench_app.command()
 def soak(
-    duration: Annotated[str, typer.Argument(metavar="DURATION", help="How long: 30m, 90s, 1h30m.")],
-    seed: Annotated[int, typer.Option(help="The seed of the traffic mix.")] = 0,
-    requests: Annotated[
-        int | None, typer.Option(help="The most requests of the run (default 10 per second of it).")
-    ] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens of a request, at most.")] = 16,
+    duration: Duration,
+    seed: Seed = 0,
+    requests: SoakRequests = None,
+    max_tokens: SoakMaxTokens = 16,
     model: ModelOpt = None,
     threads: Threads = None,
-    max_concurrent: Annotated[int, typer.Option("--max-concurrent", help="The server's max_concurrent.")] = 4,
+    max_concurrent: SoakWidth = 4,
     remote: Remote = False,
-    ray: Annotated[
-        bool, typer.Option("--ray", help="Soak `segfuse serve --ray` (a local Ray instance on 127.0.0.2).")
-    ] = False,
-    replicas: Annotated[
-        int | None, typer.Option("--replicas", min=1, help="With --ray: its front-end replicas (default 1).")
-    ] = None,
-    out: Annotated[
-        str, typer.Option(help="The report (JSON; a folder: soak.json in it), its plot and the server's log beside it.")
-    ] = "runs/soak.json",
+    ray: SoakRay = False,
+    replicas: SoakReplicas = None,
+    out: SoakOut = "runs/soak.json",
     cache_dir: CacheOpt = None,
 ) -> None:
     """The server under a seeded mix of traffic for DURATION, checking that nothing is lost or leaks
@@ -192,19 +208,14 @@ def _soak_report(report: dict[str, Any]) -> None:
 @bench_app.command("ray")
 def ray_serve(
     concurrency: Concurrency = "1,4",
-    requests: Annotated[int, typer.Option(help="Requests per concurrency level and block.")] = 8,
+    requests: BlockRequests = 8,
     max_tokens: MaxTokens = 32,
-    reps: Annotated[int, typer.Option(help="Pairs of blocks, in turns single, ray, ray, single, ...")] = 3,
+    reps: Pairs = 3,
     model: ModelOpt = None,
     threads: Threads = None,
-    max_concurrent: Annotated[
-        int,
-        typer.Option(
-            "--max-concurrent", help="max_concurrent of `serve --ray`; the single-process server gets it x replicas."
-        ),
-    ] = 4,
+    max_concurrent: RayWidth = 4,
     replicas: Replicas = 1,
-    out: Annotated[str, typer.Option(help="The report (JSON).")] = "runs/bench-serve-ray.json",
+    out: Report = "runs/bench-serve-ray.json",
     cache_dir: CacheOpt = None,
 ) -> None:
     """`segfuse serve --ray` (a local Ray instance on 127.0.0.2) beside `segfuse serve`, the same traffic in
