@@ -128,3 +128,19 @@ def test_the_gpu_check_wants_its_pack(tmp_path):
     done = invoke("bench", "gpu", "--pack", str(tmp_path), "--out", str(tmp_path / "out"))
     assert isinstance(done.exception, SegfuseError) and "make gpu-pack" in done.exception.hint
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # imports torch and transformers (the command's extra)
+def test_the_gpu_subcommand_runs_the_check_as_its_pack_would(tmp_path, monkeypatch):
+    """`segfuse bench gpu` hands the check the settings `check.py` would for the same flags (the defaults
+    agree), and exits with the check's status."""
+    from segfuse.bench import gpu_check
+
+    (tmp_path / "tokenizers").mkdir()
+    given = ["--pack", str(tmp_path), "--out", str(tmp_path / "out"), "--small", "--device", "cpu", "--tokens", "6"]
+    seen = []
+    monkeypatch.setattr(gpu_check, "run", lambda args: seen.append(args) or 1)  # 1: a phase failed
+    done = invoke("bench", "gpu", *given)
+    assert done.exit_code == 1, done.output
+    [args] = seen
+    assert vars(args) == vars(gpu_check.parse(given))
