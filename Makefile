@@ -48,8 +48,8 @@ browser:
 # backends' protocol), and the import contracts (the layers, the engine only through its __init__, no import
 # circle: [tool.importlinter]).
 lint: $(FULL)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -91,35 +91,36 @@ dist: $(FULL)
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
 
+# The side-by-side speed table (docs/performance.md); `segfuse bench --help` lists the other benchmarks.
 bench: $(FULL) models
-	$(BIN)/segfuse bench
+	$(BIN)/segfuse bench speed
 
 # The GPU check's pack (docs/deploy.md#checking-on-a-gpu): segfuse's wheel, its dependencies' wheels for the GPU
 # machine's Python (GPU_PYTHON), the embedded models' tokenizers and check.py, run there as
-# `python3 .cache/gpu-pack/check.py --out DIR`.
+# `python3 .cache/gpu-pack/check.py --out DIR` (or `segfuse bench gpu` where segfuse and torch are installed).
 GPU_PYTHON ?= 3.12
 gpu-pack: $(FULL) models
 	$(BIN)/python -m segfuse.bench.gpu_pack --out .cache/gpu-pack --python-version $(GPU_PYTHON)
 
 # The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
 bench-serve: $(FULL) models
-	$(BIN)/segfuse bench --serve
+	$(BIN)/segfuse bench serve
 
 # Chats and shared system prompts with and without the prefix cache, and llama-cpp-python's server
 # with its cache as the anchor (docs/performance.md).
 bench-chat: $(FULL) models
-	$(BIN)/segfuse bench --serve --chat
+	$(BIN)/segfuse bench chat
 
 # What the members the leader-alone default never asks cost a server (docs/performance.md).
 bench-followers: $(FULL) models
-	$(BIN)/segfuse bench --serve --followers
+	$(BIN)/segfuse bench followers
 
 # The server under a seeded mix of traffic for SOAK (default 30m): nothing lost, nothing leaking
 # (docs/reliability.md). E.g. `make soak SOAK=2h`; SOAK_ARGS adds options (`SOAK_ARGS=--remote`).
 SOAK ?= 30m
 SOAK_ARGS ?=
 soak: $(FULL) models
-	$(BIN)/segfuse bench --serve --soak $(SOAK) $(SOAK_ARGS)
+	$(BIN)/segfuse bench soak $(SOAK) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

@@ -36,6 +36,47 @@ def uncached_ensemble():
     ensemble.close()
 
 
+@pytest.fixture(scope="module")
+def uncached_server(uncached_ensemble):
+    """The app over `uncached_ensemble` on loopback, for one module; at its end the worker failed no
+    generation. (No prefix cache: a streamed and a whole greedy answer agree to the bit.)"""
+    from live_app import live_unfailing
+
+    with live_unfailing(uncached_ensemble) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    """OpenAI's client of the module's in-process `server` (live_app's)."""
+    import openai
+
+    from live_app import KEY
+
+    return openai.OpenAI(base_url=server.api, api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server):
+    """Anthropic's client of the module's in-process `server` (live_app's)."""
+    import anthropic
+
+    from live_app import KEY
+
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client of the module's `server`, with its API key."""
+    import httpx
+
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"}, timeout=300
+    ) as session:
+        yield session
+
+
 @pytest.fixture()
 def recording(default_ensemble):
     return [Recording(m) for m in default_ensemble.members]

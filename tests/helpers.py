@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from segfuse import models as catalogue
 from segfuse.backends.base import Member, MemberSession
@@ -95,6 +96,24 @@ class Recording(Wrapped):
 # --- servers on loopback ------------------------------------------------------------------
 
 API_KEY = "test-key"
+# Plain fusion: every member drafts and votes every round (no Model Exit, Hedge, gate, guard or accept margin).
+PLAIN_FUSION = {"exit": False, "hedge": False, "gate": None, "guard": False, "accept_margin": None}
+# A small JSON schema for structured output, and the response_format that asks for it.
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+# The same kind of person as a pydantic model, for the frameworks' structured output, and a text that holds one.
+EXTRACT = "Extract the person: Maria Lopez, aged 34, lives in Seville."
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    city: str
 
 
 @contextmanager
@@ -201,3 +220,30 @@ def same_until_a_near_tie(a: Result, b: Result, near: float = NEAR_TIE_NATS) -> 
         return min(len(first), len(second))
     assert a.text == b.text
     return len(first)
+
+
+def weather_agent_calls(model, max_tokens: int) -> list[str]:
+    """A pydantic-ai agent over `model` with one tool, get_weather, asked for the weather in Paris: the cities
+    it called its tool with. The run is cut after the request that follows the tool's result: an answer then,
+    or another call that validated, both mean that request was served."""
+    from pydantic_ai import Agent
+    from pydantic_ai.exceptions import UsageLimitExceeded
+    from pydantic_ai.usage import UsageLimits
+
+    calls: list[str] = []
+    agent = Agent(
+        model, model_settings={"temperature": 0, "max_tokens": max_tokens}, system_prompt="Use the tools to answer."
+    )
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"It is 18 degrees and sunny in {city}."
+
+    try:
+        result = agent.run_sync("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=2))
+        assert isinstance(result.output, str) and result.output  # it answered after the result
+    except UsageLimitExceeded:
+        pass  # it called again
+    return calls

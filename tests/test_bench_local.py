@@ -16,28 +16,7 @@ from segfuse.bench.speeds import floor_seconds
 from segfuse.bench.systems import DEFAULT, PLAIN
 from segfuse.bench.table import summary, tables
 from segfuse.bench.users import user_prompts
-from segfuse.cli.bench import _check_flags
 from segfuse.errors import SegfuseError
-
-SERVE_FLAGS = dict.fromkeys(
-    (
-        "concurrency",
-        "requests",
-        "max_tokens",
-        "max_concurrent",
-        "threads",
-        "remote",
-        "cache_dir",
-        "soak",
-        "seed",
-        "chat",
-        "followers",
-        "ray",
-        "replicas",
-    ),
-    False,
-)
-SPEED_FLAGS = dict.fromkeys(("lengths", "window", "rss", "reference", "response_level", "users"), False)
 
 
 def test_the_summary_gives_a_ratio_only_where_both_of_its_rows_are():
@@ -121,26 +100,13 @@ def test_users_take_the_fixed_prompts_in_turn():
     assert user_prompts(4, 0)[3] == user_prompts(4, 0)[0]  # three prompts, the fourth user repeats the first
 
 
-@pytest.mark.parametrize("flag", sorted(SPEED_FLAGS))
-def test_options_of_the_speed_benchmark_are_refused_with_serve(flag):
-    with pytest.raises(SegfuseError, match="options of the speed benchmark"):
-        _check_flags(True, {**SPEED_FLAGS, flag: True}, **SERVE_FLAGS)
-    _check_flags(False, {**SPEED_FLAGS, flag: True}, **SERVE_FLAGS)  # without --serve they are its own
-
-
-def test_options_of_the_serving_benchmark_still_need_serve():
-    with pytest.raises(SegfuseError, match="add --serve"):
-        _check_flags(False, SPEED_FLAGS, **{**SERVE_FLAGS, "concurrency": True})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--serve", "--users", "2"], "options of the speed benchmark"),
-        (["--serve", "--no-rss"], "options of the speed benchmark"),
-        (["--lengths", "12,x"], "not a list of token counts"),
-        (["--reference", "-m", "transformers:smollm2-135m"], "add --no-reference"),
+        (["--serve", "--users", "2"], "use `segfuse bench serve --users 2`"),
+        (["speed", "--lengths", "12,x"], "not a list of token counts"),
+        (["speed", "--reference", "-m", "transformers:smollm2-135m"], "add --no-reference"),
     ],
 )
 def test_bench_flags_are_checked_before_anything_loads(args, says):
@@ -159,7 +125,7 @@ def test_bench_times_a_transformers_leader_beside_a_llama_cpp_member(tmp_path):
     args = ["--lengths", "4", "--reps", "1", "--users", "2", "--no-rss", "--no-response-level", "--out", str(tmp_path)]
     members = ["-m", "transformers:qwen2.5-coder-0.5b", "-m", "smollm2-135m"]
     done = subprocess.run(
-        [sys.executable, "-m", "segfuse.cli", "bench", *members, *args],
+        [sys.executable, "-m", "segfuse.cli", "bench", "speed", *members, *args],
         input="",
         capture_output=True,
         text=True,

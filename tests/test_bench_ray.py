@@ -1,6 +1,5 @@
-"""The pure logic of `segfuse bench --serve --ray` (the benchmark itself runs Ray and two servers for
-minutes: docs/performance.md): the blocks' order, the ratios and targets, the roles of Ray's processes,
-and the flags the command refuses."""
+"""The pure logic of `segfuse bench ray` (the benchmark itself runs Ray and two servers for minutes:
+docs/performance.md): the blocks' order, the ratios and targets, the roles of Ray's processes."""
 
 from __future__ import annotations
 

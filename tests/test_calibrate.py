@@ -162,34 +162,11 @@ def test_a_tiny_real_calibration_writes_a_profile_that_generate_loads(tmp_path):
 
     # generate loads a profile under its flags: every round a vote (gate 1.5) unless --gate says otherwise
     (tmp_path / "vote.toml").write_text('[fusion]\ngate = 1.5\naccept_margin = "none"\n')
-    base = [
-        "generate",
-        "--json",
-        *members,
-        "--threads",
-        "1",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--profile",
-        str(tmp_path / "vote.toml"),
-        "What is 2 + 2?",
-    ]
+    generate = ["generate", "--json", *members, "--threads", "1", "--max-tokens", "8"]
+    base = [*generate, "--temperature", "0", "--profile", str(tmp_path / "vote.toml"), "What is 2 + 2?"]
     voted = json.loads(run_cli(*base).stdout)
     assert voted["rounds"] and not any(r["gated"] for r in voted["rounds"])
     gated = json.loads(run_cli(*base, "--gate", "0").stdout)
     assert all(r["gated"] for r in gated["rounds"])
-    with_calibrated = run_cli(
-        "generate",
-        "--json",
-        *members,
-        "--threads",
-        "1",
-        "--max-tokens",
-        "8",
-        "--profile",
-        str(profile),
-        "What is 2 + 2?",
-    )
+    with_calibrated = run_cli(*generate, "--profile", str(profile), "What is 2 + 2?")
     assert with_calibrated.returncode == 0 and json.loads(with_calibrated.stdout)["text"]

@@ -798,9 +798,10 @@ def test_token_array_prompts_are_the_leaders_tokens_and_others_a_clear_refusal(s
 @pytest.mark.models
 @pytest.mark.timeout(1200)
 def test_bench_runs_to_its_table_naming_its_systems(tmp_path):
-    """`make bench` (`segfuse bench`) with a short answer and one repetition: the table, the JSON, the systems."""
+    """`make bench` (`segfuse bench`, i.e. `segfuse bench speed`) with a short answer and one repetition: the
+    table, the JSON, the systems."""
     printed = run(
-        [executable("segfuse"), "bench", "--lengths", "12", "--reps", "1", "--no-rss", "--out", str(tmp_path)],
+        [executable("segfuse"), "bench", "speed", "--lengths", "12", "--reps", "1", "--no-rss", "--out", str(tmp_path)],
         env={"COLUMNS": "240"},
     )
     report = json.loads((tmp_path / "bench.json").read_text())

@@ -46,6 +46,19 @@ def samples(folder: Path) -> list[dict]:
 # --------------------------------------------------------------------------- lm-evaluation-harness
 
 
+# Two GSM8K items, their samples logged into the folder that follows.
+GSM8K_TWO = [
+    "--tasks",
+    "segfuse_gsm8k",
+    "--limit",
+    "2",
+    "--gen_kwargs",
+    "max_gen_toks=48",
+    "--log_samples",
+    "--output_path",
+]
+
+
 def lm_eval(server, tmp: Path, model: str, endpoint: str, *extra: str, more_args: str = "") -> list[dict]:
     args = (
         f"base_url={server.api}/{endpoint},model=segfuse,tokenizer_backend=None,num_concurrent=1,"
@@ -60,14 +73,7 @@ def lm_eval(server, tmp: Path, model: str, endpoint: str, *extra: str, more_args
             args,
             "--include_path",
             str(TASKS),
-            "--tasks",
-            "segfuse_gsm8k",
-            "--limit",
-            "2",
-            "--gen_kwargs",
-            "max_gen_toks=48",
-            "--log_samples",
-            "--output_path",
+            *GSM8K_TWO,
             str(tmp),
             *extra,
         ],
@@ -85,14 +91,7 @@ def test_lm_eval_chat_completions_scores_like_our_adapter(server, tmp_path):
             "segfuse",
             "--model_args",
             "system=default,threads=1,prefix_cache_cells=0",
-            "--tasks",
-            "segfuse_gsm8k",
-            "--limit",
-            "2",
-            "--gen_kwargs",
-            "max_gen_toks=48",
-            "--log_samples",
-            "--output_path",
+            *GSM8K_TWO,
             str(tmp_path / "adapter"),
         ]
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from fakes import FittedSession, ScriptedMember, ScriptedSession, fitted
+from helpers import PLAIN_FUSION
 from segfuse.engine import fuse
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
@@ -18,15 +19,7 @@ from segfuse.types import DoneEvent, RoundEvent, SegmentEvent
 
 def run(members, **options):
     # Plain fusion unless a test asks for Model Exit or Hedge: these tests check the round mechanics.
-    options = {
-        "exit": False,
-        "hedge": False,
-        "gate": None,
-        "guard": False,
-        "accept_margin": None,
-        **options,
-    }  # plain fusion
-    events = list(fuse(members, FusionRequest.of("q", FusionOptions.build(**options))))
+    events = list(fuse(members, FusionRequest.of("q", FusionOptions.build(**{**PLAIN_FUSION, **options}))))
     assert isinstance(events[-1], DoneEvent)
     return events, events[-1].result
 

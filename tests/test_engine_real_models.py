@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from helpers import PLAIN_FUSION
 from segfuse import Ensemble
 from segfuse.engine import fuse
 from segfuse.errors import MemberLoadError, ModelFileError, PromptTooLongError, UnknownModelError
@@ -32,14 +33,7 @@ def close_logprobs(a, b):
 
 
 def run(members, messages=QUESTION, **options):
-    options = {
-        "exit": False,
-        "hedge": False,
-        "gate": None,
-        "guard": False,
-        "accept_margin": None,
-        **options,
-    }  # plain fusion unless a test asks otherwise
+    options = {**PLAIN_FUSION, **options}  # plain fusion unless a test asks otherwise
     events = list(fuse(members, FusionRequest.of(messages, FusionOptions.build(**options))))
     return events, events[-1].result
 
@@ -195,27 +189,16 @@ def test_gguf_path_member_and_duplicate_names(default_ensemble):
         assert set(result.stats.wins) == set(pair.names)
 
 
-def test_cli_json_output():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "segfuse.cli",
-            "generate",
-            "--json",
-            "--no-gate",
-            "--max-tokens",
-            "24",
-            "--seed",
-            "1",
-            "Name three primary colors.",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def generate_json(*args: str) -> dict:
+    """`segfuse generate --json --no-gate ARGS` in a child process: its answer, as JSON."""
+    command = [sys.executable, "-m", "segfuse.cli", "generate", "--json", "--no-gate", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_cli_json_output():
+    data = generate_json("--max-tokens", "24", "--seed", "1", "Name three primary colors.")
     assert {"text", "segments", "rounds", "stats"} <= set(data)
     assert len(data["models"]) == 3
     assert all({"text", "model"} <= set(s) for s in data["segments"])
@@ -227,30 +210,17 @@ def test_cli_json_output():
 
 def test_cli_json_with_exit_and_hedge_shows_weights_and_exits_per_round():
     # Default Model Exit knobs on a GSM8K-style question: the lagging members leave after warm-up.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "segfuse.cli",
-            "generate",
-            "--json",
-            "--no-gate",
-            "--exit",
-            "--hedge",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "64",
-            "--threads",
-            "1",
-            "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    data = generate_json(
+        "--exit",
+        "--hedge",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "64",
+        "--threads",
+        "1",
+        "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total?",
     )
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)
     rounds = data["rounds"]
     for r in rounds:
         assert set(r["weights"]) == set(r["active"]) and sum(r["weights"].values()) == pytest.approx(1.0)

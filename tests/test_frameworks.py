@@ -8,20 +8,11 @@ answer in kind.
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel
 
-from helpers import live_server
+from helpers import EXTRACT, Person, live_server, weather_agent_calls
 from segfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
-
-EXTRACT = "Extract the person: Maria Lopez, aged 34, lives in Seville."
-
-
-class Person(BaseModel):
-    name: str
-    age: int
-    city: str
 
 
 @pytest.fixture(scope="module")
@@ -80,26 +71,5 @@ def test_pydantic_ai_agent_calls_a_tool(server):
     """The agent reads our tool call, runs its tool with the arguments and sends the result back. (What the
     0.5B leader does next is its own affair: with these members it calls the tool again rather than answer,
     so the run is cut after the request that follows the result.)"""
-    from pydantic_ai import Agent
-    from pydantic_ai.exceptions import UsageLimitExceeded
-    from pydantic_ai.usage import UsageLimits
-
-    calls: list[str] = []
-    agent = Agent(
-        _agent_model(server),
-        model_settings={"temperature": 0, "max_tokens": 64},
-        system_prompt="Use the tools to answer.",
-    )
-
-    @agent.tool_plain
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        calls.append(city)
-        return f"It is 18 degrees and sunny in {city}."
-
-    try:
-        result = agent.run_sync("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=2))
-        assert isinstance(result.output, str) and result.output  # it answered after the result
-    except UsageLimitExceeded:
-        pass  # it called again: the second request was served (a call that validated), as the first
+    calls = weather_agent_calls(_agent_model(server), max_tokens=64)
     assert calls and calls[0] == "Paris"

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from helpers import live_server, wait_for
+from helpers import PERSON, PERSON_FORMAT, live_server, wait_for
 from segfuse import models as catalogue
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
@@ -50,14 +50,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(
-        base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"}, timeout=300
-    ) as session:
-        yield session
 
 
 @pytest.fixture(scope="module")
@@ -462,14 +454,6 @@ def test_load_8_clients_5_requests_each(client, server):
 
 
 # --------------------------------------------------------------------------- structured output
-
-PERSON = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["name", "age"],
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-}
-PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
 def test_response_format_json_schema(client):

@@ -5,8 +5,8 @@ the agent runs. Each sends what it sends to Anthropic or OpenAI; the server must
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel
 
+from helpers import EXTRACT, Person, weather_agent_calls
 from live_app import KEY, live_unfailing
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
@@ -14,13 +14,6 @@ pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 pydantic_ai = pytest.importorskip("pydantic_ai", reason="the test extra installs pydantic-ai-slim")
 
 MEMBER = "qwen2.5-coder-0.5b"  # one member alone: the route and the job are the ensemble's, and it is quick
-EXTRACT = "Extract the person: Maria Lopez, aged 34, lives in Seville."
-
-
-class Person(BaseModel):
-    name: str
-    age: int
-    city: str
 
 
 @pytest.fixture(scope="module")
@@ -54,25 +47,5 @@ def test_a_typed_output(server, api):
 def test_the_agent_runs_a_tool_and_answers(server, api):
     """The agent reads our call, runs its tool and sends the result back (a tool_result block, a
     function_call_output item); what comes next is an answer or another call that validated."""
-    from pydantic_ai.exceptions import UsageLimitExceeded
-    from pydantic_ai.usage import UsageLimits
-
-    calls: list[str] = []
-    agent = pydantic_ai.Agent(
-        _model(server, api),
-        model_settings={"temperature": 0, "max_tokens": 48},
-        system_prompt="Use the tools to answer.",
-    )
-
-    @agent.tool_plain
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        calls.append(city)
-        return f"It is 18 degrees and sunny in {city}."
-
-    try:
-        result = agent.run_sync("What is the weather in Paris?", usage_limits=UsageLimits(request_limit=2))
-        assert isinstance(result.output, str) and result.output
-    except UsageLimitExceeded:
-        pass  # it called again: the request after the result was served, as the first
+    calls = weather_agent_calls(_model(server, api), max_tokens=48)
     assert calls and calls[0] == "Paris"

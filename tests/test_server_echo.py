@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from helpers import checked_server
@@ -39,14 +38,6 @@ POOLED = 0.6
 def server(tmp_path_factory):
     with checked_server(tmp_path_factory.mktemp("echo"), max_concurrent=1, prefix_cache_cells=0) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(
-        base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"}, timeout=300
-    ) as session:
-        yield session
 
 
 def echo(http, prompt, path: str = "/v1/completions", **extra) -> dict:

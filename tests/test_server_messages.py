@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from helpers import wait_for
-from live_app import KEY, LEADER, WEATHER, idle, live_unfailing
+from live_app import KEY, LEADER, WEATHER, idle
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -17,14 +17,8 @@ HI = [{"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
-def server(uncached_ensemble):  # no prefix cache: a streamed and a whole greedy answer agree to the bit
-    with live_unfailing(uncached_ensemble) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+def server(uncached_server):
+    return uncached_server
 
 
 def post(server, body, key: str | None = KEY, path: str = "/v1/messages") -> httpx.Response:
@@ -39,27 +33,27 @@ def anthropic_error(response: httpx.Response, status: int, kind: str = "invalid_
     return body["error"]
 
 
-def test_create_and_stream_give_the_same_answer(client):
-    message = client.messages.create(model=LEADER, max_tokens=8, system="Be brief.", messages=HI)
+def test_create_and_stream_give_the_same_answer(anthropic_client):
+    message = anthropic_client.messages.create(model=LEADER, max_tokens=8, system="Be brief.", messages=HI)
     assert message.type == "message" and message.role == "assistant" and message.model == LEADER
     text = message.content[0].text
     assert text.strip() and message.stop_reason in ("end_turn", "max_tokens")
     assert message.usage.input_tokens > 0 and 0 < message.usage.output_tokens <= 8
-    with client.messages.stream(model=LEADER, max_tokens=8, system="Be brief.", messages=HI) as stream:
+    with anthropic_client.messages.stream(model=LEADER, max_tokens=8, system="Be brief.", messages=HI) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == text and final.content[0].text == text
     assert final.stop_reason == message.stop_reason and final.usage.output_tokens == message.usage.output_tokens
 
 
-def test_the_fused_model_answers_with_its_extension(client):
-    message = client.messages.create(model="segfuse", max_tokens=6, messages=HI)
+def test_the_fused_model_answers_with_its_extension(anthropic_client):
+    message = anthropic_client.messages.create(model="segfuse", max_tokens=6, messages=HI)
     info = message.model_extra["segfuse"]
     assert len(info["members"]) == 3 and "".join(s["text"] for s in info["segments"]) == message.content[0].text
 
 
-def test_a_tool_round_trip(client):
-    first = client.messages.create(
+def test_a_tool_round_trip(anthropic_client):
+    first = anthropic_client.messages.create(
         model=LEADER,
         max_tokens=48,
         tools=[WEATHER],
@@ -70,7 +64,7 @@ def test_a_tool_round_trip(client):
     call = first.content[0]
     assert call.type == "tool_use" and call.name == "get_weather"
     jsonschema.validate(call.input, WEATHER["input_schema"])
-    second = client.messages.create(
+    second = anthropic_client.messages.create(
         model=LEADER,
         max_tokens=12,
         tools=[WEATHER],
@@ -85,8 +79,8 @@ def test_a_tool_round_trip(client):
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result were read
 
 
-def test_a_streamed_tool_call(client):
-    with client.messages.stream(
+def test_a_streamed_tool_call(anthropic_client):
+    with anthropic_client.messages.stream(
         model=LEADER,
         max_tokens=48,
         tools=[WEATHER],
@@ -98,15 +92,15 @@ def test_a_streamed_tool_call(client):
     jsonschema.validate(final.content[0].input, WEATHER["input_schema"])
 
 
-def test_count_tokens_is_the_prompt_the_answer_reads(client):
-    counted = client.messages.count_tokens(model=LEADER, system="Be brief.", messages=HI)
-    message = client.messages.create(model=LEADER, max_tokens=1, system="Be brief.", messages=HI)
+def test_count_tokens_is_the_prompt_the_answer_reads(anthropic_client):
+    counted = anthropic_client.messages.count_tokens(model=LEADER, system="Be brief.", messages=HI)
+    message = anthropic_client.messages.create(model=LEADER, max_tokens=1, system="Be brief.", messages=HI)
     assert counted.input_tokens == message.usage.input_tokens > 0
-    with_tools = client.messages.count_tokens(model=LEADER, messages=HI, tools=[WEATHER])
+    with_tools = anthropic_client.messages.count_tokens(model=LEADER, messages=HI, tools=[WEATHER])
     assert with_tools.input_tokens > counted.input_tokens
 
 
-def test_bad_input_is_refused_in_anthropic_shape(server, client):
+def test_bad_input_is_refused_in_anthropic_shape(server, anthropic_client):
     missing = anthropic_error(post(server, {"model": LEADER, "messages": HI}), 400)
     assert missing["param"] == "max_tokens"
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]
@@ -148,9 +142,9 @@ def test_bad_input_is_refused_in_anthropic_shape(server, client):
         == "stop_sequences"
     )
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model=LEADER, max_tokens=4, messages=[])
+        anthropic_client.messages.create(model=LEADER, max_tokens=4, messages=[])
     # still serving, nothing held
-    assert client.messages.create(model=LEADER, max_tokens=2, messages=HI).content
+    assert anthropic_client.messages.create(model=LEADER, max_tokens=2, messages=HI).content
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
 
 
@@ -166,7 +160,7 @@ def test_models_say_their_context_length(server):
     assert one["context_length"] == cards[LEADER]["context_length"]
 
 
-def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, client):
+def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, anthropic_client):
     raw = {"x-api-key": KEY, "Content-Type": "application/json"}
     bad_json = httpx.post(f"{server.url}/v1/messages", content=b"{not json", headers=raw, timeout=60)
     assert anthropic_error(bad_json, 400)["code"] == "invalid_json"
@@ -193,4 +187,4 @@ def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, 
                 break  # hang up mid-answer
     wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
-    assert client.messages.create(model=LEADER, max_tokens=2, messages=HI).content
+    assert anthropic_client.messages.create(model=LEADER, max_tokens=2, messages=HI).content

@@ -10,39 +10,21 @@ import json
 import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from live_app import KEY, LEADER, WEATHER, live_unfailing
+from helpers import PERSON, PERSON_FORMAT
+from live_app import KEY, LEADER, WEATHER
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
-PERSON = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["name", "age"],
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-}
-PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 PREFILL = '{"name":'
 ASK = "Extract the person as JSON: Maria Lopez, 34, lives in Seville."
 CONTINUED = [{"role": "user", "content": ASK}, {"role": "assistant", "content": PREFILL}]
 
 
 @pytest.fixture(scope="module")
-def server(uncached_ensemble):  # no prefix cache: a streamed and a whole greedy answer agree to the bit
-    with live_unfailing(uncached_ensemble) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def openai_client(server):
-    return openai.OpenAI(base_url=server.api, api_key=KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def anthropic_client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+def server(uncached_server):
+    return uncached_server
 
 
 def refused(server, path: str, body: dict) -> dict:

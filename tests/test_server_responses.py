@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from helpers import wait_for
-from live_app import KEY, LEADER, idle, live_unfailing
+from live_app import KEY, LEADER, idle
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -25,14 +25,8 @@ NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def server(uncached_ensemble):  # no prefix cache: a streamed and a whole greedy answer agree to the bit
-    with live_unfailing(uncached_ensemble) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.api, api_key=KEY, max_retries=0, timeout=300)
+def server(uncached_server):
+    return uncached_server
 
 
 def refused(server, body, status: int = 400) -> dict:
@@ -41,14 +35,14 @@ def refused(server, body, status: int = 400) -> dict:
     return response.json()["error"]
 
 
-def test_text_and_stream_give_the_same_answer(client):
-    response = client.responses.create(
+def test_text_and_stream_give_the_same_answer(openai_client):
+    response = openai_client.responses.create(
         model=LEADER, instructions="Be brief.", input="Say hi.", max_output_tokens=8, temperature=0
     )
     assert response.object == "response" and response.output_text.strip()
     assert response.status in ("completed", "incomplete") and response.usage.output_tokens <= 8
     events = list(
-        client.responses.create(
+        openai_client.responses.create(
             model=LEADER, instructions="Be brief.", input="Say hi.", max_output_tokens=8, temperature=0, stream=True
         )
     )
@@ -59,8 +53,8 @@ def test_text_and_stream_give_the_same_answer(client):
     assert events[-1].response.output_text == response.output_text
 
 
-def test_a_function_call_round_trip(client):
-    first = client.responses.create(
+def test_a_function_call_round_trip(openai_client):
+    first = openai_client.responses.create(
         model=LEADER,
         input="What is the weather in Paris?",
         tools=[WEATHER],
@@ -71,7 +65,7 @@ def test_a_function_call_round_trip(client):
     call = first.output[0]
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
-    second = client.responses.create(
+    second = openai_client.responses.create(
         model=LEADER,
         tools=[WEATHER],
         tool_choice="none",
@@ -87,9 +81,9 @@ def test_a_function_call_round_trip(client):
     assert second.usage.input_tokens > first.usage.input_tokens
 
 
-def test_a_streamed_function_call(client):
+def test_a_streamed_function_call(openai_client):
     events = list(
-        client.responses.create(
+        openai_client.responses.create(
             model=LEADER,
             input="Weather in Oslo?",
             tools=[WEATHER],
@@ -104,8 +98,8 @@ def test_a_streamed_function_call(client):
     assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == arguments
 
 
-def test_json_schema_answers_parse(client):
-    response = client.responses.create(
+def test_json_schema_answers_parse(openai_client):
+    response = openai_client.responses.create(
         model=LEADER,
         input="Pick a number.",
         max_output_tokens=24,
@@ -115,19 +109,19 @@ def test_json_schema_answers_parse(client):
     jsonschema.validate(json.loads(response.output_text), NUMBER)
 
 
-def test_previous_response_id_continues_a_stored_conversation(server, client):
-    first = client.responses.create(model=LEADER, input="My name is Ada.", max_output_tokens=4, temperature=0)
-    second = client.responses.create(
+def test_previous_response_id_continues_a_stored_conversation(server, openai_client):
+    first = openai_client.responses.create(model=LEADER, input="My name is Ada.", max_output_tokens=4, temperature=0)
+    second = openai_client.responses.create(
         model=LEADER, input="And yours?", previous_response_id=first.id, max_output_tokens=4, temperature=0
     )
-    alone = client.responses.create(model=LEADER, input="And yours?", max_output_tokens=4, temperature=0)
+    alone = openai_client.responses.create(model=LEADER, input="And yours?", max_output_tokens=4, temperature=0)
     assert second.previous_response_id == first.id and second.usage.input_tokens > alone.usage.input_tokens
-    unstored = client.responses.create(model=LEADER, input="Hi.", store=False, max_output_tokens=2)
+    unstored = openai_client.responses.create(model=LEADER, input="Hi.", store=False, max_output_tokens=2)
     error = refused(server, {"model": LEADER, "input": "Hi.", "previous_response_id": unstored.id})
     assert error["code"] == "previous_response_not_found" and error["param"] == "previous_response_id"
 
 
-def test_bad_input_is_refused_in_openai_shape(server, client):
+def test_bad_input_is_refused_in_openai_shape(server, openai_client):
     assert (
         refused(server, {"model": LEADER, "input": [{"type": "input_image", "image_url": "x"}]})["param"] == "input.0"
     )
@@ -146,11 +140,11 @@ def test_bad_input_is_refused_in_openai_shape(server, client):
     assert refused(server, {"model": LEADER}, 422)["param"] == "input"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.api, api_key="wrong", max_retries=0).responses.create(model=LEADER, input="x")
-    assert client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text  # still serving
+    assert openai_client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text  # still serving
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
 
 
-def test_a_hangup_mid_stream_frees_the_job(server, client):
+def test_a_hangup_mid_stream_frees_the_job(server, openai_client):
     cancelled = server.state.worker.snapshot()["cancelled"]
     body = {"model": "segfuse", "input": "Tell me a story.", "max_output_tokens": 64, "stream": True}
     with httpx.stream(
@@ -161,7 +155,7 @@ def test_a_hangup_mid_stream_frees_the_job(server, client):
                 break  # hang up mid-answer
     wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
-    assert client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text
+    assert openai_client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text
 
 
 def test_the_store_is_bounded_in_responses_and_characters():

@@ -1,4 +1,4 @@
-"""The soak (`segfuse bench --serve --soak`): its pure parts, then a short run on the real server.
+"""The soak (`segfuse bench soak`): its pure parts, then a short run on the real server.
 
 The pure parts need no models: durations, the seeded traffic mix, the accounting that sets the
 client's outcomes against the server's counters, latency tenths, memory growth, targets. The last
@@ -376,11 +376,10 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--soak", "1m"], "add --serve"),
-        (["--serve", "--soak", "1x"], "not a duration"),
-        (["--serve", "--seed", "3"], "add --soak"),
-        (["--serve", "--soak", "1m", "--concurrency", "1,2"], "leave out --concurrency"),
-        (["--serve", "--soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
+        (["--serve", "--soak", "1m", "--threads", "1"], "use `segfuse bench soak 1m --threads 1`"),
+        (["soak", "1x"], "not a duration"),
+        (["soak", "1m", "--replicas", "2"], "add --ray"),
+        (["soak", "1m", "--remote", "-m", "smollm2-135m"], "leave out -m"),
     ],
 )
 @pytest.mark.slow
@@ -395,7 +394,7 @@ def test_soak_options_are_checked_before_anything_starts(args, says):
 def test_soak_out_may_name_a_folder_or_a_file(tmp_path):
     # A folder (as `bench --out` takes for the other benches) gets soak.json inside it; it used to crash when the
     # run wrote its report, after the whole soak.
-    from segfuse.cli.bench import soak_path
+    from segfuse.cli.bench_serving import soak_path
 
     assert soak_path(str(tmp_path)) == tmp_path / "soak.json"
     assert soak_path(str(tmp_path / "new") + "/") == tmp_path / "new" / "soak.json"

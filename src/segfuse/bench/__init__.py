@@ -7,7 +7,7 @@
 - ``gpu_pack``, ``gpu_bootstrap``, ``gpu_check``, ``gpu_models``, ``diagnose``: that
   benchmark on one GPU at real model sizes with random weights, from a pack;
 - ``serving``: the real server under concurrent users, serial against
-  concurrent worker (``segfuse bench --serve``);
+  concurrent worker (``segfuse bench serve``);
 - ``load``: the client side of serving runs: streamed requests with the real
   ``openai`` client, their outcomes and summaries;
 - ``processes``: starting and stopping servers on loopback (``segfuse serve``,

@@ -25,7 +25,6 @@ answer <= 0.7x).
 
 from __future__ import annotations
 
-import json
 import secrets
 import statistics
 import tempfile
@@ -33,12 +32,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .chat_script import CHAT_TURNS, MANUAL, POLICY, SHORT_PROMPT, USER_QUESTIONS, excerpt
-from .machine import git, loadavg, machine
+from .machine import loadavg, report_start, write_report
 from .processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 
 if TYPE_CHECKING:
@@ -168,13 +166,17 @@ def one_repetition(
 
 
 @contextmanager
-def targets(workdir: Path, threads: int, log: Callable[[str], None]) -> Iterator[list[Target]]:
-    """The three servers on loopback, stopped when the block ends."""
+def targets(
+    workdir: Path, threads: int, log: Callable[[str], None], systems: Sequence[str] = SYSTEMS
+) -> Iterator[list[Target]]:
+    """The servers of `systems` on loopback (in SYSTEMS' order), stopped when the block ends."""
     from ..models import CATALOGUE, model_path
 
     with ExitStack() as stack:
         found = []
         for name, cells in (("cache", None), ("no-cache", 0)):
+            if name not in systems:
+                continue
             key = secrets.token_hex(16)
             config: dict[str, dict[str, Any]] = {
                 "server": {"api_key": key, "max_concurrent": 1},
@@ -183,18 +185,29 @@ def targets(workdir: Path, threads: int, log: Callable[[str], None]) -> Iterator
             log(f"starting segfuse serve ({name})…")
             server = stack.enter_context(segfuse_server(workdir, name, config))
             found.append(Target(name, server.api, key, "segfuse", server.health))
-        log(f"starting llama_cpp.server for {LEADER} (--cache true)…")
-        anchor = stack.enter_context(
-            llama_cpp_server(
-                model_path(CATALOGUE[LEADER]),
-                workdir / "llama-server.log",
-                threads=threads,
-                n_ctx=4096,
-                extra_args=("--cache", "true"),
+        if "llama-server" in systems:
+            log(f"starting llama_cpp.server for {LEADER} (--cache true)…")
+            anchor = stack.enter_context(
+                llama_cpp_server(
+                    model_path(CATALOGUE[LEADER]),
+                    workdir / "llama-server.log",
+                    threads=threads,
+                    n_ctx=4096,
+                    extra_args=("--cache", "true"),
+                )
             )
-        )
-        found.append(Target("llama-server", anchor.url, "", LEADER))
+            found.append(Target("llama-server", anchor.url, "", LEADER))
         yield found
+
+
+@dataclass(frozen=True)
+class Script:
+    """What each repetition sends: the chat's turns, the users, the documents' sections (None: all)."""
+
+    max_tokens: int = 32
+    turns: int = len(CHAT_TURNS)
+    users: int = len(USER_QUESTIONS)
+    sections: int | None = None
 
 
 def run(
@@ -206,42 +219,34 @@ def run(
     out: Path | None = Path("runs/bench-chat.json"),
     log: Callable[[str], None] = print,
     sections: int | None = None,
+    systems: Sequence[str] = SYSTEMS,
 ) -> dict[str, Any]:
-    """Every system, `reps` times in turn; the report (also written to `out`). `sections`: only the
+    """Every one of `systems`, `reps` times in turn; the report (also written to `out`). `sections`: only the
     documents' first sections in the system prompts (None: all of them)."""
-    report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git(),
-        "settings": {
-            "reps": reps,
-            "max_tokens": max_tokens,
-            "threads": threads,
-            "turns": turns,
-            "users": users,
-            "sections": sections,
-            "leader": LEADER,
-        },
-        "loadavg": {"start": loadavg()},
-        "replies": [],
-    }
+    script = Script(max_tokens, turns, users, sections)
+    report = report_start({**asdict(script), "reps": reps, "threads": threads, "leader": LEADER})
+    report["settings"]["systems"] = list(systems)
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="segfuse-bench-chat-") as tmp:
-        with targets(Path(tmp), threads, log) as servers:
-            for server in servers:  # warm-up: the first request of a process pays for loading pages
-                ask(server, -1, "warm-up", 0, [{"role": "user", "content": "Hello."}], 4)
-            for rep in range(reps):
-                for server in servers if rep % 2 == 0 else servers[::-1]:
-                    replies = one_repetition(server, rep, max_tokens, turns, users, sections)
-                    report["replies"] += [asdict(r) for r in replies]
-                    log(f"   rep {rep + 1} {server.name:12} " + " ".join(_brief(r) for r in replies))
+        with targets(Path(tmp), threads, log, systems) as servers:
+            report["replies"] = _repetitions(servers, reps, script, log)
             report["prefix_cache"] = {s.name: _prefix_stats(s) for s in servers if s.health}
     report["loadavg"]["end"] = loadavg()
     report["summary"] = summarise(report["replies"], turns, users)
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=2) + "\n")
-        report["out"] = str(out)
-    return report
+    return write_report(report, out)
+
+
+def _repetitions(servers: list[Target], reps: int, script: Script, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """A warm-up request on each server, then `reps` repetitions of the script, the servers' order
+    alternating; every reply."""
+    for server in servers:  # warm-up: the first request of a process pays for loading pages
+        ask(server, -1, "warm-up", 0, [{"role": "user", "content": "Hello."}], 4)
+    replies: list[dict[str, Any]] = []
+    for rep in range(reps):
+        for server in servers if rep % 2 == 0 else servers[::-1]:
+            done = one_repetition(server, rep, script.max_tokens, script.turns, script.users, script.sections)
+            replies += [asdict(r) for r in done]
+            log(f"   rep {rep + 1} {server.name:12} load {loadavg()} " + " ".join(_brief(r) for r in done))
+    return replies
 
 
 def _brief(reply: Reply) -> str:

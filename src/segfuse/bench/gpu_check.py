@@ -251,23 +251,46 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(p["status"] != "failed" for p in check.doc["phases"].values()) else 1
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+# The check's settings but the pack and the folder, at their defaults; `segfuse bench gpu` takes the same.
+DEFAULTS: dict[str, Any] = {
+    "budget": 420.0,
+    "small": False,
+    "dtype": "bf16",
+    "tokens": 128,
+    "reps": 3,
+    "users": 4,
+    "window": 10,
+    "diagnose_tokens": 64,
+    "install_s": 0.0,
+}
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def default_device() -> str:
+    """The first card torch sees, else the CPU."""
     import torch
 
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python3 PACK/check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--pack", type=Path, required=True, help="the pack (python -m segfuse.bench.gpu_pack)")
     parser.add_argument("--out", type=Path, required=True, help=f"the folder for {REPORT}")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds after which phases are skipped")
+    parser.add_argument("--budget", type=float, help="seconds after which phases are skipped")
     parser.add_argument("--small", action="store_true", help="every shape shrunk (2 layers, hidden 64): a dry run")
-    parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--tokens", type=int, default=128, help="the answers' length")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--users", type=int, default=4, help="requests at once against one by one (0: not timed)")
-    parser.add_argument("--window", type=int, default=10)
-    parser.add_argument("--diagnose-tokens", type=int, default=64)
-    parser.add_argument("--install-s", type=float, default=0.0, help=argparse.SUPPRESS)  # set by check.py
-    return parser.parse_args(argv)
+    parser.add_argument("--device")
+    parser.add_argument("--dtype", choices=DTYPES)
+    parser.add_argument("--tokens", type=int, help="the answers' length")
+    parser.add_argument("--reps", type=int)
+    parser.add_argument("--users", type=int, help="requests at once against one by one (0: not timed)")
+    parser.add_argument("--window", type=int)
+    parser.add_argument("--diagnose-tokens", type=int)
+    parser.add_argument("--install-s", type=float, help=argparse.SUPPRESS)  # set by check.py
+    parser.set_defaults(**DEFAULTS)
+    args = parser.parse_args(argv)
+    args.device = args.device or default_device()
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

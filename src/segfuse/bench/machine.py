@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,28 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def report_start(settings: dict[str, Any]) -> dict[str, Any]:
+    """What every benchmark report opens with: the date, the machine, the commit, the settings, the load
+    average now (the caller adds it at the end)."""
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git": git(),
+        "settings": settings,
+        "loadavg": {"start": loadavg()},
+    }
+
+
+def write_report(report: dict[str, Any], out: Path | None) -> dict[str, Any]:
+    """`report` as JSON in `out` (its folder made), which it then names; as it is where `out` is None."""
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        report["out"] = str(out)
+    return report
 
 
 def peak_rss_self_mb() -> float:

@@ -25,16 +25,15 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ..errors import SegfuseError
 from .load import PROMPTS, Outcome, drive, summarise
-from .machine import git, loadavg, machine
+from .machine import loadavg, report_start, write_report
 from .process_cpu import CpuMeter, spent
 from .processes import SegfuseServer, segfuse_server, sigterm_as_interrupt
-from .serving import fmt, format_targets, print_load, print_targets, server_config, write_report
+from .serving import fmt, format_targets, print_load, print_targets, server_config
 
 MODES = ("single", "ray")
 NODE_IP = "127.0.0.2"  # the local Ray instance's node (never 127.0.0.1: Ray rewrites it)
@@ -57,22 +56,9 @@ def configs(
     cache_dir: str | None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Each mode's TOML sections: the single-process server as wide as the Ray side's replicas together."""
-    single = server_config(
-        max_concurrent=max_concurrent * replicas,
-        queue_size=queue_size,
-        models=models,
-        threads=threads,
-        n_ctx=n_ctx,
-        cache_dir=cache_dir,
-    )
-    ray = server_config(
-        max_concurrent=max_concurrent,
-        queue_size=queue_size,
-        models=models,
-        threads=threads,
-        n_ctx=n_ctx,
-        cache_dir=cache_dir,
-    )
+    members: dict[str, Any] = {"models": models, "threads": threads, "n_ctx": n_ctx, "cache_dir": cache_dir}
+    single = server_config(max_concurrent=max_concurrent * replicas, queue_size=queue_size, **members)
+    ray = server_config(max_concurrent=max_concurrent, queue_size=queue_size, **members)
     ray["ray"] = {"replicas": replicas, "node_ip": NODE_IP}
     return {"single": single, "ray": ray}
 
@@ -223,6 +209,32 @@ def add_results(report: dict[str, Any], blocks: list[dict[str, Any]], levels: Se
     report["cpu_per_request_s"] = cpu_per_request(blocks)
 
 
+def _check_arguments(levels: Sequence[int], *counts: int) -> list[int]:
+    """The levels, sorted; a count that is not positive, or a missing client library, fails before anything
+    starts."""
+    ordered = sorted({int(c) for c in levels})
+    if not ordered or ordered[0] < 1 or min(counts) < 1:
+        raise SegfuseError("levels, --requests, --max-tokens, --reps and --replicas must be positive")
+    import httpx  # noqa: F401  # imported to fail early
+    import openai  # noqa: F401  # imported to fail early
+    import ray  # noqa: F401  # imported to fail early
+
+    return ordered
+
+
+def run_blocks(
+    servers: dict[str, SegfuseServer],
+    order: Sequence[str],
+    levels: Sequence[int],
+    requests: int,
+    max_tokens: int,
+    log: Log,
+) -> list[dict[str, Any]]:
+    """Every block in `order`, each server's processes' CPU metered from the first."""
+    meters = {mode: CpuMeter(server.process.pid) for mode, server in servers.items()}
+    return [run_block(i, mode, servers, meters, levels, requests, max_tokens, log) for i, mode in enumerate(order)]
+
+
 def run(
     levels: Sequence[int] = (1, 4),
     requests: int = 8,
@@ -240,25 +252,10 @@ def run(
     log: Log = print,
 ) -> dict[str, Any]:
     """Both servers, `reps` pairs of blocks (module docstring); the report, written to `out` (JSON)."""
-    levels = sorted({int(c) for c in levels})
-    if not levels or levels[0] < 1 or requests < 1 or max_tokens < 1 or reps < 1 or replicas < 1:
-        raise SegfuseError("levels, --requests, --max-tokens, --reps and --replicas must be positive")
-    # the client libraries: missing ones fail here, before any server starts
-    import httpx  # noqa: F401  # imported to fail early
-    import openai  # noqa: F401  # imported to fail early
-    import ray  # noqa: F401  # imported to fail early
-
-    queue = max(16, levels[-1])
-    sections = configs(
-        max_concurrent=max_concurrent,
-        replicas=replicas,
-        queue_size=queue,
-        models=list(models or []),
-        threads=threads,
-        n_ctx=n_ctx,
-        cache_dir=cache_dir,
-    )
-    settings = {
+    levels = _check_arguments(levels, requests, max_tokens, reps, replicas)
+    members: dict[str, Any] = {"models": list(models or []), "threads": threads, "n_ctx": n_ctx, "cache_dir": cache_dir}
+    sections = configs(max_concurrent=max_concurrent, replicas=replicas, queue_size=max(16, levels[-1]), **members)
+    settings: dict[str, Any] = {
         "levels": levels,
         "requests_per_level": requests,
         "max_tokens": max_tokens,
@@ -273,21 +270,11 @@ def run(
         "temperature": 0.0,
         "stream": True,
     }
-    report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git(),
-        "settings": settings,
-        "loadavg": {"start": loadavg()},
-    }
+    report = report_start(settings)
     with sigterm_as_interrupt(), ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="segfuse-bench-ray-")))
         servers = start_servers(stack, workdir, sections, report, max_tokens=max_tokens, startup_s=startup_s, log=log)
-        meters = {mode: CpuMeter(server.process.pid) for mode, server in servers.items()}
-        blocks = [
-            run_block(i, mode, servers, meters, levels, requests, max_tokens, log)
-            for i, mode in enumerate(report["settings"]["order"])
-        ]
+        blocks = run_blocks(servers, settings["order"], levels, requests, max_tokens, log)
         for mode, server in servers.items():
             report["servers"][mode]["counters"] = server.health().get("counters")
     add_results(report, blocks, levels)

@@ -30,20 +30,18 @@ Targets are printed next to the measured values and never fail the run.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from ..errors import SegfuseError
 from .load import PROMPTS, drive
-from .machine import git, loadavg, machine
+from .machine import loadavg, report_start, write_report
 from .processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
@@ -188,6 +186,42 @@ def _check_arguments(
     return levels
 
 
+def check_config(**sections: Any) -> None:
+    """Build the configuration `server_config`'s settings make (as keywords): a bad setting fails here, before
+    anything starts."""
+    from ..config import build_config
+
+    build_config(None, **sections)
+
+
+def _settings(
+    levels: list[int],
+    per_level: dict[int, int],
+    widest: int,
+    common: dict[str, Any],
+    *,
+    max_tokens: int,
+    warmup: int,
+    remote: bool,
+) -> dict[str, Any]:
+    """What the report records of the run's settings (the members are added once they are known)."""
+    return {
+        "concurrency": levels,
+        "requests_per_level": {str(c): n for c, n in per_level.items()},
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "warmup_requests": warmup,
+        "prompts": list(PROMPTS),
+        "threads": common["threads"],
+        "threads_env": os.environ.get("SEGFUSE_THREADS"),
+        "n_ctx": common["n_ctx"],
+        "remote": remote,
+        "max_concurrent": {"serial": 1, "concurrent": widest},
+        "queue_size": common["queue_size"],
+    }
+
+
 def run(
     concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
     requests: int | None = None,
@@ -212,76 +246,33 @@ def run(
     levels = _check_arguments(concurrency, requests, max_tokens, remote, models)
     widest = max_concurrent or levels[-1]
     per_level = {c: requests or max(8, 2 * c) for c in levels}
-    queue_size = max(16, levels[-1])
-    settings: dict[str, Any] = {
-        "concurrency": levels,
-        "requests_per_level": {str(c): n for c, n in per_level.items()},
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "warmup_requests": warmup,
-        "prompts": list(PROMPTS),
+    common: dict[str, Any] = {
+        "queue_size": max(16, levels[-1]),
         "threads": threads,
-        "threads_env": os.environ.get("SEGFUSE_THREADS"),
         "n_ctx": n_ctx,
-        "remote": remote,
-        "max_concurrent": {"serial": 1, "concurrent": widest},
-        "queue_size": queue_size,
+        "cache_dir": cache_dir,
     }
-    from ..config import build_config
-
-    for mc in (1, widest):  # a bad setting fails here, before anything is started
-        build_config(
-            None,
-            max_concurrent=mc,
-            queue_size=queue_size,
-            models=list(models or []),
-            threads=threads,
-            n_ctx=n_ctx,
-            cache_dir=cache_dir,
-        )
-    report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git(),
-        "settings": settings,
-        "loadavg": {"start": loadavg()},
-        "modes": {},
-    }
+    for mc in (1, widest):
+        check_config(max_concurrent=mc, models=list(models or []), **common)
+    settings = _settings(levels, per_level, widest, common, max_tokens=max_tokens, warmup=warmup, remote=remote)
+    report = {**report_start(settings), "modes": {}}
     with sigterm_as_interrupt(), ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="segfuse-bench-serve-")))
-        members = list(models or [])
+        specs = list(models or [])
         if remote:
-            members += _remote_members(stack, workdir, threads, cache_dir, log)
-            settings["remote_servers"] = list(members)
-        settings["members"] = members or "default"
+            specs += _remote_members(stack, workdir, threads, cache_dir, log)
+            settings["remote_servers"] = list(specs)
+        settings["members"] = specs or "default"
         for mode in MODES:
             mc = 1 if mode == "serial" else widest
             log(f"== {mode}: starting `segfuse serve` with max_concurrent={mc}…")
-            config = server_config(
-                max_concurrent=mc,
-                queue_size=queue_size,
-                models=members,
-                threads=threads,
-                n_ctx=n_ctx,
-                cache_dir=cache_dir,
-            )
+            config = server_config(max_concurrent=mc, models=specs, **common)
             report["modes"][mode] = _run_mode(
                 workdir, mode, config, levels, per_level, max_tokens, warmup, startup_s, log
             )
     report["loadavg"]["end"] = loadavg()
     report["ratios"], report["targets"] = compare(report["modes"])
     return write_report(report, out)
-
-
-def write_report(report: dict[str, Any], out: Path | None) -> dict[str, Any]:
-    """`report` as JSON in `out` (its folder made), which it then names; as it is where `out` is None."""
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        report["out"] = str(out)
-    return report
 
 
 # --------------------------------------------------------------------------- printing

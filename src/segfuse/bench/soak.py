@@ -1,6 +1,6 @@
 """The soak: the real server under a long run of mixed traffic; nothing may be lost, nothing may leak.
 
-``segfuse bench --serve --soak DURATION`` starts ``segfuse serve`` on loopback
+``segfuse bench soak DURATION`` starts ``segfuse serve`` on loopback
 (a small context window, so that prompts near it are cheap; a small queue, so
 that bursts pass it) and sends it the seeded mix of ``traffic.py`` with the real
 ``openai`` client, phase after phase, until DURATION is spent or the request cap
@@ -17,7 +17,6 @@ At the end it sets what the client saw against ``/health`` and ``/metrics``
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import shutil
 import tempfile
@@ -27,7 +26,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +42,10 @@ from .accounting import (
     tally,
     targets,
 )
-from .machine import alive, git, loadavg, machine, rss_mb, tree_pids, tree_rss_mb
+from .machine import alive, loadavg, report_start, rss_mb, tree_pids, tree_rss_mb, write_report
 from .processes import MemberServer, SegfuseServer, segfuse_server, sigterm_as_interrupt
 from .ray_serving import NODE_IP as RAY_NODE_IP
+from .serving import REMOTE_MODELS, check_config
 from .soak_client import SoakClient
 from .traffic import NORMAL, Action, Mix, Phase, plan, probe, warmup
 
@@ -383,42 +382,47 @@ def run(
 ) -> dict[str, Any]:
     """Start the server (and with ``remote`` its member servers), soak it, return the report and write
     it to `out` (JSON)."""
-    import secrets
-
     import httpx  # noqa: F401  # before anything starts: fail at once when the client libraries are missing
     import openai  # noqa: F401  # likewise
 
-    from ..config import build_config
-
     settings.validate()
-    build_config(
-        None,
+    check_config(
         max_concurrent=settings.max_concurrent,
         queue_size=settings.queue_size,
         models=list(settings.models),
         threads=settings.threads,
         n_ctx=settings.n_ctx,
         cache_dir=settings.cache_dir,
-    )  # a bad setting fails here, before anything starts
-    report: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "git": git(),
-        "settings": {
+    )
+    report = report_start(
+        {
             **asdict(settings),
             "request_cap": settings.request_cap,
             "burst": settings.mix.burst,
             "sample_every_s": settings.sample_every_s,
             "max_body_bytes": MAX_BODY_BYTES,
-        },
-        "loadavg": {"start": loadavg()},
-    }
+        }
+    )
+    raw = _soak(settings, report, out, log, startup_s)
+    report["loadavg"]["end"] = loadavg()
+    report.update(summarise(raw))
+    _check_leftovers(report, log)
+    return write_report(report, out)
+
+
+def _soak(
+    settings: SoakSettings, report: dict[str, Any], out: Path | None, log: Log, startup_s: float
+) -> dict[str, Any]:
+    """The members and the server started, the soak run against them, all stopped again; its raw data. The
+    report gets the members, the server's processes and (beside `out`) its log."""
+    import secrets
+
     with sigterm_as_interrupt(), ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="segfuse-soak-")))
         members, disrupt = _members(settings, workdir, stack, log)
         log(
-            f"starting `segfuse serve{' --ray' if settings.ray else ''}` (max_concurrent {settings.max_concurrent}, queue {settings.queue_size}, "
-            f"n_ctx {settings.n_ctx})…"
+            f"starting `segfuse serve{' --ray' if settings.ray else ''}` (max_concurrent {settings.max_concurrent}, "
+            f"queue {settings.queue_size}, n_ctx {settings.n_ctx})…"
         )
         config = settings.server_config(members, secrets.token_hex(16))
         server = stack.enter_context(
@@ -433,15 +437,7 @@ def run(
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(server.log, Path(out).with_suffix(".server.log"))
             report["server_log"] = str(Path(out).with_suffix(".server.log"))
-    report["loadavg"]["end"] = loadavg()
-    report.update(summarise(raw))
-    _check_leftovers(report, log)
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        report["out"] = str(out)
-    return report
+    return raw
 
 
 def _check_leftovers(report: dict[str, Any], log: Log, wait_s: float = 30.0) -> None:
@@ -473,7 +469,6 @@ def _members(
     if not settings.remote:
         return list(settings.models), None
     from ..models import CATALOGUE, model_path
-    from .serving import REMOTE_MODELS
 
     members, servers = [], []
     for catalogue_name, member_name in REMOTE_MODELS:

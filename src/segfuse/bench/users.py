@@ -1,4 +1,4 @@
-"""N requests at once against the same N one by one, for each system (``segfuse bench --users N``).
+"""N requests at once against the same N one by one, for each system (``segfuse bench speed --users N``).
 
 At once, the N prompts go to ``Ensemble.generate_many(max_concurrent=N)``, which batches the members'
 work across them; one by one, the same prompts go to ``generate`` one after another. Both on the same

@@ -16,45 +16,57 @@ if TYPE_CHECKING:
     from ..eval.calibrate import Setting
 
 
+# The options, named once here so that the command's signature reads as a list.
+Task = Annotated[
+    str,
+    typer.Argument(
+        help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C); "
+        "pooling: weights for `segfuse score` from scored items (--data)."
+    ),
+]
+Data = Annotated[
+    str | None,
+    typer.Option(
+        help='JSONL file of the items (jsonl: one {"prompt", "answer"} '
+        "per line; built-in tasks: their data by default)."
+    ),
+]
+Checker = Annotated[
+    str | None,
+    typer.Option(help="jsonl: when an answer is right: number, contains, regex or python:MODULE:FUNCTION."),
+]
+Settings = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--setting",
+        help="A setting to try, KEY=VALUE/... as FusionOptions fields (repeatable; "
+        "default: the leader verifying at margins 1, 2, 3 and today's vote).",
+    ),
+]
+Leader = Annotated[str | None, typer.Option(help="The member to compare with (default: the largest).")]
+Limit = Annotated[int, typer.Option(help="Number of items (at least 10).")]
+Offset = Annotated[int, typer.Option(help="First item (0-based line of the data file).")]
+MaxTokens = Annotated[int | None, typer.Option("--max-tokens", help="Answer budget (default: per task).")]
+OutDir = Annotated[str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")]
+Progress = Annotated[bool, typer.Option("--progress/--no-progress")]
+PoolingRule = Annotated[str, typer.Option(help="pooling: the rule to fit weights for.")]
+
+
 @app.command()
 @member_flags()
 def calibrate(
-    task: Annotated[
-        str,
-        typer.Argument(
-            help="gsm8k, ifeval, or jsonl: your own prompts (--data FILE --checker C); "
-            "pooling: weights for `segfuse score` from scored items (--data)."
-        ),
-    ],
-    data: Annotated[
-        str | None,
-        typer.Option(
-            help='JSONL file of the items (jsonl: one {"prompt", "answer"} '
-            "per line; built-in tasks: their data by default)."
-        ),
-    ] = None,
-    checker: Annotated[
-        str | None,
-        typer.Option(help="jsonl: when an answer is right: number, contains, regex or python:MODULE:FUNCTION."),
-    ] = None,
+    task: Task,
+    data: Data = None,
+    checker: Checker = None,
     model: ModelOpt = None,
-    setting: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--setting",
-            help="A setting to try, KEY=VALUE/... as FusionOptions fields (repeatable; "
-            "default: the leader verifying at margins 1, 2, 3 and today's vote).",
-        ),
-    ] = None,
-    leader: Annotated[str | None, typer.Option(help="The member to compare with (default: the largest).")] = None,
-    limit: Annotated[int, typer.Option(help="Number of items (at least 10).")] = 40,
-    offset: Annotated[int, typer.Option(help="First item (0-based line of the data file).")] = 0,
-    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Answer budget (default: per task).")] = None,
-    out_dir: Annotated[
-        str, typer.Option("--out", help="Folder for the records (resumable) and profile.toml.")
-    ] = "runs/calibrate",
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
-    rule: Annotated[str, typer.Option(help="pooling: the rule to fit weights for.")] = "loglinear-byte",
+    setting: Settings = None,
+    leader: Leader = None,
+    limit: Limit = 40,
+    offset: Offset = 0,
+    max_tokens: MaxTokens = None,
+    out_dir: OutDir = "runs/calibrate",
+    progress: Progress = True,
+    rule: PoolingRule = "loglinear-byte",
     member_options: dict[str, Any] | None = None,
 ) -> None:
     """Run the leader alone and a few settings on the same items, paired; write the profile to use.

@@ -1,3 +1,13 @@
 """Every command of the CLI, registered on import (one module per group of commands)."""
 
-from . import answer, bench, calibrate, evaluate, models, score, serve  # noqa: F401  # imported to register their commands
+from . import (  # noqa: F401  # imported to register their commands
+    answer,
+    bench,
+    bench_gpu,
+    bench_serving,
+    calibrate,
+    evaluate,
+    models,
+    score,
+    serve,
+)

@@ -153,21 +153,26 @@ def run_eval(
     member_options = {"prefix_cache_cells": 0, **(member_options or {})}
     with Ensemble(list(members) if members else None, **member_options) as ensemble:
         names = resolve_systems(systems, ensemble.names)
-        _check_run_file(
-            run_file,
-            {
-                "task": task.name,
-                "settings": _recorded(settings),
-                "members": ensemble.names,
-                "systems": names,
-                "data": str(data or task.default_data),
-                "started": datetime.now(UTC).isoformat(),
-                "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
-            },
-        )
+        _check_run_file(run_file, _run_record(task, settings, ensemble.names, names, data))
         pending = [(item, name) for item in items for name in names if (item.id, name) not in done]
         _run_pending(task, pending, ensemble, settings, previous, path, progress, {i.id for i in items})
     return path
+
+
+def _run_record(
+    task: Task, settings: RunSettings, members: list[str], systems: list[str], data: str | Path | None
+) -> dict[str, Any]:
+    """What the run file keeps of a run: the task, its settings, members and systems, where its data came from,
+    when and where it started."""
+    return {
+        "task": task.name,
+        "settings": _recorded(settings),
+        "members": members,
+        "systems": systems,
+        "data": str(data or task.default_data),
+        "started": datetime.now(UTC).isoformat(),
+        "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
+    }
 
 
 def _run_pending(

@@ -25,10 +25,15 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import LimitsSection
 from .guards import error_body
+
+if TYPE_CHECKING:  # the protocol's base for the type checker; at run time h11_protocol puts it in (uvicorn is an extra)
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _H11
+else:
+    _H11 = object
 
 log = logging.getLogger("segfuse.server")
 
@@ -151,92 +156,107 @@ async def server_busy(scope: Any, receive: Any, send: Any, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class BoundedConnection(_H11):
+    """What the bounds add to uvicorn's h11 protocol: pending timers and requests admitted in flight.
+
+    :func:`h11_protocol` puts it before ``H11Protocol`` in one class per server, whose class attributes hold
+    that server's counts, shared by all of its connections."""
+
+    limits: LimitsSection
+    pending: PendingConnections
+    in_flight: InFlight
+    refusals: RefusalLog
+    idle: Any  # h11's IDLE state: the connection has no request
+    _header_timer: Any = None  # closes the connection if its request line and headers are late
+    _grace_timer: Any = None  # counts it as pending once it has waited a moment
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._app = self.app
+        self.app = self._admit  # what uvicorn runs for each request it has read
+
+    @property
+    def address(self) -> str:
+        return self.client[0] if self.client else ""
+
+    async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
+        if not self.in_flight.enter():
+            self.refusals.note("limit_concurrency", self.address, self.loop)
+            return await server_busy(scope, receive, send, self.in_flight.limit)
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self.in_flight.leave()
+
+    def _track(self) -> None:
+        """Arm the pending timers while the connection has no request, disarm them once it has one."""
+        if self.conn.their_state is self.idle and not self.transport.is_closing():
+            if self._header_timer is None:  # the deadline counts from the connection or the last answer
+                self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._too_slow)
+                self._grace_timer = self.loop.call_later(PENDING_GRACE_S, self._count)
+        else:
+            self._untrack()
+
+    def _untrack(self) -> None:
+        for timer in (self._header_timer, self._grace_timer):
+            if timer is not None:
+                timer.cancel()
+        self._header_timer = self._grace_timer = None
+        self.pending.discard(self)
+
+    def _count(self) -> None:
+        self._grace_timer = None
+        for conn, setting in self.pending.add(self, self.address):
+            assert isinstance(conn, BoundedConnection)
+            self.refusals.note(setting, conn.address, self.loop)
+            conn._close()
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        self._close()
+
+    def _close(self) -> None:
+        self._untrack()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._track()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._untrack()
+        super().connection_lost(exc)
+
+
 def h11_protocol(limits: LimitsSection) -> type:
     """uvicorn's h11 protocol class with the bounds of `limits` (this module's docstring); one class per
     server: its pending connections and requests in flight are counted across its connections."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    pending = PendingConnections(limits.max_pending_per_client, limits.max_pending_connections)
-    in_flight = InFlight(limits.limit_concurrency)
-    refusals = RefusalLog(limits)
-
-    class BoundedH11(H11Protocol):
-        _header_timer: Any = None  # closes the connection if its request line and headers are late
-        _grace_timer: Any = None  # counts it as pending once it has waited a moment
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._app = self.app
-            self.app = self._admit  # what uvicorn runs for each request it has read
-
-        @property
-        def address(self) -> str:
-            return self.client[0] if self.client else ""
-
-        async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
-            if not in_flight.enter():
-                refusals.note("limit_concurrency", self.address, self.loop)
-                return await server_busy(scope, receive, send, in_flight.limit)
-            try:
-                await self._app(scope, receive, send)
-            finally:
-                in_flight.leave()
-
-        def _track(self) -> None:
-            """Arm the pending timers while the connection has no request, disarm them once it has one."""
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                if self._header_timer is None:  # the deadline counts from the connection or the last answer
-                    self._header_timer = self.loop.call_later(limits.header_timeout_s, self._too_slow)
-                    self._grace_timer = self.loop.call_later(PENDING_GRACE_S, self._count)
-            else:
-                self._untrack()
-
-        def _untrack(self) -> None:
-            for timer in (self._header_timer, self._grace_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._header_timer = self._grace_timer = None
-            pending.discard(self)
-
-        def _count(self) -> None:
-            self._grace_timer = None
-            for conn, setting in pending.add(self, self.address):
-                assert isinstance(conn, BoundedH11)
-                refusals.note(setting, conn.address, self.loop)
-                conn._close()
-
-        def _too_slow(self) -> None:
-            self._header_timer = None
-            self._close()
-
-        def _close(self) -> None:
-            self._untrack()
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._track()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._track()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._track()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._untrack()
-            super().connection_lost(exc)
-
-    return BoundedH11
+    counts = {
+        "limits": limits,
+        "pending": PendingConnections(limits.max_pending_per_client, limits.max_pending_connections),
+        "in_flight": InFlight(limits.limit_concurrency),
+        "refusals": RefusalLog(limits),
+        "idle": h11.IDLE,
+    }
+    return type("BoundedH11", (BoundedConnection, H11Protocol), counts)
 
 
 __all__ = [
     "PENDING_GRACE_S",
     "REFUSAL_LOG_S",
+    "BoundedConnection",
     "InFlight",
     "PendingConnections",
     "RefusalLog",

@@ -78,6 +78,11 @@ class APIError(Exception):
         self.status = status
         self.detail = ErrorDetail(message=message, type=type, code=code, param=param)
 
+    @classmethod
+    def invalid(cls, param: str, why: str) -> APIError:
+        """400 ``invalid_value`` about one field of the request: "`param`: `why`"."""
+        return cls(400, f"{param}: {why}", code="invalid_value", param=param)
+
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=self.detail).model_dump()
 

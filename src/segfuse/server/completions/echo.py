@@ -14,6 +14,7 @@ import asyncio
 import uuid
 from collections.abc import Sequence
 from functools import partial
+from itertools import accumulate
 
 from fastapi import Request
 
@@ -21,6 +22,7 @@ from ...backends.base import Member
 from ...echo import reader_of
 from ...ensemble import Ensemble
 from ...errors import InvalidRequestError
+from ...logprobs import TokenLogprob
 from ...request import FusionRequest
 from ...types import PromptToken
 from ..pool import Lease
@@ -91,18 +93,22 @@ def _read_tokens(value: object) -> list[PromptToken]:
     return list(value)
 
 
-def echo_logprobs(tokens: Sequence[PromptToken], k: int) -> CompletionLogprobs:
-    """The echoed prompt in the completions shape (the first token has no log-probability)."""
-    offsets, at = [], 0
-    for token in tokens:
-        offsets.append(at)
-        at += len(token.text)
+def shaped(
+    tokens: Sequence[PromptToken | TokenLogprob], tops: Sequence[dict[str, float] | None], offset: int = 0
+) -> CompletionLogprobs:
+    """Tokens in the completions shape, each with its alternatives `tops`; the first starts `offset` characters
+    into the text."""
     return CompletionLogprobs(
         tokens=[t.text for t in tokens],
         token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[dict(t.top[:k]) if t.logprob is not None else None for t in tokens],
-        text_offset=offsets,
+        top_logprobs=list(tops),
+        text_offset=list(accumulate((len(t.text) for t in tokens), initial=offset))[:-1],
     )
+
+
+def echo_logprobs(tokens: Sequence[PromptToken], k: int) -> CompletionLogprobs:
+    """The echoed prompt in the completions shape (the first token has no log-probability)."""
+    return shaped(tokens, [dict(t.top[:k]) if t.logprob is not None else None for t in tokens])
 
 
 def joined(echo: CompletionLogprobs, answer: CompletionLogprobs | None) -> CompletionLogprobs:
@@ -117,4 +123,4 @@ def joined(echo: CompletionLogprobs, answer: CompletionLogprobs | None) -> Compl
     )
 
 
-__all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "spelled"]
+__all__ = ["echo_logprobs", "joined", "prompt_texts", "read_prompts", "shaped", "spelled"]

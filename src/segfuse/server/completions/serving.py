@@ -32,7 +32,7 @@ from ..serving import APIError, disconnected, finish_reason_of, finished, result
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, Usage
 from ..worker import Job, Started
-from .echo import echo_logprobs, joined, prompt_texts, read_prompts
+from .echo import echo_logprobs, joined, prompt_texts, read_prompts, shaped
 from .protocol import (
     COMPLETION_NEUTRAL,
     COMPLETION_PARAMETERS,
@@ -130,16 +130,7 @@ def echoed_only(
 
 def legacy_logprobs(tokens: Sequence[TokenLogprob], k: int, offset: int) -> CompletionLogprobs:
     """Answer tokens in the completions shape; `offset`: characters before the answer (an echoed prompt)."""
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t.text)
-    return CompletionLogprobs(
-        tokens=[t.text for t in tokens],
-        token_logprobs=[t.logprob for t in tokens],
-        top_logprobs=[_alternatives(t, k) for t in tokens],
-        text_offset=offsets,
-    )
+    return shaped(tokens, [_alternatives(t, k) for t in tokens], offset)
 
 
 def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:

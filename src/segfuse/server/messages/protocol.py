@@ -134,12 +134,7 @@ def _assistant_turn(content: list[Any], where: str, called: set[str]) -> dict[st
     calls = []
     for j, block in enumerate(content):
         if isinstance(block, ToolResultBlock):
-            raise APIError(
-                400,
-                f"{where}.content.{j}: a tool_result belongs in a user turn",
-                code="invalid_value",
-                param=f"{where}.content.{j}",
-            )
+            raise APIError.invalid(f"{where}.content.{j}", "a tool_result belongs in a user turn")
         if isinstance(block, ToolUseBlock):
             called.add(block.id)
             calls.append(
@@ -157,19 +152,11 @@ def _user_turns(content: list[Any], where: str, called: set[str]) -> list[dict[s
     turns, text = [], []
     for j, block in enumerate(content):
         if isinstance(block, ToolUseBlock):
-            raise APIError(
-                400,
-                f"{where}.content.{j}: a tool_use belongs in an assistant turn",
-                code="invalid_value",
-                param=f"{where}.content.{j}",
-            )
+            raise APIError.invalid(f"{where}.content.{j}", "a tool_use belongs in an assistant turn")
         if isinstance(block, ToolResultBlock):
             if block.tool_use_id not in called:
-                raise APIError(
-                    400,
-                    f"{where}.content.{j}.tool_use_id: no earlier tool_use has the id {block.tool_use_id!r}",
-                    code="invalid_value",
-                    param=f"{where}.content.{j}.tool_use_id",
+                raise APIError.invalid(
+                    f"{where}.content.{j}.tool_use_id", f"no earlier tool_use has the id {block.tool_use_id!r}"
                 )
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         else:

@@ -154,11 +154,8 @@ def conversation(request: ResponsesRequest, earlier: list[dict[str, Any]]) -> li
             pending = []
         if isinstance(item, FunctionCallOutputItem):
             if item.call_id not in called:
-                raise APIError(
-                    400,
-                    f"input.{i}.call_id: no earlier function_call has the call_id {item.call_id!r}",
-                    code="invalid_value",
-                    param=f"input.{i}.call_id",
+                raise APIError.invalid(
+                    f"input.{i}.call_id", f"no earlier function_call has the call_id {item.call_id!r}"
                 )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         elif isinstance(item, MessageItem):

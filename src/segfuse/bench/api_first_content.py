@@ -7,7 +7,7 @@ to the first frame that carries answer text: a chat chunk with content, a ``cont
 ``response.output_text.delta``. Prints, as JSON, each API's median, its ratio to chat's median, and the
 median over rounds of its time over chat's in the same round (paired: the load of the moment cancels).
 
-    .venv/bin/python bench/api_first_content.py --rounds 12 --max-tokens 8
+    python -m segfuse.bench.api_first_content --rounds 12 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 import httpx
 import uvicorn
 
-from segfuse import Ensemble
-from segfuse.config import ServerConfig
-from segfuse.server.app import create_app, uvicorn_settings
+from ..config import ServerConfig
+from ..ensemble import Ensemble
+from ..server.app import create_app, uvicorn_settings
 
 PROMPTS = [
     "Name a primary colour.",
