@@ -44,6 +44,7 @@ FLAGS = {
         "--window",
         "--diagnose-tokens",
     },
+    "ensembles": {"--requests", "--in-flight", "--max-tokens", "--out"},
 }
 WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
 

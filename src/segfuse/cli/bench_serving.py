@@ -1,4 +1,4 @@
-"""`segfuse bench serve | chat | followers | soak | ray`: the benchmarks that run the real `segfuse serve`."""
+"""`segfuse bench serve | chat | followers | soak | ray | ensembles`: the benchmarks that run the real `segfuse serve`."""
 
 from __future__ import annotations
 
@@ -239,6 +239,26 @@ def ray_serve(
     )
     ray_serving.print_report(report, _console())
     err.print(f"wrote {report['out']}")
+
+
+@bench_app.command()
+def ensembles(
+    requests: Annotated[int, typer.Option(help="Requests, alternating between the two ensembles.")] = 200,
+    in_flight: Annotated[int, typer.Option("--in-flight", help="Requests in flight at once.")] = 4,
+    max_tokens: MaxTokens = 8,
+    out: Report = "runs/on-demand.json",
+) -> None:
+    """Two ensembles that share members on one server (small: smollm2 + gemma3, preloaded; full: the three,
+    loaded on demand), requests alternating between them: nothing may fail, nothing may load twice
+    (docs/server.md, Several models)."""
+    _require_serving_clients("segfuse bench ensembles", llama_server=False)
+    from ..bench import on_demand
+
+    code = on_demand.main(
+        ["--requests", str(requests), "--in-flight", str(in_flight), "--max-tokens", str(max_tokens), "--out", out]
+    )
+    if code:
+        raise typer.Exit(code)
 
 
 def _levels(concurrency: str) -> list[int]:

@@ -186,7 +186,7 @@ def call_of(job: Job, result: Result) -> ToolCall | None:
     were offered."""
     if not job.tools or result.stats.finish_reason != "stop":
         return None
-    return read_call(prefill_of(job.request.messages) + result.text, job.tools)
+    return read_call(prefill_of(job.generation.messages) + result.text, job.tools)
 
 
 def usage_of(result: Result, started: Started | None) -> Usage:

@@ -121,7 +121,7 @@ class ChatAnswer(Answer):
         return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)
 
     def _logprobs(self, tokens: list[TokenLogprob]) -> list[TokenLogprobInfo]:
-        return chat_logprobs(tokens, self.job.request.top_logprobs)
+        return chat_logprobs(tokens, self.job.generation.top_logprobs)
 
     # ----------------------------------------------------------------------- the answer as it is written
 
