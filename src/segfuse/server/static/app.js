@@ -56,7 +56,11 @@ async function loadModels() {
 }
 
 // One ensemble's members as the legend (none listed: every model is a member of the one ensemble).
-function pickEnsemble(ensemble, models = []) {
+function pickEnsemble(ensemble, models = [], fresh = false) {
+  if (fresh) {  // the user picked another ensemble: all its members take part, whatever was ticked before
+    $("legend").replaceChildren();
+    state.asked = null;
+  }
   state.model = ensemble ? ensemble.id : models[0].id;
   state.members = ensemble ? ensemble.members : models.map((m) => m.id);
   if (ensemble) $("model").value = ensemble.id;
@@ -114,10 +118,32 @@ function showMembers() {
   const unknown = (before || []).filter((m) => !state.members.includes(m));
   const picked = (before || []).filter((m) => state.members.includes(m));
   if (unknown.length) state.problems.push(`no member named ${unknown.join(", ")}`);
-  $("legend").replaceChildren(...state.members.map((name) => el("label", { className: "member" },
+  $("legend").replaceChildren(...state.members.map((name) => el("label", { className: "member", dataset: { member: name } },
     el("input", { type: "checkbox", value: name, checked: !picked.length || picked.includes(name) }),
-    el("span", { className: "swatch", style: { background: colour(name) } }), name)));
+    el("span", { className: "swatch", style: { background: colour(name) } }), name,
+    el("small", { className: "memory" }))));
   updateFusion();
+  showMemory();
+}
+
+// Each member's place in memory, from /health (the key's holders see it): loaded, loading, or not yet;
+// when an idle one will be freed.
+async function showMemory() {
+  try {
+    const response = await fetch("health", { headers: headers() });
+    const memory = (await response.json()).memory || {};
+    for (const label of document.querySelectorAll("#legend .member")) {
+      const place = memory[label.dataset.member];
+      if (!place) continue;
+      const words = { loaded: "", loading: ` loading ${place.loading_s}s`, unloaded: " not loaded",
+        unloading: " freeing", failed: " failed" }[place.state];
+      const frees = place.state === "loaded" && place.expires_in_s !== null ? ` frees in ${Math.ceil(place.expires_in_s)}s` : "";
+      label.querySelector(".memory").textContent = words + frees;
+      label.title = place.error || `${place.state}${place.in_use ? `, in use by ${place.in_use}` : ""}${frees}`;
+    }
+  } catch (err) {
+    // /health is a courtesy here: the page works without it.
+  }
 }
 
 // What the control asks of the API: `model` (the ensemble, or one member answering alone) and the
@@ -418,6 +444,7 @@ async function ask(question) {
   } finally {
     state.controller = null;
     busy(false);
+    showMemory();
   }
 }
 
@@ -451,7 +478,7 @@ $("api-key").addEventListener("change", () => {
   localStorage.setItem("segfuse-api-key", $("api-key").value);
   loadModels();
 });
-$("model").addEventListener("change", () => pickEnsemble(state.ensembles.find((m) => m.id === $("model").value)));
+$("model").addEventListener("change", () => pickEnsemble(state.ensembles.find((m) => m.id === $("model").value), [], true));
 $("fusion").addEventListener("change", onFusionChange);
 $("margin").addEventListener("input", onFusionChange);
 $("api-key").value = localStorage.getItem("segfuse-api-key") || "";
