@@ -112,7 +112,8 @@ class Ensemble:
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise InvalidRequestError(f"no member named {unknown[0]!r}", f"members: {', '.join(self.names)}")
-        return [m for m in self.members if m.name in names]
+        by_name = {m.name: m for m in self.members}
+        return [by_name[name] for name in dict.fromkeys(names)]  # in the order named (a server's ensembles')
 
     def _carrying(self, steps: Steps) -> Steps:
         """`steps`, keeping the Hedge weights it ends with for the next query (in the ensemble's store)."""
