@@ -261,6 +261,11 @@ SHARED = {  # GenerationRequest's fields, chat and text alike
     "n": st.sampled_from([1, 2, 0, -1]) | json_values,
     "cache_salt": st.sampled_from(["a", "tenant-1", "", "x" * 300]) | texts | json_values,
     "segfuse": fusion_options | json_values,
+    # Never 0: it frees the members after the answer, and reloading them for many requests would make the
+    # batch minutes longer (tests/test_on_demand.py frees and reloads them).
+    "keep_alive": (st.sampled_from(["5m", "-1", -1, "1h30m", 30, 2.5, "soon", "", "1e9"]) | json_values).filter(
+        lambda v: not (isinstance(v, int | float) and v == 0)
+    ),
 }
 CHAT_FIELDS = {
     **SHARED,
