@@ -103,7 +103,8 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
     state = ServerState(config, pool, shared.metrics(worker), shared)
     worker.observer = state.metrics
     if ensemble is not None:
-        pool.ensemble.hedge_store = ensemble.hedge_store  # its hedge_persist state is the caller's
+        # Its Hedge state is the caller's (a Ray front end's store is shared between replicas).
+        pool.ensemble.hedge_persist, pool.ensemble.hedge_store = ensemble.hedge_persist, ensemble.hedge_store
         state.status = "ok" if ensemble.members else "failed"
         state.error = None if ensemble.members else "the ensemble has no members"
 
