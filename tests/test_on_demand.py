@@ -63,15 +63,17 @@ def running(tmp_path_factory):
         yield serving
 
 
-def stream(running, model: str, member: str, words: int, out: list[str]) -> threading.Thread:
-    """A streamed answer to `model`, read in a thread of its own into `out`, once `member` is in use."""
+def stream(running, model: str, member: str, words: int, out: list[str], long: bool = False) -> threading.Thread:
+    """A streamed answer to `model`, read in a thread of its own into `out`, once `member` is in use (`long`:
+    900 tokens, past any end of the answer, so that it is still in flight seconds later)."""
 
     def read() -> None:
         chunks = client(running).chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": f"Count from one to {words} in words."}],
-            max_tokens=2 * words,
+            max_tokens=900 if long else 2 * words,
             stream=True,
+            extra_body={"segfuse": {"ignore_eos": True}} if long else None,
         )
         out.extend(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
@@ -97,8 +99,9 @@ def test_two_ensembles_share_a_member_and_a_request_loads_what_its_model_lacks_w
     assert cards["qwen2.5-coder-0.5b"].model_extra["ensembles"] == ["full"]
 
     streamed: list[str] = []
-    streaming = stream(running, "small", "smollm2-135m", 12, streamed)
+    streaming = stream(running, "small", "smollm2-135m", 12, streamed, long=True)
     assert ask(running, "full") == "full"  # loads qwen while small streams
+    assert streaming.is_alive(), "the stream ended before full's answer: nothing was loaded beside it"
     streaming.join(300)
     assert not streaming.is_alive() and "".join(streamed).strip()
     held = memory(running)
@@ -134,8 +137,9 @@ def test_a_budget_of_two_members_serves_three_in_turn_and_never_frees_one_in_use
         # smollm2 streams (in use), then gemma3 answers: smollm2 is the least recently used, but in use, so
         # qwen's load must free gemma3.
         streamed: list[str] = []
-        streaming = stream(running, "smollm2-135m", "smollm2-135m", 16, streamed)
+        streaming = stream(running, "smollm2-135m", "smollm2-135m", 16, streamed, long=True)
         ask(running, "gemma3-270m")
+        assert memory(running)["smollm2-135m"]["in_use"] > 0, "the long stream ended before qwen was asked for"
         assert ask(running, "qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"
         streaming.join(300)
         assert "".join(streamed).strip()
