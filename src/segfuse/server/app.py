@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -53,6 +52,7 @@ from .guards import Gate, quoted, redact
 from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
+from .models_view import memory_of, model_cards
 from .periodic import saving_prefix_caches
 from .pool import Budget, Pool
 from .responses import routes as responses
@@ -60,7 +60,7 @@ from .responses.store import ResponseStore
 from .serving import APIError, api_error
 from .shared import Shared
 from .state import ServerState, key_check
-from .wire import Health, HealthStatus, MemberLoad, MemberOccupancy, ModelCard, ModelList, QueueState
+from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker import Worker
 
 log = logging.getLogger("segfuse.server")
@@ -259,47 +259,6 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         return Response(text, media_type=state.metrics.content_type)
 
 
-def _model_cards(state: ServerState) -> list[ModelCard]:
-    """Every ensemble, then each member (a member alone is a model of its own: a baseline); each with the
-    context it takes (an ensemble: its smallest member's) and whether it is loaded."""
-    catalog, loaded = state.catalog, {m.name for m in state.loaded}
-
-    def card(model: str, **more: Any) -> ModelCard:
-        window = state.context_length(model)
-        return ModelCard(id=model, created=state.started, context_length=window, max_model_len=window, **more)
-
-    ensembles = [
-        card(m.name, members=list(m.members), loaded=loaded.issuperset(m.members))
-        for m in catalog.models.values()
-        if m.ensemble
-    ]
-    members = [
-        card(
-            name, parent=next(iter(catalog.holders(name)), None), ensembles=catalog.holders(name), loaded=name in loaded
-        )
-        for name in state.members
-    ]
-    return ensembles + members
-
-
-def memory_of(state: ServerState) -> dict[str, MemberLoad]:
-    """Each member's place in memory, as /health shows it."""
-    now = time.monotonic()
-    return {
-        place.name: MemberLoad(
-            state=place.state,
-            ensembles=state.catalog.holders(place.name),
-            in_use=place.users,
-            bytes=place.nbytes,
-            loading_s=None if place.state != "loading" or place.since is None else round(now - place.since, 1),
-            expires_in_s=None if (at := place.expires_at()) is None else round(max(0.0, at - now), 1),
-            error=place.error,
-            loads=place.loads,
-        )
-        for place in state.pool.snapshot()
-    }
-
-
 def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
     @app.get("/openapi.json", include_in_schema=False, dependencies=[require_key])
     async def openapi() -> JSONResponse:
@@ -307,11 +266,11 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[require_key])
     async def list_models() -> ModelList:
-        return ModelList(data=_model_cards(state))
+        return ModelList(data=model_cards(state))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[require_key])
     async def get_model(model_id: str) -> ModelCard:
-        for card in _model_cards(state):
+        for card in model_cards(state):
             if card.id == model_id:
                 return card
         raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")

@@ -10,12 +10,14 @@ model of its own too (a request may name one to have it answer alone).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import PurePath
 
 from ..config import ServerConfig
 from ..ensemble import Ensemble
 from ..models import DEFAULT_MODELS
 from ..options import FusionOptions
+from .parsing import Defaults
 from .serving import APIError
 
 BACKEND_PREFIXES = ("llama_cpp:", "transformers:", "ray:")
@@ -77,6 +79,11 @@ class Catalog:
                 param="model",
             )
         return chosen
+
+    @cached_property
+    def defaults(self) -> Defaults:
+        """Each model's fusion defaults, by the name a request gives."""
+        return Defaults({name: m.defaults for name, m in self.models.items()}, self.default)
 
     @property
     def ensembles(self) -> list[str]:

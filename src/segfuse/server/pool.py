@@ -112,7 +112,6 @@ class Pool:
             place = self.places[name]
             if place.state != "loaded":
                 self._load_one(place)
-            place.keep_s = FOREVER
 
     def start(self) -> None:
         self._reaper.start()

@@ -70,7 +70,7 @@ class ServerState:
     @property
     def defaults(self) -> Defaults:
         """Each model's fusion defaults."""
-        return Defaults({name: m.defaults for name, m in self.catalog.models.items()}, self.catalog.default)
+        return self.catalog.defaults
 
     @property
     def members(self) -> list[str]:
