@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from segfuse.backends.base import Capabilities, Member, MemberSession
 from segfuse.types import DraftTokens, TokenScores
@@ -77,19 +79,20 @@ class FittedSession(ScriptedSession):
         return -self.bpb * math.log(2.0) * n, n
 
 
+@dataclass(eq=False)  # members are told apart by identity, as real ones are
 class ScriptedMember(Member):
     """Hands out the given session(s): one for every request, or a new one per request from a factory."""
 
-    def __init__(self, name, session=None, *, factory=None, capabilities=NOTHING_MORE, slots=None, n_params=None):
-        self.name = name
-        self.session = session
-        self.factory = factory
-        self.capabilities = capabilities
-        self.slots = slots
-        self.n_params = n_params
-        self.started = 0
+    name: str
+    session: MemberSession | None = None
+    _: KW_ONLY
+    factory: Callable[..., MemberSession] | None = None
+    capabilities: Capabilities = NOTHING_MORE
+    slots: int | None = None
+    n_params: int | None = None
+    started: int = field(default=0, init=False)
 
-    def start(self, messages, *, seed, reserve):
+    def new_session(self, messages, options):
         self.started += 1
         return self.factory(messages) if self.factory else self.session
 

@@ -64,8 +64,8 @@ class Wrapped(Member):
         self.slots = member.slots
         self.n_params = member.n_params
 
-    def start(self, messages, *, seed, reserve):
-        return self.member.start(messages, seed=seed, reserve=reserve)
+    def new_session(self, messages, options):
+        return self.member.new_session(messages, options)
 
     def prompt_tokens(self, messages):
         return self.member.prompt_tokens(messages)

@@ -152,6 +152,16 @@ class MemberSession(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot score a text on its own")
 
 
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a session opens (see :meth:`Member.start`)."""
+
+    seed: int | None
+    reserve: int  # tokens the answer may take beyond the prompt
+    cache_salt: str | None = None
+    deterministic: bool = False
+
+
 class Member(ABC):
     """A loaded model that opens sessions."""
 
@@ -162,7 +172,6 @@ class Member(ABC):
     nbytes: int | None = None  # bytes its weights take where it runs, where known (a server's memory budget)
     placement: str | None = None  # where it runs, in words ("CPU", "GPU: 31/31 layers", ...), where known
 
-    @abstractmethod
     def start(
         self,
         messages: Sequence[Message],
@@ -182,6 +191,11 @@ class Member(ABC):
         the same time (no cached prefix, no shared decode); a member that
         cannot promise it (a remote server) ignores it.
         """
+        return self.new_session(messages, SessionOptions(seed, reserve, cache_salt, deterministic))
+
+    @abstractmethod
+    def new_session(self, messages: Sequence[Message], options: SessionOptions) -> MemberSession:
+        """What :meth:`start` does, with its options in one object: a backend implements this."""
 
     def close(self) -> None:  # noqa: B027  # a default, not abstract: a member with nothing to free keeps it
         """Free the model."""

@@ -36,7 +36,7 @@ from ..models import PromptFormat
 from ..prompting import prefill_of, raw_prompt
 from ..segments import tokens_spelling
 from ..types import Alternatives, Message, TokenScores
-from .base import Member, MemberSession
+from .base import Member, MemberSession, SessionOptions
 from .vocabulary import LocalVocabulary
 
 
@@ -118,18 +118,10 @@ class LocalMember(Member):
         """A session on a prompt known to fit; it reuses and keeps cached prefixes under `cache_salt` only
         (`deterministic`: see :meth:`Member.start`)."""
 
-    def start(
-        self,
-        messages: Sequence[Message],
-        *,
-        seed: int | None,
-        reserve: int,
-        cache_salt: str | None = None,
-        deterministic: bool = False,
-    ) -> CachedSession:
+    def new_session(self, messages: Sequence[Message], options: SessionOptions) -> CachedSession:
         prompt = self.prompt_tokens(messages)
-        check_prompt_fits(self.name, len(prompt), reserve, self.n_ctx)
-        session = self.open_session(prompt, seed, cache_salt, deterministic)
+        check_prompt_fits(self.name, len(prompt), options.reserve, self.n_ctx)
+        session = self.open_session(prompt, options.seed, options.cache_salt, options.deterministic)
         session.raw = raw_prompt(messages) is not None
         session.prefill = prefill_of(messages)
         return session

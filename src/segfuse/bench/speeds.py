@@ -91,7 +91,7 @@ def llama_speeds(
     """Raw llama.cpp decodes through the member's own context: the prompt in sequence 0, grown to `context`;
     the batch in sequence 1, a copy of it."""
     ctx = member.context
-    session = member.start(messages, seed=0, reserve=1)
+    session = member.open_session(member.prompt_tokens(messages), seed=0)  # a short prompt: it fits
     try:
         prompt_len = len(session.tokens)
         t_prompt, _ = timed(session.sync)

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 from ...errors import MemberLoadError
 from ...member_options import MemberOptions
 from ...types import DraftTokens, Message, PromptToken, Sampling, TokenScores
-from ..base import Member, Occupancy, OnText
+from ..base import Member, Occupancy, OnText, SessionOptions
 from ..prefix_cache import PrefixStats
 from .copies import Copies, Copy
 from .host import create_hosts
@@ -73,19 +73,11 @@ class RayMember(Member):
         return f"Ray, {len(self.copies.all)} {'copy' if len(self.copies.all) == 1 else 'copies'}: {where}"
 
     # --- sessions -----------------------------------------------------------------------------------
-    def start(
-        self,
-        messages: Sequence[Message],
-        *,
-        seed: int | None,
-        reserve: int,
-        cache_salt: str | None = None,
-        deterministic: bool = False,
-    ) -> RaySession:
-        start: dict[str, Any] = {"seed": seed, "reserve": reserve}
-        if cache_salt is not None:
-            start["cache_salt"] = cache_salt
-        if deterministic:
+    def new_session(self, messages: Sequence[Message], options: SessionOptions) -> RaySession:
+        start: dict[str, Any] = {"seed": options.seed, "reserve": options.reserve}
+        if options.cache_salt is not None:
+            start["cache_salt"] = options.cache_salt
+        if options.deterministic:
             start["deterministic"] = True
         session = RaySession(self, messages, start)
         session.open()

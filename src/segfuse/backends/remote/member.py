@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ...errors import InvalidRequestError, MemberLoadError
 from ...prompting import raw_prompt
 from ...types import Message, PromptToken
-from ..base import Capabilities, Member
+from ..base import Capabilities, Member, SessionOptions
 from ..cached import check_prompt_fits
 from ..spec import split_target
 from .echo import echo_probe, echo_remote, raw_echo_agrees, refuse_ids, same_logprobs, shifted
@@ -175,15 +175,7 @@ class RemoteMember(Member):
             raise shifted(self.server, "echo a text")
         return echo_remote(self.server, prompt, top_k, self.source.bos_text)
 
-    def start(
-        self,
-        messages: Sequence[Message],
-        *,
-        seed: int | None,
-        reserve: int,
-        cache_salt: str | None = None,
-        deterministic: bool = False,
-    ) -> RemoteSession:
+    def new_session(self, messages: Sequence[Message], options: SessionOptions) -> RemoteSession:
         # The server's own cache and batches: no salt to give, and its determinism is its own (docs/server.md).
         if raw_prompt(messages) is not None and not self.capabilities.echo:
             # Its verification reads echoed log-probabilities of the text: shifted by one, they would be wrong.
@@ -192,11 +184,11 @@ class RemoteMember(Member):
         n_bytes = len(prompt.encode("utf-8"))
         # A token spells at least one byte (2 spare: a BOS and a leading space the tokenizer may add), so a
         # prompt of fewer bytes than the window holds fits; a longer one is counted by the server if it can.
-        exact = self.server.count_tokens(prompt) if n_bytes + 2 + reserve > self.n_ctx else None
+        exact = self.server.count_tokens(prompt) if n_bytes + 2 + options.reserve > self.n_ctx else None
         check_prompt_fits(
-            self.name, n_bytes // 4 if exact is None else exact, reserve, self.n_ctx, approximate=exact is None
+            self.name, n_bytes // 4 if exact is None else exact, options.reserve, self.n_ctx, approximate=exact is None
         )
-        session = RemoteSession(self.server, self.source, prompt, seed)
+        session = RemoteSession(self.server, self.source, prompt, options.seed)
         if exact is not None:
             session.n_tokens = exact
         session.raw = raw_prompt(messages) is not None
