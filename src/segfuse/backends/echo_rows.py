@@ -8,8 +8,25 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..errors import PromptTooLongError
 from ..segments import complete_utf8_prefix
 from ..types import PromptToken, TextAlternatives
+from .vocabulary import LocalVocabulary
+
+
+def echo_input(ids: Sequence[int], vocab: LocalVocabulary, window: int) -> tuple[list[int], int]:
+    """The tokens an echo of `ids` decodes (its BOS first where `ids` lacks it) and how many come before
+    `ids`; a clear error for an id outside `vocab` or a text over the context `window`."""
+    vocab.check_ids(ids)
+    lead = vocab.lead_tokens()
+    bos = lead if lead and list(ids[: len(lead)]) != lead else []
+    tokens = bos + list(ids)
+    if len(tokens) > window:
+        raise PromptTooLongError(
+            f"{vocab.name}: the text is {len(tokens)} tokens, over its context window ({window})",
+            "shorten the text",
+        )
+    return tokens, len(bos)
 
 
 def top_of(row: np.ndarray, lse: float, k: int, piece: Callable[[int], bytes]) -> TextAlternatives:

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from ...types import DraftTokens, Sampling, TokenScores
-from ..base import OnText, TextSoFar
+from ..base import OnText
 from ..cached import Counters, DraftState, top_alternatives
+from ..drafting import DraftProgress
 from .context import Context
 from .runtime import LogSoftmax
 from .vocab import Vocabulary
@@ -62,7 +63,7 @@ class VerifyPlan:
         return [self.results[t] for t in self.texts]
 
 
-class Drafting:
+class Drafting(DraftProgress[np.ndarray]):
     """One session's draft in progress: sample from the current row, feed the token, repeat."""
 
     def __init__(
@@ -74,48 +75,33 @@ class Drafting:
         lse: float,
         on_text: OnText | None = None,
     ) -> None:
-        self.session, self.n, self.sampling = session, n, sampling
-        self.text = TextSoFar(on_text)
+        super().__init__(n, sampling, on_text, start=len(session.tokens))
+        self.session = session
         self.row, self.lse = row, lse
-        self.pos = len(session.tokens)
-        self.ids: list[int] = []
-        self.rows: list[np.ndarray] = []  # rows[j]: logits used to sample ids[j]
-        self.logprobs: list[float] = []
-        self.logits: list[float] = []
-        self.finished = False
-        self.done = n <= 0
 
     def step(self) -> bool:
         """Sample the next token; True when it must be decoded for the draft to go on."""
         if self.done:
             return False
-        self.rows.append(self.row)
         allowed = self.session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
         token = self.session.sample(
             self.row if allowed is None else np.where(allowed, self.row, -np.inf), self.sampling
         )
-        self.ids.append(token)
-        self.logits.append(float(self.row[token]))
-        self.logprobs.append(self.logits[-1] - self.lse)
         vocab = self.session.vocab
-        self.finished = vocab.is_eog(token)
-        self.done = self.finished or len(self.ids) >= self.n
+        going_on = self.took(self.row, token, float(self.row[token]), self.lse, vocab.is_eog(token))
         self.text.add(vocab.piece(token))
-        return not self.done
+        return going_on
 
     def fed(self, row: np.ndarray, lse: float) -> None:
         self.row, self.lse = row, lse
-        self.pos += 1
-        self.session.stats.draft += 1
-        self.session.stats.decode_calls += 1
+        self.count_fed(self.session.stats)
 
     def finish(self) -> DraftTokens:
         piece = self.session.vocab.piece
         pieces = [piece(t) for t in self.ids]
         self.session.hold_draft(DraftState(self.ids, pieces, self.rows))
         k = self.sampling.top_logprobs
-        tops = top_alternatives(self.rows, k, piece) if k else ()
-        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
+        return self.tokens(pieces, top_alternatives(self.rows, k, piece) if k else ())
 
 
 def by_context(items: Sequence[Any], ctx_of: Callable[[Any], Any]) -> list[list[Any]]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...errors import PromptTooLongError
 from ...types import PromptToken
-from ..echo_rows import TextAlternatives, echoed, top_of
+from ..echo_rows import TextAlternatives, echo_input, echoed, top_of
 from .context import Context
 from .runtime import LogSoftmax
 from .slots import Slots
@@ -25,15 +24,7 @@ def echo_tokens(
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives,
     decoded into a slot of `table` in `ctx`."""
     ids = [int(t) for t in ids]
-    vocab.check_ids(ids)
-    lead = vocab.lead_tokens()
-    bos = lead if lead and list(ids[: len(lead)]) != lead else []
-    tokens = bos + list(ids)
-    if len(tokens) > ctx.window:
-        raise PromptTooLongError(
-            f"{vocab.name}: the text is {len(tokens)} tokens, over its context window ({ctx.window})",
-            "shorten the text",
-        )
+    tokens, n_lead = echo_input(ids, vocab, ctx.window)
     logprobs: list[float | None] = [None] * len(ids)
     tops: list[TextAlternatives] = [()] * len(ids)
     slot = table.take()
@@ -48,7 +39,7 @@ def echo_tokens(
                 if target >= len(tokens):
                     break
                 lse = softmax.lse(row)
-                i = target - len(bos)
+                i = target - n_lead
                 logprobs[i] = float(row[tokens[target]]) - lse
                 tops[i] = top_of(row, lse, top_k, vocab.piece)
     finally:

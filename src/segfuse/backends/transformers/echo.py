@@ -14,9 +14,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from ...errors import PromptTooLongError
 from ...types import PromptToken
-from ..echo_rows import TextAlternatives, echoed, top_of
+from ..echo_rows import TextAlternatives, echo_input, echoed, top_of
 from .tokens import Vocabulary
 from .weights import Weights
 
@@ -29,19 +28,11 @@ MAX_CHUNK = 512  # tokens per forward at most, however small the vocabulary
 def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, weights: Weights) -> list[PromptToken]:
     """Each of `ids` with its log-probability given those before it (and the BOS) and `top_k` alternatives."""
     ids = [int(t) for t in ids]
-    vocab.check_ids(ids)
+    tokens, n_lead = echo_input(ids, vocab, weights.n_ctx)
 
     def spelled(token: int) -> bytes:  # a logits row's token; b"" past the tokenizer's vocabulary (padding rows)
         return vocab.piece(token) if token < vocab.n_vocab else b""
 
-    lead = vocab.lead_tokens()
-    bos = lead if lead and ids[: len(lead)] != lead else []
-    tokens = bos + ids
-    if len(tokens) > weights.n_ctx:
-        raise PromptTooLongError(
-            f"{vocab.name}: the text is {len(tokens)} tokens, over its context window ({weights.n_ctx})",
-            "shorten the text",
-        )
     logprobs: list[float | None] = [None] * len(ids)
     tops: list[TextAlternatives] = [()] * len(ids)
     step = max(1, min(MAX_CHUNK, ROW_FLOATS // max(weights.vocab_size, 1)))
@@ -55,7 +46,7 @@ def echo_tokens(ids: Sequence[int], top_k: int, *, vocab: Vocabulary, weights: W
         picked = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0] - lse
         table = rows.cpu().numpy() if top_k > 0 else None
         for r, logprob in enumerate(picked.tolist()):
-            i = at + r + 1 - len(bos)
+            i = at + r + 1 - n_lead
             logprobs[i] = logprob
             if table is not None:
                 tops[i] = top_of(table[r], float(lse[r]), top_k, spelled)

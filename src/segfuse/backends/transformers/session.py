@@ -14,9 +14,10 @@ from transformers import DynamicCache
 
 from ...errors import PromptTooLongError
 from ...types import DraftTokens, Sampling, TokenScores
-from ..base import OnText, TextSoFar
+from ..base import OnText
 from ..cached import CachedSession, DraftState, Verified, top_alternatives
 from ..compute import on_compute
+from ..drafting import DraftProgress
 from .prefixes import StoredPrefixes, attention_layers, keys_values
 from .tokens import Vocabulary
 from .weights import Weights
@@ -63,49 +64,35 @@ def _scores_at(rows: torch.Tensor, targets: Sequence[int]) -> TokenScores:
     return TokenScores(tuple((picked - lse).tolist()), tuple(picked.tolist()), tuple(tops.tolist()))
 
 
-class Drafting:
+class Drafting(DraftProgress[torch.Tensor]):
     """One session's draft in progress: sample from the current row, feed the token, repeat (alone, or in a
     batch of sessions: ``batch.py``). The last sampled token is never fed."""
 
     def __init__(self, session: TransformersSession, n: int, sampling: Sampling, on_text: OnText | None = None) -> None:
-        self.session, self.n, self.sampling = session, n, sampling
-        self.text = TextSoFar(on_text)
+        super().__init__(n, sampling, on_text, start=len(session.tokens))
+        self.session = session
         self.row: torch.Tensor = session.next_logits
-        self.pos = len(session.tokens)  # where the next fed token goes
         self.banned = session.eog if sampling.ignore_eos else None
-        self.ids: list[int] = []
-        self.rows: list[torch.Tensor] = []  # rows[j]: the logits row that sampled ids[j]
-        self.logprobs: list[float] = []
-        self.logits: list[float] = []
-        self.finished = False
-        self.done = n <= 0
 
     def step(self) -> bool:
         """Sample the next token; True when it must be fed for the draft to go on."""
         if self.done:
             return False
         session, row = self.session, self.row
-        self.rows.append(row)
         allowed = session.allowed_next(self.ids)  # under a constraint; scores stay the model's own
         if allowed is not None:
             row = row.masked_fill(~torch.from_numpy(allowed).to(row.device), float("-inf"))
         token = sample(row, self.sampling, session.generator, self.banned)
-        self.ids.append(token)
-        logit = float(self.row[token])
-        self.logits.append(logit)
-        self.logprobs.append(logit - float(torch.logsumexp(self.row, dim=-1)))
-        vocab = session.vocab
-        self.finished = vocab.is_eog(token)
-        self.text.add(b"" if self.finished else vocab.piece(token))
-        self.done = self.finished or len(self.ids) >= self.n
-        return not self.done
+        lse = float(torch.logsumexp(self.row, dim=-1))
+        finished = session.vocab.is_eog(token)
+        going_on = self.took(self.row, token, float(self.row[token]), lse, finished)
+        self.text.add(b"" if finished else session.vocab.piece(token))
+        return going_on
 
     def fed(self, row: torch.Tensor) -> None:
         """The last token was decoded: `row` is the logits row after it."""
         self.row = row
-        self.pos += 1
-        self.session.stats.draft += 1
-        self.session.stats.decode_calls += 1
+        self.count_fed(self.session.stats)
 
     def finish(self) -> DraftTokens:
         """The draft as the engine takes it; its tokens stay pending in the session until ``accept``."""
@@ -118,7 +105,7 @@ class Drafting:
         self.session.pending = DraftState(self.ids, pieces, self.rows)
         k = self.sampling.top_logprobs
         tops = top_alternatives([r.float().cpu().numpy() for r in self.rows], k, piece) if k else ()
-        return DraftTokens(tuple(pieces), tuple(self.logprobs), tuple(self.logits), self.finished, tops)
+        return self.tokens(pieces, tops)
 
 
 class TransformersSession(CachedSession):
