@@ -129,18 +129,10 @@ class Ensemble:
         finally:
             steps.close()
 
-    def stream(
-        self,
-        prompt: Conversation | FusionRequest,
-        *,
-        weights: Mapping[str, float] | None = None,
-        constraint: Constraint | None = None,
-        json_schema: Mapping[str, Any] | None = None,
-        json_object: bool = False,
-        top_logprobs: int = 0,
-        **options: Any,
-    ) -> Iterator[Event]:
-        """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent.
+    def stream(self, prompt: Conversation | FusionRequest, **options: Any) -> Iterator[Event]:
+        """Yield SegmentEvent / RoundEvent as they happen, then a DoneEvent. `options` are
+        :func:`request_of`'s keywords: ``weights``, ``constraint``, ``json_schema``, ``json_object``,
+        ``top_logprobs``, and ``options=FusionOptions`` or its fields.
 
         Structured output: ``json_schema={...}`` (the answer validates against it), ``json_object=True``
         (any JSON object), or a ``constraint`` built with :class:`segfuse.constraints.Constraint`.
@@ -149,16 +141,7 @@ class Ensemble:
         is, with no chat template (a text completion). A :class:`~segfuse.request.FusionRequest` made
         already is run as it is (it carries its own options).
         """
-        request = request_of(
-            prompt,
-            weights=weights,
-            constraint=constraint,
-            json_schema=json_schema,
-            json_object=json_object,
-            top_logprobs=top_logprobs,
-            **options,
-        )
-        return drive(self.steps(request))
+        return drive(self.steps(request_of(prompt, **options)))
 
     @property
     def slots(self) -> int:

@@ -22,23 +22,13 @@ from dataclasses import dataclass, replace
 from ..options import FusionOptions
 from ..segments import apply_stops, cut_draft, tokens_covering
 from ..types import Candidate, DraftTokens, Message, TokenScores, TokenTrail
+from . import selection
 from .calls import Asking
 from .context import GenerationContext, Round
 from .live import LeaderStream
 from .scoring import ExitRule, aggregate, exit_reason, hedge_update, normalise, pick_winner, raw_score
 from .scoring import model_exit as exit_rule
 from .seats import Seat, Seats
-from .selection import (
-    bits_per_byte,
-    continues_loop,
-    cross_quality,
-    degeneration,
-    gate_passes,
-    guard_eligible,
-    leader_accepts,
-    mean_probability,
-    prompt_weights,
-)
 
 
 @dataclass
@@ -79,7 +69,7 @@ def degenerates(options: FusionOptions, at: Round, text: str) -> str | None:
     if not options.guard:
         return None
     o = options
-    return degeneration(at.answer, text, at.last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
+    return selection.degeneration(at.answer, text, at.last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
 
 
 # --- gate ---------------------------------------------------------------------------------
@@ -98,8 +88,8 @@ def gate(leader_draft: Draft, context: GenerationContext, at: Round, *, patient:
     """
     options = context.options
     own = leader_draft.own_scores
-    confidence = mean_probability(own.logprobs) if own else 0.0
-    gated = options.gate is not None and gate_passes(confidence, options.gate)  # (a leader implies a gate)
+    confidence = selection.mean_probability(own.logprobs) if own else 0.0
+    gated = options.gate is not None and selection.gate_passes(confidence, options.gate)  # (a leader implies a gate)
     passes = leader_draft.eligible and gated and not (patient and degenerates(options, at, leader_draft.candidate.text))
     return GateCheck(passes, confidence)
 
@@ -204,7 +194,7 @@ def consult(seats: Seats, context: GenerationContext, at: Round, leader: Seat, d
     scores = dict(zip(texts, answered[0][1]))
     options = context.options
     verdicts = {
-        seat.name: leader_accepts(
+        seat.name: selection.leader_accepts(
             scores[d.candidate.text], own.own_scores, options.accept, options.accept_margin or 0.0
         )
         for seat, d in proposals
@@ -295,12 +285,12 @@ def rank(
     penalised = {
         d.candidate.model: why for d in drafts if d.eligible and (why := degenerates(options, at, d.candidate.text))
     }
-    allowed = guard_eligible([d.eligible for d in drafts], [d.candidate.model in penalised for d in drafts])
+    allowed = selection.guard_eligible([d.eligible for d in drafts], [d.candidate.model in penalised for d in drafts])
     winner = pick_winner(totals, allowed)
     won = drafts[winner].candidate
     stuck = options.guard and (
         won.model in penalised
-        or continues_loop(
+        or selection.continues_loop(
             at.answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share
         )
     )
@@ -318,7 +308,7 @@ def quality_gains(ranking: Ranking, context: GenerationContext) -> list[float]:
     if context.options.exit_votes != "others":
         return list(ranking.totals)
     matrix = list(ranking.scores.values())
-    return [cross_quality(matrix, ranking.weights, i) for i in range(len(ranking.totals))]
+    return [selection.cross_quality(matrix, ranking.weights, i) for i in range(len(ranking.totals))]
 
 
 # --- broadcast, exit, prior ---------------------------------------------------------------
@@ -355,9 +345,9 @@ def prompt_prior(seats: Seats, context: GenerationContext, messages: Sequence[Me
     outcomes = yield from seats.ask(chosen, "prompt", "text_logprob", lambda s: (text,))
     fits = seats.survivors(chosen, outcomes, 0, "prompt fit")
     for seat, (logprob, n_bytes) in fits:
-        seat.bpb = bits_per_byte(logprob, n_bytes) if n_bytes else None
+        seat.bpb = selection.bits_per_byte(logprob, n_bytes) if n_bytes else None
     bpbs = [seat.bpb for seat, _ in fits if seat.bpb is not None]
     if len(bpbs) < len(fits):
         return None
-    prior = prompt_weights(bpbs, context.options.prior_temperature)
+    prior = selection.prompt_weights(bpbs, context.options.prior_temperature)
     return {seat.name: w for (seat, _), w in zip(fits, prior)}

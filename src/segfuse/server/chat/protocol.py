@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from ..serving import APIError
 from ..wire import FusionInfo, GenerationRequest, Usage
 
 PATH = "/v1/chat/completions"
@@ -196,3 +197,11 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     segfuse: FusionInfo | None = None
+
+
+def named_tool_choice(choice: dict[str, Any], kind: str, allowed: str) -> dict[str, Any]:
+    """Chat's ``tool_choice`` for another API's choice of one named tool, ``{"type": kind, "name": ...}``;
+    400 saying what `allowed` choices there are for anything else."""
+    if choice.get("type") == kind and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(400, f"tool_choice must be {allowed}", code="invalid_value", param="tool_choice")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..chat.protocol import ChatCompletionRequest
+from ..chat.protocol import ChatCompletionRequest, named_tool_choice
 from ..serving import APIError
 from ..wire import KEEP_ALIVE, MAX_CACHE_SALT_CHARS, FusionInfo
 
@@ -172,13 +172,8 @@ def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
         return str(kind)
     if kind == "any":
         return "required"
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(
-        400,
-        'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...}',
-        code="invalid_value",
-        param="tool_choice",
+    return named_tool_choice(
+        choice, "tool", '{"type": "auto"}, {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...}'
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..chat.protocol import ChatCompletionRequest
+from ..chat.protocol import ChatCompletionRequest, named_tool_choice
 from ..serving import APIError
 from ..wire import KEEP_ALIVE, MAX_CACHE_SALT_CHARS
 
@@ -184,14 +184,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(
-        400,
-        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-        code="invalid_value",
-        param="tool_choice",
-    )
+    return named_tool_choice(choice, "function", '"none", "auto", "required" or {"type": "function", "name": ...}')
 
 
 def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
