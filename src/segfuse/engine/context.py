@@ -80,7 +80,7 @@ class Round:
     may still take."""
 
     no: int
-    answer: str
+    message: str
     last: str = ""
     budget: int = 0
 

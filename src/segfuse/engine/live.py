@@ -107,9 +107,9 @@ class LeaderStream:
     """
 
     def __init__(
-        self, model: str, round_no: int, answer: str, stops: tuple[str, ...], outlet: Outlet | None = None
+        self, model: str, round_no: int, message: str, stops: tuple[str, ...], outlet: Outlet | None = None
     ) -> None:
-        self.model, self.round_no, self.answer, self.stops = model, round_no, answer, stops
+        self.model, self.round_no, self.message, self.stops = model, round_no, message, stops
         self.outlet = outlet or Outlet()
         self.sent = ""
         self.first_at: float | None = None  # time.perf_counter() when the first text went out
@@ -128,7 +128,7 @@ class LeaderStream:
             if len(text) <= len(known) or not text.startswith(known):
                 return  # nothing new (a backend may repeat itself)
             self._pieces.append(text[len(known) :])
-            sure = sure_prefix(self._pieces, self.answer, self.stops)
+            sure = sure_prefix(self._pieces, self.message, self.stops)
             if len(sure) <= len(self.sent) or not sure.startswith(self.sent):
                 return
             delta, self.sent = sure[len(self.sent) :], sure

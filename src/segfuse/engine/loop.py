@@ -169,31 +169,31 @@ class Generation:
         self.votes = Votes([m.name for m in members], request.weights)
         self.lineup = Lineup(members, self.context, self.votes.weights)
         self.seats = self.lineup.seats
-        self.answer = Transcript([s.name for s in self.seats.all])
+        self.transcript = Transcript([s.name for s in self.seats.all])
 
     def run(self) -> Steps:
         """Seat the members, run rounds until the answer stops, then report."""
-        o, answer, messages = self.context.options, self.answer, self.messages
-        answer.started = time.perf_counter()
-        answer.prefill = prefill_of(messages)
+        o, transcript, messages = self.context.options, self.transcript, self.messages
+        transcript.started = time.perf_counter()
+        transcript.prefill = prefill_of(messages)
         yield from self.lineup.start(messages)
         if o.prior == "prompt":
             prior = yield from phases.prompt_prior(self.seats, self.context, messages)
             self.votes.weights.update(prior or {})
             yield from self.seats.release()
         while True:
-            yield from self.lineup.catch_up(answer.text, answer.stats.rounds)
+            yield from self.lineup.catch_up(transcript.text, transcript.stats.rounds)
             if (reason := self._limit()) is not None:
                 break
             round_start = time.perf_counter()
-            at = answer.round(answer.stats.rounds + 1, o.max_tokens)
+            at = transcript.round(transcript.stats.rounds + 1, o.max_tokens)
             decision = yield from self._round(at)
             if isinstance(decision, Stop):
                 reason = decision.reason
                 break
             record = round_record(at, decision, self.votes, self.seats.calls)
             chosen = decision.winner.candidate
-            yield from answer.append(record, self.seats.calls)
+            yield from transcript.append(record, self.seats.calls)
             yield from phases.broadcast(self.seats, at, chosen.text)
             if o.exit and not chosen.finished and not decision.gated:
                 keep = self.lineup.leader() if o.gate is not None else None
@@ -201,7 +201,7 @@ class Generation:
             yield from self.seats.release()
             record.departures = list(self.seats.round_departures)
             record.total_s = time.perf_counter() - round_start
-            answer.rounds.append(record)
+            transcript.rounds.append(record)
             yield RoundEvent(record)
             if chosen.finished:
                 reason = "stop"
@@ -212,7 +212,7 @@ class Generation:
         """Why no further round can run (the budget is spent, the deadline passed, a context window is
         full), or None."""
         o, active = self.context.options, self.seats.active
-        if o.max_tokens - self.answer.stats.tokens <= 0:
+        if o.max_tokens - self.transcript.stats.tokens <= 0:
             return "length"
         if self.context.passed_deadline():
             return "deadline"
@@ -227,7 +227,7 @@ class Generation:
         leader = self.lineup.leader() if o.gate is not None and len(seats.active) + len(seats.standby) > 1 else None
         solo = leader is not None and o.accept_margin == 0  # the leader accepts nothing: it answers alone
         live = (
-            self.answer.stream(leader.name, at.no, phases.stops(leader, context))
+            self.transcript.stream(leader.name, at.no, phases.stops(leader, context))
             if leader is not None and solo and self.lineup.answers_alone()
             else None
         )
@@ -280,26 +280,26 @@ class Generation:
     def _take_over(self, at: Round) -> Generator[Calls, list[Reply], Decision | Stop]:
         """The leader failed mid-round with the others on standby: one catches up and the round runs again
         (from the answer as it now stands: what the leader streamed stays in it)."""
-        self.answer.keep_streamed(at.no)
-        yield from self.lineup.catch_up(self.answer.text, self.answer.stats.rounds)
-        return (yield from self._round(self.answer.round(at.no, self.context.options.max_tokens)))
+        self.transcript.keep_streamed(at.no)
+        yield from self.lineup.catch_up(self.transcript.text, self.transcript.stats.rounds)
+        return (yield from self._round(self.transcript.round(at.no, self.context.options.max_tokens)))
 
     def _finish(self, reason: str) -> Steps:
-        answer, stats = self.answer, self.answer.stats
+        transcript, stats = self.transcript, self.transcript.stats
         stats.finish_reason = reason
-        stats.total_s = time.perf_counter() - answer.started
+        stats.total_s = time.perf_counter() - transcript.started
         stats.model_calls = self.seats.calls
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
         constraint = self.context.constraint
-        invalid = constraint.check(answer.message) if constraint is not None and reason == "stop" else None
+        invalid = constraint.check(transcript.message) if constraint is not None and reason == "stop" else None
         yield DoneEvent(
             Result(
                 valid=None if constraint is None or reason != "stop" else invalid is None,
                 invalid_reason=invalid,
-                text=answer.text,
-                segments=answer.segments,
-                rounds=answer.rounds,
+                text=transcript.text,
+                segments=transcript.segments,
+                rounds=transcript.rounds,
                 stats=stats,
                 models=[s.name for s in seats],
                 departures=self.seats.departures,

@@ -69,7 +69,7 @@ def degenerates(options: FusionOptions, at: Round, text: str) -> str | None:
     if not options.guard:
         return None
     o = options
-    return selection.degeneration(at.answer, text, at.last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
+    return selection.degeneration(at.message, text, at.last, n=o.guard_ngram, times=o.guard_times, share=o.guard_share)
 
 
 # --- gate ---------------------------------------------------------------------------------
@@ -116,11 +116,11 @@ def draft(
     else:
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     drafted = [
-        (seat, cut_segment(seat.name, tokens, at.answer, stops(seat, context)))
+        (seat, cut_segment(seat.name, tokens, at.message, stops(seat, context)))
         for seat, tokens in seats.survivors(chosen, outcomes, at.no, "draft")
     ]
     for _, d in drafted:
-        d.rejected = context.check(at.answer, d.candidate) or d.rejected
+        d.rejected = context.check(at.message, d.candidate) or d.rejected
     return drafted
 
 
@@ -291,7 +291,7 @@ def rank(
     stuck = options.guard and (
         won.model in penalised
         or selection.continues_loop(
-            at.answer, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share
+            at.message, won.text, n=options.guard_ngram, times=options.guard_times, share=options.guard_share
         )
     )
     return Ranking(raw, normalised, list(weights), totals, winner, penalised, stuck)
