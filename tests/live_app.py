@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import uvicorn
 
 from helpers import wait_for
@@ -23,6 +24,19 @@ WEATHER = {  # a tool as the Messages API offers it
     "description": "The weather in a city",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
+
+
+def weather_call(anthropic_client: Any, messages: list[dict[str, Any]]) -> Any:
+    """The leader's Messages answer to `messages` with a tool call forced: a call of the weather tool whose
+    input validates against the tool's schema (checked here)."""
+    message = anthropic_client.messages.create(
+        model=LEADER, max_tokens=48, tools=[WEATHER], tool_choice={"type": "any"}, messages=messages
+    )
+    assert message.stop_reason == "tool_use", message
+    call = message.content[0]
+    assert call.type == "tool_use" and call.name == "get_weather", call
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    return message
 
 
 @dataclass

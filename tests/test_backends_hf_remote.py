@@ -29,6 +29,7 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from members import loaded
 from segfuse.backends.registry import load_member
 from segfuse.bench.processes import free_port, llama_cpp_server
 from segfuse.engine.scoring import normalise, raw_score
@@ -57,16 +58,14 @@ if not is_ready(SMOL):
 def hf_member():
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     # One torch thread: on a shared 2-core machine, more threads spin against each other (measured 10x slower).
-    member = load_member("transformers:smollm2-135m", threads=1)
-    yield member
-    member.close()
+    with loaded("transformers:smollm2-135m", threads=1) as member:
+        yield member
 
 
 @pytest.fixture(scope="module")
 def lc_member():
-    member = load_member("smollm2-135m", threads=1)
-    yield member
-    member.close()
+    with loaded("smollm2-135m", threads=1) as member:
+        yield member
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +77,8 @@ def server_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def remote_member(server_url):
-    member = load_member(f"remote:{server_url}#smol-remote")
-    yield member
-    member.close()
+    with loaded(f"remote:{server_url}#smol-remote") as member:
+        yield member
 
 
 def _scores(member, texts, *, one_by_one=False):

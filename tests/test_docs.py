@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 import typer.main
 
+from lm_eval_cli import run_lm_eval
 from segfuse import models as catalogue
 from segfuse.bench.processes import SegfuseServer, free_port, running, wait_until_serving
 
@@ -758,24 +759,7 @@ def test_calibrate_table_keeps_settings_apart_at_80_columns():
 @pytest.mark.models
 @pytest.mark.timeout(900)
 def test_segfuse_lm_eval_refuses_unknown_model_args():
-    done = subprocess.run(
-        [
-            executable("segfuse-lm-eval"),
-            "--model",
-            "segfuse",
-            "--model_args",
-            "system=default,max_tokns=8",
-            "--tasks",
-            "segfuse_gsm8k",
-            "--limit",
-            "1",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_lm_eval("segfuse-lm-eval", "segfuse", "system=default,max_tokns=8", "segfuse_gsm8k", 1, env=ENV)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "unknown model_args for the segfuse model: max_tokns" in done.stderr and "max_tokens" in done.stderr
 

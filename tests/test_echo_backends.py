@@ -18,15 +18,14 @@ from collections.abc import Iterator
 
 import pytest
 
+# The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
+from members import loaded
 from segfuse.backends.likelihood import score_continuations
-from segfuse.backends.registry import load_member
 from segfuse.backends.remote.echo import raw_echo_agrees
 from segfuse.backends.transformers import echo as hf_echo
 from segfuse.errors import InvalidRequestError, PromptTooLongError
 from segfuse.models import CATALOGUE, is_ready, model_path
 from segfuse.types import Message, PromptToken
-
-# The transformers member and the SmolLM2 server as test_backends_hf_remote makes them.
 from test_backends_hf_remote import hf_member, remote_member, server_url  # noqa: F401  # fixtures
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
@@ -53,9 +52,8 @@ def gemma_url(tmp_path_factory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def gemma_remote(gemma_url):
     # Unprobed (trusted) here, to spare the load-time probes; the test below runs the plain-text one.
-    member = load_member(f"remote:{gemma_url}#gemma-remote,check_echo=false")
-    yield member
-    member.close()
+    with loaded(f"remote:{gemma_url}#gemma-remote,check_echo=false") as member:
+        yield member
 
 
 def _after(tokens: list[PromptToken], n_bytes: int) -> float:
@@ -134,11 +132,8 @@ def test_remote_echo_spells_the_text_and_equals_its_score(gemma_remote):
     after = _after(tokens, len(CONTEXT.encode()))
     scored = score_continuations(gemma_remote, CONTEXT, [SHORT])[0]
     assert abs(after - scored.logprob) < 1e-4
-    local = load_member("gemma3-270m", threads=1)
-    try:
+    with loaded("gemma3-270m", threads=1) as local:
         mine = local.echo(CONTEXT + SHORT)
-    finally:
-        local.close()
     assert [t.text for t in mine] == [t.text for t in tokens]
     assert abs(_after(mine, len(CONTEXT.encode())) - after) < 0.5
     assert gemma_remote.tokenize_text(ODD) is None
@@ -147,12 +142,9 @@ def test_remote_echo_spells_the_text_and_equals_its_score(gemma_remote):
 def test_remote_echo_refuses_ids_and_over_window_texts(gemma_url, gemma_remote):
     with pytest.raises(InvalidRequestError, match="text only"):
         gemma_remote.echo([1, 2, 3])
-    narrow = load_member(f"remote:{gemma_url}#gemma-narrow,n_ctx={GEMMA_CTX},check_echo=false")
-    try:
+    with loaded(f"remote:{gemma_url}#gemma-narrow,n_ctx={GEMMA_CTX},check_echo=false") as narrow:
         with pytest.raises(PromptTooLongError, match="context window"):
             narrow.echo("x " * 1000)  # the server refuses it before reading it
-    finally:
-        narrow.close()
 
 
 def test_remote_echo_refused_where_the_server_shifts_it(remote_member):  # noqa: F811  # the imported fixture

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from lm_eval_cli import run_lm_eval
 from segfuse.errors import InvalidRequestError
 from segfuse.eval.report import (
     build_report,
@@ -455,25 +456,8 @@ def test_lm_eval_loglikelihood_pools_the_members_by_the_rule():
 @pytest.mark.models
 def test_lm_eval_cli_runs_a_local_task_with_the_segfuse_model():
     # lm-eval's own CLI (through our console script, which registers the model and the local tasks).
-    script = os.path.join(os.path.dirname(sys.executable), "segfuse-lm-eval")
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [
-            script,
-            "--model",
-            "segfuse",
-            "--model_args",
-            "models=smollm2-135m,system=member:smollm2-135m,max_tokens=16,threads=1",
-            "--tasks",
-            "segfuse_gsm8k",
-            "--limit",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    args = "models=smollm2-135m,system=member:smollm2-135m,max_tokens=16,threads=1"
+    done = run_lm_eval("segfuse-lm-eval", "segfuse", args, "segfuse_gsm8k", 1)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "|segfuse_gsm8k|" in done.stdout and "exact_match" in done.stdout
 

@@ -7,12 +7,12 @@ import json
 import signal
 import subprocess
 
-import httpx
 import pytest
 
 from helpers import API_KEY
 from segfuse import models as catalogue
 from segfuse.bench.processes import segfuse_server
+from streams import data_frames, stream_chat
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
 
@@ -33,18 +33,10 @@ def test_sigterm_ends_an_open_stream_with_an_error_frame_and_the_process_exits(t
             "segfuse": {"ignore_eos": True},
         }
         frames: list[str] = []
-        with httpx.stream(
-            "POST",
-            f"{server.api}/chat/completions",
-            json=body,
-            timeout=120,
-            headers={"Authorization": f"Bearer {server.api_key}"},
-        ) as response:
+        with stream_chat(server, body, timeout=120) as response:
             assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                frames.append(line[len("data: ") :])
+            for frame in data_frames(response):
+                frames.append(frame)
                 if len(frames) == 4:  # role, prompt sizes, then segments: it is generating
                     server.process.send_signal(signal.SIGTERM)
         try:

@@ -188,6 +188,17 @@ def error_of(name: str, **kwargs) -> SegfuseError:
     return caught.value
 
 
+def ready_gguf(path: Path, quantisation: str, architecture: str, *, chat_template: bool) -> dict[str, object]:
+    """The facts `segfuse models --json` lists for a ready GGUF file: its size and what its metadata says."""
+    return {
+        "size": path.stat().st_size,
+        "quantisation": quantisation,
+        "architecture": architecture,
+        "chat_template": chat_template,
+        "status": "ready",
+    }
+
+
 # --- `segfuse models` ------------------------------------------------------------------------------
 
 
@@ -198,20 +209,8 @@ def test_the_model_list_shows_every_source_with_what_the_files_say(home):
     rows = {r["name"]: r for r in json.loads(done.stdout)}
     embedded = [n for n, r in rows.items() if r["source"] == "embedded"]
     assert embedded == list(catalogue.CATALOGUE)
-    smol = {
-        "size": SMOL.stat().st_size,
-        "quantisation": "Q4_1",
-        "architecture": "llama",
-        "chat_template": True,
-        "status": "ready",
-    }
-    gemma = {
-        "size": GEMMA.stat().st_size,
-        "quantisation": "Q4_K_M",
-        "architecture": "gemma3",
-        "chat_template": False,
-        "status": "ready",
-    }
+    smol = ready_gguf(SMOL, "Q4_1", "llama", chat_template=True)
+    gemma = ready_gguf(GEMMA, "Q4_K_M", "gemma3", chat_template=False)
     expected = {
         "ollama:smollm2:135m": ("ollama", smol),
         "ollama:someone/smol:latest": ("ollama", smol),

@@ -81,6 +81,17 @@ def test_the_guard_steps_aside_when_every_candidate_loops():
     assert guard_eligible([True, True, False], [True, False, False]) == [False, True, False]
 
 
+EXIT_RULE = ExitRule(warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
+
+
+def qualities(matrix: list[list[float]], rounds: int = 1) -> tuple[list[float], list[float]]:
+    """Three members' qualities after `rounds` rounds of the same votes, weighted alike: from all the votes,
+    and from the other members' votes only (cross)."""
+    weights = [1 / 3] * 3
+    all_votes = [rounds * q for q in aggregate(matrix, weights)]
+    return all_votes, [rounds * cross_quality(matrix, weights, i) for i in range(3)]
+
+
 def test_a_self_praising_member_is_not_kept_by_its_own_votes():
     # Member 2 rates its own draft 0.9; the others rate it lowest.
     matrix = [
@@ -88,13 +99,10 @@ def test_a_self_praising_member_is_not_kept_by_its_own_votes():
         [0.4, 0.5, 0.1],
         [0.05, 0.05, 0.9],
     ]
-    weights = [1 / 3] * 3
-    all_votes = aggregate(matrix, weights)
-    cross = [cross_quality(matrix, weights, i) for i in range(3)]
+    all_votes, cross = qualities(matrix)
     assert all_votes[2] > all_votes[1]  # with its self-vote it looks better than member 1
     assert cross[2] < cross[1] and cross[2] == pytest.approx(0.1)
-    rule = ExitRule(warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
-    leaving = model_exit(cross, 3, rule)
+    leaving = model_exit(cross, 3, EXIT_RULE)
     assert 2 in leaving
 
 
@@ -106,14 +114,11 @@ def test_the_strongest_member_is_not_exited_on_cross_votes():
         [0.2, 0.7, 0.1],
         [0.2, 0.1, 0.7],
     ]
-    weights = [1 / 3] * 3
     rounds = 4
-    knobs = ExitRule(warmup=3, entropy_threshold=0.99, temperature=0.1, fraction=0.5, min_active=1)
-    all_q = [rounds * t for t in aggregate(matrix, weights)]
-    cross_q = [rounds * cross_quality(matrix, weights, i) for i in range(3)]
-    assert model_exit(all_q, rounds, knobs) == [0]
+    all_q, cross_q = qualities(matrix, rounds)
+    assert model_exit(all_q, rounds, EXIT_RULE) == [0]
     assert cross_q[0] == max(cross_q)
-    assert 0 not in model_exit(cross_q, rounds, knobs)
+    assert 0 not in model_exit(cross_q, rounds, EXIT_RULE)
 
 
 def test_cross_quality_uses_the_other_voters_weights():

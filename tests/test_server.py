@@ -52,10 +52,17 @@ def client(server):
     return OpenAI(base_url=server.api, api_key=server.api_key, max_retries=0, timeout=300)
 
 
+def ask(client, **options):
+    """The fused greedy answer to QUESTION in 12 tokens at most, with `options` (stream, stop, logprobs...)."""
+    return client.chat.completions.create(
+        model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0, **options
+    )
+
+
 @pytest.fixture(scope="module")
 def greedy(client):
     """One greedy non-streaming answer, shared by the tests that inspect it."""
-    return client.chat.completions.create(model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0)
+    return ask(client)
 
 
 def ext(obj) -> dict:
@@ -113,14 +120,7 @@ def test_non_streaming_completion_with_provenance(greedy):
 
 
 def test_streaming_reads_the_same_answer(client, greedy):
-    stream = client.chat.completions.create(
-        model="segfuse",
-        messages=user(QUESTION),
-        max_tokens=12,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = ask(client, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     pieces, ended = [], 0
@@ -293,9 +293,7 @@ def test_prompt_too_long_is_a_400_or_an_error_event(client, http):
 
 def test_stop_strings_reach_the_engine(client):
     # Every candidate is cut at its first space, so the answer is one word and ends there.
-    answer = client.chat.completions.create(
-        model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0, stop=[" "]
-    )
+    answer = ask(client, stop=[" "])
     text = answer.choices[0].message.content
     assert text.strip() and " " not in text
     assert answer.choices[0].finish_reason == "stop"
@@ -655,25 +653,13 @@ def test_a_list_of_prompts_gets_a_choice_each(client):
 
 def test_chat_logprobs_cover_the_answer_exactly(client):
     members = set(MEMBERS)
-    answer = client.chat.completions.create(
-        model="segfuse",
-        messages=user(QUESTION),
-        max_tokens=12,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        extra_body={"segfuse": {"gate": None, "accept_margin": None}},
-    )
+    answer = ask(client, logprobs=True, top_logprobs=2, extra_body={"segfuse": {"gate": None, "accept_margin": None}})
     content = answer.choices[0].logprobs.content
     assert "".join(t.token for t in content) == answer.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in content)
     authors = {(t.model_extra or {}).get("model") for t in content}
     assert authors <= members and authors == {s["model"] for s in ext(answer)["segments"]}
-    streamed = list(
-        client.chat.completions.create(
-            model="segfuse", messages=user(QUESTION), max_tokens=12, temperature=0, logprobs=True, stream=True
-        )
-    )
+    streamed = list(ask(client, logprobs=True, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert "".join(tokens) == text and tokens

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import checked_server
+from lm_eval_cli import run_lm_eval
 from segfuse.eval.bigbench import items
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
@@ -127,28 +126,14 @@ def lm_eval_served(server, out: Path, path: str, model: str) -> list[dict]:
         f"base_url={server.url}{path}/v1/completions,model={model},tokenizer_backend=remote,"
         f"auth_token={server.api_key},num_concurrent=1,max_retries=1"
     )
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": server.api_key}
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "lm_eval"),
-            "--model",
-            "local-completions",
-            "--model_args",
-            args,
-            "--include_path",
-            str(TASKS),
-            "--tasks",
-            "segfuse_bigbench_" + TASK.replace("-", "_"),
-            "--limit",
-            str(LIMIT),
-            "--log_samples",
-            "--output_path",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    done = run_lm_eval(
+        "lm_eval",
+        "local-completions",
+        args,
+        "segfuse_bigbench_" + TASK.replace("-", "_"),
+        LIMIT,
+        *("--include_path", str(TASKS), "--log_samples", "--output_path", str(out)),
+        env={**os.environ, "OPENAI_API_KEY": server.api_key},
         timeout=800,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -133,6 +133,20 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"messages": SAY_HI, "max_tokens": 2, **fields}
 
 
+def schema_format(schema: dict[str, Any], name: str = "x") -> dict[str, Any]:
+    """A chat's `response_format` that holds the answer to `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+def answer_to_schema(server: Live, name: str, schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The leader's chat answer held to `schema`: the body of a 200."""
+    response = server.post(
+        "/v1/chat/completions", chat(model=LEADER, max_tokens=max_tokens, response_format=schema_format(schema, name))
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def nested_schema(levels: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(levels):
@@ -172,25 +186,21 @@ LIMIT_CASES = {
     ),
     "schema size": (
         chat(
-            response_format={
-                "type": "json_schema",
-                "json_schema": {
-                    "name": "x",
-                    "schema": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}},
-                },
-            }
+            response_format=schema_format(
+                {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}
+            )
         ),
         "response_format",
         "max_schema_bytes",
     ),
     "schema depth": (
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(9)}}),
+        chat(response_format=schema_format(nested_schema(9))),
         "response_format",
         "max_schema_depth",
     ),
     # ~100 levels used to answer 500 (the schema checker's recursion)
     "schema nested 100 levels": (
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(100)}}),
+        chat(response_format=schema_format(nested_schema(100))),
         "response_format",
         "max_json_depth",
     ),
@@ -301,15 +311,7 @@ def test_requests_are_parsed_off_the_event_loop(server, monkeypatch):
     monkeypatch.setattr(planning, "plan_chat", spy(planning.plan_chat))
     monkeypatch.setattr(parsing, "parse_request", spy(parsing.parse_request))
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    response = server.post(
-        "/v1/chat/completions",
-        chat(
-            model=LEADER,
-            max_tokens=8,
-            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
-        ),
-    )
-    assert response.status_code == 200, response.text
+    answer_to_schema(server, "n", schema, max_tokens=8)
     assert server.post("/v1/completions", {"model": LEADER, "prompt": "Once", "max_tokens": 1}).status_code == 200
     assert len(seen) >= 2 and "test-uvicorn" not in seen, seen  # the loop runs on the uvicorn thread
 
@@ -325,16 +327,7 @@ def test_a_catastrophic_pattern_does_not_freeze_the_server(server):
         "patternProperties": {"^(a+)+$": {}},
         "additionalProperties": False,
     }
-    response = server.post(
-        "/v1/chat/completions",
-        chat(
-            model=LEADER,
-            max_tokens=48,
-            response_format={"type": "json_schema", "json_schema": {"name": "evil", "schema": schema}},
-        ),
-    )
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
+    choice = answer_to_schema(server, "evil", schema, max_tokens=48)["choices"][0]
     assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"]) == {key: 1}
     assert server.get("/health").status_code == 200
     assert_healthy(server)

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from helpers import wait_for
-from live_app import KEY, LEADER, WEATHER, idle
+from live_app import KEY, LEADER, WEATHER, idle, weather_call
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -53,17 +53,8 @@ def test_the_fused_model_answers_with_its_extension(anthropic_client):
 
 
 def test_a_tool_round_trip(anthropic_client):
-    first = anthropic_client.messages.create(
-        model=LEADER,
-        max_tokens=48,
-        tools=[WEATHER],
-        tool_choice={"type": "any"},
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-    )
-    assert first.stop_reason == "tool_use"
+    first = weather_call(anthropic_client, [{"role": "user", "content": "What is the weather in Paris?"}])
     call = first.content[0]
-    assert call.type == "tool_use" and call.name == "get_weather"
-    jsonschema.validate(call.input, WEATHER["input_schema"])
     second = anthropic_client.messages.create(
         model=LEADER,
         max_tokens=12,

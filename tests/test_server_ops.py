@@ -27,6 +27,7 @@ from segfuse.server.chat.planning import CHAT
 from segfuse.server.completions.serving import COMPLETIONS
 from segfuse.server.metrics import OUTCOMES, ServerMetrics
 from segfuse.types import Departure, Result, Stats
+from streams import data_frames, stream_chat
 
 MEMBERS = list(catalogue.DEFAULT_MODELS)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -260,16 +261,10 @@ def test_a_stream_with_neutral_parameters_is_observed(server):
         "presence_penalty": 0.0,
         "store": True,
     }
-    with httpx.stream(
-        "POST",
-        f"{server.api}/chat/completions",
-        json=body,
-        timeout=300,
-        headers={"Authorization": f"Bearer {server.api_key}"},
-    ) as response:
+    with stream_chat(server, body, timeout=300) as response:
         assert response.status_code == 200, response.read()
-        frames = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert frames[-1] == "data: [DONE]"
+        frames = list(data_frames(response))
+    assert frames[-1] == "[DONE]"
     after = scrape(server)
     assert (
         value(after, "segfuse_request_latency_seconds_count")

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from helpers import PERSON, PERSON_FORMAT
-from live_app import KEY, LEADER, WEATHER
+from live_app import KEY, LEADER, WEATHER, weather_call
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
 
@@ -165,20 +165,10 @@ def test_messages_continue_the_prefill_streamed_as_whole(anthropic_client):
 def test_messages_a_tool_call_written_from_the_prefill(anthropic_client):
     """The tools' answer is a call ``{"name": ..., "arguments": ...}``: a prefill begins it, and the call read
     from the prefill and the answer validates against the tool's schema."""
-    message = anthropic_client.messages.create(
-        model=LEADER,
-        max_tokens=48,
-        tools=[WEATHER],
-        tool_choice={"type": "any"},
-        messages=[
-            {"role": "user", "content": "What is the weather in Paris?"},
-            {"role": "assistant", "content": PREFILL},
-        ],
+    weather_call(
+        anthropic_client,
+        [{"role": "user", "content": "What is the weather in Paris?"}, {"role": "assistant", "content": PREFILL}],
     )
-    assert message.stop_reason == "tool_use"
-    call = message.content[0]
-    assert call.type == "tool_use" and call.name == "get_weather"
-    jsonschema.validate(call.input, WEATHER["input_schema"])
 
 
 def test_messages_refuse_a_prefill_ending_in_whitespace_in_anthropic_shape(anthropic_client):

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from segfuse.backends.registry import load_member
+from members import loaded
 from segfuse.bench.processes import segfuse_server
 from segfuse.bench.vllm import URL_VARIABLE
 from segfuse.engine.scoring import normalise, raw_score
@@ -75,24 +75,21 @@ def url() -> str:
 @pytest.fixture(scope="module")
 def remote(url):
     """The member as a user would name it: its chat template from the folder vLLM serves."""
-    member = load_member(f"remote:{url}#smollm2-vllm")
-    yield member
-    member.close()
+    with loaded(f"remote:{url}#smollm2-vllm") as member:
+        yield member
 
 
 @pytest.fixture(scope="module")
 def remote_gguf(url):
     """The same server with the GGUF's prompt format: the same end-of-generation tokens as llama.cpp's."""
-    member = load_member(f"remote:{url}#smollm2-vllm,template=smollm2-135m")
-    yield member
-    member.close()
+    with loaded(f"remote:{url}#smollm2-vllm,template=smollm2-135m") as member:
+        yield member
 
 
 @pytest.fixture(scope="module")
 def local():
-    member = load_member("smollm2-135m", threads=1)
-    yield member
-    member.close()
+    with loaded("smollm2-135m", threads=1) as member:
+        yield member
 
 
 def scores(member, texts, messages=QUESTION):
