@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from itertools import islice
+from typing import Any
 
 import pytest
 
@@ -199,28 +200,11 @@ def test_hostile_requests():
 
 
 def rec(
-    index: int,
-    kind: str,
-    outcome: str,
-    *,
-    cycle: int = 0,
-    start: float = 0.0,
-    latency: float = 1.0,
-    response_id: str | None = None,
-    finishes: int = 0,
+    index: int, kind: str, outcome: str, *, cycle: int = 0, start: float = 0.0, latency: float = 1.0, **more: Any
 ) -> Record:
-    return Record(
-        index,
-        kind,
-        0,
-        cycle,
-        start,
-        latency,
-        outcome,
-        tuple(sorted(KINDS[kind].expected)),
-        response_id=response_id if response_id is not None else (f"id{index}" if outcome == "answered" else None),
-        finishes=finishes,
-    )
+    """A record of phase 0 as the client writes it; `more`: its other fields (an answered one has an id)."""
+    more.setdefault("response_id", f"id{index}" if outcome == "answered" else None)
+    return Record(index, kind, 0, cycle, start, latency, outcome, tuple(sorted(KINDS[kind].expected)), **more)
 
 
 RECORDS = [

@@ -9,26 +9,20 @@ import pytest
 
 from segfuse import Ensemble
 from segfuse.backends.registry import load_member
+from segfuse.bench.structured import object_schema
 from segfuse.models import CATALOGUE, is_ready
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
-PERSON = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["name", "age", "city"],
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
-}
-ORDER = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["items", "total"],
-    "properties": {
+PERSON = object_schema({"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}})
+ORDER = object_schema(
+    {
         "items": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
         "total": {"type": "number"},
         "express": {"type": "boolean"},
     },
-}
+    required=["items", "total"],
+)
 PROMPTS = [
     ("Extract the person as JSON: Maria Lopez, 34, lives in Seville.", PERSON),
     ("Extract the person as JSON: Tom Baker (age 51) moved to Leeds last year.", PERSON),

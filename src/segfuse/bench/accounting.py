@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .load import percentile
+
+if TYPE_CHECKING:
+    from .traffic import Action
 
 CLIENT_OUTCOMES = ("answered", "empty", "abandoned", "rejected", "invalid", "refused", "failed", "unexpected", "lost")
 # Client outcomes of requests the worker accepted (abandoned: it may have finished first, or not).
@@ -51,6 +54,13 @@ class Record:
     response_id: str | None = None
     finishes: int = 0  # finish chunks in a stream (one, unless something is duplicated)
     detail: str | None = None
+
+    @classmethod
+    def of(
+        cls, action: Action, start_s: float, latency_s: float, outcome: str, expected: tuple[str, ...], **more: Any
+    ) -> Record:
+        """The record of `action` (its index, kind, phase and cycle)."""
+        return cls(action.index, action.kind, action.phase, action.cycle, start_s, latency_s, outcome, expected, **more)
 
     @property
     def as_expected(self) -> bool:

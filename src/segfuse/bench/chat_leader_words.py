@@ -29,15 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--users", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    report = run(
-        reps=args.reps,
-        max_tokens=args.max_tokens,
-        threads=args.threads,
-        turns=args.turns,
-        users=args.users,
-        out=args.out,
-        systems=SYSTEMS,
-    )
+    report = run(**vars(args), systems=SYSTEMS)  # the flags are run's own keywords
     ratios = report["summary"]["ratios"]
     print(json.dumps({k: ratios[k] for k in RATIOS}, indent=1))
 

@@ -33,7 +33,7 @@ from .load import PROMPTS, Outcome, drive, summarise
 from .machine import loadavg, report_start, write_report
 from .process_cpu import CpuMeter, spent
 from .processes import SegfuseServer, segfuse_server, sigterm_as_interrupt
-from .serving import fmt, format_targets, print_load, print_targets, server_config
+from .serving import fmt, format_targets, level_row, print_load, print_targets, server_config
 
 MODES = ("single", "ray")
 NODE_IP = "127.0.0.2"  # the local Ray instance's node (never 127.0.0.1: Ray rewrites it)
@@ -290,19 +290,19 @@ def run(
 # --------------------------------------------------------------------------- printing
 
 
-TABLE_HEADER = [
-    "mode",
-    "users",
-    "requests",
-    "errors",
-    "tok/s",
-    "p50 latency",
-    "p95 latency",
-    "p50 first content",
-    "p50 latency ×",
-    "first content ×",
-    "tok/s ×",
-]
+# as serving's: header -> (measure of a level, format, unit); ratio header -> (ray / single at a level, format)
+LEVEL_COLUMNS = {
+    "tok/s": ("output_tokens_per_s", ".1f", ""),
+    "p50 latency": ("latency_p50_s", ".3f", " s"),
+    "p95 latency": ("latency_p95_s", ".3f", " s"),
+    "p50 first content": ("ttfs_p50_s", ".3f", " s"),
+}
+RATIO_COLUMNS = {
+    "p50 latency ×": ("p50_latency", ".3f"),
+    "first content ×": ("p50_first_content", ".3f"),
+    "tok/s ×": ("throughput", ".3f"),
+}
+TABLE_HEADER = ["mode", "users", "requests", "errors", *LEVEL_COLUMNS, *RATIO_COLUMNS]
 
 
 def format_table(report: dict[str, Any]) -> list[list[str]]:
@@ -311,21 +311,7 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
     for mode, levels in report["modes"].items():
         for level, m in levels.items():
             r = report["ratios"][level] if mode == "ray" else {}
-            rows.append(
-                [
-                    mode,
-                    level,
-                    str(m["requests"]),
-                    str(m["errors"]),
-                    fmt(m["output_tokens_per_s"], ".1f"),
-                    fmt(m["latency_p50_s"], ".3f", " s"),
-                    fmt(m["latency_p95_s"], ".3f", " s"),
-                    fmt(m["ttfs_p50_s"], ".3f", " s"),
-                    fmt(r.get("p50_latency"), ".3f", "×") if r else "",
-                    fmt(r.get("p50_first_content"), ".3f", "×") if r else "",
-                    fmt(r.get("throughput"), ".3f", "×") if r else "",
-                ]
-            )
+            rows.append(level_row(mode, level, m, r, LEVEL_COLUMNS, RATIO_COLUMNS))
     return rows
 
 

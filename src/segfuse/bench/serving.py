@@ -283,19 +283,16 @@ def fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{unit}"
 
 
-TABLE_HEADER = [
-    "mode",
-    "users",
-    "requests",
-    "errors",
-    "req/s",
-    "tok/s",
-    "p50 latency",
-    "p95 latency",
-    "p50 first segment",
-    "throughput ×",
-    "p50 latency ×",
-]
+# header -> (measure of a level, format, unit); ratio header -> (ratio of a level, format)
+LEVEL_COLUMNS = {
+    "req/s": ("requests_per_s", ".2f", ""),
+    "tok/s": ("output_tokens_per_s", ".1f", ""),
+    "p50 latency": ("latency_p50_s", ".2f", " s"),
+    "p95 latency": ("latency_p95_s", ".2f", " s"),
+    "p50 first segment": ("ttfs_p50_s", ".2f", " s"),
+}
+RATIO_COLUMNS = {"throughput ×": ("throughput", ".2f"), "p50 latency ×": ("p50_latency", ".2f")}
+TABLE_HEADER = ["mode", "users", "requests", "errors", *LEVEL_COLUMNS, *RATIO_COLUMNS]
 
 
 def format_table(report: dict[str, Any]) -> list[list[str]]:
@@ -304,22 +301,28 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
     for mode, entry in report["modes"].items():
         for level, m in entry["levels"].items():
             r = report["ratios"].get(level, {}) if mode == "concurrent" else {}
-            rows.append(
-                [
-                    f"{mode} ({entry['max_concurrent']})",
-                    level,
-                    str(m["requests"]),
-                    str(m["errors"]),
-                    fmt(m["requests_per_s"], ".2f"),
-                    fmt(m["output_tokens_per_s"], ".1f"),
-                    fmt(m["latency_p50_s"], ".2f", " s"),
-                    fmt(m["latency_p95_s"], ".2f", " s"),
-                    fmt(m["ttfs_p50_s"], ".2f", " s"),
-                    fmt(r.get("throughput"), ".2f", "×") if r else "",
-                    fmt(r.get("p50_latency"), ".2f", "×") if r else "",
-                ]
-            )
+            rows.append(level_row(f"{mode} ({entry['max_concurrent']})", level, m, r, LEVEL_COLUMNS, RATIO_COLUMNS))
     return rows
+
+
+def level_row(
+    mode: str,
+    level: str,
+    measures: dict[str, Any],
+    ratios: dict[str, Any],
+    columns: dict[str, tuple[str, str, str]],
+    ratio_columns: dict[str, tuple[str, str]],
+) -> list[str]:
+    """A table's row of one mode at one level: its requests and errors, its `columns`, then its `ratio_columns`
+    (blank without `ratios`)."""
+    return [
+        mode,
+        level,
+        str(measures["requests"]),
+        str(measures["errors"]),
+        *(fmt(measures[key], spec, unit) for key, spec, unit in columns.values()),
+        *(fmt(ratios.get(key), spec, "×") if ratios else "" for key, spec in ratio_columns.values()),
+    ]
 
 
 def format_targets(report: dict[str, Any], spec: str = ".2f") -> list[list[str]]:

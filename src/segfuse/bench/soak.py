@@ -198,17 +198,8 @@ class Soak:
             )
 
     def _lost(self, action: Action) -> Record:
-        return Record(
-            action.index,
-            action.kind,
-            action.phase,
-            action.cycle,
-            self.now(),
-            self.settings.request_timeout_s + 60,
-            "lost",
-            (),
-            detail="no answer before the run's deadline",
-        )
+        waited = self.settings.request_timeout_s + 60
+        return Record.of(action, self.now(), waited, "lost", (), detail="no answer before the run's deadline")
 
     # ------------------------------------------------------------------ idle checkpoints
 

@@ -40,16 +40,7 @@ class SoakClient:
     def send(self, action: Action) -> Record:
         """Run `action` to its end; never raises (an error is an outcome)."""
         start = time.monotonic()
-        record = Record(
-            action.index,
-            action.kind,
-            action.phase,
-            action.cycle,
-            start - self.t0,
-            0.0,
-            "unexpected",
-            tuple(sorted(KINDS[action.kind].expected)),
-        )
+        record = Record.of(action, start - self.t0, 0.0, "unexpected", tuple(sorted(KINDS[action.kind].expected)))
         try:
             if action.kind == "malformed":
                 self._malformed(action, record)

@@ -31,15 +31,24 @@ from ..ensemble import Ensemble
 from ..eval.tasks import get_task
 from .machine import git, machine
 
-SCHEMA = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["numbers", "asks"],
-    "properties": {
+
+def object_schema(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    """The JSON schema of an object with these `properties` and no others, all of them required unless
+    `required` names fewer."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": list(properties) if required is None else required,
+        "properties": properties,
+    }
+
+
+SCHEMA = object_schema(
+    {
         "numbers": {"type": "array", "items": {"type": "number"}, "maxItems": 12},
         "asks": {"type": "string", "maxLength": 200},
-    },
-}
+    }
+)
 INSTRUCTION = (
     'Read the problem below. Do not solve it. Return only a JSON object with two keys: "numbers", '
     'the list of every number the problem states, in order, and "asks", what the problem asks for, '

@@ -61,30 +61,42 @@ def _tok_s(row: str, rate: str) -> Callable[[dict[str, Any]], str]:
 
 def _columns(users: int) -> dict[str, list[Column]]:
     """Each system's columns: its time, first segment, comparisons, then the ratios side by side."""
-    plain = [
-        Column(PLAIN, "fusion", _tok_s("fusion", "fusion_tokens_per_s")),
-        Column("first segment", "fusion_ttfs", _s("fusion_ttfs", 2)),
-        Column("floor", "floor", _s("floor")),
-        Column("members Σ", "members_sum", _s("members_sum")),
-        Column("reference", "reference_method", _s("reference_method")),
-        Column("response TTFT", "response_ttft", _s("response_ttft")),
-        Column("vs floor", "ratio_vs_floor", _x("ratio_vs_floor")),
-        Column("vs members Σ", "ratio_vs_members_sum", _x("ratio_vs_members_sum")),
-        Column("reference / plain", "ratio_reference_over_fusion", _x("ratio_reference_over_fusion")),
-        Column("TTFS / response TTFT", "ttfs_over_response_ttft", _x("ttfs_over_response_ttft", 3)),
-        Column("RSS ratio", "rss_ratio", _x("rss_ratio")),
-        *_users_columns("fusion", users),
+    plain_times = {
+        "floor": "floor",
+        "members Σ": "members_sum",
+        "reference": "reference_method",
+        "response TTFT": "response_ttft",
+    }
+    plain_ratios = [
+        ("vs floor", "ratio_vs_floor", 2),
+        ("vs members Σ", "ratio_vs_members_sum", 2),
+        ("reference / plain", "ratio_reference_over_fusion", 2),
+        ("TTFS / response TTFT", "ttfs_over_response_ttft", 3),
+        ("RSS ratio", "rss_ratio", 2),
     ]
-    default = [
-        Column(DEFAULT, "default", _tok_s("default", "default_tokens_per_s")),
-        Column("first segment", "default_ttfs", _s("default_ttfs", 2)),
-        Column("leader, own loop", "leader_alone", _s("leader_alone")),
-        Column("leader, HF generate", "leader_generate", _s("leader_generate")),
-        Column("default / loop", "default_over_leader_alone", _x("default_over_leader_alone")),
-        Column("default / generate", "default_over_leader_generate", _x("default_over_leader_generate")),
-        *_users_columns("default", users),
+    default_times = {"leader, own loop": "leader_alone", "leader, HF generate": "leader_generate"}
+    default_ratios = [
+        ("default / loop", "default_over_leader_alone", 2),
+        ("default / generate", "default_over_leader_generate", 2),
     ]
-    return {PLAIN: plain, DEFAULT: default}
+    return {
+        PLAIN: _system_columns(PLAIN, "fusion", plain_times, plain_ratios, users),
+        DEFAULT: _system_columns(DEFAULT, "default", default_times, default_ratios, users),
+    }
+
+
+def _system_columns(
+    system: str, row: str, times: dict[str, str], ratios: list[tuple[str, str, int]], users: int
+) -> list[Column]:
+    """A system's columns: its time (`row`) and rate, its first segment, the `times` it is compared with
+    (header -> row), the `ratios` (header, key, digits), then its users."""
+    return [
+        Column(system, row, _tok_s(row, f"{row}_tokens_per_s")),
+        Column("first segment", f"{row}_ttfs", _s(f"{row}_ttfs", 2)),
+        *(Column(header, key, _s(key)) for header, key in times.items()),
+        *(Column(header, key, _x(key, digits)) for header, key, digits in ratios),
+        *_users_columns(row, users),
+    ]
 
 
 def _users_columns(prefix: str, users: int) -> list[Column]:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..constraints import Constraint
     from ..ensemble import Ensemble
 from .app import app, err, out
-from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags
+from .flags import CacheOpt, ModelOpt, ThreadsOpt, fusion_flags, hedge_persist_option
 
 COLOURS = ("cyan", "magenta", "yellow", "green", "blue", "red", "bright_white")
 DEMO_QUESTION = "In two or three sentences, why is the sky blue?"
@@ -182,10 +182,7 @@ def chat(
     model: ModelOpt = None,
     system: SystemOpt = None,
     hedge_persist: Annotated[
-        bool,
-        typer.Option(
-            "--hedge-persist", help="With --hedge: each turn starts from the weights the last one ended with."
-        ),
+        bool, hedge_persist_option("With --hedge: each turn starts from the weights the last one ended with.")
     ] = False,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any
 
 import typer
@@ -58,6 +59,9 @@ RayWidth = Annotated[
     ),
 ]
 
+# What serve, followers and ray all take: --concurrency, --requests, --max-tokens, --model, --threads, --out.
+LevelOptions = tuple[str, int | None, int, list[str] | None, int | None, str]
+
 
 def _console() -> Console:
     return Console(width=200, highlight=False)
@@ -80,20 +84,13 @@ def serve(
     _require_serving_clients(f"segfuse bench serve{' --remote' if remote else ''}", remote)
     from ..bench import serving as bench_serve
 
-    report = bench_serve.run(
-        _levels(concurrency),
-        requests=requests,
-        max_tokens=max_tokens,
-        models=model or None,
-        threads=threads,
+    _run_levels(
+        bench_serve,
+        (concurrency, requests, max_tokens, model, threads, out),
         max_concurrent=max_concurrent,
         remote=remote,
-        out=Path(out),
         cache_dir=cache_dir,
-        log=err.print,
     )
-    bench_serve.print_report(report, _console())
-    err.print(f"wrote {report['out']}")
 
 
 @bench_app.command()
@@ -108,9 +105,7 @@ def chat(
     _require_serving_clients("segfuse bench chat", llama_server=True)  # the anchor is llama_cpp.server
     from ..bench import chat as bench_chat
 
-    report = bench_chat.run(reps=reps, max_tokens=max_tokens, threads=threads, out=Path(out), log=err.print)
-    bench_chat.print_report(report, _console())
-    err.print(f"wrote {report['out']}")
+    _run_and_print(bench_chat, out, reps=reps, max_tokens=max_tokens, threads=threads)
 
 
 @bench_app.command()
@@ -127,17 +122,7 @@ def followers(
     _require_serving_clients("segfuse bench followers", llama_server=False)
     from ..bench import followers as bench_followers
 
-    report = bench_followers.run(
-        _levels(concurrency),
-        requests=requests,
-        max_tokens=max_tokens,
-        models=model or None,
-        threads=threads,
-        out=Path(out),
-        log=err.print,
-    )
-    bench_followers.print_report(report, _console())
-    err.print(f"wrote {report['out']}")
+    _run_levels(bench_followers, (concurrency, requests, max_tokens, model, threads, out))
 
 
 @bench_app.command()
@@ -224,21 +209,14 @@ def ray_serve(
     require("ray", "segfuse bench ray")
     from ..bench import ray_serving
 
-    report = ray_serving.run(
-        _levels(concurrency),
-        requests=requests,
-        max_tokens=max_tokens,
+    _run_levels(
+        ray_serving,
+        (concurrency, requests, max_tokens, model, threads, out),
         reps=reps,
-        models=model or None,
-        threads=threads,
         max_concurrent=max_concurrent,
         replicas=replicas,
         cache_dir=cache_dir,
-        out=Path(out),
-        log=err.print,
     )
-    ray_serving.print_report(report, _console())
-    err.print(f"wrote {report['out']}")
 
 
 @bench_app.command()
@@ -259,6 +237,21 @@ def ensembles(
     )
     if code:
         raise typer.Exit(code)
+
+
+def _run_levels(bench: ModuleType, shared: LevelOptions, **more: Any) -> None:
+    """One of the benchmarks by concurrency level (serve, followers, ray): the options they all take, and
+    `more` of its own."""
+    concurrency, requests, max_tokens, model, threads, out = shared
+    options = {"requests": requests, "max_tokens": max_tokens, "models": model or None, "threads": threads}
+    _run_and_print(bench, out, _levels(concurrency), **options, **more)
+
+
+def _run_and_print(bench: ModuleType, out: str, *args: Any, **options: Any) -> None:
+    """`bench.run(*args, **options)` writing its report to `out`, its tables, and where the report went."""
+    report = bench.run(*args, out=Path(out), log=err.print, **options)
+    bench.print_report(report, _console())
+    err.print(f"wrote {report['out']}")
 
 
 def _levels(concurrency: str) -> list[int]:

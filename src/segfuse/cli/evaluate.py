@@ -8,11 +8,14 @@ import typer
 
 from ..extras import require
 from .app import app
-from .flags import ModelOpt, fusion_flags
+from .flags import ModelOpt, fusion_flags, hedge_persist_option
 
 # Fusion options that are settings of the whole run (every system shares them, a resumed run must match);
 # the others the user gives apply to every fusion system of the run, over the presets' own switches.
 RUN_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "window", "stop")
+HedgePersistOpt = Annotated[
+    bool, hedge_persist_option("Hedge presets start each item from the weights they ended the last with.")
+]
 
 
 @app.command("eval")
@@ -34,12 +37,7 @@ def eval_command(
     out: Annotated[str, typer.Option(help="Output folder (JSONL, report, plots).")] = "runs/eval",
     data: Annotated[str | None, typer.Option(help="Task data file (JSONL).")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
-    hedge_persist: Annotated[
-        bool,
-        typer.Option(
-            "--hedge-persist", help="Hedge presets start each item from the weights they ended the last with."
-        ),
-    ] = False,
+    hedge_persist: HedgePersistOpt = False,
     fusion: dict[str, Any] | None = None,
     member_options: dict[str, Any] | None = None,
 ) -> None:

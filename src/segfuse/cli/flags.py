@@ -50,6 +50,12 @@ ThreadsOpt = Annotated[int | None, typer.Option(help="llama.cpp threads per memb
 CtxOpt = Annotated[int, typer.Option("--n-ctx", help="Context window per member, in tokens.")]
 
 
+def hedge_persist_option(help: str) -> Any:
+    """--hedge-persist (``Annotated[bool, ...]``), its help in the words of the command: what starts from
+    the weights the last one ended with (a chat's turn, an evaluation's item)."""
+    return typer.Option("--hedge-persist", help=help)
+
+
 def _optional_of(annotation: Any) -> tuple[Any, bool]:
     """(inner type, whether None is allowed) of ``X | None``."""
     args = typing.get_args(annotation)

@@ -153,16 +153,13 @@ class _Writing:
         )
 
 
+ANSWER_FIELDS = ("text", "ttft_s", "total_s", "member_calls", "tokens", "finish_reason")
+"""What a member's answer and a system's output both hold, under the same names."""
+
+
 def answer_output(answer: MemberAnswer) -> SystemOutput:
     """An answer reported as a system output."""
-    return SystemOutput(
-        text=answer.text,
-        ttft_s=answer.ttft_s,
-        total_s=answer.total_s,
-        member_calls=answer.member_calls,
-        tokens=answer.tokens,
-        finish_reason=answer.finish_reason,
-    )
+    return SystemOutput(**{name: getattr(answer, name) for name in ANSWER_FIELDS})
 
 
 def score_answers(member: Member, messages: Sequence[Message], texts: Sequence[str]) -> tuple[list[TokenScores], int]:
@@ -221,13 +218,12 @@ def rerank(
     winner = written[best]
     # Members run one after another on one machine: writing times add up.
     total_s = sum(a.total_s for a in written) + time.perf_counter() - scoring_started
-    return SystemOutput(
-        text=winner.text,
+    # The winner's answer, at the cost of the whole rerank.
+    return replace(
+        answer_output(winner),
         ttft_s=total_s,  # nothing is shown before the winner is known
         total_s=total_s,
         member_calls=calls,
-        tokens=winner.tokens,
-        finish_reason=winner.finish_reason,
         wins={a.model: int(i == best) for i, a in enumerate(written)},
         extra={"aggregate": totals, "winner": winner.model},
     )

@@ -65,6 +65,19 @@ class Task:
     score: Callable[[Item, str], dict[str, Any]]
     instruction_metrics: tuple[str, ...] = field(default=())  # per-instruction lists, pooled in reports
 
+    @classmethod
+    def one_metric(
+        cls,
+        name: str,
+        default_data: str,
+        default_max_tokens: int,
+        metric: str,
+        parse: Callable[[dict[str, Any], int], Item],
+        score: Callable[[Item, str], dict[str, Any]],
+    ) -> Task:
+        """A task scored by one metric, its primary one."""
+        return cls(name, default_data, default_max_tokens, metric, (metric,), parse, score)
+
     def messages(self, item: Item) -> list[Message]:
         return [Message("user", item.prompt)]
 
@@ -177,15 +190,7 @@ def score_gsm8k(item: Item, output: str) -> dict[str, Any]:
     return {"correct": correct, "exact_match": correct, "predicted": predicted, "reference": item.reference}
 
 
-GSM8K = Task(
-    name="gsm8k",
-    default_data="gsm8k/test_first1000.jsonl",
-    default_max_tokens=512,
-    primary="exact_match",
-    metrics=("exact_match",),
-    parse=_gsm8k_parse,
-    score=score_gsm8k,
-)
+GSM8K = Task.one_metric("gsm8k", "gsm8k/test_first1000.jsonl", 512, "exact_match", _gsm8k_parse, score_gsm8k)
 
 
 # --- IFEval ------------------------------------------------------------------
@@ -313,12 +318,4 @@ def jsonl_task(checker: str | None) -> Task:
         correct = check(item.reference, output)
         return {"correct": correct, "accuracy": correct}
 
-    return Task(
-        name="jsonl",
-        default_data="",
-        default_max_tokens=256,
-        primary="accuracy",
-        metrics=("accuracy",),
-        parse=parse,
-        score=score,
-    )
+    return Task.one_metric("jsonl", "", 256, "accuracy", parse, score)
