@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import typer
 from rich.console import Console
@@ -59,8 +59,16 @@ RayWidth = Annotated[
     ),
 ]
 
-# What serve, followers and ray all take: --concurrency, --requests, --max-tokens, --model, --threads, --out.
-LevelOptions = tuple[str, int | None, int, list[str] | None, int | None, str]
+
+class LevelOptions(NamedTuple):
+    """What the benchmarks by concurrency level (serve, followers, ray) all take."""
+
+    concurrency: str
+    requests: int | None
+    max_tokens: int
+    model: list[str] | None
+    threads: int | None
+    out: str
 
 
 def _console() -> Console:
@@ -86,7 +94,7 @@ def serve(
 
     _run_levels(
         bench_serve,
-        (concurrency, requests, max_tokens, model, threads, out),
+        LevelOptions(concurrency, requests, max_tokens, model, threads, out),
         max_concurrent=max_concurrent,
         remote=remote,
         cache_dir=cache_dir,
@@ -122,7 +130,7 @@ def followers(
     _require_serving_clients("segfuse bench followers", llama_server=False)
     from ..bench import followers as bench_followers
 
-    _run_levels(bench_followers, (concurrency, requests, max_tokens, model, threads, out))
+    _run_levels(bench_followers, LevelOptions(concurrency, requests, max_tokens, model, threads, out))
 
 
 @bench_app.command()
@@ -211,7 +219,7 @@ def ray_serve(
 
     _run_levels(
         ray_serving,
-        (concurrency, requests, max_tokens, model, threads, out),
+        LevelOptions(concurrency, requests, max_tokens, model, threads, out),
         reps=reps,
         max_concurrent=max_concurrent,
         replicas=replicas,
@@ -242,9 +250,8 @@ def ensembles(
 def _run_levels(bench: ModuleType, shared: LevelOptions, **more: Any) -> None:
     """One of the benchmarks by concurrency level (serve, followers, ray): the options they all take, and
     `more` of its own."""
-    concurrency, requests, max_tokens, model, threads, out = shared
-    options = {"requests": requests, "max_tokens": max_tokens, "models": model or None, "threads": threads}
-    _run_and_print(bench, out, _levels(concurrency), **options, **more)
+    options = {"requests": shared.requests, "max_tokens": shared.max_tokens, "threads": shared.threads}
+    _run_and_print(bench, shared.out, _levels(shared.concurrency), models=shared.model or None, **options, **more)
 
 
 def _run_and_print(bench: ModuleType, out: str, *args: Any, **options: Any) -> None:
