@@ -57,9 +57,10 @@ def test_sdist_and_wheel_pass_twine_check(dist: Path):
     assert "PASSED" in run([BIN / "twine", "check", "--strict", wheel, sdist])
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"segfuse", f"segfuse-{PROJECT['version']}.dist-info"}
-    # what the package reads at run time ships inside it: the web view, lm-eval's task configs, the licence
+    # what the package reads at run time ships inside it: the web view, lm-eval's task configs, the models' table, the licence
     assert "segfuse/server/static/index.html" in names
     assert "segfuse/eval/lm_eval_tasks/segfuse_gsm8k.yaml" in names
+    assert "segfuse/catalogue.toml" in names  # the embedded models' table, read at import
     assert any(n.endswith("licenses/LICENSE") for n in names)
 
 
