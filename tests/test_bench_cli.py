@@ -135,7 +135,7 @@ def test_the_gpu_check_wants_its_pack(tmp_path):
 def test_the_gpu_subcommand_runs_the_check_as_its_pack_would(tmp_path, monkeypatch):
     """`segfuse bench gpu` hands the check the settings `check.py` would for the same flags (the defaults
     agree), and exits with the check's status."""
-    from segfuse.bench import gpu_check
+    from segfuse.bench.gpu import check as gpu_check
 
     (tmp_path / "tokenizers").mkdir()
     given = ["--pack", str(tmp_path), "--out", str(tmp_path / "out"), "--small", "--device", "cpu", "--tokens", "6"]

@@ -20,8 +20,8 @@ import pytest
 
 from helpers import live_server
 from segfuse import models as catalogue
-from segfuse.bench.soak_client import SoakClient
-from segfuse.bench.traffic import HOSTILE, Action
+from segfuse.bench.soak.client import SoakClient
+from segfuse.bench.soak.traffic import HOSTILE, Action
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from ..bench.gpu_check import DEFAULTS, DTYPES
+from ..bench.gpu.check import DEFAULTS, DTYPES
 from ..errors import SegfuseError
 from ..extras import require
 from .bench import bench_app
@@ -53,7 +53,7 @@ def gpu(
     if not (pack / "tokenizers").is_dir():
         raise SegfuseError(f"{pack} is not a GPU check pack (no tokenizers/ in it)", "make it with `make gpu-pack`")
     require("hf", "segfuse bench gpu")
-    from ..bench import gpu_check
+    from ..bench.gpu import check as gpu_check
 
     settings = {**DEFAULTS, "budget": budget, "small": small, "dtype": dtype, "tokens": tokens, "reps": reps}
     settings |= {"users": users, "window": window, "diagnose_tokens": diagnose_tokens}
