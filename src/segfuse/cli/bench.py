@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
 
 from ..errors import SegfuseError
 from ..extras import require
-from .app import app, err
+from .app import Group, app, err
 from .flags import ModelOpt
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ def new_spelling(args: Sequence[str]) -> list[str]:
     return [mode, *rest]
 
 
-class BenchGroup(TyperGroup):
+class BenchGroup(Group):
     """`segfuse bench` followed by a flag is an old spelling: it is answered with the new one before click
     would say only "no such option"."""
 
