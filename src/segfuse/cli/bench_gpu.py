@@ -1,4 +1,4 @@
-"""`segfuse bench gpu`: the GPU check's table (`bench/gpu_check.py`) in this environment.
+"""`segfuse bench gpu`: the GPU check's table (`bench/gpu/check.py`) in this environment.
 
 The check usually runs from its pack on a machine with nothing of segfuse installed (`make gpu-pack`, then
 `python3 .cache/gpu-pack/check.py`, docs/deploy.md); this command runs the same phases with the segfuse and

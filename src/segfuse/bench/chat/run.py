@@ -1,6 +1,6 @@
 """Chat benchmark: requests that share what came before, with and without the members' prefix cache.
 
-Three systems answer the same scripted traffic (``chat_script.py``), streamed, greedy:
+Three systems answer the same scripted traffic (``script.py``), streamed, greedy:
 
 - ``cache``: ``segfuse serve`` with its defaults (the prefix cache on, the leader answering alone);
 - ``no-cache``: the same with ``prefix_cache_cells = 0``: every request reads its whole prompt;

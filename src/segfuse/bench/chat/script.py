@@ -1,4 +1,4 @@
-"""The scripted conversations of the chat benchmark (bench/chat.py): fictional documents, questions about them.
+"""The scripted conversations of the chat benchmark (bench/chat/run.py): fictional documents, questions about them.
 
 Self-contained text, so that the benchmark runs offline and the same everywhere. With
 Qwen2.5-Coder's chat template the chat's system prompt and first question come to about 970

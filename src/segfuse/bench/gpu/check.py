@@ -1,15 +1,15 @@
 """The GPU check: `segfuse bench`'s table for three real model shapes on one card, in one short run.
 
-Run through the pack's ``check.py`` (``gpu_bootstrap.py``), which installs the pack's wheels first; it needs
+Run through the pack's ``check.py`` (``bootstrap.py``), which installs the pack's wheels first; it needs
 torch and transformers and nothing else of ours. Phases, in order:
 
 - ``environment``: the card, torch, transformers, Python, segfuse's version, file and packed commit;
-- ``build``: the three members of ``gpu_models.py`` (random weights, real shapes) saved as checkpoints;
+- ``build``: the three members of ``models.py`` (random weights, real shapes) saved as checkpoints;
 - ``load``: loaded back as ``transformers:`` members in one ensemble (no prefix cache);
 - ``diagnose``: the leader's bare cached greedy loop on the main thread, new threads, without cuDNN's
   attention, and on the member's compute thread (``diagnose.py``);
 - ``warm_up``, ``table``, ``users``: the benchmark's warm-up, its table at ``--tokens`` (no reference method,
-  no response level, no RSS) and its users rows (``local.py``, ``users.py``).
+  no response level, no RSS) and its users rows (``speed/local.py``, ``speed/users.py``).
 
 Everything goes into ``gpu-check.json`` in ``--out``, written again as each phase ends, so a run cut short
 still leaves what it measured. A phase that would start once ``--budget`` seconds are spent is skipped; the

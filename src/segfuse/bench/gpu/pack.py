@@ -8,7 +8,7 @@ a machine where the embedded models are prepared, writes:
   at the versions installed here, for the target Python (``--python-version``, default 3.12) on
   manylinux x86-64; ``--no-deps-download`` leaves them out (the check then uses its environment's);
 - ``tokenizers/NAME.tar.gz``: the embedded models' tokenizers, exported from their GGUF files;
-- ``check.py``: the stdlib-only script that installs the wheels and runs the check (``gpu_bootstrap.py``);
+- ``check.py``: the stdlib-only script that installs the wheels and runs the check (``bootstrap.py``);
 - ``pack.json``: segfuse's version, the git commit it was packed at, the files and the total size.
 """
 

@@ -5,7 +5,7 @@ every call starts from the same context): opening and closing a session, accepti
 1-token greedy draft, a 10-token draft whose text streams to a hook as it is sampled (what the
 leader does when it answers alone), and a score of 4 candidates. The medians, Ray and local side by
 side, and what Ray adds per call (and, for the streamed draft, per token) are what the serving
-benchmark's report prints (``ray_serving.py``).
+benchmark's report prints (``serving.py``).
 
 :func:`measure` starts a local Ray instance on a loopback node, one copy of the member, and stops
 both when done; :func:`call_costs` times the calls on any member (the tests use it on a cluster of

@@ -15,7 +15,7 @@ p50 and p95 latency per request, p50 time to the first content, output tokens/s,
 ray / single against the targets. Per block: the CPU seconds each server's processes spent, by role
 (``process_cpu.py``: the copies, the front ends, Serve's proxy, Ray's own), the other server's while it
 sat idle, and the copies' calls (``/health``). Then, with both servers stopped, what one call to a Ray
-member costs against a local one (``ray_calls.py``).
+member costs against a local one (``calls.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ its resident memory and sends the probe. With ``remote`` the members are
 and started again, on the same port, at 40 %.
 
 At the end it sets what the client saw against ``/health`` and ``/metrics``
-(``accounting.py``) and writes a JSON record; ``soak_report.py`` prints and plots it.
+(``accounting.py``) and writes a JSON record; ``report.py`` prints and plots it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A plan is an endless, reproducible sequence of phases: the same seed gives the
 same phases, request for request. Each *cycle* runs one mixed phase at each
 concurrency level (1, 2, 4, 8 in flight, in a seeded order) and then a burst
 past the queue, so every stretch of a long run sees the same mix and its early
-and late latencies can be compared. The run (``soak.py``) decides how many
+and late latencies can be compared. The run (``run.py``) decides how many
 phases fit in its time.
 """
 
