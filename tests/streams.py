@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from segfuse.bench.processes import SegfuseServer
+from segfuse.bench.common.processes import SegfuseServer
 
 
 def stream_chat(server: SegfuseServer, body: dict[str, Any], timeout: float) -> AbstractContextManager[httpx.Response]:

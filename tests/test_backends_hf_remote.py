@@ -31,7 +31,7 @@ pytest.importorskip("httpx")
 
 from members import loaded
 from segfuse.backends.registry import load_member
-from segfuse.bench.processes import free_port, llama_cpp_server
+from segfuse.bench.common.processes import free_port, llama_cpp_server
 from segfuse.engine.scoring import normalise, raw_score
 from segfuse.ensemble import Ensemble
 from segfuse.errors import MemberLoadError

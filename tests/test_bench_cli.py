@@ -4,6 +4,7 @@ takes and shows, plain `segfuse bench` running `speed`, and the old flag spellin
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 
 import pytest
 from typer.testing import CliRunner
@@ -64,6 +65,26 @@ def test_bench_help_lists_every_subcommand_in_order():
     listed = re.findall(r"^│ ([a-z]+) {2,}", done.output, flags=re.MULTILINE)
     assert listed == list(FLAGS), done.output
     assert "runs `segfuse bench speed` at its defaults" in " ".join(done.output.split())
+
+
+def test_bench_help_wraps_each_description_to_the_terminal():
+    """Each subcommand's first paragraph, wrapped to the table's width: no line ends where the next line's first
+    word would still have fit (the docstrings' hard line breaks used to show: "drafts and votes every round)",
+    then "against its members, ..." on the next line, at 80 columns)."""
+    done = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert done.exit_code == 0, done.output
+    panel = done.output[done.output.index("─ Commands ─") :]
+    rows = re.findall(r"^│ ([a-z]*) +(\S.*?) *│$", panel, flags=re.MULTILINE)
+    width = max(len(text) for _, text in rows)  # at most the column's: a line as long as it could be
+    descriptions: list[list[str]] = []
+    for name, text in rows:
+        if name:
+            descriptions.append([])
+        descriptions[-1].append(text)
+    assert len(descriptions) == len(FLAGS), done.output
+    for lines in descriptions:
+        for line, after in pairwise(lines):
+            assert len(line) + 1 + len(after.split()[0]) > width, (line, after)
 
 
 @pytest.mark.parametrize("name", sorted(FLAGS))
@@ -135,7 +156,7 @@ def test_the_gpu_check_wants_its_pack(tmp_path):
 def test_the_gpu_subcommand_runs_the_check_as_its_pack_would(tmp_path, monkeypatch):
     """`segfuse bench gpu` hands the check the settings `check.py` would for the same flags (the defaults
     agree), and exits with the check's status."""
-    from segfuse.bench import gpu_check
+    from segfuse.bench.gpu import check as gpu_check
 
     (tmp_path / "tokenizers").mkdir()
     given = ["--pack", str(tmp_path), "--out", str(tmp_path / "out"), "--small", "--device", "cpu", "--tokens", "6"]

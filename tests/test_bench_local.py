@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from segfuse.bench.plan import Plan, check_reference, settle
-from segfuse.bench.speeds import floor_seconds
-from segfuse.bench.systems import DEFAULT, PLAIN
-from segfuse.bench.table import summary, tables
-from segfuse.bench.users import user_prompts
+from segfuse.bench.speed.plan import Plan, check_reference, settle
+from segfuse.bench.speed.speeds import floor_seconds
+from segfuse.bench.speed.systems import DEFAULT, PLAIN
+from segfuse.bench.speed.table import summary, tables
+from segfuse.bench.speed.users import user_prompts
 from segfuse.errors import SegfuseError
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from segfuse.bench.process_cpu import COMMAND, role, spent
-from segfuse.bench.ray_serving import NODE_IP, block_order, compare, configs
+from segfuse.bench.ray.process_cpu import COMMAND, role, spent
+from segfuse.bench.ray.serving import NODE_IP, block_order, compare, configs
 
 
 def test_blocks_take_turns_so_that_a_drift_falls_on_both_modes():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from segfuse.bench import serving as bench_serve
+from segfuse.bench.serve import serving as bench_serve
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
 
@@ -56,8 +56,8 @@ def test_bench_chat_reuses_the_turns_and_the_shared_system_prompt(tmp_path):
     so that every system reading every prompt takes a fraction of the timeout, on a loaded machine too."""
     pytest.importorskip("openai")
     pytest.importorskip("llama_cpp.server", reason="the anchor is llama-cpp-python's server")
-    from segfuse.bench import chat as bench_chat
-    from segfuse.bench.chat_script import MANUAL, POLICY, excerpt
+    from segfuse.bench.chat import run as bench_chat
+    from segfuse.bench.chat.script import MANUAL, POLICY, excerpt
 
     out = tmp_path / "bench-chat.json"
     report = bench_chat.run(
@@ -85,7 +85,7 @@ def test_bench_chat_reuses_the_turns_and_the_shared_system_prompt(tmp_path):
 
 def test_bench_followers_compares_the_default_with_eager_followers_and_the_leader(tmp_path):
     pytest.importorskip("openai")
-    from segfuse.bench import followers as bench_followers
+    from segfuse.bench.followers import run as bench_followers
 
     report = bench_followers.run(
         [1], requests=2, max_tokens=4, threads=1, reps=1, out=tmp_path / "f.json", log=lambda line: None

@@ -41,7 +41,7 @@ import typer.main
 
 from lm_eval_cli import run_lm_eval
 from segfuse import models as catalogue
-from segfuse.bench.processes import SegfuseServer, free_port, running, wait_until_serving
+from segfuse.bench.common.processes import SegfuseServer, free_port, running, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -258,10 +258,10 @@ OTHER_PROGRAMS_FLAGS = {
     "--served-model-name": "vllm",
     "--dtype": "vllm",
     "--disable-radix-cache": "sglang",
-    "--budget": "segfuse.bench.gpu_check",  # the GPU check's check.py (docs/deploy.md)
-    "--small": "segfuse.bench.gpu_check",
-    "--device": "segfuse.bench.gpu_check",
-    "--no-deps-download": "segfuse.bench.gpu_pack",
+    "--budget": "segfuse.bench.gpu.check",  # the GPU check's check.py (docs/deploy.md)
+    "--small": "segfuse.bench.gpu.check",
+    "--device": "segfuse.bench.gpu.check",
+    "--no-deps-download": "segfuse.bench.gpu.pack",
 }
 
 

@@ -43,7 +43,7 @@ def gemma_url(tmp_path_factory) -> Iterator[str]:
     pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extra is not installed")
     if not is_ready(GEMMA):
         pytest.skip("Gemma 3 270M is not prepared")
-    from segfuse.bench.processes import llama_cpp_server
+    from segfuse.bench.common.processes import llama_cpp_server
 
     with llama_cpp_server(model_path(GEMMA), tmp_path_factory.mktemp("gemma") / "gemma.log", n_ctx=GEMMA_CTX) as server:
         yield server.url

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from helpers import API_KEY, wait_for
 from segfuse import models as catalogue
-from segfuse.bench.processes import SegfuseServer, segfuse_server
+from segfuse.bench.common.processes import SegfuseServer, segfuse_server
 from segfuse.options import FusionOptions
 from segfuse.server.chat.protocol import (
     NEUTRAL_PARAMETERS,

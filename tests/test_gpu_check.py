@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from segfuse.bench.gpu_models import SHAPES, make_config, padded_vocab
-from segfuse.bench.gpu_pack import DEPENDENCIES, MIB
+from segfuse.bench.gpu.models import SHAPES, make_config, padded_vocab
+from segfuse.bench.gpu.pack import DEPENDENCIES, MIB
 
 PHASES = ["environment", "build", "load", "diagnose", "warm_up", "table", "users"]
 
@@ -93,7 +93,7 @@ def gpu_machine(into: Path) -> Path:
 def test_the_pack_and_the_check_run_every_phase_on_the_cpu(tmp_path):
     pack, out = tmp_path / "pack", tmp_path / "out"
     made = subprocess.run(
-        [sys.executable, "-m", "segfuse.bench.gpu_pack", "--out", str(pack), "--no-deps-download"],
+        [sys.executable, "-m", "segfuse.bench.gpu.pack", "--out", str(pack), "--no-deps-download"],
         capture_output=True,
         text=True,
         timeout=400,

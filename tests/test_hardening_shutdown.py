@@ -11,7 +11,7 @@ import pytest
 
 from helpers import API_KEY
 from segfuse import models as catalogue
-from segfuse.bench.processes import segfuse_server
+from segfuse.bench.common.processes import segfuse_server
 from streams import data_frames, stream_chat
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]

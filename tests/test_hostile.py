@@ -1,7 +1,7 @@
 """The aftermath of hostile requests: a live server answers or refuses each as it must, then still answers
 a normal request the same as before, and holds nothing (no queue entry, slot or KV-cache cell).
 
-The hostile requests are the soak's (``bench/traffic.py``'s ``HOSTILE``: a random seed of -1, seeds past
+The hostile requests are the soak's (``bench/soak/traffic.py``'s ``HOSTILE``: a random seed of -1, seeds past
 64 bits, spelled role tokens, malformed earlier tool calls, deep and backtracking schemas, Hedge options
 that would outlive the request, many stop strings, a deeply nested body, a browser's text/plain request, a
 foreign Host header) and go through the soak's own client, so that both judge them alike. Each is sent
@@ -20,8 +20,8 @@ import pytest
 
 from helpers import live_server
 from segfuse import models as catalogue
-from segfuse.bench.soak_client import SoakClient
-from segfuse.bench.traffic import HOSTILE, Action
+from segfuse.bench.soak.client import SoakClient
+from segfuse.bench.soak.traffic import HOSTILE, Action
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import API_KEY, wait_for
-from segfuse.bench.processes import segfuse_server
+from segfuse.bench.common.processes import segfuse_server
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")

@@ -3,7 +3,7 @@
 A member closed with a directory writes its cached prefixes there; started again on the same
 directory, a session whose prompt matches reads one back instead of decoding it. What must never
 be read back: a file of another model or other settings, a truncated one, a prefix cached under
-another salt (or none). Timing figures live in ``python -m segfuse.bench.restart_cache``.
+another salt (or none). Timing figures live in ``python -m segfuse.bench.chat.restart_cache``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from segfuse.backends.ray.host import create_hosts
 from segfuse.backends.ray.member import RayMember
 from segfuse.backends.ray.settings import RaySettings
 from segfuse.backends.registry import load_member
-from segfuse.bench.ray_calls import median_ms
+from segfuse.bench.ray.calls import median_ms
 from segfuse.errors import InvalidRequestError
 from segfuse.member_options import MemberOptions
 from segfuse.models import DEFAULT_MODELS

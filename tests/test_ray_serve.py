@@ -39,7 +39,7 @@ from helpers import wait_for
 from live_app import serve_app
 from ray_cluster import HEAD, WORKER, LoopbackCluster
 from segfuse import Ensemble
-from segfuse.bench.processes import segfuse_server
+from segfuse.bench.common.processes import segfuse_server
 from segfuse.config import ServerConfig
 from segfuse.models import DEFAULT_MODELS
 

@@ -13,7 +13,7 @@ pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server ex
 from helpers import SessionWrapper, Wrapped
 from segfuse import Ensemble, SegmentEvent
 from segfuse.backends.registry import load_member
-from segfuse.bench.processes import llama_cpp_server
+from segfuse.bench.common.processes import llama_cpp_server
 from segfuse.models import CATALOGUE, model_path
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]

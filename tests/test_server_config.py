@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from segfuse.bench.processes import free_port
+from segfuse.bench.common.processes import free_port
 from segfuse.config import ConfigError, build_config
 from segfuse.server import create_app
 

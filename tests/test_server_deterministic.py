@@ -22,7 +22,7 @@ from helpers import checked_server
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]
 
 # Its greedy answer parted at a near tie in 4 or 5 of 8 default requests under this traffic where the
-# test was written (python -m segfuse.bench.determinism); another CPU may tie elsewhere.
+# test was written (python -m segfuse.bench.serve.determinism); another CPU may tie elsewhere.
 TARGET = [{"role": "user", "content": "Explain in one sentence what a binary search does."}]
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer in plain words."}
 MAX_TOKENS = 24

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from segfuse.bench import accounting as acc
-from segfuse.bench.accounting import Memory, Record
-from segfuse.bench.duration import format_duration, parse_duration
-from segfuse.bench.soak import held
-from segfuse.bench.traffic import (
+from segfuse.bench.soak import accounting as acc
+from segfuse.bench.soak.accounting import Memory, Record
+from segfuse.bench.soak.duration import format_duration, parse_duration
+from segfuse.bench.soak.run import held
+from segfuse.bench.soak.traffic import (
     HOSTILE,
     KINDS,
     LEVELS,
@@ -325,7 +325,8 @@ def test_a_short_soak_loses_nothing_and_leaves_the_server_idle_and_clean(tmp_pat
     pytest.importorskip("openai")
     from rich.console import Console
 
-    from segfuse.bench import soak, soak_report
+    from segfuse.bench.soak import report as soak_report
+    from segfuse.bench.soak import run as soak
 
     settings = soak.SoakSettings(duration_s=40, seed=0, max_tokens=4, threads=1)
     report = soak.run(settings, out=tmp_path / "soak.json", log=lambda line: None)
@@ -389,7 +390,7 @@ def test_soak_out_may_name_a_folder_or_a_file(tmp_path):
 
 def test_the_log_check_reads_past_rays_line_prefixes(tmp_path):
     """On Ray, a replica's lines reach the server's log behind a coloured "(ServeReplica:... pid=N) "."""
-    from segfuse.bench.soak import log_errors
+    from segfuse.bench.soak.run import log_errors
 
     log = tmp_path / "server.log"
     log.write_text(

@@ -9,7 +9,7 @@ import pytest
 
 from segfuse import Ensemble
 from segfuse.backends.registry import load_member
-from segfuse.bench.structured import object_schema
+from segfuse.bench.serve.structured import object_schema
 from segfuse.models import CATALOGUE, is_ready
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(900)]

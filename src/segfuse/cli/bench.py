@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
 
 from ..errors import SegfuseError
 from ..extras import require
-from .app import app, err
+from .app import Group, app, err
 from .flags import ModelOpt
 
 if TYPE_CHECKING:
-    from ..bench.plan import Plan
+    from ..bench.speed.plan import Plan
 
 # The subcommands in the order `segfuse bench --help` lists them (their modules register them alphabetically).
 ORDER = ("speed", "serve", "chat", "followers", "soak", "ray", "gpu")
@@ -49,7 +48,7 @@ def new_spelling(args: Sequence[str]) -> list[str]:
     return [mode, *rest]
 
 
-class BenchGroup(TyperGroup):
+class BenchGroup(Group):
     """`segfuse bench` followed by a flag is an old spelling: it is answered with the new one before click
     would say only "no such option"."""
 
@@ -136,7 +135,7 @@ def speed(
     may be llama.cpp or transformers ones, on the CPU or a GPU; the systems and their options are
     printed first (docs/performance.md).
     """
-    from ..bench.plan import Plan
+    from ..bench.speed.plan import Plan
 
     plan = Plan(
         lengths=_lengths(lengths),
@@ -162,9 +161,9 @@ def _lengths(lengths: str) -> tuple[int, ...]:
 
 def _bench_local(plan: Plan, model: list[str] | None, out: str) -> None:
     require("bench", "segfuse bench speed")
-    from ..bench import local as benchmark
-    from ..bench.systems import describe_systems
-    from ..bench.table import tables
+    from ..bench.speed import local as benchmark
+    from ..bench.speed.systems import describe_systems
+    from ..bench.speed.table import tables
 
     report = benchmark.run(plan, model or None, Path(out), log=err.print)
     console = Console(width=240)

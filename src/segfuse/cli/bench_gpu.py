@@ -1,4 +1,4 @@
-"""`segfuse bench gpu`: the GPU check's table (`bench/gpu_check.py`) in this environment.
+"""`segfuse bench gpu`: the GPU check's table (`bench/gpu/check.py`) in this environment.
 
 The check usually runs from its pack on a machine with nothing of segfuse installed (`make gpu-pack`, then
 `python3 .cache/gpu-pack/check.py`, docs/deploy.md); this command runs the same phases with the segfuse and
@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from ..bench.gpu_check import DEFAULTS, DTYPES
+from ..bench.gpu.check import DEFAULTS, DTYPES
 from ..errors import SegfuseError
 from ..extras import require
 from .bench import bench_app
@@ -53,7 +53,7 @@ def gpu(
     if not (pack / "tokenizers").is_dir():
         raise SegfuseError(f"{pack} is not a GPU check pack (no tokenizers/ in it)", "make it with `make gpu-pack`")
     require("hf", "segfuse bench gpu")
-    from ..bench import gpu_check
+    from ..bench.gpu import check as gpu_check
 
     settings = {**DEFAULTS, "budget": budget, "small": small, "dtype": dtype, "tokens": tokens, "reps": reps}
     settings |= {"users": users, "window": window, "diagnose_tokens": diagnose_tokens}

@@ -90,7 +90,7 @@ def serve(
     """The real `segfuse serve` under 1..N streaming users, serial (max_concurrent 1) against the concurrent
     worker (docs/performance.md)."""
     _require_serving_clients(f"segfuse bench serve{' --remote' if remote else ''}", remote)
-    from ..bench import serving as bench_serve
+    from ..bench.serve import serving as bench_serve
 
     _run_levels(
         bench_serve,
@@ -111,7 +111,7 @@ def chat(
     """A 6-turn chat and 4 users sharing a long system prompt, with the prefix cache, without it, and
     llama-cpp-python's server with its cache, on the default members (docs/performance.md)."""
     _require_serving_clients("segfuse bench chat", llama_server=True)  # the anchor is llama_cpp.server
-    from ..bench import chat as bench_chat
+    from ..bench.chat import run as bench_chat
 
     _run_and_print(bench_chat, out, reps=reps, max_tokens=max_tokens, threads=threads)
 
@@ -128,7 +128,7 @@ def followers(
     """What the members the default never asks cost: the leader-alone default, eager followers and
     model=<leader>, side by side, on one server as wide as the widest level (docs/performance.md)."""
     _require_serving_clients("segfuse bench followers", llama_server=False)
-    from ..bench import followers as bench_followers
+    from ..bench.followers import run as bench_followers
 
     _run_levels(bench_followers, LevelOptions(concurrency, requests, max_tokens, model, threads, out))
 
@@ -150,7 +150,7 @@ def soak(
 ) -> None:
     """The server under a seeded mix of traffic for DURATION, checking that nothing is lost or leaks
     (docs/reliability.md)."""
-    from ..bench.duration import parse_duration
+    from ..bench.soak.duration import parse_duration
 
     seconds = parse_duration(duration)
     if replicas is not None and not ray:
@@ -158,7 +158,7 @@ def soak(
     _require_serving_clients(f"segfuse bench soak{' --remote' if remote else ''}", remote)
     if ray:
         require("ray", "segfuse bench soak --ray")
-    from ..bench import soak as bench_soak
+    from ..bench.soak import run as bench_soak
 
     settings = bench_soak.SoakSettings(
         duration_s=seconds,
@@ -188,7 +188,7 @@ def soak_path(out: str) -> Path:
 
 def _soak_report(report: dict[str, Any]) -> None:
     """The soak's tables, and its plot beside its report."""
-    from ..bench import soak_report
+    from ..bench.soak import report as soak_report
 
     soak_report.print_report(report, _console())
     path = Path(str(report["out"]))
@@ -215,7 +215,7 @@ def ray_serve(
     alternating blocks, then one call to a Ray member against a local one (docs/performance.md)."""
     _require_serving_clients("segfuse bench ray", llama_server=False)
     require("ray", "segfuse bench ray")
-    from ..bench import ray_serving
+    from ..bench.ray import serving as ray_serving
 
     _run_levels(
         ray_serving,
@@ -238,7 +238,7 @@ def ensembles(
     loaded on demand), requests alternating between them: nothing may fail, nothing may load twice
     (docs/server.md, Several models)."""
     _require_serving_clients("segfuse bench ensembles", llama_server=False)
-    from ..bench import on_demand
+    from ..bench.ensembles import on_demand
 
     code = on_demand.main(
         ["--requests", str(requests), "--in-flight", str(in_flight), "--max-tokens", str(max_tokens), "--out", out]

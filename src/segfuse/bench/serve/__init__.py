@@ -1,0 +1,1 @@
+"""`segfuse bench serve`: the server under concurrent users; first content per API, determinism, structured output."""
