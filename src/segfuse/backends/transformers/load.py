@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ...errors import MemberLoadError
@@ -102,13 +103,15 @@ def convert_gguf(
     dequantizing them: then there is nothing to cache and the file is loaded as is.
 
     Written to a temporary directory and renamed into place, so a crash never
-    leaves a half-written checkpoint behind.
+    leaves a half-written checkpoint behind; a lock file beside it makes a second
+    process that wants the same checkpoint wait for the first one's instead of
+    converting it again (and failing to rename onto it).
     """
     target = target or converted_dir(gguf, dtype, cache)
-    with _CONVERT_LOCK:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _CONVERT_LOCK, FileLock(f"{target}.lock"):
         if (target / "config.json").is_file():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
