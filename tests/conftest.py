@@ -1,12 +1,37 @@
-"""Shared fixtures: the real embedded default models, loaded once per test session."""
+"""Shared fixtures: the real embedded default models, loaded once per test session (per worker when
+`make test` runs the suite on two workers); and how the files are shared between those workers."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from helpers import Recording
 from segfuse import Ensemble
 from segfuse import models as catalogue
+
+# One llama.cpp thread per member, here and in every child process (servers, CLI runs): two workers then
+# share the two cores, and no member's threads spin-wait for a core another process holds (two threads
+# on a busy 2-core machine made rounds 3-9x slower). The answers are the same code's; only the pace differs.
+os.environ.setdefault("SEGFUSE_THREADS", "1")
+
+# The modules that start a Ray cluster or instance (nodes on 127.0.0.2 and .3): one at a time, on one worker.
+RAY_MODULES = frozenset({"test_ray.py", "test_ray_serve.py", "test_deterministic_fusion.py"})
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist: each file whole on one worker (its module fixtures, servers among them, start
+    once), and the Ray files together on one worker, so that two clusters never run at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "the Ray modules" if Path(path).name in RAY_MODULES else path
+
+    return ByFile(config, log)
 
 
 def _require_prepared() -> None:
