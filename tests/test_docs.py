@@ -783,9 +783,10 @@ def test_token_array_prompts_are_the_leaders_tokens_and_others_a_clear_refusal(s
 @pytest.mark.timeout(1200)
 def test_bench_runs_to_its_table_naming_its_systems(tmp_path):
     """`make bench` (`segfuse bench`, i.e. `segfuse bench speed`) with a short answer and one repetition: the
-    table, the JSON, the systems."""
+    table, the JSON, the systems. (No users at once: test_bench_local times two.)"""
+    args = ["--lengths", "12", "--reps", "1", "--users", "0", "--no-rss", "--out", str(tmp_path)]
     printed = run(
-        [executable("segfuse"), "bench", "speed", "--lengths", "12", "--reps", "1", "--no-rss", "--out", str(tmp_path)],
+        [executable("segfuse"), "bench", "speed", *args],
         env={"COLUMNS": "240"},
     )
     report = json.loads((tmp_path / "bench.json").read_text())

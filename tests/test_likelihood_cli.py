@@ -95,7 +95,7 @@ def test_study_records_resume_and_calibrate_fits_pooling_weights(tmp_path):
     saved = json.loads((tmp_path / "cal" / "pooling.json").read_text())
     assert saved["rule"] == "mixture-byte" and saved["items"] == 3
     assert abs(sum(saved["weights"].values()) - 1) < 1e-9 and saved["right"] >= saved["right_uniform"]
-    assert "--weight smollm2-135m=" in fitted.stderr
+    assert "--weight smollm2-135m=" in " ".join(fitted.stderr.split())  # as wrapped to the terminal's width
 
     report = _run(sys.executable, "-m", "segfuse.eval.likelihood_report", str(tmp_path / "study"))
     assert report.returncode == 0, report.stderr[-2000:]

@@ -4,6 +4,7 @@ ensembles, freed when idle or when the budget wants the room, never while in use
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -63,11 +64,25 @@ def running(tmp_path_factory):
         yield serving
 
 
-def stream(running, model: str, member: str, words: int, out: list[str], long: bool = False) -> threading.Thread:
-    """A streamed answer to `model`, read in a thread of its own into `out`, once `member` is in use (`long`:
-    900 tokens, past any end of the answer, so that it is still in flight seconds later)."""
+class Reading(threading.Thread):
+    """A streamed answer read in a thread of its own; `hang_up()` closes it early, as a client that has
+    read enough would (the server cancels the rest)."""
 
-    def read() -> None:
+    def __init__(self, read: Callable[[threading.Event], None]) -> None:
+        self.enough = threading.Event()
+        super().__init__(target=read, args=(self.enough,))
+
+    def hang_up(self, timeout: float = 300) -> None:
+        self.enough.set()
+        self.join(timeout)
+
+
+def stream(running, model: str, member: str, words: int, out: list[str], long: bool = False) -> Reading:
+    """A streamed answer to `model`, read in a thread of its own into `out`, once `member` is in use (`long`:
+    900 tokens, past any end of the answer, so that it is still in flight seconds later, until the test
+    hangs up)."""
+
+    def read(enough: threading.Event) -> None:
         chunks = client(running).chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": f"Count from one to {words} in words."}],
@@ -75,9 +90,13 @@ def stream(running, model: str, member: str, words: int, out: list[str], long: b
             stream=True,
             extra_body={"segfuse": {"ignore_eos": True}} if long else None,
         )
-        out.extend(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        with chunks:
+            for chunk in chunks:
+                out.extend(c.delta.content or "" for c in chunk.choices)
+                if enough.is_set():
+                    break
 
-    reading = threading.Thread(target=read)
+    reading = Reading(read)
     reading.start()
     wait_for(lambda: memory(running)[member]["in_use"] > 0, 60, 0.05, what="the stream to start")
     return reading
@@ -102,7 +121,7 @@ def test_two_ensembles_share_a_member_and_a_request_loads_what_its_model_lacks_w
     streaming = stream(running, "small", "smollm2-135m", 12, streamed, long=True)
     assert ask(running, "full") == "full"  # loads qwen while small streams
     assert streaming.is_alive(), "the stream ended before full's answer: nothing was loaded beside it"
-    streaming.join(300)
+    streaming.hang_up()
     assert not streaming.is_alive() and "".join(streamed).strip()
     held = memory(running)
     assert all(held[n]["state"] == "loaded" and held[n]["loads"] == 1 for n in FULL), held
@@ -141,7 +160,7 @@ def test_a_budget_of_two_members_serves_three_in_turn_and_never_frees_one_in_use
         ask(running, "gemma3-270m")
         assert memory(running)["smollm2-135m"]["in_use"] > 0, "the long stream ended before qwen was asked for"
         assert ask(running, "qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b"
-        streaming.join(300)
+        streaming.hang_up()
         assert "".join(streamed).strip()
         held = memory(running)
         assert held["smollm2-135m"]["loads"] == 1 and held["gemma3-270m"]["state"] == "unloaded", held
