@@ -28,9 +28,9 @@ from .errors import InvalidRequestError, PromptTooLongError
 
 MAX_CHOICES = 100
 EMPTY_CONTEXT = "\n"  # what an empty context is scored after
-Pool = Literal["loglinear", "mixture"]
+Pooling = Literal["loglinear", "mixture"]  # how the members' probabilities are pooled
 Norm = Literal["byte", "whole"]
-POOLS: tuple[Pool, ...] = ("loglinear", "mixture")
+POOLS: tuple[Pooling, ...] = ("loglinear", "mixture")
 NORMS: tuple[Norm, ...] = ("byte", "whole")
 RULES = tuple(f"{p}-{n}" for p in POOLS for n in NORMS)
 
@@ -39,7 +39,7 @@ RULES = tuple(f"{p}-{n}" for p in POOLS for n in NORMS)
 class Rule:
     """A pooling rule: the pool, the unit compared, and the members' weights (None: uniform)."""
 
-    pool: Pool = "loglinear"
+    pool: Pooling = "loglinear"
     norm: Norm = "byte"
     weights: Mapping[str, float] | None = None
 

@@ -47,7 +47,7 @@ API_KEY = "bench-key"
 
 
 @dataclass
-class Answer:
+class Reply:
     kind: str
     target: str | None
     text: str
@@ -64,7 +64,7 @@ Messages = list["ChatCompletionMessageParam"]
 Request = tuple[str, str | None, Messages, bool | None]  # kind, target, messages, deterministic
 
 
-def chat(server: SegfuseServer, request: Request, max_tokens: int) -> Answer:
+def chat(server: SegfuseServer, request: Request, max_tokens: int) -> Reply:
     from openai import OpenAI
 
     kind, target, messages, deterministic = request
@@ -76,7 +76,7 @@ def chat(server: SegfuseServer, request: Request, max_tokens: int) -> Answer:
     )
     latency = time.perf_counter() - t0
     stats = (reply.model_extra or {})["segfuse"]["stats"]
-    return Answer(kind, target, reply.choices[0].message.content or "", latency, stats["tokens"], stats["total_s"])
+    return Reply(kind, target, reply.choices[0].message.content or "", latency, stats["tokens"], stats["total_s"])
 
 
 def user(text: str) -> Messages:
@@ -106,13 +106,13 @@ def round_requests(index: int, targets: tuple[str, ...], first: dict[str, str]) 
     return requests
 
 
-def send_all(server: SegfuseServer, requests: list[Request], max_tokens: int, rng: random.Random) -> list[Answer]:
+def send_all(server: SegfuseServer, requests: list[Request], max_tokens: int, rng: random.Random) -> list[Reply]:
     """`requests` at once, in a random order, each after a random delay of up to 0.6 s."""
     requests = list(requests)
     rng.shuffle(requests)
     delays = [rng.uniform(0, 0.6) for _ in requests]
 
-    def send(i: int) -> Answer:
+    def send(i: int) -> Reply:
         time.sleep(delays[i])
         return chat(server, requests[i], max_tokens)
 
@@ -120,7 +120,7 @@ def send_all(server: SegfuseServer, requests: list[Request], max_tokens: int, rn
         return list(pool.map(send, range(len(requests))))
 
 
-def summary(answers: list[Answer]) -> dict[str, Any]:
+def summary(answers: list[Reply]) -> dict[str, Any]:
     """Per target, the texts and how many differ from its most common one; and the totals."""
     per_target: dict[str, Counter[str]] = {}
     for a in answers:
@@ -134,7 +134,7 @@ def summary(answers: list[Answer]) -> dict[str, Any]:
     }
 
 
-def cost(answers: list[Answer]) -> dict[str, float]:
+def cost(answers: list[Reply]) -> dict[str, float]:
     return {
         "latency_s_median": round(statistics.median(a.latency_s for a in answers), 3),
         "tokens_per_s_median": round(statistics.median(a.tokens_per_s for a in answers), 2),
@@ -150,12 +150,12 @@ def run(rounds: int, targets: tuple[str, ...], max_tokens: int, threads: int | N
         "defaults": {"max_tokens": max_tokens, "temperature": 0.0},
     }
     rng = random.Random(seed)
-    rounds_of: list[dict[str, list[Answer]]] = []
+    rounds_of: list[dict[str, list[Reply]]] = []
     with tempfile.TemporaryDirectory() as tmp, segfuse_server(Path(tmp), "determinism", config) as server:
         warm = send_all(server, [("warm-up", t, user(t), None) for t in targets], max_tokens, rng)
         first = {a.target: a.text for a in warm if a.target}
         for index in range(rounds):
-            kinds: dict[str, list[Answer]] = {}
+            kinds: dict[str, list[Reply]] = {}
             for answer in send_all(server, round_requests(index, targets, first), max_tokens, rng):
                 kinds.setdefault(answer.kind, []).append(answer)
             rounds_of.append(kinds)
