@@ -9,8 +9,8 @@ from segfuse.errors import InvalidRequestError
 from segfuse.keep_alive import FOREVER, describe_keep_alive, keep_alive_seconds
 
 pytest.importorskip("fastapi")
-from segfuse.server.catalog import Catalog, spec_name
-from segfuse.server.pool import Budget, Place
+from segfuse.server.models.catalog import Catalog, spec_name
+from segfuse.server.models.pool import Budget, Place
 from segfuse.server.serving import APIError
 
 

@@ -35,7 +35,8 @@ from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
 from segfuse.request import FusionRequest
 from segfuse.server import app as server_app
-from segfuse.server.worker import DeadlineError, Failed, Job, ShuttingDownError, Worker, WorkerFailedError
+from segfuse.server.worker.jobs import DeadlineError, Failed, Job, ShuttingDownError, WorkerFailedError
+from segfuse.server.worker.thread import Worker
 from segfuse.types import DoneEvent, Message
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]

@@ -13,7 +13,8 @@ from segfuse.backends.base import Occupancy
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
-from segfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
+from segfuse.server.worker.jobs import Cancelled, Failed, Job, QueueFullError, Started
+from segfuse.server.worker.thread import Worker
 from segfuse.types import DoneEvent
 
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
@@ -271,7 +272,7 @@ def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on()
 )
 def test_only_a_streamed_answer_hands_out_the_leaders_text_as_it_decodes(streamed, logprobs, live):
     """A whole answer goes out once: its tokens' events would only wake the handler's loop for nothing."""
-    from segfuse.server.jobs import flight_of
+    from segfuse.server.worker.jobs import flight_of
 
     job = Job(FusionRequest.of("hi", FusionOptions()), streamed=streamed, logprobs=logprobs)
     flight = flight_of(job, iter(()), lambda name: None, lambda tell: None, lambda *a: None)
@@ -279,7 +280,7 @@ def test_only_a_streamed_answer_hands_out_the_leaders_text_as_it_decodes(streame
 
 
 def test_the_periodic_chore_runs_on_the_worker_thread_idle_or_busy_and_a_failure_stops_nothing():
-    from segfuse.server.periodic import Periodic
+    from segfuse.server.worker.periodic import Periodic
 
     ran: list[str] = []
 

@@ -7,7 +7,10 @@ types (``protocol``) and answers (``serving``): ``chat`` (/v1/chat/completions),
 Under them, the shared part at this folder's root: ``state`` and ``serving``
 (the server's state, a request's way to the worker, errors, request bodies,
 SSE, disconnects), ``wire`` (the shapes every API shares), ``parsing`` and
-``limits`` (reading and bounding requests), ``jobs`` and ``worker``.
+``limits`` (reading and bounding requests). Beside them, two rooms that are no
+API: ``worker/`` (the jobs, their bounded queue and the thread that runs them)
+and ``models/`` (the models served, by name, and their members, loaded on
+demand and freed when idle).
 
 ``create_app`` is what tests and embedders use; ``run`` is `segfuse serve`.
 Members are loaded before the app starts (``run``) or, when the app is created
@@ -44,7 +47,6 @@ from ..ensemble import Ensemble
 from ..errors import SegfuseError
 from ..keep_alive import keep_alive_seconds
 from ..member_options import MemberOptions
-from .catalog import Catalog
 from .chat import routes as chat
 from .completions import routes as completions
 from .connections import h11_protocol
@@ -52,16 +54,17 @@ from .guards import Gate, quoted, redact
 from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
-from .models_view import memory_of, model_cards
-from .periodic import saving_prefix_caches
-from .pool import Budget, Pool
+from .models.catalog import Catalog
+from .models.pool import Budget, Pool
+from .models.view import memory_of, model_cards
 from .responses import routes as responses
 from .responses.store import ResponseStore
 from .serving import APIError, api_error
 from .shared import Shared
 from .state import ServerState, key_check
 from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
-from .worker import Worker
+from .worker.periodic import saving_prefix_caches
+from .worker.thread import Worker
 
 log = logging.getLogger("segfuse.server")
 STATIC = Path(__file__).with_name("static")
@@ -245,7 +248,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             degraded=copies.degraded,
             replica=state.shared.replica,
             ensembles={name: list(state.catalog.models[name].members) for name in state.catalog.ensembles},
-            memory=memory_of(state),
+            memory=memory_of(state.pool),
         )
         return JSONResponse(body.model_dump(), status_code=code)
 
@@ -266,11 +269,11 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[require_key])
     async def list_models() -> ModelList:
-        return ModelList(data=model_cards(state))
+        return ModelList(data=model_cards(state.pool, state.started))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[require_key])
     async def get_model(model_id: str) -> ModelCard:
-        for card in model_cards(state):
+        for card in model_cards(state.pool, state.started):
             if card.id == model_id:
                 return card
         raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")

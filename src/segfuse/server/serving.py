@@ -44,7 +44,7 @@ from .wire import (
     SegmentInfo,
     Usage,
 )
-from .worker import (
+from .worker.jobs import (
     Cancelled,
     DeadlineError,
     Failed,

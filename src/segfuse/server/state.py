@@ -3,7 +3,7 @@
 Every API's ``serving`` runs the same steps: read the body (``serving.json_body``),
 parse it off the event loop (``ServerState.offload``), check the server is
 ready (``require_members``), take a lease on the model's members (``using``:
-loads what is missing, ``pool.py``), then ``submit`` its jobs, each holding the
+loads what is missing, ``models/pool.py``), then ``submit`` its jobs, each holding the
 lease until the worker lets it go; the answer comes back through
 ``serving.finished`` or a stream.
 """
@@ -26,14 +26,15 @@ from ..config import ServerConfig
 from ..errors import InvalidRequestError, SegfuseError
 from ..keep_alive import keep_alive_seconds
 from ..request import FusionRequest
-from .catalog import Catalog
 from .guards import quoted, redact
 from .metrics import ServerMetrics
+from .models.catalog import Catalog
+from .models.pool import Lease, Pool
 from .parsing import Defaults
-from .pool import Lease, Pool
 from .serving import APIError, api_error, json_body
 from .shared import Shared
-from .worker import Job, Worker
+from .worker.jobs import Job
+from .worker.thread import Worker
 
 log = logging.getLogger("segfuse.server")
 PARSERS = 2  # requests parsed and compiled at once, off the event loop (the rest wait their turn)
@@ -87,11 +88,6 @@ class ServerState:
         """Where each loaded member runs, in words."""
         return {m.name: m.placement or "?" for m in self.loaded}
 
-    @property
-    def contexts(self) -> dict[str, int | None]:
-        """Each loaded member's window for one session, in tokens."""
-        return {m.name: getattr(m, "n_ctx", None) for m in self.loaded}
-
     async def offload(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` in a thread, at most ``PARSERS`` at once: CPU work on client input never runs on
         the event loop, which must keep every stream and /health moving."""
@@ -117,14 +113,6 @@ class ServerState:
     async def body(self, request: Request) -> bytes:
         """A JSON request body within ``[server] max_body_bytes`` and ``[limits] body_timeout_s``."""
         return await json_body(request, self.config.server.max_body_bytes, self.config.limits.body_timeout_s)
-
-    def context_length(self, model: str) -> int | None:
-        """The prompt and answer a model takes, in tokens: a member's window, or for an ensemble the
-        smallest of its members' (every member reads the whole conversation); None until all are loaded."""
-        chosen = self.catalog.models.get(model)
-        contexts = self.contexts
-        windows = [contexts.get(name) for name in chosen.members] if chosen is not None else [contexts.get(model)]
-        return None if None in windows or not windows else min(w for w in windows if w is not None)
 
     def members_of(self, lease: Lease) -> list[Member]:
         """The loaded members a lease holds, in its model's order."""

@@ -16,11 +16,11 @@ from ...logprobs import TokenLogprob, answer_logprobs
 from ...tools import ToolCall
 from ...types import Result, RoundEvent, Segment, SegmentEvent
 from ..answer import Answer
-from ..pool import Lease
+from ..models.pool import Lease
 from ..serving import call_of, disconnected, finish_reason_of, full_info, result_info, segment_info, sse, usage_of
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, RoundInfo
-from ..worker import Job
+from ..worker.jobs import Job
 from . import planning
 from .planning import ChatPlan
 from .protocol import (

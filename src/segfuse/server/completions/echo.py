@@ -25,7 +25,7 @@ from ...errors import InvalidRequestError
 from ...logprobs import TokenLogprob
 from ...request import FusionRequest
 from ...types import PromptToken
-from ..pool import Lease
+from ..models.pool import Lease
 from ..serving import APIError, disconnected, worked
 from ..state import ServerState, job_for, submit
 from .protocol import CompletionLogprobs, CompletionRequest

@@ -31,7 +31,7 @@ from ..parsing import Endpoint, fusion_options
 from ..serving import APIError, disconnected, finish_reason_of, finished, result_info, sse, usage_of
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, Usage
-from ..worker import Job, Started
+from ..worker.jobs import Job, Started
 from .echo import echo_logprobs, joined, prompt_texts, read_prompts, shaped
 from .protocol import (
     COMPLETION_NEUTRAL,

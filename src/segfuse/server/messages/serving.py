@@ -25,11 +25,10 @@ from .. import parsing
 from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
-from ..jobs import prompt_tokens
 from ..parsing import Defaults, Endpoint
 from ..serving import APIError, call_of, disconnected, full_info, result_info, sse, usage_of
 from ..state import ServerState, require_members, submit, using
-from ..worker import Job, Started
+from ..worker.jobs import Job, Started, prompt_tokens
 from .protocol import (
     MESSAGES_NEUTRAL,
     MESSAGES_PARAMETERS,

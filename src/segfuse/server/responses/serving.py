@@ -27,7 +27,7 @@ from ..parsing import Defaults, Endpoint
 from ..serving import APIError, call_of, disconnected, full_info, sse, usage_of
 from ..shared import Responses
 from ..state import ServerState, require_members, submit, using
-from ..worker import Job
+from ..worker.jobs import Job
 from .protocol import (
     PATH,
     RESPONSES_NEUTRAL,

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-from ..backends.base import Member
-from ..ensemble import Ensemble
-from ..errors import SegfuseError
-from ..keep_alive import FOREVER
+from ...backends.base import Member
+from ...ensemble import Ensemble
+from ...errors import SegfuseError
+from ...keep_alive import FOREVER
+from ..guards import redact
+from ..serving import APIError
+from ..worker.thread import Worker
 from .catalog import Catalog, Model
-from .guards import redact
-from .serving import APIError
-from .worker import Worker
 
 log = logging.getLogger("segfuse.server")
 POLL_S = 0.05  # how often a request waiting for room looks again

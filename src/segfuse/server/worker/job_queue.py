@@ -1,6 +1,6 @@
 """The worker's bounded queue: jobs waiting and in flight, the counters, what members hold (as noted).
 
-Its lock (``_cond``) guards all of it; the worker thread (``worker.py``) takes jobs from here and the
+Its lock (``_cond``) guards all of it; the worker thread (``thread.py``) takes jobs from here and the
 event loop queues and cancels them. ``queue_size`` jobs may wait behind ``max_concurrent`` in flight;
 past that, ``submit`` raises QueueFullError (429).
 """
@@ -11,8 +11,8 @@ import logging
 import threading
 from collections import Counter, deque
 
-from ..backends.base import Occupancy
-from ..errors import SegfuseError
+from ...backends.base import Occupancy
+from ...errors import SegfuseError
 from .jobs import Cancelled, Failed, Job, QueueFullError, ShuttingDownError
 
 log = logging.getLogger("segfuse.server")

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import PurePath
 
-from ..config import ServerConfig
-from ..ensemble import Ensemble
-from ..models import DEFAULT_MODELS
-from ..options import FusionOptions
-from .parsing import Defaults
-from .serving import APIError
+from ...config import ServerConfig
+from ...ensemble import Ensemble
+from ...models import DEFAULT_MODELS
+from ...options import FusionOptions
+from ..parsing import Defaults
+from ..serving import APIError
 
 BACKEND_PREFIXES = ("llama_cpp:", "transformers:", "ray:")
 

@@ -37,48 +37,18 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ..backends.base import Member, Occupancy
-from ..engine import Scheduler
-from ..ensemble import Ensemble
-from ..errors import SegfuseError
-from .job_queue import COUNTERS, JobQueue
-from .jobs import (
-    Cancelled,
-    DeadlineError,
-    Failed,
-    Item,
-    Job,
-    Observer,
-    QueueFullError,
-    ShuttingDownError,
-    Started,
-    Worked,
-    WorkerFailedError,
-    ending,
-    flight_of,
-    start_job,
-    tell,
-)
+from ...backends.base import Member, Occupancy
+from ...engine import Scheduler
+from ...ensemble import Ensemble
+from ...errors import SegfuseError
+from .job_queue import JobQueue
+from .jobs import Job, Observer, WorkerFailedError, ending, flight_of, start_job, tell
 from .periodic import Chores, Periodic, run_one
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger("segfuse.server")
 
-__all__ = [
-    "COUNTERS",
-    "Cancelled",
-    "DeadlineError",
-    "Failed",
-    "Item",
-    "Job",
-    "Observer",
-    "QueueFullError",
-    "ShuttingDownError",
-    "Started",
-    "Worked",
-    "Worker",
-    "WorkerFailedError",
-]
+__all__ = ["Worker", "read_occupancy"]
 
 STALL_AFTER_S = 120.0  # a tick that runs longer than this is stalled (/health says so)
 FATAL_AFTER = 3  # ticks that raise, with no generation completed between them, before the worker gives up
