@@ -5,13 +5,14 @@ import math
 import pytest
 
 from segfuse.config import ConfigError, build_config, byte_count, ensemble_flags, split_members
-from segfuse.errors import InvalidRequestError
+from segfuse.errors import InvalidRequestError, UnknownModelError
 from segfuse.keep_alive import FOREVER, describe_keep_alive, keep_alive_seconds
 
 pytest.importorskip("fastapi")
 from segfuse.server.models.catalog import Catalog, spec_name
-from segfuse.server.models.pool import Budget, Place
-from segfuse.server.serving import APIError
+from segfuse.server.models.pool import Budget, LoadFailedError, MemberFreedError, NoRoomError, Place
+from segfuse.server.serving import api_error
+from segfuse.server.worker.jobs import QueueFullError
 
 
 def test_a_member_is_named_by_its_spec_as_its_backend_would_name_it():
@@ -72,9 +73,36 @@ def test_two_ensembles_share_one_member_under_one_name_and_each_member_is_a_mode
     assert catalog.holders("smollm2-135m") == ["small", "full"]
     assert catalog.model("gemma3-270m").members == ("gemma3-270m",) and not catalog.model("gemma3-270m").ensemble
     assert catalog.model(None).name == "small"
-    with pytest.raises(APIError) as caught:
+    with pytest.raises(UnknownModelError) as caught:
         catalog.model("large")
-    assert caught.value.status == 404 and "small, full" in str(caught.value.body())
+    error = api_error(caught.value, detailed=True)  # as the server's edge (state.using) maps it
+    assert error.status == 404 and "small, full" in str(error.body())
+    assert (error.detail.type, error.detail.code, error.detail.param) == (
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
+
+
+def test_the_models_errors_reach_a_client_with_their_status_type_code_and_param():
+    """The catalog and the pool raise domain errors; the server's edge (``api_error``) gives each its HTTP face."""
+    cases = [
+        (UnknownModelError("unknown model 'x'"), 404, "invalid_request_error", "model_not_found", "model"),
+        (QueueFullError("9 requests are waiting for models to load"), 429, "rate_limit_error", "queue_full", None),
+        (MemberFreedError("member m was freed and cannot be loaded again"), 503, "server_error", None, None),
+        (
+            LoadFailedError("could not load member m of model s: gone"),
+            503,
+            "server_error",
+            "model_load_failed",
+            "model",
+        ),
+        (NoRoomError("model s does not fit the memory budget"), 503, "server_error", "no_room", None),
+    ]
+    for exc, status, kind, code, param in cases:
+        error = api_error(exc, detailed=True)
+        assert (error.status, error.detail.type, error.detail.code, error.detail.param) == (status, kind, code, param)
+        assert error.detail.message == exc.message  # the text as written, nothing added
 
 
 def test_one_spec_twice_in_an_ensemble_is_two_members():

@@ -15,8 +15,9 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 from fastapi import Request
@@ -68,10 +69,10 @@ class ServerState:
         """The model of requests that name none."""
         return self.catalog.default
 
-    @property
+    @cached_property
     def defaults(self) -> Defaults:
-        """Each model's fusion defaults."""
-        return self.catalog.defaults
+        """Each model's fusion defaults, by the name a request gives."""
+        return Defaults({name: m.defaults for name, m in self.catalog.models.items()}, self.catalog.default)
 
     @property
     def members(self) -> list[str]:
@@ -132,16 +133,28 @@ def require_members(state: ServerState, detailed: bool) -> None:
 @asynccontextmanager
 async def using(state: ServerState, model: str | None, keep_alive: str | float | None = None) -> AsyncIterator[Lease]:
     """The members of `model` (None: the default), loaded if they were not and held while the request
-    queues its jobs (404 for an unknown model; 400 for a bad keep_alive)."""
-    chosen = state.catalog.model(model)
+    queues its jobs (404 for an unknown model; 400 for a bad keep_alive; the pool's errors as ``api_error``
+    maps them: 429 while too many wait to load, 503 when a member cannot be loaded or does not fit)."""
+    async with AsyncExitStack() as held:
+        try:
+            chosen = state.catalog.model(model)
+            keep = _keep_s(keep_alive)
+            seconds = state.config.limits.deadline_s
+            deadline = None if seconds is None else time.monotonic() + seconds
+            lease = await held.enter_async_context(state.pool.lease(chosen, keep, deadline))
+        except SegfuseError as exc:
+            # The catalog's and the pool's texts name only models and members the server lists anyway (a load's
+            # fault is redacted where it is written): sent whole, as for a request that holds the key.
+            raise api_error(exc, detailed=True) from None
+        yield lease
+
+
+def _keep_s(keep_alive: str | float | None) -> float | None:
+    """A request's keep_alive in seconds (None: the server's); 400 naming it when it is no duration."""
     try:
-        keep = None if keep_alive is None else keep_alive_seconds(keep_alive)
+        return None if keep_alive is None else keep_alive_seconds(keep_alive)
     except InvalidRequestError as exc:
         raise APIError(400, f"{exc.message}; {exc.hint}", code="invalid_value", param="keep_alive") from None
-    seconds = state.config.limits.deadline_s
-    deadline = None if seconds is None else time.monotonic() + seconds
-    async with state.pool.lease(chosen, keep, deadline) as lease:
-        yield lease
 
 
 def job_for(state: ServerState, request: FusionRequest, lease: Lease, **fields: Any) -> Job:

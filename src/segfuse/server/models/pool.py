@@ -11,7 +11,9 @@ member in use is never freed. When the last holder lets a member go, it stays fo
 otherwise), then a reaper frees it; past the budget (``max_loaded_members``, ``max_loaded_bytes``) the
 least recently used idle member goes first. The members join and leave the worker's ensemble under
 the pool's lock; a member leaves, and closes, on the worker thread between two steps, where nothing
-can be decoding with it.
+can be decoding with it. What goes wrong is said in domain errors (QueueFullError, and this module's
+MemberFreedError, LoadFailedError, NoRoomError), which the server's edge (``serving.api_error``) gives
+their HTTP status.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ...ensemble import Ensemble
 from ...errors import SegfuseError
 from ...keep_alive import FOREVER
 from ..guards import redact
-from ..serving import APIError
+from ..worker.jobs import QueueFullError
 from ..worker.thread import Worker
 from .catalog import Catalog, Model
 
@@ -40,6 +42,18 @@ POLL_S = 0.05  # how often a request waiting for room looks again
 REAP_S = 1.0  # the reaper's longest sleep: freeing is never later than this past a keep-alive
 
 PlaceState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+
+
+class MemberFreedError(SegfuseError):
+    """A member given loaded (no spec to load it from) was freed: it cannot be loaded again."""
+
+
+class LoadFailedError(SegfuseError):
+    """A member of the model a request names could not be loaded (the fault's text redacted as it is written)."""
+
+
+class NoRoomError(SegfuseError):
+    """A model does not fit the memory budget beside the members in use, and the request's deadline came."""
 
 
 @dataclass
@@ -181,12 +195,7 @@ class Pool:
     async def _bring(self, model: Model, deadline: float | None) -> None:
         """Wait for the turn to load, pin `model`'s members, make room and load what is missing."""
         if self.waiting > self.worker.queue_size:
-            raise APIError(
-                429,
-                f"{self.waiting} requests are waiting for models to load; retry in a little while",
-                "rate_limit_error",
-                "queue_full",
-            )
+            raise QueueFullError(f"{self.waiting} requests are waiting for models to load; retry in a little while")
         self._turn = self._turn or asyncio.Lock()
         self.waiting += 1
         entered = False
@@ -211,17 +220,13 @@ class Pool:
             if place.state == "loaded":
                 continue
             if place.spec is None:
-                raise APIError(503, f"member {name} was freed and cannot be loaded again", "server_error")
+                raise MemberFreedError(f"member {name} was freed and cannot be loaded again")
             await self._make_room(place, model, deadline)
             try:
                 await asyncio.to_thread(self._load_one, place)
             except SegfuseError as exc:
-                raise APIError(
-                    503,
-                    f"could not load member {name} of model {model.name}: {redact(str(exc))}",
-                    "server_error",
-                    "model_load_failed",
-                    param="model",
+                raise LoadFailedError(
+                    f"could not load member {name} of model {model.name}: {redact(str(exc))}"
                 ) from None
             await self._make_room(None, model, None)  # its size is known now: free what the bytes want
 
@@ -243,11 +248,8 @@ class Pool:
                 log.warning("the members in use take more than the memory budget (model %s loaded)", model.name)
                 return
             elif deadline is not None and time.monotonic() >= deadline:
-                raise APIError(
-                    503,
-                    f"model {model.name} does not fit the memory budget beside the members in use; retry later",
-                    "server_error",
-                    "no_room",
+                raise NoRoomError(
+                    f"model {model.name} does not fit the memory budget beside the members in use; retry later"
                 )
             else:
                 await asyncio.sleep(POLL_S)
@@ -356,4 +358,4 @@ class Lease:
             self.pool.unpin(self.model.members, self.keep_s)
 
 
-__all__ = ["Budget", "Lease", "Place", "Pool"]
+__all__ = ["Budget", "Lease", "LoadFailedError", "MemberFreedError", "NoRoomError", "Place", "Pool"]
