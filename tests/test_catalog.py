@@ -1,17 +1,22 @@
 """Pure logic of a server of several models: names, keep-alive durations, sizes, the config's checks."""
 
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from segfuse.config import ConfigError, build_config, byte_count, ensemble_flags, split_members
 from segfuse.errors import InvalidRequestError, UnknownModelError
 from segfuse.keep_alive import FOREVER, describe_keep_alive, keep_alive_seconds
+from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 
 pytest.importorskip("fastapi")
 from segfuse.server.models.catalog import Catalog, spec_name
-from segfuse.server.models.pool import Budget, LoadFailedError, MemberFreedError, NoRoomError, Place
+from segfuse.server.models.pool import Budget, Lease, LoadFailedError, MemberFreedError, NoRoomError, Place
 from segfuse.server.serving import api_error
+from segfuse.server.state import job_for
 from segfuse.server.worker.jobs import QueueFullError
 
 
@@ -103,6 +108,20 @@ def test_the_models_errors_reach_a_client_with_their_status_type_code_and_param(
         error = api_error(exc, detailed=True)
         assert (error.status, error.detail.type, error.detail.code, error.detail.param) == (status, kind, code, param)
         assert error.detail.message == exc.message  # the text as written, nothing added
+
+
+def test_a_request_has_one_deadline_read_once_for_its_members_wait_and_its_jobs():
+    catalog = Catalog.of(build_config(ensembles={"small": ["smollm2-135m", "gemma3-270m"]}))
+    before = time.monotonic()
+    lease = Lease(SimpleNamespace(catalog=catalog), catalog.model("small"), None, 30.0)
+    assert before <= lease.arrived <= time.monotonic() and lease.deadline == lease.arrived + 30.0
+    request = FusionRequest.of("Hi", FusionOptions())
+    first = job_for(request, lease)
+    time.sleep(0.01)  # a later job of the same request (a text completion's next prompt) keeps the same deadline
+    second = job_for(request, lease, id="second")
+    assert first.generation.deadline == second.generation.deadline == lease.deadline
+    assert first.accepted_at == second.accepted_at == lease.arrived  # the deadline counts from when it arrived
+    assert Lease(SimpleNamespace(catalog=catalog), catalog.model("small"), None, None).deadline is None
 
 
 def test_one_spec_twice_in_an_ensemble_is_two_members():

@@ -139,9 +139,7 @@ async def using(state: ServerState, model: str | None, keep_alive: str | float |
         try:
             chosen = state.catalog.model(model)
             keep = _keep_s(keep_alive)
-            seconds = state.config.limits.deadline_s
-            deadline = None if seconds is None else time.monotonic() + seconds
-            lease = await held.enter_async_context(state.pool.lease(chosen, keep, deadline))
+            lease = await held.enter_async_context(state.pool.lease(chosen, keep, state.config.limits.deadline_s))
         except SegfuseError as exc:
             # The catalog's and the pool's texts name only models and members the server lists anyway (a load's
             # fault is redacted where it is written): sent whole, as for a request that holds the key.
@@ -157,14 +155,12 @@ def _keep_s(keep_alive: str | float | None) -> float | None:
         raise APIError(400, f"{exc.message}; {exc.hint}", code="invalid_value", param="keep_alive") from None
 
 
-def job_for(state: ServerState, request: FusionRequest, lease: Lease, **fields: Any) -> Job:
-    """The worker's job for `request` (as its parsing made it), answered by the lease's members and
-    accepted now: its deadline is ``[limits] request_timeout_s`` from now. `fields`: the server's own
-    Job fields (tools, logprobs, id, work)."""
-    accepted = time.monotonic()
-    seconds = state.config.limits.deadline_s
-    deadline = None if seconds is None else accepted + seconds
-    return Job(replace(request, members=lease.members, deadline=deadline), accepted_at=accepted, **fields)
+def job_for(request: FusionRequest, lease: Lease, **fields: Any) -> Job:
+    """The worker's job for `request` (as its parsing made it), answered by the lease's members, with the
+    lease's deadline: ``[limits] request_timeout_s`` from when the request took it (the wait for its members
+    to load counts). `fields`: the server's own Job fields (tools, logprobs, id, work)."""
+    generation = replace(request, members=lease.members, deadline=lease.deadline)
+    return Job(generation, accepted_at=lease.arrived, **fields)
 
 
 def room(worker: Worker) -> int:

@@ -37,10 +37,10 @@ from .protocol import (
 )
 
 
-def job_of(state: ServerState, plan: ChatPlan, lease: Lease, **fields: Any) -> Job:
+def job_of(plan: ChatPlan, lease: Lease, **fields: Any) -> Job:
     """The worker's job for a planned chat request, answered by the lease's members (`fields`: more Job
     fields, e.g. its id)."""
-    return job_for(state, plan.generation, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
+    return job_for(plan.generation, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
 
 
 async def answer(state: ServerState, request: Request) -> Response:
@@ -54,7 +54,7 @@ async def answer(state: ServerState, request: Request) -> Response:
     require_members(state, detailed)
     model = plan.request.model or state.model_id
     async with using(state, model, plan.request.keep_alive) as lease:
-        job = job_of(state, plan, lease, streamed=plan.request.stream)
+        job = job_of(plan, lease, streamed=plan.request.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = ChatAnswer(job, model, detailed, plan.request.include_usage)
     if plan.request.stream:

@@ -74,7 +74,7 @@ async def read_prompts(
     # No generation: its work reads.
     reading = FusionRequest((), state.defaults.of(lease.model.name), cache_salt=request.cache_salt)
     jobs = [
-        job_for(state, reading, lease, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
+        job_for(reading, lease, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
         for i, prompt in enumerate(request.prompts)
     ]
     submit(state, jobs, lease, detailed, request.user, param="prompt")

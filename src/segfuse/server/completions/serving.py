@@ -66,7 +66,6 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
         name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
         jobs = [
             job_for(
-                state,
                 generation,
                 lease,
                 id=name if i == 0 else f"{name}-{i}",

@@ -74,7 +74,7 @@ async def answer(state: ServerState, request: Request) -> Response:
     require_members(state, detailed)
     model = parsed.model or state.model_id
     async with using(state, model, parsed.keep_alive) as lease:
-        job = job_of(state, plan, lease, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
+        job = job_of(plan, lease, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = MessagesAnswer(job, model, detailed)
     if parsed.stream:

@@ -140,12 +140,13 @@ class Pool:
     # ------------------------------------------------------------------ leases
 
     @asynccontextmanager
-    async def lease(self, model: Model, keep_s: float | None, deadline: float | None) -> AsyncIterator[Lease]:
+    async def lease(self, model: Model, keep_s: float | None, deadline_s: float | None) -> AsyncIterator[Lease]:
         """`model`'s members loaded and pinned while the request queues its jobs (each holds them again:
-        ``Lease.hold``); `keep_s`: the request's keep-alive (None: the default)."""
-        lease = Lease(self, model, keep_s)
+        ``Lease.hold``); `keep_s`: the request's keep-alive (None: the default); `deadline_s`: the request's
+        time from now (None: no deadline), one deadline for the loading and the jobs (``Lease.deadline``)."""
+        lease = Lease(self, model, keep_s, deadline_s)
         if not self._pin_if_loaded(model.members):
-            await self._bring(model, deadline)
+            await self._bring(model, lease.deadline)
         try:
             yield lease
         finally:
@@ -330,8 +331,12 @@ class Lease:
     """A request's hold on its model's members: one for the request itself (let go when it has queued
     its jobs), one more for each job (let go when the worker lets the job go)."""
 
-    def __init__(self, pool: Pool, model: Model, keep_s: float | None) -> None:
+    def __init__(self, pool: Pool, model: Model, keep_s: float | None, deadline_s: float | None) -> None:
         self.pool, self.model, self.keep_s = pool, model, keep_s
+        # When the request arrived, and its deadline (time.monotonic(); None: none): read once, for the wait
+        # to load its members and for its jobs (their deadline counts from the same moment).
+        self.arrived = time.monotonic()
+        self.deadline = None if deadline_s is None else self.arrived + deadline_s
         self._released = False
 
     @property

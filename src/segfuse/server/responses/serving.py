@@ -84,7 +84,7 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     require_members(state, detailed)
     model = plan.request.model or state.model_id
     async with using(state, model, plan.request.keep_alive) as lease:
-        job = job_of(state, plan.chat, lease, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
+        job = job_of(plan.chat, lease, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = ResponsesAnswer(job, model, plan, store, detailed)
     if plan.request.stream:
