@@ -1,6 +1,8 @@
 """Pure logic of a server of several models: names, keep-alive durations, sizes, the config's checks."""
 
+import asyncio
 import math
+import threading
 import time
 from types import SimpleNamespace
 
@@ -13,11 +15,22 @@ from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
 
 pytest.importorskip("fastapi")
+from segfuse.server.models import pool as pool_module
 from segfuse.server.models.catalog import Catalog, spec_name
-from segfuse.server.models.pool import Budget, Lease, LoadFailedError, MemberFreedError, NoRoomError, Place
+from segfuse.server.models.pool import (
+    Budget,
+    Changes,
+    Lease,
+    LoadFailedError,
+    MemberFreedError,
+    NoRoomError,
+    Place,
+    Pool,
+)
 from segfuse.server.serving import api_error
 from segfuse.server.state import job_for
 from segfuse.server.worker.jobs import QueueFullError
+from segfuse.server.worker.thread import Worker
 
 
 def test_a_member_is_named_by_its_spec_as_its_backend_would_name_it():
@@ -176,3 +189,70 @@ def test_a_budget_smaller_than_an_ensemble_is_refused_at_start():
         build_config(ensembles={"full": ["a", "b", "c"], "one": ["a"]}, max_loaded_members=2)
     with pytest.raises(ConfigError, match="has 3 members"):  # the embedded three
         build_config(max_loaded_members=2)
+
+
+class FakeMember:
+    """What the pool needs of a member: a name, its bytes, and close."""
+
+    def __init__(self, spec: str) -> None:
+        self.name, self.nbytes, self.closed = spec, 100, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def two_models_one_room() -> tuple[Catalog, Pool]:
+    """Two one-member models and room for one member: the second waits until the first's is let go."""
+    catalog = Catalog.of(build_config(ensembles={"a": ["smollm2-135m"], "b": ["gemma3-270m"]}, preload=[]))
+    return catalog, Pool(catalog, Worker(4), FakeMember, Budget(members=1), keep_alive_s=60.0)
+
+
+def test_the_pool_wakes_its_waiter_when_another_thread_changes_it_not_at_a_poll(monkeypatch):
+    monkeypatch.setattr(pool_module, "WAKE_S", 30.0)  # a missed wake-up would wait this long: the test says so
+    changes = Changes()
+    seen: list[int] = []
+
+    async def wait(deadline_s: float | None) -> tuple[bool, float]:
+        start = time.monotonic()
+        deadline = None if deadline_s is None else start + deadline_s
+        woke = await changes.until(lambda: bool(seen), deadline)
+        return woke, time.monotonic() - start
+
+    assert asyncio.run(wait(0.2))[0] is False  # nothing changed: its deadline ends the wait
+    threading.Timer(0.2, lambda: (seen.append(1), changes.tell())).start()
+    woke, waited = asyncio.run(wait(None))
+    assert woke and waited < 5.0
+
+
+def test_a_request_waiting_for_room_loads_once_a_job_on_another_thread_lets_its_member_go(monkeypatch):
+    monkeypatch.setattr(pool_module, "WAKE_S", 30.0)
+    catalog, pool = two_models_one_room()
+
+    async def scenario() -> float:
+        async with pool.lease(catalog.model("a"), None, None) as first:
+            let_go = first.hold()  # a's job: it holds the member past the request
+        threading.Timer(0.2, let_go).start()  # the worker thread lets the job go
+        start = time.monotonic()
+        async with pool.lease(catalog.model("b"), None, None):
+            return time.monotonic() - start
+
+    waited = asyncio.run(scenario())
+    assert 0.15 < waited < 5.0, waited  # it waited for the job, and no longer
+    assert {p.name: p.state for p in pool.snapshot()} == {"smollm2-135m": "unloaded", "gemma3-270m": "loaded"}
+
+
+def test_a_request_that_finds_no_room_by_its_deadline_gets_no_room(monkeypatch):
+    monkeypatch.setattr(pool_module, "WAKE_S", 30.0)
+    catalog, pool = two_models_one_room()
+
+    async def scenario() -> None:
+        async with pool.lease(catalog.model("a"), None, None) as first:
+            first.hold()  # held for ever
+        async with pool.lease(catalog.model("b"), None, 0.3):
+            pass
+
+    start = time.monotonic()
+    with pytest.raises(NoRoomError, match="model b does not fit the memory budget"):
+        asyncio.run(scenario())
+    assert time.monotonic() - start < 5.0
+    assert next(p for p in pool.snapshot() if p.name == "gemma3-270m").users == 0  # its pins let go
