@@ -103,7 +103,7 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
     worker = Worker(config.server.queue_size, config.server.max_concurrent, stall_after_s=config.server.stall_after_s)
     shared = shared if shared is not None else Shared(ResponseStore())
     pool = pool_of(config, worker, ensemble)
-    state = ServerState(config, pool, shared.metrics(worker), shared)
+    state = ServerState(config, pool, shared.metrics(worker.queue), shared)
     worker.observer = state.metrics
     if ensemble is not None:
         # Its Hedge state is the caller's (a Ray front end's store is shared between replicas).
@@ -231,7 +231,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         if not state.sees_all(request):  # a probe: readiness only
             return JSONResponse({"status": status}, status_code=code)
         error = error if error is None or state.holds_key(request) else redact(error)
-        waiting, running, occupancy = worker.view()
+        waiting, running, occupancy = state.queue.view()
         copies = await state.shared.copies(state.loaded)
         body = Health(
             status=status,
@@ -239,9 +239,12 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             members=state.members,
             error=error,
             queue=QueueState(
-                waiting=waiting, running=running, capacity=worker.queue_size, max_concurrent=worker.max_concurrent
+                waiting=waiting,
+                running=running,
+                capacity=state.queue.queue_size,
+                max_concurrent=state.queue.max_concurrent,
             ),
-            counters=worker.snapshot(),
+            counters=state.queue.snapshot(),
             placement=state.placement,
             occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()},
             copies=copies.members,
@@ -340,7 +343,7 @@ def _server(app: FastAPI, config: ServerConfig) -> Any:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Called as a signal handler: the worker's locks are taken in a thread of its own.
-            threading.Thread(target=worker.begin_shutdown, name="segfuse-shutdown", daemon=True).start()
+            threading.Thread(target=worker.queue.begin_shutdown, name="segfuse-shutdown", daemon=True).start()
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, **uvicorn_settings(config)))

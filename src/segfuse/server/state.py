@@ -34,6 +34,7 @@ from .models.pool import Lease, Pool
 from .parsing import Defaults
 from .serving import APIError, api_error, json_body
 from .shared import Shared
+from .worker.job_queue import JobQueue
 from .worker.jobs import Job
 from .worker.thread import Worker
 
@@ -59,6 +60,11 @@ class ServerState:
     @property
     def worker(self) -> Worker:
         return self.pool.worker
+
+    @property
+    def queue(self) -> JobQueue:
+        """The worker's queue: where requests submit and cancel their jobs, and what it holds."""
+        return self.pool.worker.queue
 
     @property
     def catalog(self) -> Catalog:
@@ -163,10 +169,10 @@ def job_for(request: FusionRequest, lease: Lease, **fields: Any) -> Job:
     return Job(generation, accepted_at=lease.arrived, **fields)
 
 
-def room(worker: Worker) -> int:
-    """Places left for new jobs: the queue plus free slots, less those waiting (as ``Worker.submit`` counts)."""
-    waiting, running = worker.state()
-    return worker.queue_size + max(0, worker.max_concurrent - running) - waiting
+def room(queue: JobQueue) -> int:
+    """Places left for new jobs: the queue plus free slots, less those waiting (as ``JobQueue.submit`` counts)."""
+    waiting, running = queue.state()
+    return queue.queue_size + max(0, queue.max_concurrent - running) - waiting
 
 
 def submit(
@@ -179,10 +185,10 @@ def submit(
 ) -> Callable[[], None]:
     """Queue a request's jobs, all or none (429 naming `param` when they do not all fit), each holding
     the `lease` until the worker lets it go; returns what cancels them all (a no-op for those that ended)."""
-    worker = state.worker
+    queue = state.queue
     if user:
         log.info("%s for user %s", jobs[0].id, quoted(user))
-    free = room(worker)
+    free = room(queue)
     if len(jobs) > 1 and len(jobs) > free:
         raise APIError(
             429,
@@ -197,16 +203,16 @@ def submit(
         for job in jobs:
             job.bind(loop)
             job.on_over = lease.hold()
-            worker.submit(job)
+            queue.submit(job)
     except SegfuseError as exc:
         for job in jobs:
-            worker.cancel(job)
+            queue.cancel(job)
             job.over()  # a no-op for those the worker let go already
         raise api_error(exc, detailed) from None
 
     def cancel() -> None:
         for job in jobs:
-            worker.cancel(job)
+            queue.cancel(job)
 
     return cancel
 

@@ -59,7 +59,7 @@ async def answer(state: ServerState, request: Request) -> Response:
     reply = ChatAnswer(job, model, detailed, plan.request.include_usage)
     if plan.request.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 def _calls(call: ToolCall, index: int | None = None) -> list[dict[str, Any]]:

@@ -80,11 +80,11 @@ async def read_prompts(
     submit(state, jobs, lease, detailed, request.user, param="prompt")
     try:
         values = await asyncio.gather(
-            *(worked(job, disconnected(http), partial(state.worker.cancel, job), detailed) for job in jobs)
+            *(worked(job, disconnected(http), partial(state.queue.cancel, job), detailed) for job in jobs)
         )
     finally:
         for job in jobs:
-            state.worker.cancel(job)  # a no-op for those that ended
+            state.queue.cancel(job)  # a no-op for those that ended
     return [_read_tokens(v) for v in values]
 
 

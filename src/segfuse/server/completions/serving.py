@@ -84,7 +84,7 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
     reply = CompletionAnswer(jobs, parsed, texts, model, detailed, echoes)
     if parsed.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 def requests_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions) -> list[FusionRequest]:

@@ -79,7 +79,7 @@ async def answer(state: ServerState, request: Request) -> Response:
     reply = MessagesAnswer(job, model, detailed)
     if parsed.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 async def count_tokens(state: ServerState, request: Request) -> JSONResponse:

@@ -246,7 +246,7 @@ class Pool:
 
     async def _bring(self, model: Model, deadline: float | None) -> None:
         """Wait for the turn to load, pin `model`'s members, make room and load what is missing."""
-        if self.waiting > self.worker.queue_size:
+        if self.waiting > self.worker.queue.queue_size:
             raise QueueFullError(f"{self.waiting} requests are waiting for models to load; retry in a little while")
         self._turn = self._turn or asyncio.Lock()
         self.waiting += 1

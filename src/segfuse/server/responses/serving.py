@@ -89,7 +89,7 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     reply = ResponsesAnswer(job, model, plan, store, detailed)
     if plan.request.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 class ResponsesAnswer(Answer):
