@@ -256,3 +256,25 @@ def test_a_request_that_finds_no_room_by_its_deadline_gets_no_room(monkeypatch):
         asyncio.run(scenario())
     assert time.monotonic() - start < 5.0
     assert next(p for p in pool.snapshot() if p.name == "gemma3-270m").users == 0  # its pins let go
+
+
+def test_one_place_decides_whether_a_served_ensemble_carries_its_hedge_weights_and_where():
+    from segfuse.ensemble import Ensemble
+    from segfuse.hedge_store import MemoryWeights
+    from segfuse.server.app import create_app
+    from segfuse.server.responses.store import ResponseStore
+    from segfuse.server.shared import Shared, hedge_of
+
+    one = build_config(hedge_persist=True)
+    shared = Shared(ResponseStore())
+    assert hedge_of(one, shared) == (True, shared.weights)  # the store the front ends share
+    persist, store = hedge_of(one)
+    assert persist and isinstance(store, MemoryWeights)
+    assert hedge_of(build_config(), shared)[0] is False  # the operator's choice, off by default
+    two = build_config(ensembles={"small": ["smollm2-135m"], "full": ["smollm2-135m", "gemma3-270m"]})
+    assert hedge_of(two, shared)[0] is False  # one ensemble's weights (config.py refuses hedge_persist here)
+    given = Ensemble.holding([], hedge_persist=True)
+    assert hedge_of(build_config(), shared, given) == (True, given.hedge_store)  # the caller's ensemble: its own
+    served = create_app(one, shared=shared).state.segfuse.pool.ensemble
+    assert served.hedge_persist and served.hedge_store is shared.weights
+    assert not create_app(build_config()).state.segfuse.pool.ensemble.hedge_persist

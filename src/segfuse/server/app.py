@@ -60,7 +60,7 @@ from .models.view import memory_of, model_cards
 from .responses import routes as responses
 from .responses.store import ResponseStore
 from .serving import APIError, api_error
-from .shared import Shared
+from .shared import Shared, hedge_of
 from .state import ServerState, key_check
 from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
 from .worker.periodic import saving_prefix_caches
@@ -72,9 +72,11 @@ API_ROUTERS = (chat.api_router, completions.api_router, messages.api_router, res
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:
-    """Load the configured members (the embedded three when none are named)."""
+    """Load the configured members (the embedded three when none are named), carrying the Hedge weights
+    over as the server would (``hedge_of``)."""
+    persist, store = hedge_of(config)
     m = config.members
-    return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **member_options(config))
+    return Ensemble(m.models or None, hedge_persist=persist, hedge_store=store, **member_options(config))
 
 
 def member_options(config: ServerConfig) -> dict[str, Any]:
@@ -89,7 +91,6 @@ def pool_of(config: ServerConfig, worker: Worker, given: Ensemble | None) -> Poo
     s = config.server
     budget = Budget(s.max_loaded_members, s.budget_bytes())
     pool = Pool(catalog, worker, lambda spec: load_member(spec, shared), budget, keep_alive_seconds(s.keep_alive))
-    pool.ensemble.hedge_persist = s.hedge_persist and catalog.single()
     if given is not None:
         pool.adopt(given.members)
     return pool
@@ -105,9 +106,8 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
     pool = pool_of(config, worker, ensemble)
     state = ServerState(config, pool, shared.metrics(worker.queue), shared)
     worker.observer = state.metrics
+    pool.ensemble.hedge_persist, pool.ensemble.hedge_store = hedge_of(config, shared, ensemble)
     if ensemble is not None:
-        # Its Hedge state is the caller's (a Ray front end's store is shared between replicas).
-        pool.ensemble.hedge_persist, pool.ensemble.hedge_store = ensemble.hedge_persist, ensemble.hedge_store
         state.status = "ok" if ensemble.members else "failed"
         state.error = None if ensemble.members else "the ensemble has no members"
 
