@@ -307,12 +307,6 @@ def sse(payload: dict[str, Any] | str, event: str | None = None) -> str:
 KEEPALIVE_FRAME = ": keep-alive\n\n"
 
 
-def failure_frame(item: Any, detailed: bool = False) -> str | None:
-    """The OpenAI SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
-    error = failure_of(item, detailed)
-    return None if error is None else sse(error.body())
-
-
 def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> StreamingResponse:
     """A request's server-sent events; `cancel` also runs when the client hung up."""
     return StreamingResponse(
@@ -331,7 +325,6 @@ __all__ = [
     "call_of",
     "disconnected",
     "event_stream",
-    "failure_frame",
     "failure_of",
     "finish_reason_of",
     "finished",
