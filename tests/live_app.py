@@ -74,7 +74,7 @@ def live_unfailing(ensemble: Any, **server: Any) -> Iterator[Live]:
     """`live`, and at its end the worker failed no generation (a module's server fixture)."""
     with live(ensemble, **server) as running:
         yield running
-        assert running.state.worker.snapshot()["failed"] == 0
+        assert running.state.worker.queue.snapshot()["failed"] == 0
 
 
 @contextmanager
@@ -97,4 +97,6 @@ def serve_app(config: ServerConfig, ensemble: Any) -> Iterator[tuple[str, Server
 def idle(state: ServerState) -> bool:
     """No request waiting or running, and every member's slots free again."""
     worker = state.worker
-    return worker.state() == (0, 0) and all(o.free_slots in (None, o.slots) for o in worker.occupancy().values())
+    return worker.queue.state() == (0, 0) and all(
+        o.free_slots in (None, o.slots) for o in worker.queue.occupancy().values()
+    )

@@ -35,7 +35,8 @@ from segfuse.options import FusionOptions
 from segfuse.prompting import content_spans, render_chat
 from segfuse.request import FusionRequest
 from segfuse.server import app as server_app
-from segfuse.server.worker import DeadlineError, Failed, Job, ShuttingDownError, Worker, WorkerFailedError
+from segfuse.server.worker.jobs import DeadlineError, Failed, Job, ShuttingDownError, WorkerFailedError
+from segfuse.server.worker.thread import Worker
 from segfuse.types import DoneEvent, Message
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(300)]
@@ -81,10 +82,10 @@ def run_jobs(worker: Worker, jobs: list[Job], timeout: float = 120.0) -> list[li
 
     async def main():
         loop = asyncio.get_running_loop()
-        with worker._cond:  # all queued before the worker looks: they start in the same step
+        with worker.queue._cond:  # all queued before the worker looks: they start in the same step
             for j in jobs:
                 j.bind(loop)
-                worker.submit(j)
+                worker.queue.submit(j)
 
         async def items(j: Job):
             return [item async for item in j.items()]
@@ -357,7 +358,7 @@ def test_a_native_panic_in_a_member_call_is_that_members_fault(smol):
         )
         (after,) = run_jobs(worker, [chat()])
         assert isinstance(after[-1], DoneEvent) and after[-1].result.text
-        assert worker.snapshot()["worker_errors"] == 0 and smol.table.free == 2
+        assert worker.queue.snapshot()["worker_errors"] == 0 and smol.table.free == 2
     finally:
         worker.stop()
 
@@ -370,7 +371,7 @@ def test_a_tick_that_raises_fails_the_requests_in_flight_and_the_worker_goes_on(
         assert "NativePanic" in str(first[0][-1].error)
         (after,) = run_jobs(worker, [chat()])
         assert isinstance(after[-1], DoneEvent) and after[-1].result.text
-        counters = wait_for(lambda: (c := worker.snapshot())["completed"] == 1 and c, 10, what="the count")
+        counters = wait_for(lambda: (c := worker.queue.snapshot())["completed"] == 1 and c, 10, what="the count")
         assert counters["worker_errors"] == 1 and counters["failed"] == 2 and counters["completed"] == 1
         assert worker.fatal is None and smol.table.free == 2
     finally:
@@ -389,7 +390,7 @@ def test_a_worker_that_keeps_failing_is_fatal_and_says_why(smol):
         assert told == [worker.fatal] and "2 worker steps failed and no generation completed" in worker.fatal
         with pytest.raises(ShuttingDownError, match="cannot generate any more"):
             run_jobs(worker, [chat()])
-        assert worker.snapshot()["worker_errors"] == 2 and smol.table.free == 2
+        assert worker.queue.snapshot()["worker_errors"] == 2 and smol.table.free == 2
     finally:
         worker.stop()
 
@@ -427,9 +428,9 @@ def test_a_stalled_step_shows_and_is_counted(smol):
         async def main():
             job = chat()
             job.bind(asyncio.get_running_loop())
-            worker.submit(job)
+            worker.queue.submit(job)
             stalled = await asyncio.to_thread(wait_for, lambda: worker.stalled, 30, 0.05, "a stall")
-            await asyncio.to_thread(wait_for, lambda: worker.snapshot()["stalls"] == 1, 30, 0.05, "a stall count")
+            await asyncio.to_thread(wait_for, lambda: worker.queue.snapshot()["stalls"] == 1, 30, 0.05, "a stall count")
             release.set()
             return stalled, [item async for item in job.items()]
 
@@ -469,10 +470,10 @@ def test_shutting_down_ends_running_and_waiting_requests_at_once(smol):
             jobs = [chat(), chat()]
             for job in jobs:
                 job.bind(asyncio.get_running_loop())
-                worker.submit(job)
-            await asyncio.to_thread(wait_for, lambda: worker.state() == (1, 1), 30, 0.05, "one running")
+                worker.queue.submit(job)
+            await asyncio.to_thread(wait_for, lambda: worker.queue.state() == (1, 1), 30, 0.05, "one running")
             await asyncio.to_thread(wait_for, lambda: worker._tick_since is not None, 30, 0.05, "a step")
-            worker.begin_shutdown()
+            worker.queue.begin_shutdown()
             release.set()
             return [[item async for item in job.items()] for job in jobs]
 

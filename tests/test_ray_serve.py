@@ -97,7 +97,7 @@ def local_server():
     try:
         with serve_app(config, ensemble) as (url, state):
             yield url
-            assert state.worker.snapshot()["failed"] == 0
+            assert state.worker.queue.snapshot()["failed"] == 0
     finally:
         ensemble.close()
 

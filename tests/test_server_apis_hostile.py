@@ -85,6 +85,6 @@ def test_every_mutation_is_answered_in_the_apis_shape(server, path, body, inner)
             else:
                 assert error["error"]["message"] and error["error"]["type"], error
     assert statuses.get(200) and sum(n for s, n in statuses.items() if 400 <= s < 500) > 50, statuses
-    assert server.state.worker.snapshot()["failed"] == 0
+    assert server.state.worker.queue.snapshot()["failed"] == 0
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
     assert httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=300).status_code == 200

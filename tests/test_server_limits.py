@@ -102,7 +102,7 @@ def live(ensemble, *, api_key: str | None = KEY, limits: dict[str, Any] | None =
 def server(default_ensemble) -> Iterator[Live]:
     with live(default_ensemble) as running:
         yield running
-        counters = running.state.worker.snapshot()
+        counters = running.state.worker.queue.snapshot()
         assert counters["failed"] == 0, counters
 
 
@@ -115,9 +115,11 @@ def assert_healthy(server: Live) -> None:
     worker = server.state.worker
 
     def idle() -> bool:
-        return worker.state() == (0, 0) and all(o.free_slots in (None, o.slots) for o in worker.occupancy().values())
+        return worker.queue.state() == (0, 0) and all(
+            o.free_slots in (None, o.slots) for o in worker.queue.occupancy().values()
+        )
 
-    wait_for(idle, 60, what=f"no request or slot held (now {worker.state()}, {worker.occupancy()})")
+    wait_for(idle, 60, what=f"no request or slot held (now {worker.queue.state()}, {worker.queue.occupancy()})")
 
 
 def error_of(response: httpx.Response, status: int, code: str, param: str | None = None) -> dict:
@@ -210,10 +212,10 @@ LIMIT_CASES = {
 @pytest.mark.parametrize("case", list(LIMIT_CASES))
 def test_each_limit_is_refused_naming_the_field_and_the_limit(server, case):
     body, param, setting = LIMIT_CASES[case]
-    accepted = server.state.worker.snapshot()["accepted"]
+    accepted = server.state.worker.queue.snapshot()["accepted"]
     error = error_of(server.post("/v1/chat/completions", body), 400, "limit_exceeded", param)
     assert f"[limits] {setting}" in error["message"], error
-    assert server.state.worker.snapshot()["accepted"] == accepted  # refused before the queue
+    assert server.state.worker.queue.snapshot()["accepted"] == accepted  # refused before the queue
 
 
 def test_text_completion_limits_and_prompts_take_queue_places(server):
@@ -249,16 +251,16 @@ def test_text_completion_limits_and_prompts_take_queue_places(server):
             for _ in range(4)
         ]
         # one running, three waiting: at most one free place (two, should one answer end meanwhile)
-        wait_for(lambda: sum(server.state.worker.state()) == 4, 60, what="four requests in")
-        accepted = server.state.worker.snapshot()["accepted"]
+        wait_for(lambda: sum(server.state.worker.queue.state()) == 4, 60, what="four requests in")
+        accepted = server.state.worker.queue.snapshot()["accepted"]
         error = error_of(
             server.post("/v1/completions", {**body, "prompt": ["a", "b", "c", "d"]}), 429, "queue_full", "prompt"
         )
         assert "4 prompts need 4 places" in error["message"], error
-        assert server.state.worker.snapshot()["accepted"] == accepted  # no prompt took a place
+        assert server.state.worker.queue.snapshot()["accepted"] == accepted  # no prompt took a place
         for response in held:
             response.close()
-    wait_for(lambda: server.state.worker.state() == (0, 0), 120, what="the held requests to end")
+    wait_for(lambda: server.state.worker.queue.state() == (0, 0), 120, what="the held requests to end")
     assert_healthy(server)
 
 

@@ -170,12 +170,12 @@ def test_hostile_bodies_get_anthropic_errors_and_a_hangup_frees_the_job(server, 
         ]
         == "messages.0.content"
     )
-    cancelled = server.state.worker.snapshot()["cancelled"]
+    cancelled = server.state.worker.queue.snapshot()["cancelled"]
     body = {"model": "segfuse", "max_tokens": 64, "stream": True, "messages": HI}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers=raw, timeout=300) as response:
         for line in response.iter_lines():
             if line == "event: content_block_delta":
                 break  # hang up mid-answer
-    wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
+    wait_for(lambda: server.state.worker.queue.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
     assert anthropic_client.messages.create(model=LEADER, max_tokens=2, messages=HI).content

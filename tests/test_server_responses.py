@@ -145,7 +145,7 @@ def test_bad_input_is_refused_in_openai_shape(server, openai_client):
 
 
 def test_a_hangup_mid_stream_frees_the_job(server, openai_client):
-    cancelled = server.state.worker.snapshot()["cancelled"]
+    cancelled = server.state.worker.queue.snapshot()["cancelled"]
     body = {"model": "segfuse", "input": "Tell me a story.", "max_output_tokens": 64, "stream": True}
     with httpx.stream(
         "POST", f"{server.api}/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
@@ -153,7 +153,7 @@ def test_a_hangup_mid_stream_frees_the_job(server, openai_client):
         for line in response.iter_lines():
             if line == "event: response.output_text.delta":
                 break  # hang up mid-answer
-    wait_for(lambda: server.state.worker.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
+    wait_for(lambda: server.state.worker.queue.snapshot()["cancelled"] > cancelled, 60, what="the job cancelled")
     wait_for(lambda: idle(server.state), 60, what="no request or slot held")
     assert openai_client.responses.create(model=LEADER, input="Hi.", max_output_tokens=2).output_text
 

@@ -13,7 +13,8 @@ from segfuse.backends.base import Occupancy
 from segfuse.errors import InvalidRequestError
 from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
-from segfuse.server.worker import Cancelled, Failed, Job, QueueFullError, Started, Worker
+from segfuse.server.worker.jobs import Cancelled, Failed, Job, QueueFullError, Started
+from segfuse.server.worker.thread import Worker
 from segfuse.types import DoneEvent
 
 WORDS = [([b" one", b"."], False), ([b" two", b"."], False), ([b""], True)]
@@ -36,7 +37,7 @@ def run_jobs(worker: Worker, jobs: list[Job], before_wait=None):
         for j in jobs:
             j.bind(loop)
             try:
-                worker.submit(j)
+                worker.queue.submit(j)
                 accepted.append(j)
             except QueueFullError:
                 refused.append(j)
@@ -70,10 +71,10 @@ def test_jobs_beyond_the_running_and_the_queue_are_refused(slow_ensemble):
     def while_blocked(accepted):
         deadline = threading.Event()
         for _ in range(100):  # the worker admits two, the third waits
-            if worker.state() == (1, 2):
+            if worker.queue.state() == (1, 2):
                 break
             deadline.wait(0.05)
-        assert worker.state() == (1, 2)
+        assert worker.queue.state() == (1, 2)
         gate.set()
 
     results, refused = run_jobs(worker, [job(f"q{i}") for i in range(4)], while_blocked)
@@ -82,9 +83,9 @@ def test_jobs_beyond_the_running_and_the_queue_are_refused(slow_ensemble):
     for items in results.values():
         assert isinstance(items[0], Started) and isinstance(items[-1], DoneEvent)
         assert items[-1].result.text == " one. two."
-    counters = worker.snapshot()
+    counters = worker.queue.snapshot()
     assert (counters["accepted"], counters["rejected"], counters["started"], counters["completed"]) == (3, 1, 3, 3)
-    assert all(s.closed for s in opened) and worker.state() == (0, 0)
+    assert all(s.closed for s in opened) and worker.queue.state() == (0, 0)
 
 
 def test_cancelling_a_queued_and_a_running_job(slow_ensemble):
@@ -95,18 +96,18 @@ def test_cancelling_a_queued_and_a_running_job(slow_ensemble):
 
     def cancel_both(accepted):
         for _ in range(100):
-            if worker.state() == (1, 1):
+            if worker.queue.state() == (1, 1):
                 break
             threading.Event().wait(0.05)
-        worker.cancel(jobs[1])  # still in the queue
-        worker.cancel(jobs[0])  # in flight: stops at its next step
+        worker.queue.cancel(jobs[1])  # still in the queue
+        worker.queue.cancel(jobs[0])  # in flight: stops at its next step
         gate.set()
 
     results, _ = run_jobs(worker, jobs, cancel_both)
     worker.stop()
     assert isinstance(results[jobs[1].id][-1], Cancelled) and len(results[jobs[1].id]) == 1
     assert isinstance(results[jobs[0].id][-1], Cancelled)
-    assert worker.snapshot()["cancelled"] == 2 and worker.snapshot()["started"] == 1
+    assert worker.queue.snapshot()["cancelled"] == 2 and worker.queue.snapshot()["started"] == 1
     assert len(opened) == 1 and opened[0].closed  # the running job's session was released
 
 
@@ -127,7 +128,7 @@ def test_a_bad_request_is_invalid_and_a_dead_member_is_a_failure():
     invalid, failed = results.values()
     assert isinstance(invalid[-1], Failed) and isinstance(invalid[-1].error, InvalidRequestError)
     assert isinstance(failed[-1], Failed) and "vanished" in str(failed[-1].error)
-    counters = worker.snapshot()
+    counters = worker.queue.snapshot()
     assert counters["invalid"] == 1 and counters["failed"] == 1
 
 
@@ -175,9 +176,9 @@ def test_the_worker_shows_what_members_hold_and_nothing_once_idle():
     with Ensemble([member]) as ensemble:
         worker = Worker(queue_size=4, max_concurrent=2)
         worker.start(ensemble)
-        assert worker.occupancy() == {"holding": Occupancy(2, 2, 0)}
+        assert worker.queue.occupancy() == {"holding": Occupancy(2, 2, 0)}
         run_jobs(worker, [job("a"), job("b")])
-        idle = worker.view()  # at once: each result went out after its job let its sessions go
+        idle = worker.queue.view()  # at once: each result went out after its job let its sessions go
         worker.stop()
     assert Occupancy(2, 0, 20) in member.reads  # read while both generations ran, between steps
     assert idle == (0, 0, {"holding": Occupancy(2, 2, 0)})
@@ -199,9 +200,9 @@ def test_a_result_reaches_its_handler_only_once_the_job_is_no_longer_in_flight()
             for _ in range(ROUNDS):
                 j = job("a")
                 j.bind(asyncio.get_running_loop())
-                worker.submit(j)
+                worker.queue.submit(j)
                 # what /health reads, as the answer's last frame goes out
-                seen += [worker.view() async for item in j.items() if isinstance(item, DoneEvent)]
+                seen += [worker.queue.view() async for item in j.items() if isinstance(item, DoneEvent)]
             return seen
 
         seen = asyncio.run(main())
@@ -233,15 +234,15 @@ def test_a_completion_nobody_reads_is_still_observed_once():
         async def submit_and_leave():
             j = job("nobody reads this")
             j.bind(asyncio.get_running_loop())
-            worker.submit(j)  # and never read its items: the client is gone
+            worker.queue.submit(j)  # and never read its items: the client is gone
             for _ in range(200):
-                if worker.snapshot()["completed"]:
+                if worker.queue.snapshot()["completed"]:
                     return
                 await asyncio.sleep(0.02)
 
         asyncio.run(submit_and_leave())
         worker.stop()
-    assert worker.snapshot()["completed"] == 1
+    assert worker.queue.snapshot()["completed"] == 1
     assert watching.seen == [("first_segment", None), ("done", " one. two.")]
 
 
@@ -263,7 +264,7 @@ def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on()
         worker.stop()
     assert isinstance(results[crashed.id][-1], Failed) and "tokenizer" in str(results[crashed.id][-1].error)
     assert isinstance(results[fine.id][-1], DoneEvent)
-    assert worker.snapshot()["failed"] == 1 and worker.snapshot()["completed"] == 1
+    assert worker.queue.snapshot()["failed"] == 1 and worker.queue.snapshot()["completed"] == 1
 
 
 @pytest.mark.parametrize(
@@ -271,7 +272,7 @@ def test_a_crash_while_admitting_one_job_fails_that_job_and_the_worker_goes_on()
 )
 def test_only_a_streamed_answer_hands_out_the_leaders_text_as_it_decodes(streamed, logprobs, live):
     """A whole answer goes out once: its tokens' events would only wake the handler's loop for nothing."""
-    from segfuse.server.jobs import flight_of
+    from segfuse.server.worker.jobs import flight_of
 
     job = Job(FusionRequest.of("hi", FusionOptions()), streamed=streamed, logprobs=logprobs)
     flight = flight_of(job, iter(()), lambda name: None, lambda tell: None, lambda *a: None)
@@ -279,7 +280,7 @@ def test_only_a_streamed_answer_hands_out_the_leaders_text_as_it_decodes(streame
 
 
 def test_the_periodic_chore_runs_on_the_worker_thread_idle_or_busy_and_a_failure_stops_nothing():
-    from segfuse.server.periodic import Periodic
+    from segfuse.server.worker.periodic import Periodic
 
     ran: list[str] = []
 
@@ -302,4 +303,4 @@ def test_the_periodic_chore_runs_on_the_worker_thread_idle_or_busy_and_a_failure
     assert len(ran) >= 3 and set(ran) == {"segfuse-worker"}
     (items,) = results.values()
     assert items[-1].result.text == " one. two."
-    assert worker.fatal is None and worker.snapshot()["worker_errors"] == 0
+    assert worker.fatal is None and worker.queue.snapshot()["worker_errors"] == 0

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from ..types import DoneEvent, Result, RoundEvent, SegmentEvent
 from .serving import KEEPALIVE_FRAME, KEEPALIVE_S, APIError, event_stream, failure_of, finished, sse
-from .worker import Item, Job, Started
+from .worker.jobs import Item, Job, Started
 
 
 class Answer:

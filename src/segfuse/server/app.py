@@ -7,7 +7,10 @@ types (``protocol``) and answers (``serving``): ``chat`` (/v1/chat/completions),
 Under them, the shared part at this folder's root: ``state`` and ``serving``
 (the server's state, a request's way to the worker, errors, request bodies,
 SSE, disconnects), ``wire`` (the shapes every API shares), ``parsing`` and
-``limits`` (reading and bounding requests), ``jobs`` and ``worker``.
+``limits`` (reading and bounding requests). Beside them, two rooms that are no
+API: ``worker/`` (the jobs, their bounded queue and the thread that runs them)
+and ``models/`` (the models served, by name, and their members, loaded on
+demand and freed when idle).
 
 ``create_app`` is what tests and embedders use; ``run`` is `segfuse serve`.
 Members are loaded before the app starts (``run``) or, when the app is created
@@ -44,7 +47,6 @@ from ..ensemble import Ensemble
 from ..errors import SegfuseError
 from ..keep_alive import keep_alive_seconds
 from ..member_options import MemberOptions
-from .catalog import Catalog
 from .chat import routes as chat
 from .completions import routes as completions
 from .connections import h11_protocol
@@ -52,16 +54,17 @@ from .guards import Gate, quoted, redact
 from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
-from .models_view import memory_of, model_cards
-from .periodic import saving_prefix_caches
-from .pool import Budget, Pool
+from .models.catalog import Catalog
+from .models.pool import Budget, Pool
+from .models.view import memory_of, model_cards
 from .responses import routes as responses
 from .responses.store import ResponseStore
 from .serving import APIError, api_error
-from .shared import Shared
+from .shared import Shared, hedge_of
 from .state import ServerState, key_check
 from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
-from .worker import Worker
+from .worker.periodic import saving_prefix_caches
+from .worker.thread import Worker
 
 log = logging.getLogger("segfuse.server")
 STATIC = Path(__file__).with_name("static")
@@ -69,9 +72,11 @@ API_ROUTERS = (chat.api_router, completions.api_router, messages.api_router, res
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:
-    """Load the configured members (the embedded three when none are named)."""
+    """Load the configured members (the embedded three when none are named), carrying the Hedge weights
+    over as the server would (``hedge_of``)."""
+    persist, store = hedge_of(config)
     m = config.members
-    return Ensemble(m.models or None, hedge_persist=config.server.hedge_persist, **member_options(config))
+    return Ensemble(m.models or None, hedge_persist=persist, hedge_store=store, **member_options(config))
 
 
 def member_options(config: ServerConfig) -> dict[str, Any]:
@@ -86,7 +91,6 @@ def pool_of(config: ServerConfig, worker: Worker, given: Ensemble | None) -> Poo
     s = config.server
     budget = Budget(s.max_loaded_members, s.budget_bytes())
     pool = Pool(catalog, worker, lambda spec: load_member(spec, shared), budget, keep_alive_seconds(s.keep_alive))
-    pool.ensemble.hedge_persist = s.hedge_persist and catalog.single()
     if given is not None:
         pool.adopt(given.members)
     return pool
@@ -100,11 +104,10 @@ def create_app(config: ServerConfig, ensemble: Ensemble | None = None, shared: S
     worker = Worker(config.server.queue_size, config.server.max_concurrent, stall_after_s=config.server.stall_after_s)
     shared = shared if shared is not None else Shared(ResponseStore())
     pool = pool_of(config, worker, ensemble)
-    state = ServerState(config, pool, shared.metrics(worker), shared)
+    state = ServerState(config, pool, shared.metrics(worker.queue), shared)
     worker.observer = state.metrics
+    pool.ensemble.hedge_persist, pool.ensemble.hedge_store = hedge_of(config, shared, ensemble)
     if ensemble is not None:
-        # Its Hedge state is the caller's (a Ray front end's store is shared between replicas).
-        pool.ensemble.hedge_persist, pool.ensemble.hedge_store = ensemble.hedge_persist, ensemble.hedge_store
         state.status = "ok" if ensemble.members else "failed"
         state.error = None if ensemble.members else "the ensemble has no members"
 
@@ -228,7 +231,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         if not state.sees_all(request):  # a probe: readiness only
             return JSONResponse({"status": status}, status_code=code)
         error = error if error is None or state.holds_key(request) else redact(error)
-        waiting, running, occupancy = worker.view()
+        waiting, running, occupancy = state.queue.view()
         copies = await state.shared.copies(state.loaded)
         body = Health(
             status=status,
@@ -236,16 +239,19 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             members=state.members,
             error=error,
             queue=QueueState(
-                waiting=waiting, running=running, capacity=worker.queue_size, max_concurrent=worker.max_concurrent
+                waiting=waiting,
+                running=running,
+                capacity=state.queue.queue_size,
+                max_concurrent=state.queue.max_concurrent,
             ),
-            counters=worker.snapshot(),
+            counters=state.queue.snapshot(),
             placement=state.placement,
             occupancy={name: MemberOccupancy(**asdict(held)) for name, held in occupancy.items()},
             copies=copies.members,
             degraded=copies.degraded,
             replica=state.shared.replica,
             ensembles={name: list(state.catalog.models[name].members) for name in state.catalog.ensembles},
-            memory=memory_of(state),
+            memory=memory_of(state.pool),
         )
         return JSONResponse(body.model_dump(), status_code=code)
 
@@ -266,11 +272,11 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[require_key])
     async def list_models() -> ModelList:
-        return ModelList(data=model_cards(state))
+        return ModelList(data=model_cards(state.pool, state.started))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=[require_key])
     async def get_model(model_id: str) -> ModelCard:
-        for card in model_cards(state):
+        for card in model_cards(state.pool, state.started):
             if card.id == model_id:
                 return card
         raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")
@@ -337,7 +343,7 @@ def _server(app: FastAPI, config: ServerConfig) -> Any:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Called as a signal handler: the worker's locks are taken in a thread of its own.
-            threading.Thread(target=worker.begin_shutdown, name="segfuse-shutdown", daemon=True).start()
+            threading.Thread(target=worker.queue.begin_shutdown, name="segfuse-shutdown", daemon=True).start()
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(app, **uvicorn_settings(config)))

@@ -37,7 +37,7 @@ FIRST_SEGMENT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 
 
 
 class WorkerView(Protocol):
-    """What the metrics read from the worker (``worker.Worker`` provides it)."""
+    """What the metrics read from the worker's queue (``worker/job_queue.py``'s ``JobQueue`` provides it)."""
 
     max_concurrent: int
     queue_size: int

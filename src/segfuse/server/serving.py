@@ -35,6 +35,7 @@ from ..prompting import prefill_of
 from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, Segment
 from .guards import media_type_error, redact
+from .models.pool import LoadFailedError, MemberFreedError, NoRoomError
 from .wire import (
     ErrorDetail,
     ErrorResponse,
@@ -44,7 +45,7 @@ from .wire import (
     SegmentInfo,
     Usage,
 )
-from .worker import (
+from .worker.jobs import (
     Cancelled,
     DeadlineError,
     Failed,
@@ -87,32 +88,37 @@ class APIError(Exception):
         return ErrorResponse(error=self.detail).model_dump()
 
 
+# What a client sees of each domain error: its status, type, code and param; the first that matches wins
+# (NoFreeSlotError before MemberFailedError, its base). Any other SegfuseError: a 500 server_error.
+ERRORS: tuple[tuple[type[SegfuseError] | tuple[type[SegfuseError], ...], int, str, str | None, str | None], ...] = (
+    (QueueFullError, 429, "rate_limit_error", "queue_full", None),  # the worker's queue, or the pool's waiting room
+    (ShuttingDownError, 503, "server_error", "shutting_down", None),
+    (DeadlineError, 504, "server_error", "deadline_exceeded", None),
+    (WorkerFailedError, 503, "server_error", "worker_failed", None),
+    (UnknownModelError, 404, "invalid_request_error", "model_not_found", "model"),  # the catalog names no such model
+    (InvalidRequestError, 400, "invalid_request_error", "invalid_request", None),
+    (NoFreeSlotError, 503, "server_error", "no_free_slot", None),  # every slot held past the wait: busy, not broken
+    ((MemberFailedError, MemberLoadError), 500, "server_error", "member_failed", None),
+    (MemberFreedError, 503, "server_error", None, None),  # the pool's: a member given loaded, freed
+    (LoadFailedError, 503, "server_error", "model_load_failed", "model"),
+    (NoRoomError, 503, "server_error", "no_room", None),
+)
+
+
 def api_error(exc: BaseException, detailed: bool = False) -> APIError:
-    """Map any exception to the APIError a client should see (no internals for bugs). Texts from inside
-    (a member's fault, a load error) lose their paths and URLs unless `detailed` (the request holds the key)."""
+    """Map any exception to the APIError a client should see (no internals for bugs): a domain error as
+    ``ERRORS`` says. Texts from inside (a member's fault, a load error) lose their paths and URLs unless
+    `detailed` (the request holds the key)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, SegfuseError):
-        text = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
-        text = text if detailed else redact(text)
-        if isinstance(exc, QueueFullError):
-            return APIError(429, text, "rate_limit_error", "queue_full")
-        if isinstance(exc, ShuttingDownError):
-            return APIError(503, text, "server_error", "shutting_down")
-        if isinstance(exc, DeadlineError):
-            return APIError(504, text, "server_error", "deadline_exceeded")
-        if isinstance(exc, WorkerFailedError):
-            return APIError(503, text, "server_error", "worker_failed")
-        if isinstance(exc, UnknownModelError):
-            return APIError(404, text, "invalid_request_error", "model_not_found", "model")
-        if isinstance(exc, InvalidRequestError):
-            return APIError(400, text, "invalid_request_error", "invalid_request")
-        if isinstance(exc, NoFreeSlotError):  # every slot held past the wait: busy, not broken
-            return APIError(503, text, "server_error", "no_free_slot")
-        if isinstance(exc, MemberFailedError | MemberLoadError):
-            return APIError(500, text, "server_error", "member_failed")
-        return APIError(500, text, "server_error")
-    return APIError(500, "internal error while generating; see the server log", "server_error")
+    if not isinstance(exc, SegfuseError):
+        return APIError(500, "internal error while generating; see the server log", "server_error")
+    text = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+    text = text if detailed else redact(text)
+    for kind, status, type_, code, param in ERRORS:
+        if isinstance(exc, kind):
+            return APIError(status, text, type_, code, param)
+    return APIError(500, text, "server_error")
 
 
 CANCELLED = "the generation was cancelled"
@@ -301,12 +307,6 @@ def sse(payload: dict[str, Any] | str, event: str | None = None) -> str:
 KEEPALIVE_FRAME = ": keep-alive\n\n"
 
 
-def failure_frame(item: Any, detailed: bool = False) -> str | None:
-    """The OpenAI SSE error event that ends a stream whose job failed or was cancelled (None for other items)."""
-    error = failure_of(item, detailed)
-    return None if error is None else sse(error.body())
-
-
 def event_stream(events: AsyncIterator[str], cancel: Callable[[], None]) -> StreamingResponse:
     """A request's server-sent events; `cancel` also runs when the client hung up."""
     return StreamingResponse(
@@ -325,7 +325,6 @@ __all__ = [
     "call_of",
     "disconnected",
     "event_stream",
-    "failure_frame",
     "failure_of",
     "finish_reason_of",
     "finished",

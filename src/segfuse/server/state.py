@@ -3,7 +3,7 @@
 Every API's ``serving`` runs the same steps: read the body (``serving.json_body``),
 parse it off the event loop (``ServerState.offload``), check the server is
 ready (``require_members``), take a lease on the model's members (``using``:
-loads what is missing, ``pool.py``), then ``submit`` its jobs, each holding the
+loads what is missing, ``models/pool.py``), then ``submit`` its jobs, each holding the
 lease until the worker lets it go; the answer comes back through
 ``serving.finished`` or a stream.
 """
@@ -15,8 +15,9 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 from fastapi import Request
@@ -26,14 +27,16 @@ from ..config import ServerConfig
 from ..errors import InvalidRequestError, SegfuseError
 from ..keep_alive import keep_alive_seconds
 from ..request import FusionRequest
-from .catalog import Catalog
 from .guards import quoted, redact
 from .metrics import ServerMetrics
+from .models.catalog import Catalog
+from .models.pool import Lease, Pool
 from .parsing import Defaults
-from .pool import Lease, Pool
 from .serving import APIError, api_error, json_body
 from .shared import Shared
-from .worker import Job, Worker
+from .worker.job_queue import JobQueue
+from .worker.jobs import Job
+from .worker.thread import Worker
 
 log = logging.getLogger("segfuse.server")
 PARSERS = 2  # requests parsed and compiled at once, off the event loop (the rest wait their turn)
@@ -59,6 +62,11 @@ class ServerState:
         return self.pool.worker
 
     @property
+    def queue(self) -> JobQueue:
+        """The worker's queue: where requests submit and cancel their jobs, and what it holds."""
+        return self.pool.worker.queue
+
+    @property
     def catalog(self) -> Catalog:
         return self.pool.catalog
 
@@ -67,10 +75,10 @@ class ServerState:
         """The model of requests that name none."""
         return self.catalog.default
 
-    @property
+    @cached_property
     def defaults(self) -> Defaults:
-        """Each model's fusion defaults."""
-        return self.catalog.defaults
+        """Each model's fusion defaults, by the name a request gives."""
+        return Defaults({name: m.defaults for name, m in self.catalog.models.items()}, self.catalog.default)
 
     @property
     def members(self) -> list[str]:
@@ -86,11 +94,6 @@ class ServerState:
     def placement(self) -> dict[str, str]:
         """Where each loaded member runs, in words."""
         return {m.name: m.placement or "?" for m in self.loaded}
-
-    @property
-    def contexts(self) -> dict[str, int | None]:
-        """Each loaded member's window for one session, in tokens."""
-        return {m.name: getattr(m, "n_ctx", None) for m in self.loaded}
 
     async def offload(self, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` in a thread, at most ``PARSERS`` at once: CPU work on client input never runs on
@@ -118,14 +121,6 @@ class ServerState:
         """A JSON request body within ``[server] max_body_bytes`` and ``[limits] body_timeout_s``."""
         return await json_body(request, self.config.server.max_body_bytes, self.config.limits.body_timeout_s)
 
-    def context_length(self, model: str) -> int | None:
-        """The prompt and answer a model takes, in tokens: a member's window, or for an ensemble the
-        smallest of its members' (every member reads the whole conversation); None until all are loaded."""
-        chosen = self.catalog.models.get(model)
-        contexts = self.contexts
-        windows = [contexts.get(name) for name in chosen.members] if chosen is not None else [contexts.get(model)]
-        return None if None in windows or not windows else min(w for w in windows if w is not None)
-
     def members_of(self, lease: Lease) -> list[Member]:
         """The loaded members a lease holds, in its model's order."""
         by_name = {m.name: m for m in self.loaded}
@@ -144,32 +139,40 @@ def require_members(state: ServerState, detailed: bool) -> None:
 @asynccontextmanager
 async def using(state: ServerState, model: str | None, keep_alive: str | float | None = None) -> AsyncIterator[Lease]:
     """The members of `model` (None: the default), loaded if they were not and held while the request
-    queues its jobs (404 for an unknown model; 400 for a bad keep_alive)."""
-    chosen = state.catalog.model(model)
-    try:
-        keep = None if keep_alive is None else keep_alive_seconds(keep_alive)
-    except InvalidRequestError as exc:
-        raise APIError(400, f"{exc.message}; {exc.hint}", code="invalid_value", param="keep_alive") from None
-    seconds = state.config.limits.deadline_s
-    deadline = None if seconds is None else time.monotonic() + seconds
-    async with state.pool.lease(chosen, keep, deadline) as lease:
+    queues its jobs (404 for an unknown model; 400 for a bad keep_alive; the pool's errors as ``api_error``
+    maps them: 429 while too many wait to load, 503 when a member cannot be loaded or does not fit)."""
+    async with AsyncExitStack() as held:
+        try:
+            chosen = state.catalog.model(model)
+            keep = _keep_s(keep_alive)
+            lease = await held.enter_async_context(state.pool.lease(chosen, keep, state.config.limits.deadline_s))
+        except SegfuseError as exc:
+            # The catalog's and the pool's texts name only models and members the server lists anyway (a load's
+            # fault is redacted where it is written): sent whole, as for a request that holds the key.
+            raise api_error(exc, detailed=True) from None
         yield lease
 
 
-def job_for(state: ServerState, request: FusionRequest, lease: Lease, **fields: Any) -> Job:
-    """The worker's job for `request` (as its parsing made it), answered by the lease's members and
-    accepted now: its deadline is ``[limits] request_timeout_s`` from now. `fields`: the server's own
-    Job fields (tools, logprobs, id, work)."""
-    accepted = time.monotonic()
-    seconds = state.config.limits.deadline_s
-    deadline = None if seconds is None else accepted + seconds
-    return Job(replace(request, members=lease.members, deadline=deadline), accepted_at=accepted, **fields)
+def _keep_s(keep_alive: str | float | None) -> float | None:
+    """A request's keep_alive in seconds (None: the server's); 400 naming it when it is no duration."""
+    try:
+        return None if keep_alive is None else keep_alive_seconds(keep_alive)
+    except InvalidRequestError as exc:
+        raise APIError(400, f"{exc.message}; {exc.hint}", code="invalid_value", param="keep_alive") from None
 
 
-def room(worker: Worker) -> int:
-    """Places left for new jobs: the queue plus free slots, less those waiting (as ``Worker.submit`` counts)."""
-    waiting, running = worker.state()
-    return worker.queue_size + max(0, worker.max_concurrent - running) - waiting
+def job_for(request: FusionRequest, lease: Lease, **fields: Any) -> Job:
+    """The worker's job for `request` (as its parsing made it), answered by the lease's members, with the
+    lease's deadline: ``[limits] request_timeout_s`` from when the request took it (the wait for its members
+    to load counts). `fields`: the server's own Job fields (tools, logprobs, id, work)."""
+    generation = replace(request, members=lease.members, deadline=lease.deadline)
+    return Job(generation, accepted_at=lease.arrived, **fields)
+
+
+def room(queue: JobQueue) -> int:
+    """Places left for new jobs: the queue plus free slots, less those waiting (as ``JobQueue.submit`` counts)."""
+    waiting, running = queue.state()
+    return queue.queue_size + max(0, queue.max_concurrent - running) - waiting
 
 
 def submit(
@@ -182,10 +185,10 @@ def submit(
 ) -> Callable[[], None]:
     """Queue a request's jobs, all or none (429 naming `param` when they do not all fit), each holding
     the `lease` until the worker lets it go; returns what cancels them all (a no-op for those that ended)."""
-    worker = state.worker
+    queue = state.queue
     if user:
         log.info("%s for user %s", jobs[0].id, quoted(user))
-    free = room(worker)
+    free = room(queue)
     if len(jobs) > 1 and len(jobs) > free:
         raise APIError(
             429,
@@ -200,16 +203,16 @@ def submit(
         for job in jobs:
             job.bind(loop)
             job.on_over = lease.hold()
-            worker.submit(job)
+            queue.submit(job)
     except SegfuseError as exc:
         for job in jobs:
-            worker.cancel(job)
+            queue.cancel(job)
             job.over()  # a no-op for those the worker let go already
         raise api_error(exc, detailed) from None
 
     def cancel() -> None:
         for job in jobs:
-            worker.cancel(job)
+            queue.cancel(job)
 
     return cancel
 

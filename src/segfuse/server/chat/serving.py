@@ -16,11 +16,11 @@ from ...logprobs import TokenLogprob, answer_logprobs
 from ...tools import ToolCall
 from ...types import Result, RoundEvent, Segment, SegmentEvent
 from ..answer import Answer
-from ..pool import Lease
+from ..models.pool import Lease
 from ..serving import call_of, disconnected, finish_reason_of, full_info, result_info, segment_info, sse, usage_of
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, RoundInfo
-from ..worker import Job
+from ..worker.jobs import Job
 from . import planning
 from .planning import ChatPlan
 from .protocol import (
@@ -37,10 +37,10 @@ from .protocol import (
 )
 
 
-def job_of(state: ServerState, plan: ChatPlan, lease: Lease, **fields: Any) -> Job:
+def job_of(plan: ChatPlan, lease: Lease, **fields: Any) -> Job:
     """The worker's job for a planned chat request, answered by the lease's members (`fields`: more Job
     fields, e.g. its id)."""
-    return job_for(state, plan.generation, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
+    return job_for(plan.generation, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
 
 
 async def answer(state: ServerState, request: Request) -> Response:
@@ -54,12 +54,12 @@ async def answer(state: ServerState, request: Request) -> Response:
     require_members(state, detailed)
     model = plan.request.model or state.model_id
     async with using(state, model, plan.request.keep_alive) as lease:
-        job = job_of(state, plan, lease, streamed=plan.request.stream)
+        job = job_of(plan, lease, streamed=plan.request.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = ChatAnswer(job, model, detailed, plan.request.include_usage)
     if plan.request.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 def _calls(call: ToolCall, index: int | None = None) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from ...errors import InvalidRequestError
 from ...logprobs import TokenLogprob
 from ...request import FusionRequest
 from ...types import PromptToken
-from ..pool import Lease
+from ..models.pool import Lease
 from ..serving import APIError, disconnected, worked
 from ..state import ServerState, job_for, submit
 from .protocol import CompletionLogprobs, CompletionRequest
@@ -74,17 +74,17 @@ async def read_prompts(
     # No generation: its work reads.
     reading = FusionRequest((), state.defaults.of(lease.model.name), cache_salt=request.cache_salt)
     jobs = [
-        job_for(state, reading, lease, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
+        job_for(reading, lease, id=f"{name}-{i}", work=partial(_read, prompt, k, members))
         for i, prompt in enumerate(request.prompts)
     ]
     submit(state, jobs, lease, detailed, request.user, param="prompt")
     try:
         values = await asyncio.gather(
-            *(worked(job, disconnected(http), partial(state.worker.cancel, job), detailed) for job in jobs)
+            *(worked(job, disconnected(http), partial(state.queue.cancel, job), detailed) for job in jobs)
         )
     finally:
         for job in jobs:
-            state.worker.cancel(job)  # a no-op for those that ended
+            state.queue.cancel(job)  # a no-op for those that ended
     return [_read_tokens(v) for v in values]
 
 

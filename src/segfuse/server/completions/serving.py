@@ -31,7 +31,7 @@ from ..parsing import Endpoint, fusion_options
 from ..serving import APIError, disconnected, finish_reason_of, finished, result_info, sse, usage_of
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, Usage
-from ..worker import Job, Started
+from ..worker.jobs import Job, Started
 from .echo import echo_logprobs, joined, prompt_texts, read_prompts, shaped
 from .protocol import (
     COMPLETION_NEUTRAL,
@@ -66,7 +66,6 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
         name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
         jobs = [
             job_for(
-                state,
                 generation,
                 lease,
                 id=name if i == 0 else f"{name}-{i}",
@@ -85,7 +84,7 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
     reply = CompletionAnswer(jobs, parsed, texts, model, detailed, echoes)
     if parsed.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 def requests_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions) -> list[FusionRequest]:

@@ -25,11 +25,10 @@ from .. import parsing
 from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
-from ..jobs import prompt_tokens
 from ..parsing import Defaults, Endpoint
 from ..serving import APIError, call_of, disconnected, full_info, result_info, sse, usage_of
 from ..state import ServerState, require_members, submit, using
-from ..worker import Job, Started
+from ..worker.jobs import Job, Started, prompt_tokens
 from .protocol import (
     MESSAGES_NEUTRAL,
     MESSAGES_PARAMETERS,
@@ -75,12 +74,12 @@ async def answer(state: ServerState, request: Request) -> Response:
     require_members(state, detailed)
     model = parsed.model or state.model_id
     async with using(state, model, parsed.keep_alive) as lease:
-        job = job_of(state, plan, lease, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
+        job = job_of(plan, lease, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = MessagesAnswer(job, model, detailed)
     if parsed.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 async def count_tokens(state: ServerState, request: Request) -> JSONResponse:

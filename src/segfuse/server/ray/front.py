@@ -23,6 +23,7 @@ from ...backends.ray.member import RayMember
 from ...config import ServerConfig
 from ...ensemble import Ensemble
 from ..app import create_app
+from ..shared import hedge_of
 from .keeper import Setup
 from .plan import remote_options
 from .state import RayShared
@@ -78,12 +79,8 @@ class Front:
         members = [
             spec if hosts is None else RayMember(hosts, settings) for spec, hosts, settings in self.setup.members
         ]
-        return Ensemble(
-            members,
-            hedge_persist=self.config.server.hedge_persist,
-            hedge_store=self.shared.weights,
-            **remote_options(self.config),
-        )
+        persist, store = hedge_of(self.config, self.shared)  # the weights in the shared actor, for every replica
+        return Ensemble(members, hedge_persist=persist, hedge_store=store, **remote_options(self.config))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         self.asgi = create_app(self.config, self.ensemble, self.shared)

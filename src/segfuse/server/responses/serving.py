@@ -27,7 +27,7 @@ from ..parsing import Defaults, Endpoint
 from ..serving import APIError, call_of, disconnected, full_info, sse, usage_of
 from ..shared import Responses
 from ..state import ServerState, require_members, submit, using
-from ..worker import Job
+from ..worker.jobs import Job
 from .protocol import (
     PATH,
     RESPONSES_NEUTRAL,
@@ -84,12 +84,12 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     require_members(state, detailed)
     model = plan.request.model or state.model_id
     async with using(state, model, plan.request.keep_alive) as lease:
-        job = job_of(state, plan.chat, lease, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
+        job = job_of(plan.chat, lease, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
     reply = ResponsesAnswer(job, model, plan, store, detailed)
     if plan.request.stream:
         return reply.response(cancel)
-    return JSONResponse(await reply.whole(disconnected(request), state.worker.cancel))
+    return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
 class ResponsesAnswer(Answer):

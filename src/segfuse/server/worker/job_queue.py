@@ -1,8 +1,11 @@
 """The worker's bounded queue: jobs waiting and in flight, the counters, what members hold (as noted).
 
-Its lock (``_cond``) guards all of it; the worker thread (``worker.py``) takes jobs from here and the
-event loop queues and cancels them. ``queue_size`` jobs may wait behind ``max_concurrent`` in flight;
-past that, ``submit`` raises QueueFullError (429).
+Its lock (``_cond``) guards all of it. The event loop queues and cancels jobs (``submit``, ``cancel``) and
+reads what it holds (``state``, ``view``, ``snapshot``); the worker thread (``thread.py``), which holds
+the queue, waits for work and admits jobs (``next``), says when one leaves (``leave``) and what members
+hold (``note``), and gives up (``give_up``) through the methods below, never its fields.
+``queue_size`` jobs may wait behind ``max_concurrent`` in flight; past that, ``submit`` raises
+QueueFullError (429).
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 
-from ..backends.base import Occupancy
-from ..errors import SegfuseError
+from ...backends.base import Occupancy
+from ...errors import SegfuseError
 from .jobs import Cancelled, Failed, Job, QueueFullError, ShuttingDownError
 
 log = logging.getLogger("segfuse.server")
@@ -48,9 +52,15 @@ class JobQueue:
         self._occupancy: dict[str, Occupancy] = {}
         self.fatal: str | None = None  # why the worker cannot go on; None while it can
 
-    def _count(self, name: str) -> None:
+    def count(self, name: str) -> None:
         with self._cond:  # the worker thread and the event loop both count
             self.counters[name] += 1
+
+    @property
+    def stopping(self) -> bool:
+        """Whether it takes no new work (a shutdown, or a worker that gave up)."""
+        with self._cond:
+            return self._stopping
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:
@@ -122,6 +132,57 @@ class JobQueue:
             self.cancel(job, reason)
         with self._cond:
             self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the worker thread's side
+
+    def next(self, more: Callable[[], bool], wait_s: Callable[[], float | None]) -> tuple[list[Job], bool] | None:
+        """Wait until there is work: jobs waiting or in flight, a shutdown, or `more()` (the worker's chores,
+        looked at under the lock; `wait_s()`: the longest wait before looking again, None: until woken).
+        Then admit waiting jobs while a slot is free. The jobs admitted and whether any is in flight; None
+        when stopping with no job left (the worker ends)."""
+        with self._cond:
+            while not (self._waiting or self._running or self._stopping or more()):
+                self._cond.wait(wait_s())
+            if self._stopping and not self._waiting and not self._running:
+                return None
+            admitted = []
+            while self._waiting and len(self._running) < self.max_concurrent:
+                job = self._waiting.popleft()
+                self._running.add(job)
+                admitted.append(job)
+            return admitted, bool(self._running)
+
+    def wake(self) -> None:
+        """Wake the worker waiting in ``next``: `more()` may be true now (from any thread)."""
+        with self._cond:
+            self._cond.notify()
+
+    def note(self, occupancy: dict[str, Occupancy]) -> None:
+        """What each member holds now, as the worker thread read it between decodes."""
+        with self._cond:
+            self._occupancy = occupancy
+
+    def leave(self, job: Job, occupancy: dict[str, Occupancy] | None) -> None:
+        """`job` is no longer in flight; with what members hold after it (None: not read), noted together."""
+        with self._cond:
+            self._running.discard(job)
+            if occupancy is not None:
+                self._occupancy = occupancy
+
+    def in_flight(self) -> list[Job]:
+        with self._cond:
+            return list(self._running)
+
+    def give_up(self, reason: str) -> list[Job] | None:
+        """The worker cannot go on: refuse new jobs (``fatal``) and take the waiting ones out, to be failed;
+        None if it had given up already."""
+        with self._cond:
+            if self.fatal is not None:
+                return None
+            self.fatal, self._stopping = reason, True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            return waiting
 
 
 __all__ = ["COUNTERS", "JobQueue"]

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ..backends.base import Member
+from ...backends.base import Member
 
 log = logging.getLogger("segfuse.server")
 

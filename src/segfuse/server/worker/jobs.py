@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..backends.base import Member
-from ..engine import Flight, FlightCancelled, Steps
-from ..ensemble import Ensemble
-from ..errors import InvalidRequestError, SegfuseError
-from ..request import FusionRequest
-from ..tools import Tool
-from ..types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
+from ...backends.base import Member
+from ...engine import Flight, FlightCancelled, Steps
+from ...ensemble import Ensemble
+from ...errors import InvalidRequestError, SegfuseError
+from ...request import FusionRequest
+from ...tools import Tool
+from ...types import DoneEvent, Event, Message, Result, RoundEvent, SegmentEvent
 
 log = logging.getLogger("segfuse.server")
 

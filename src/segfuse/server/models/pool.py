@@ -11,7 +11,11 @@ member in use is never freed. When the last holder lets a member go, it stays fo
 otherwise), then a reaper frees it; past the budget (``max_loaded_members``, ``max_loaded_bytes``) the
 least recently used idle member goes first. The members join and leave the worker's ensemble under
 the pool's lock; a member leaves, and closes, on the worker thread between two steps, where nothing
-can be decoding with it.
+can be decoding with it. A request that must wait (for a member to finish closing, or for one in use to be
+let go to make room) sleeps until the pool changes: every change, on whichever thread, wakes it through the
+event loop (``Changes``). What goes wrong is said in domain errors (QueueFullError, and this module's
+MemberFreedError, LoadFailedError, NoRoomError), which the server's edge (``serving.api_error``) gives
+their HTTP status.
 """
 
 from __future__ import annotations
@@ -26,20 +30,32 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-from ..backends.base import Member
-from ..ensemble import Ensemble
-from ..errors import SegfuseError
-from ..keep_alive import FOREVER
+from ...backends.base import Member
+from ...ensemble import Ensemble
+from ...errors import SegfuseError
+from ...keep_alive import FOREVER
+from ..guards import redact
+from ..worker.jobs import QueueFullError
+from ..worker.thread import Worker
 from .catalog import Catalog, Model
-from .guards import redact
-from .serving import APIError
-from .worker import Worker
 
 log = logging.getLogger("segfuse.server")
-POLL_S = 0.05  # how often a request waiting for room looks again
+WAKE_S = 1.0  # the longest a request waiting for the pool to change sleeps without news (a safety net)
 REAP_S = 1.0  # the reaper's longest sleep: freeing is never later than this past a keep-alive
 
 PlaceState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
+
+
+class MemberFreedError(SegfuseError):
+    """A member given loaded (no spec to load it from) was freed: it cannot be loaded again."""
+
+
+class LoadFailedError(SegfuseError):
+    """A member of the model a request names could not be loaded (the fault's text redacted as it is written)."""
+
+
+class NoRoomError(SegfuseError):
+    """A model does not fit the memory budget beside the members in use, and the request's deadline came."""
 
 
 @dataclass
@@ -59,6 +75,14 @@ class Place:
     error: str | None = None  # why its last load failed
     loads: int = 0  # times it was loaded (a member two models share: once, while it stays)
     since: float | None = None  # time.monotonic() when its load began
+
+    def settled(self) -> bool:
+        """Not on its way out (an unload's close still to come, on the worker thread)."""
+        return self.state != "unloading"
+
+    def freeable(self) -> bool:
+        """Loaded, the pool's own, and held by no one: it may be freed to make room."""
+        return self.state == "loaded" and not self.users and self.owned
 
     def expires_at(self) -> float | None:
         """When the reaper frees it (None: in use, kept, or not loaded)."""
@@ -81,6 +105,45 @@ class Budget:
         return self.nbytes is not None and sum(p.nbytes or 0 for p in held) > self.nbytes
 
 
+class Changes:
+    """What wakes a request waiting for the pool to change (a member let go, closed, loaded, or failed to
+    load): ``tell`` from any thread (the worker's lets members go and closes them), ``until`` on the event
+    loop, woken through it (``call_soon_threadsafe``)."""
+
+    def __init__(self) -> None:
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # made by the first waiter
+
+    def tell(self) -> None:
+        """The pool changed: wake whoever waits (from any thread; nothing to do before anyone waited)."""
+        waker = self._waker
+        if waker is None:
+            return
+        loop, event = waker
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # that event loop is closed: nothing waits on it any more
+            pass
+
+    async def until(self, ready: Callable[[], bool], deadline: float | None) -> bool:
+        """Wait until `ready()`, looked at again after each change (and every ``WAKE_S``, a safety net);
+        False when `deadline` (time.monotonic(); None: none) comes first."""
+        loop = asyncio.get_running_loop()
+        if self._waker is None or self._waker[0] is not loop:
+            self._waker = (loop, asyncio.Event())
+        event = self._waker[1]
+        while True:
+            event.clear()  # before looking: a change from here on sets it again, and the wait returns
+            if ready():
+                return True
+            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(event.wait(), left)
+            except TimeoutError:
+                pass
+
+
 class Pool:
     """The members a server holds, loaded on demand; see the module's docstring."""
 
@@ -94,6 +157,7 @@ class Pool:
         self._lock = threading.Lock()
         self._turn: asyncio.Lock | None = None  # made on the event loop, at the first load
         self.waiting = 0  # requests waiting for their turn to load
+        self.changes = Changes()  # told of every change a request waiting for members or room may wait for
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="segfuse-reaper", daemon=True)
 
@@ -126,12 +190,13 @@ class Pool:
     # ------------------------------------------------------------------ leases
 
     @asynccontextmanager
-    async def lease(self, model: Model, keep_s: float | None, deadline: float | None) -> AsyncIterator[Lease]:
+    async def lease(self, model: Model, keep_s: float | None, deadline_s: float | None) -> AsyncIterator[Lease]:
         """`model`'s members loaded and pinned while the request queues its jobs (each holds them again:
-        ``Lease.hold``); `keep_s`: the request's keep-alive (None: the default)."""
-        lease = Lease(self, model, keep_s)
+        ``Lease.hold``); `keep_s`: the request's keep-alive (None: the default); `deadline_s`: the request's
+        time from now (None: no deadline), one deadline for the loading and the jobs (``Lease.deadline``)."""
+        lease = Lease(self, model, keep_s, deadline_s)
         if not self._pin_if_loaded(model.members):
-            await self._bring(model, deadline)
+            await self._bring(model, lease.deadline)
         try:
             yield lease
         finally:
@@ -158,6 +223,7 @@ class Pool:
                     place.keep_s = self._keep(place, keep_s)
                     if place.keep_s == 0 and place.owned and place.state == "loaded":
                         free.append(place)
+        self.changes.tell()
         for place in free:
             self._free(place)
 
@@ -180,13 +246,8 @@ class Pool:
 
     async def _bring(self, model: Model, deadline: float | None) -> None:
         """Wait for the turn to load, pin `model`'s members, make room and load what is missing."""
-        if self.waiting > self.worker.queue_size:
-            raise APIError(
-                429,
-                f"{self.waiting} requests are waiting for models to load; retry in a little while",
-                "rate_limit_error",
-                "queue_full",
-            )
+        if self.waiting > self.worker.queue.queue_size:
+            raise QueueFullError(f"{self.waiting} requests are waiting for models to load; retry in a little while")
         self._turn = self._turn or asyncio.Lock()
         self.waiting += 1
         entered = False
@@ -206,22 +267,18 @@ class Pool:
     async def _load_missing(self, model: Model, deadline: float | None) -> None:
         for name in model.members:
             place = self.places[name]
-            while place.state == "unloading":  # freed a moment ago: load it again once it is closed
-                await asyncio.sleep(POLL_S)
+            # Freed a moment ago: load it again once it is closed (on the worker thread, which says so).
+            await self.changes.until(place.settled, None)
             if place.state == "loaded":
                 continue
             if place.spec is None:
-                raise APIError(503, f"member {name} was freed and cannot be loaded again", "server_error")
+                raise MemberFreedError(f"member {name} was freed and cannot be loaded again")
             await self._make_room(place, model, deadline)
             try:
                 await asyncio.to_thread(self._load_one, place)
             except SegfuseError as exc:
-                raise APIError(
-                    503,
-                    f"could not load member {name} of model {model.name}: {redact(str(exc))}",
-                    "server_error",
-                    "model_load_failed",
-                    param="model",
+                raise LoadFailedError(
+                    f"could not load member {name} of model {model.name}: {redact(str(exc))}"
                 ) from None
             await self._make_room(None, model, None)  # its size is known now: free what the bytes want
 
@@ -232,7 +289,7 @@ class Pool:
             with self._lock:
                 if not self.budget.over(list(self.places.values()), [place] if place else []):
                     return
-                idle = [p for p in self.places.values() if p.state == "loaded" and not p.users and p.owned]
+                idle = [p for p in self.places.values() if p.freeable()]
                 victim = min(idle, key=lambda p: p.last_used, default=None)
                 if victim is not None:
                     victim.state = "unloading"
@@ -242,15 +299,16 @@ class Pool:
             elif place is None:
                 log.warning("the members in use take more than the memory budget (model %s loaded)", model.name)
                 return
-            elif deadline is not None and time.monotonic() >= deadline:
-                raise APIError(
-                    503,
-                    f"model {model.name} does not fit the memory budget beside the members in use; retry later",
-                    "server_error",
-                    "no_room",
+            elif not await self.changes.until(partial(self._room_for, place), deadline):
+                raise NoRoomError(
+                    f"model {model.name} does not fit the memory budget beside the members in use; retry later"
                 )
-            else:
-                await asyncio.sleep(POLL_S)
+
+    def _room_for(self, place: Place) -> bool:
+        """Whether `place` fits the budget now, or a member could be freed for it (nothing else to wait for)."""
+        with self._lock:
+            places = list(self.places.values())
+            return not self.budget.over(places, [place]) or any(p.freeable() for p in places)
 
     def _load_one(self, place: Place) -> None:
         """Load one member here (a loader's thread, or at start), then let it join the worker's ensemble."""
@@ -263,6 +321,7 @@ class Pool:
         except BaseException as exc:
             with self._lock:
                 place.state, place.error, place.since = "failed", str(exc), None
+            self.changes.tell()
             log.error("could not load %s: %s", place.name, exc)
             raise
         member.name = place.name  # the catalog's name, whatever the backend would call it
@@ -274,6 +333,7 @@ class Pool:
             place.member, place.state, place.nbytes = member, "loaded", member.nbytes
             place.loads += 1
             self.ensemble.members = [*self.ensemble.members, member]
+        self.changes.tell()
 
     # ------------------------------------------------------------------ freeing
 
@@ -298,6 +358,7 @@ class Pool:
             log.exception("closing %s failed", place.name)
         with self._lock:
             place.member, place.state, place.idle_since = None, "unloaded", None
+        self.changes.tell()
 
     def _reap(self) -> None:
         while not self._stop.wait(self._next_wait()):
@@ -328,8 +389,12 @@ class Lease:
     """A request's hold on its model's members: one for the request itself (let go when it has queued
     its jobs), one more for each job (let go when the worker lets the job go)."""
 
-    def __init__(self, pool: Pool, model: Model, keep_s: float | None) -> None:
+    def __init__(self, pool: Pool, model: Model, keep_s: float | None, deadline_s: float | None) -> None:
         self.pool, self.model, self.keep_s = pool, model, keep_s
+        # When the request arrived, and its deadline (time.monotonic(); None: none): read once, for the wait
+        # to load its members and for its jobs (their deadline counts from the same moment).
+        self.arrived = time.monotonic()
+        self.deadline = None if deadline_s is None else self.arrived + deadline_s
         self._released = False
 
     @property
@@ -356,4 +421,4 @@ class Lease:
             self.pool.unpin(self.model.members, self.keep_s)
 
 
-__all__ = ["Budget", "Lease", "Place", "Pool"]
+__all__ = ["Budget", "Lease", "LoadFailedError", "MemberFreedError", "NoRoomError", "Place", "Pool"]

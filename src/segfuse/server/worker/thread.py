@@ -37,55 +37,26 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ..backends.base import Member, Occupancy
-from ..engine import Scheduler
-from ..ensemble import Ensemble
-from ..errors import SegfuseError
-from .job_queue import COUNTERS, JobQueue
-from .jobs import (
-    Cancelled,
-    DeadlineError,
-    Failed,
-    Item,
-    Job,
-    Observer,
-    QueueFullError,
-    ShuttingDownError,
-    Started,
-    Worked,
-    WorkerFailedError,
-    ending,
-    flight_of,
-    start_job,
-    tell,
-)
+from ...backends.base import Member, Occupancy
+from ...engine import Scheduler
+from ...ensemble import Ensemble
+from ...errors import SegfuseError
+from .job_queue import JobQueue
+from .jobs import Job, Observer, WorkerFailedError, ending, flight_of, start_job, tell
 from .periodic import Chores, Periodic, run_one
 from .watchdog import Watchdog, Watched
 
 log = logging.getLogger("segfuse.server")
 
-__all__ = [
-    "COUNTERS",
-    "Cancelled",
-    "DeadlineError",
-    "Failed",
-    "Item",
-    "Job",
-    "Observer",
-    "QueueFullError",
-    "ShuttingDownError",
-    "Started",
-    "Worked",
-    "Worker",
-    "WorkerFailedError",
-]
+__all__ = ["Worker", "read_occupancy"]
 
 STALL_AFTER_S = 120.0  # a tick that runs longer than this is stalled (/health says so)
 FATAL_AFTER = 3  # ticks that raise, with no generation completed between them, before the worker gives up
 
 
-class Worker(JobQueue):
-    """The thread that serves the bounded queue."""
+class Worker:
+    """The thread that serves the bounded queue (``queue``: where the event loop submits and cancels jobs
+    and reads what it holds)."""
 
     def __init__(
         self,
@@ -95,7 +66,7 @@ class Worker(JobQueue):
         stall_after_s: float = STALL_AFTER_S,
         fatal_after: int = FATAL_AFTER,
     ) -> None:
-        super().__init__(queue_size, max_concurrent)
+        self.queue = JobQueue(queue_size, max_concurrent)
         self.stall_after_s = stall_after_s
         self.fatal_after = fatal_after
         self._ensemble: Ensemble | None = None
@@ -107,15 +78,16 @@ class Worker(JobQueue):
         self.periodic: Periodic | None = None  # a chore run on the worker thread between ticks when due
         self._chores = Chores()  # one-off chores other threads asked for (between_ticks)
         self._serving = False  # the thread takes chores (else whoever asks runs them)
+        self._serving_lock = threading.Lock()  # a chore is taken while the thread serves, or run by whoever asks
         self._tick_since: float | None = None  # time.monotonic() at the start of the tick in progress
         self._failed_ticks = 0  # since the last generation that completed
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="segfuse-worker", daemon=True)
         watched = Watched(
             lambda: self._tick_since,
-            lambda: self._count("stalls"),
+            lambda: self.queue.count("stalls"),
             lambda: self._die("the worker thread died", None),
-            lambda: self.fatal is None and not self._stopping,
+            lambda: self.fatal is None and not self.queue.stopping,
         )
         self._watchdog = Watchdog(self._thread, stall_after_s, watched, self._stopped)
 
@@ -123,7 +95,7 @@ class Worker(JobQueue):
         """Serve `ensemble` (its members may come and go: ``between_ticks``)."""
         self._ensemble = ensemble
         if ensemble.members:  # llama.cpp members hold as many sessions as they were loaded with
-            self.max_concurrent = max(1, min(self.max_concurrent, ensemble.slots))
+            self.queue.max_concurrent = max(1, min(self.queue.max_concurrent, ensemble.slots))
         self._observe()  # the thread has not started: nothing decodes yet
         self._serving = True
         self._thread.start()
@@ -132,12 +104,17 @@ class Worker(JobQueue):
     def between_ticks(self, chore: Callable[[], object]) -> Future[None]:
         """Run `chore` on the worker thread between two steps (at once, here, when the thread is not
         serving: nothing decodes then); its Future ends when it has run."""
-        with self._cond:
+        with self._serving_lock:
             if self._serving:
                 future = self._chores.add(chore)
-                self._cond.notify()
+                self.queue.wake()
                 return future
         return run_one(chore, Future())
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the worker cannot go on (its queue refuses new jobs); None while it can."""
+        return self.queue.fatal
 
     @property
     def stalled(self) -> str | None:
@@ -146,7 +123,7 @@ class Worker(JobQueue):
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel everything and wait for the worker to finish its step."""
-        self.begin_shutdown()
+        self.queue.begin_shutdown()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._stopped.set()
@@ -156,17 +133,10 @@ class Worker(JobQueue):
     def _serve(self) -> None:
         try:
             while True:
-                with self._cond:
-                    while not (self._waiting or self._running or self._stopping or self._chores or self._chore_due()):
-                        self._cond.wait(None if self.periodic is None else self.periodic.wait_s())
-                    if self._stopping and not self._waiting and not self._running:
-                        return
-                    admitted = []
-                    while self._waiting and len(self._running) < self.max_concurrent:
-                        job = self._waiting.popleft()
-                        self._running.add(job)
-                        admitted.append(job)
-                    busy = bool(self._running)
+                taken = self.queue.next(lambda: bool(self._chores) or self._chore_due(), self._wait_s)
+                if taken is None:
+                    return
+                admitted, busy = taken
                 self._chores.run()
                 if self._chore_due():
                     assert self.periodic is not None
@@ -176,7 +146,7 @@ class Worker(JobQueue):
         except BaseException as exc:  # the loop itself broke: nothing will serve the queue any more
             self._die(f"the worker thread stopped on {type(exc).__name__}", exc)
         finally:
-            with self._cond:
+            with self._serving_lock:
                 self._serving = False
             self._chores.run()  # those asked before it stopped
             try:
@@ -186,6 +156,10 @@ class Worker(JobQueue):
 
     def _chore_due(self) -> bool:
         return self.periodic is not None and self.periodic.due()
+
+    def _wait_s(self) -> float | None:
+        """The longest the idle thread waits: until the periodic chore is due (None: until woken)."""
+        return None if self.periodic is None else self.periodic.wait_s()
 
     def _step(self, admitted: Sequence[Job]) -> bool:
         """One tick: admit `admitted`, advance every generation, note what members hold.
@@ -217,7 +191,7 @@ class Worker(JobQueue):
     def _tick_failed(self, exc: BaseException) -> None:
         """A tick raised: no generation in flight can be trusted to be consistent; fail them all."""
         self._failed_ticks += 1
-        self._count("worker_errors")
+        self.queue.count("worker_errors")
         log.error(
             "a worker step failed (%d since a generation last completed); failing the %d requests in flight",
             self._failed_ticks,
@@ -229,8 +203,7 @@ class Worker(JobQueue):
 
     def _fail_in_flight(self, error: SegfuseError) -> None:
         self._scheduler.fail_all(error)  # each flight's on_end fails its job
-        with self._cond:
-            orphans = list(self._running)  # admitted but without a flight (none, unless a bug)
+        orphans = self.queue.in_flight()  # admitted but without a flight (none, unless a bug)
         for job in orphans:
             self._end(job, error, 0)
 
@@ -238,13 +211,9 @@ class Worker(JobQueue):
         """The worker cannot go on: fail every job, refuse new ones, tell ``on_fatal`` (once)."""
         log.critical("the worker cannot go on: %s", reason, exc_info=exc)
         error = WorkerFailedError(f"the server cannot generate any more ({reason})", "retry once it has restarted")
-        with self._cond:
-            if self.fatal is not None:
-                return
-            self.fatal = reason
-            self._stopping = True
-            waiting = list(self._waiting)
-            self._waiting.clear()
+        waiting = self.queue.give_up(reason)
+        if waiting is None:  # it gave up already
+            return
         try:
             self._fail_in_flight(error)
             for job in waiting:
@@ -257,9 +226,7 @@ class Worker(JobQueue):
                     log.exception("on_fatal failed")
 
     def _observe(self) -> None:
-        seen = self._read_occupancy()
-        with self._cond:
-            self._occupancy = seen
+        self.queue.note(self._read_occupancy())
 
     def _read_occupancy(self) -> dict[str, Occupancy]:
         """What each member holds now; on the worker thread, between decodes (or before it starts)."""
@@ -267,26 +234,25 @@ class Worker(JobQueue):
         return read_occupancy(self._ensemble.members)
 
     def _admit(self, job: Job) -> None:
-        self._count("started")
+        self.queue.count("started")
         assert self._ensemble is not None
         steps = start_job(job, self._ensemble, self._end)
         if steps is not None:
-            self._scheduler.add(flight_of(job, steps, self._count, lambda call: tell(self.observer, call), self._end))
+            count = self.queue.count
+            self._scheduler.add(flight_of(job, steps, count, lambda call: tell(self.observer, call), self._end))
 
     def _end(self, job: Job, why: BaseException | None, rounds: int) -> None:
         """`job` is over and its sessions closed: it leaves the jobs in flight together with a fresh note of
         what members hold, and only then is its handler told (its result goes out)."""
+        # Elsewhere (the thread died) the cache is not ours to read.
         seen = self._read_occupancy() if threading.current_thread() is self._thread else None
-        with self._cond:
-            self._running.discard(job)
-            if seen is not None:  # elsewhere (the thread died) the cache is not ours to read
-                self._occupancy = seen
+        self.queue.leave(job, seen)
         self._finished(job, why, rounds)
 
     def _finished(self, job: Job, why: BaseException | None, rounds: int) -> None:
         if why is None:
             self._failed_ticks = 0  # the worker works: earlier failures were passing ones
-        ending(job, why, rounds, self._count)
+        ending(job, why, rounds, self.queue.count)
 
 
 def read_occupancy(members: Sequence[Member]) -> dict[str, Occupancy]:

@@ -10,15 +10,13 @@ model of its own too (a request may name one to have it answer alone).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import PurePath
 
-from ..config import ServerConfig
-from ..ensemble import Ensemble
-from ..models import DEFAULT_MODELS
-from ..options import FusionOptions
-from .parsing import Defaults
-from .serving import APIError
+from ...config import ServerConfig
+from ...ensemble import Ensemble
+from ...errors import UnknownModelError
+from ...models import DEFAULT_MODELS
+from ...options import FusionOptions
 
 BACKEND_PREFIXES = ("llama_cpp:", "transformers:", "ray:")
 
@@ -68,22 +66,15 @@ class Catalog:
         return cls(models, specs, config.default_model(), preload)
 
     def model(self, name: str | None) -> Model:
-        """The model a request names (None: the default); 404 for any other name, with the list."""
+        """The model a request names (None: the default); UnknownModelError for any other name, with the list
+        (a 404)."""
         chosen = self.models.get(name or self.default)
         if chosen is None:
-            raise APIError(
-                404,
+            raise UnknownModelError(
                 f"unknown model {name!r}; this server serves {', '.join(self.ensembles)} and the members "
-                f"{', '.join(self.specs)}",
-                code="model_not_found",
-                param="model",
+                f"{', '.join(self.specs)}"
             )
         return chosen
-
-    @cached_property
-    def defaults(self) -> Defaults:
-        """Each model's fusion defaults, by the name a request gives."""
-        return Defaults({name: m.defaults for name, m in self.models.items()}, self.default)
 
     @property
     def ensembles(self) -> list[str]:

@@ -1,0 +1,69 @@
+"""What the server says of its models: the cards of ``/v1/models`` and ``/health``'s ``memory``.
+
+Read from the pool: its catalog (the models served) and where each member stands; the routes that show
+them are in ``app.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..wire import MemberLoad, ModelCard
+from .pool import Pool
+
+
+def model_cards(pool: Pool, created: int) -> list[ModelCard]:
+    """Every ensemble, then each member (a member alone is a model of its own: a baseline); each with the
+    context it takes (an ensemble: its smallest member's) and whether it is loaded; `created`: when the
+    server started (Unix seconds)."""
+    catalog, members = pool.catalog, pool.loaded()
+    loaded = {m.name for m in members}
+    contexts = {m.name: getattr(m, "n_ctx", None) for m in members}
+
+    def card(model: str, **more: Any) -> ModelCard:
+        window = context_length(pool, model, contexts)
+        return ModelCard(id=model, created=created, context_length=window, max_model_len=window, **more)
+
+    ensembles = [
+        card(m.name, members=list(m.members), loaded=loaded.issuperset(m.members))
+        for m in catalog.models.values()
+        if m.ensemble
+    ]
+    alone = [
+        card(
+            name, parent=next(iter(catalog.holders(name)), None), ensembles=catalog.holders(name), loaded=name in loaded
+        )
+        for name in pool.places
+    ]
+    return ensembles + alone
+
+
+def context_length(pool: Pool, model: str, contexts: dict[str, int | None]) -> int | None:
+    """The prompt and answer a model takes, in tokens: a member's window, or for an ensemble the
+    smallest of its members' (every member reads the whole conversation); None until all are loaded.
+    `contexts`: each loaded member's window for one session."""
+    chosen = pool.catalog.models.get(model)
+    windows = [contexts.get(name) for name in chosen.members] if chosen is not None else [contexts.get(model)]
+    return None if None in windows or not windows else min(w for w in windows if w is not None)
+
+
+def memory_of(pool: Pool) -> dict[str, MemberLoad]:
+    """Each member's place in memory, as /health shows it."""
+    now = time.monotonic()
+    return {
+        place.name: MemberLoad(
+            state=place.state,
+            ensembles=pool.catalog.holders(place.name),
+            in_use=place.users,
+            bytes=place.nbytes,
+            loading_s=None if place.state != "loading" or place.since is None else round(now - place.since, 1),
+            expires_in_s=None if (at := place.expires_at()) is None else round(max(0.0, at - now), 1),
+            error=place.error,
+            loads=place.loads,
+        )
+        for place in pool.snapshot()
+    }
+
+
+__all__ = ["memory_of", "model_cards"]
