@@ -614,9 +614,10 @@ def test_every_module_the_design_names_exists():
         s
         for s in named
         if s.rstrip("/") not in ("src", "src/segfuse")
+        and not (s.startswith("tests/") and (ROOT / s).exists())  # the section on the tests names their files
         and not any(f == s.removeprefix("segfuse/").rstrip("/") or f.endswith("/" + s.rstrip("/")) for f in files)
     ]
-    assert not missing, f"docs/design.md names modules that are not in src/segfuse: {missing}"
+    assert not missing, f"docs/design.md names modules that are not in src/segfuse (nor tests/): {missing}"
 
 
 def modules_to_name() -> list[str]:
