@@ -26,9 +26,12 @@ import pytest
 from helpers import wait_for
 from live_app import serve_app
 from segfuse.config import LimitsSection, ServerConfig
+from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
+from segfuse.server.answer import Answer
 from segfuse.server.app import ServerState, create_app
 from segfuse.server.connections import PendingConnections
-from segfuse.server.serving import result_info
+from segfuse.server.worker.jobs import Job
 from segfuse.types import Departure, Result, Stats
 
 pytestmark = [pytest.mark.models, pytest.mark.timeout(600)]
@@ -416,9 +419,10 @@ def test_internal_texts_lose_paths_and_urls_without_the_key():
         "m", 2, "fault", "ConnectionError: http://10.0.0.5:8080/v1 refused; model /srv/models/secret-name.gguf"
     )
     result = Result(text="", segments=[], rounds=[], stats=Stats(), models=["m"], departures=[departure])
-    shown = result_info(result, None).departures[0]["reason"]
+    job = Job(FusionRequest.of("hi", FusionOptions()))
+    shown = Answer(job, "m").info(result).departures[0]["reason"]
     assert "10.0.0.5" not in shown and "/srv/models" not in shown and "<url>" in shown and "<path>" in shown
-    assert result_info(result, None, detailed=True).departures[0]["reason"] == departure.reason
+    assert Answer(job, "m", detailed=True).info(result).departures[0]["reason"] == departure.reason
 
 
 def test_a_load_error_shows_its_path_only_to_the_key():

@@ -3,7 +3,10 @@
 An :class:`Answer` holds what every part of a response needs (the job, the model id it answers as,
 whether internal texts may show: ``detailed``, the job's ``Started``, the text held back while it may
 be a tool call) and writes the answer whole (:meth:`Answer.whole`) or as server-sent events
-(:meth:`Answer.stream`). The stream's loop over the job's items is written here once; each API's
+(:meth:`Answer.stream`). What every API reports of a finished result is read here, from the answer's own
+fields: the fields that name it (:meth:`Answer.envelope`: OpenAI's id, created and model; Messages and
+Responses name theirs in their own way), its usage, its ``segfuse`` object (``info``, ``full_info``) and
+the tool call it makes (``call``). The stream's loop over the job's items is written here once; each API's
 subclass (``chat``, ``completions``, ``messages``, ``responses``) says what each item becomes (its
 hooks: ``opening``, ``keepalive``, ``on_start``, ``segment``, ``round``, ``done``) and how a stream
 ends on an error (``error_ending``, a class method: the Ray proxy asks it for a stream whose replica
@@ -13,13 +16,28 @@ died, by the paths the class serves).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
 from functools import partial
 from typing import Any, ClassVar
 
 from fastapi.responses import StreamingResponse
 
+from ..prompting import prefill_of
+from ..tools import ToolCall, read_call
 from ..types import DoneEvent, Result, RoundEvent, SegmentEvent
-from .serving import KEEPALIVE_FRAME, KEEPALIVE_S, APIError, event_stream, failure_of, finished, sse
+from .guards import redact
+from .serving import (
+    KEEPALIVE_FRAME,
+    KEEPALIVE_S,
+    APIError,
+    event_stream,
+    failure_of,
+    finished,
+    segment_info,
+    sse,
+    usage_of,
+)
+from .wire import FusionInfo, FusionStats, RoundInfo, Usage
 from .worker.jobs import Item, Job, Started
 
 
@@ -49,6 +67,50 @@ class Answer:
     def body(self, result: Result) -> dict[str, Any]:
         """The response body of the finished `result`, as JSON."""
         raise NotImplementedError
+
+    # ----------------------------------------------------------------------- what every answer reports
+
+    def envelope(self) -> dict[str, Any]:
+        """The fields that name this answer, spread into its body and each of its chunks: OpenAI's id,
+        created (the job's, in whole seconds) and model. An API that names them otherwise says its own."""
+        return {"id": self.job.id, "created": int(self.job.created), "model": self.model}
+
+    def usage(self, result: Result) -> Usage:
+        """The finished `result`'s tokens (``serving.usage_of``: the longest prompt, the answer's tokens)."""
+        return usage_of(result, self.started)
+
+    def info(self, result: Result) -> FusionInfo:
+        """The ``segfuse`` object every answer ends with: members, stats (with the queue time), weights,
+        departures (a departure's reason without paths and URLs unless ``detailed``)."""
+        departures = [asdict(d) for d in result.departures]
+        if not self.detailed:
+            departures = [{**d, "reason": redact(str(d.get("reason") or ""))} for d in departures]
+        queue_s = round(self.started.queue_s, 3) if self.started else 0.0
+        return FusionInfo(
+            members=result.models,
+            stats=FusionStats(**result.stats.to_dict(), queue_s=queue_s),
+            weights=result.weights or None,
+            departures=departures or None,
+        )
+
+    def full_info(self, result: Result) -> FusionInfo:
+        """The ``segfuse`` object of a whole answer: ``info``, with who wrote each segment, every round,
+        the prompt sizes."""
+        return self.info(result).model_copy(
+            update={
+                "segments": [segment_info(s) for s in result.segments],
+                "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
+                "prompt_tokens": self.started.prompt_tokens if self.started else None,
+            }
+        )
+
+    def call(self, result: Result) -> ToolCall | None:
+        """The tool call the finished answer makes (after a prefill, the prefill and the answer), when
+        tools were offered."""
+        job = self.job
+        if not job.tools or result.stats.finish_reason != "stop":
+            return None
+        return read_call(prefill_of(job.generation.messages) + result.text, job.tools)
 
     # ----------------------------------------------------------------------- the answer as it is written
 

@@ -5,8 +5,10 @@ its request into jobs, and its answer object (``answer.py``) the jobs' items int
 its own wire shape; what they all need lives here, written once: ``APIError`` (sent in each API's own error
 shape by the app), ``finished`` (the whole answer, cancelled when the client
 hangs up), ``event_stream`` (SSE headers and the cancel-on-hangup), the
-request body within ``[limits]``, and the parts of a result every response
-reports (usage, the ``segfuse`` extension).
+request body within ``[limits]``, and the counts every response's parts are
+made of (a finish reason, a result's usage, a segment's record); what an
+answer reports of its own result (its envelope, usage, ``segfuse`` object,
+tool call) is its answer object's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
@@ -31,20 +32,11 @@ from ..errors import (
     SegfuseError,
     UnknownModelError,
 )
-from ..prompting import prefill_of
-from ..tools import ToolCall, read_call
+from ..tools import ToolCall
 from ..types import DoneEvent, Result, Segment
 from .guards import media_type_error, redact
 from .models.pool import LoadFailedError, MemberFreedError, NoRoomError
-from .wire import (
-    ErrorDetail,
-    ErrorResponse,
-    FusionInfo,
-    FusionStats,
-    RoundInfo,
-    SegmentInfo,
-    Usage,
-)
+from .wire import ErrorDetail, ErrorResponse, SegmentInfo, Usage
 from .worker.jobs import (
     Cancelled,
     DeadlineError,
@@ -187,51 +179,16 @@ def finish_reason_of(result: Result, call: ToolCall | None = None) -> str:
     return "stop" if result.stats.finish_reason == "stop" else "length"
 
 
-def call_of(job: Job, result: Result) -> ToolCall | None:
-    """The tool call a finished answer makes (after a prefill, the prefill and the answer), when tools
-    were offered."""
-    if not job.tools or result.stats.finish_reason != "stop":
-        return None
-    return read_call(prefill_of(job.generation.messages) + result.text, job.tools)
-
-
 def usage_of(result: Result, started: Started | None) -> Usage:
-    # Members tokenize differently: count the longest prompt, and the winners' answer tokens.
+    """A job's usage (`started`: its start, None if it never started). Members tokenize differently:
+    count the longest prompt, and the winners' answer tokens."""
     prompt = max(started.prompt_tokens.values(), default=0) if started else 0
     return Usage(prompt_tokens=prompt, completion_tokens=result.stats.tokens, total_tokens=prompt + result.stats.tokens)
 
 
-def _stats(result: Result, started: Started | None) -> FusionStats:
-    return FusionStats(**result.stats.to_dict(), queue_s=round(started.queue_s, 3) if started else 0.0)
-
-
-def result_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
-    """The parts of a finished result every response carries (members, stats, weights, departures; a
-    departure's reason without paths and URLs unless `detailed`)."""
-    departures = [asdict(d) for d in result.departures]
-    if not detailed:
-        departures = [{**d, "reason": redact(str(d.get("reason") or ""))} for d in departures]
-    return FusionInfo(
-        members=result.models,
-        stats=_stats(result, started),
-        weights=result.weights or None,
-        departures=departures or None,
-    )
-
-
 def segment_info(segment: Segment) -> SegmentInfo:
+    """A segment's record in the ``segfuse`` object: its text, who wrote it, its round."""
     return SegmentInfo(text=segment.text, model=segment.model, round=segment.round)
-
-
-def full_info(result: Result, started: Started | None, detailed: bool = False) -> FusionInfo:
-    """The ``segfuse`` object of a whole answer: who wrote each segment, every round, the prompt sizes."""
-    return result_info(result, started, detailed).model_copy(
-        update={
-            "segments": [segment_info(s) for s in result.segments],
-            "rounds": [RoundInfo.model_validate(r.to_dict()) for r in result.rounds],
-            "prompt_tokens": started.prompt_tokens if started else None,
-        }
-    )
 
 
 # --------------------------------------------------------------------------- a job's answer
@@ -322,16 +279,13 @@ __all__ = [
     "KEEPALIVE_S",
     "APIError",
     "api_error",
-    "call_of",
     "disconnected",
     "event_stream",
     "failure_of",
     "finish_reason_of",
     "finished",
-    "full_info",
     "json_body",
     "read_body",
-    "result_info",
     "segment_info",
     "sse",
     "usage_of",

@@ -17,7 +17,7 @@ from ...tools import ToolCall
 from ...types import Result, RoundEvent, Segment, SegmentEvent
 from ..answer import Answer
 from ..models.pool import Lease
-from ..serving import call_of, disconnected, finish_reason_of, full_info, result_info, segment_info, sse, usage_of
+from ..serving import disconnected, finish_reason_of, segment_info, sse
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, RoundInfo
 from ..worker.jobs import Job
@@ -101,17 +101,15 @@ class ChatAnswer(Answer):
 
     def body(self, result: Result) -> dict[str, Any]:
         completion = ChatCompletion(
-            id=self.job.id,
-            created=int(self.job.created),
-            model=self.model,
+            **self.envelope(),
             choices=[self._choice(result)],
-            usage=usage_of(result, self.started),
-            segfuse=full_info(result, self.started, self.detailed),
+            usage=self.usage(result),
+            segfuse=self.full_info(result),
         )
         return completion.model_dump(mode="json")
 
     def _choice(self, result: Result) -> Choice:
-        call = call_of(self.job, result)
+        call = self.call(result)
         message = (
             AssistantMessage(content=None, tool_calls=_calls(call)) if call else AssistantMessage(content=result.text)
         )
@@ -133,9 +131,7 @@ class ChatAnswer(Answer):
         logprobs: ChoiceLogprobs | None = None,
     ) -> str:
         chunk = ChatCompletionChunk(
-            id=self.job.id,
-            created=int(self.job.created),
-            model=self.model,
+            **self.envelope(),
             choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
             segfuse=info,
         )
@@ -175,22 +171,15 @@ class ChatAnswer(Answer):
     def done(self, result: Result) -> list[str]:
         """The frames after the answer: a held answer (a call, or text), the finish, [usage]."""
         frames = self._flush()
-        call = call_of(self.job, result)
+        call = self.call(result)
         if call is not None:
             frames.append(self._chunk(Delta(tool_calls=_calls(call, 0))))
         elif self.held:
             logprobs = ChoiceLogprobs(content=self._logprobs(result.logprobs())) if self.job.logprobs else None
             frames.append(self._chunk(Delta(content="".join(self.held)), logprobs=logprobs))
-        info = result_info(result, self.started, self.detailed)
-        frames.append(self._chunk(Delta(), finish_reason_of(result, call), info))
+        frames.append(self._chunk(Delta(), finish_reason_of(result, call), self.info(result)))
         if self.include_usage:
-            usage = ChatCompletionChunk(
-                id=self.job.id,
-                created=int(self.job.created),
-                model=self.model,
-                choices=[],
-                usage=usage_of(result, self.started),
-            )
+            usage = ChatCompletionChunk(**self.envelope(), choices=[], usage=self.usage(result))
             frames.append(sse(usage.model_dump(mode="json", exclude={"segfuse"})))
         return frames
 

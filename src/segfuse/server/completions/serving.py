@@ -28,7 +28,7 @@ from .. import parsing
 from ..answer import Answer
 from ..limits import check_text
 from ..parsing import Endpoint, fusion_options
-from ..serving import APIError, disconnected, finish_reason_of, finished, result_info, sse, usage_of
+from ..serving import APIError, disconnected, finish_reason_of, finished, sse, usage_of
 from ..state import ServerState, job_for, require_members, submit, using
 from ..wire import FusionInfo, Usage
 from ..worker.jobs import Job, Started
@@ -141,7 +141,7 @@ def _alternatives(token: TokenLogprob, k: int) -> dict[str, float]:
 
 
 def _usage(outcomes: Sequence[tuple[Result, Started | None]]) -> Usage:
-    """Every prompt's usage (``serving.usage_of``), summed."""
+    """Every prompt's usage (``serving.usage_of``: each job's result with its own start), summed."""
     each = [usage_of(result, started) for result, started in outcomes]
     prompt, answer = sum(u.prompt_tokens for u in each), sum(u.completion_tokens for u in each)
     return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
@@ -180,17 +180,8 @@ class CompletionAnswer(Answer):
                 stop(job)  # a no-op for those that ended
         first, self.started = outcomes[0]
         choices = [self._choice(i, result) for i, (result, _) in enumerate(outcomes)]
-        info = (
-            result_info(first, self.started, self.detailed) if len(self.jobs) == 1 else FusionInfo(members=first.models)
-        )
-        completion = TextCompletion(
-            id=self.job.id,
-            created=int(self.job.created),
-            model=self.model,
-            choices=choices,
-            usage=_usage(outcomes),
-            segfuse=info,
-        )
+        info = self.info(first) if len(self.jobs) == 1 else FusionInfo(members=first.models)
+        completion = TextCompletion(**self.envelope(), choices=choices, usage=_usage(outcomes), segfuse=info)
         return completion.model_dump(mode="json")
 
     def _choice(self, index: int, result: Result) -> CompletionChoice:
@@ -208,9 +199,7 @@ class CompletionAnswer(Answer):
     # ----------------------------------------------------------------------- the answer as it is written
 
     def _chunk(self, choice: CompletionChoice, info: FusionInfo | None = None) -> str:
-        body = TextCompletion(
-            id=self.job.id, created=int(self.job.created), model=self.model, choices=[choice], segfuse=info
-        )
+        body = TextCompletion(**self.envelope(), choices=[choice], segfuse=info)
         return sse(body.model_dump(mode="json", exclude={"usage"}))
 
     def opening(self) -> list[str]:
@@ -224,15 +213,9 @@ class CompletionAnswer(Answer):
 
     def done(self, result: Result) -> list[str]:
         finish = CompletionChoice(text="", finish_reason=finish_reason_of(result))
-        frames = [self._chunk(finish, result_info(result, self.started, self.detailed))]
+        frames = [self._chunk(finish, self.info(result))]
         if self.request.include_usage:
-            usage = TextCompletion(
-                id=self.job.id,
-                created=int(self.job.created),
-                model=self.model,
-                choices=[],
-                usage=_usage([(result, self.started)]),
-            )
+            usage = TextCompletion(**self.envelope(), choices=[], usage=self.usage(result))
             frames.append(sse(usage.model_dump(mode="json", exclude={"segfuse"})))
         return frames
 

@@ -26,9 +26,9 @@ from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
 from ..parsing import Defaults, Endpoint
-from ..serving import APIError, call_of, disconnected, full_info, result_info, sse, usage_of
+from ..serving import APIError, disconnected, sse
 from ..state import ServerState, require_members, submit, using
-from ..worker.jobs import Job, Started, prompt_tokens
+from ..worker.jobs import Job, prompt_tokens
 from .protocol import (
     MESSAGES_NEUTRAL,
     MESSAGES_PARAMETERS,
@@ -100,27 +100,6 @@ def _count(members: Sequence[Member], messages: Sequence[Message]) -> int:
 # --------------------------------------------------------------------------- the answer
 
 
-def stop_reason(job: Job, result: Result) -> str:
-    """Anthropic's stop reason. The engine does not tell a stop sequence from the end of the turn: both
-    are "end_turn"."""
-    if call_of(job, result) is not None:
-        return "tool_use"
-    return "end_turn" if result.stats.finish_reason == "stop" else "max_tokens"
-
-
-def _usage(result: Result, started: Started | None) -> MessagesUsage:
-    usage = usage_of(result, started)
-    return MessagesUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
-
-
-def content_of(job: Job, result: Result) -> list[dict[str, Any]]:
-    """The answer's content blocks: one tool_use, or one text block (none for an empty answer)."""
-    call = call_of(job, result)
-    if call is not None:
-        return [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}]
-    return [{"type": "text", "text": result.text}] if result.text else []
-
-
 def _event(kind: str, **fields: Any) -> str:
     return sse({"type": kind, **fields}, event=kind)
 
@@ -138,16 +117,39 @@ class MessagesAnswer(Answer):
         super().__init__(job, model, detailed)
         self.opened = False  # the text block has started
 
+    def envelope(self) -> dict[str, Any]:
+        """A Message's naming fields, as both the Message and ``message_start``'s begin: id, type, role,
+        model (no time)."""
+        return {"id": self.job.id, "type": "message", "role": "assistant", "model": self.model}
+
     def body(self, result: Result) -> dict[str, Any]:
         message = AnthropicResponse(
-            id=self.job.id,
-            model=self.model,
-            content=content_of(self.job, result),
-            stop_reason=stop_reason(self.job, result),
-            usage=_usage(result, self.started),
-            segfuse=full_info(result, self.started, self.detailed),
+            **self.envelope(),
+            content=self.content(result),
+            stop_reason=self.stop_reason(result),
+            usage=self.messages_usage(result),
+            segfuse=self.full_info(result),
         )
         return message.model_dump(mode="json")
+
+    def content(self, result: Result) -> list[dict[str, Any]]:
+        """The answer's content blocks: one tool_use, or one text block (none for an empty answer)."""
+        call = self.call(result)
+        if call is not None:
+            return [{"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)}]
+        return [{"type": "text", "text": result.text}] if result.text else []
+
+    def stop_reason(self, result: Result) -> str:
+        """Anthropic's stop reason. The engine does not tell a stop sequence from the end of the turn:
+        both are "end_turn"."""
+        if self.call(result) is not None:
+            return "tool_use"
+        return "end_turn" if result.stats.finish_reason == "stop" else "max_tokens"
+
+    def messages_usage(self, result: Result) -> MessagesUsage:
+        """The usage (``usage``) under Anthropic's names."""
+        usage = self.usage(result)
+        return MessagesUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens)
 
     @classmethod
     def error_ending(cls, error: APIError, sequence: int = 0) -> list[str]:
@@ -160,10 +162,7 @@ class MessagesAnswer(Answer):
         started = self.started
         prompt = max(started.prompt_tokens.values(), default=0) if started else 0
         message: dict[str, Any] = {
-            "id": self.job.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
+            **self.envelope(),
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
@@ -181,21 +180,21 @@ class MessagesAnswer(Answer):
 
     def done(self, result: Result) -> list[str]:
         frames = [_event("content_block_stop", index=0)] if self.opened else self._held_blocks(result, 0)
-        usage = _usage(result, self.started)
+        usage = self.messages_usage(result)
         return [
             *frames,
             _event(
                 "message_delta",
-                delta={"stop_reason": stop_reason(self.job, result), "stop_sequence": None},
+                delta={"stop_reason": self.stop_reason(result), "stop_sequence": None},
                 usage={"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens},
-                segfuse=result_info(result, self.started, self.detailed).model_dump(mode="json"),
+                segfuse=self.info(result).model_dump(mode="json"),
             ),
             _event("message_stop"),
         ]
 
     def _held_blocks(self, result: Result, index: int) -> list[str]:
         """With tools offered, the answer at its end: one tool_use block, or the text held back."""
-        call = call_of(self.job, result)
+        call = self.call(result)
         if call is not None:
             return [
                 _event(

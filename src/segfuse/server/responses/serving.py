@@ -24,7 +24,7 @@ from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
 from ..parsing import Defaults, Endpoint
-from ..serving import APIError, call_of, disconnected, full_info, sse, usage_of
+from ..serving import APIError, disconnected, sse
 from ..shared import Responses
 from ..state import ServerState, require_members, submit, using
 from ..worker.jobs import Job
@@ -110,7 +110,7 @@ class ResponsesAnswer(Answer):
         self.opened = False  # the message item is open (its text streams)
 
     def output(self, result: Result) -> list[dict[str, Any]]:
-        call = call_of(self.job, result)
+        call = self.call(result)
         if call is not None:
             return [
                 {
@@ -128,13 +128,17 @@ class ResponsesAnswer(Answer):
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
+    def envelope(self) -> dict[str, Any]:
+        """The head of every response object: id, object, created_at (the model comes further on, at its
+        place in ``snapshot``)."""
+        return {"id": self.job.id, "object": "response", "created_at": int(self.job.created)}
+
     def snapshot(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The response object as it stands (``status``: in_progress, completed, incomplete)."""
+        """The response object as it stands (``status``: in_progress, completed, incomplete): every body
+        and every event's response is one."""
         r = self.plan.request
         return {
-            "id": self.job.id,
-            "object": "response",
-            "created_at": int(self.job.created),
+            **self.envelope(),
             "status": status,
             "error": None,
             "incomplete_details": None,
@@ -158,7 +162,7 @@ class ResponsesAnswer(Answer):
         """The finished response (kept in the store, unless the request said store: false)."""
         output = self.output(result)
         length = result.stats.finish_reason != "stop"
-        usage = usage_of(result, self.started)
+        usage = self.usage(result)
         body = self.snapshot("incomplete" if length else "completed", output)
         body["incomplete_details"] = {"reason": "max_output_tokens"} if length else None
         body["usage"] = {
@@ -168,7 +172,7 @@ class ResponsesAnswer(Answer):
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens,
         }
-        body["segfuse"] = full_info(result, self.started, self.detailed).model_dump(mode="json")
+        body["segfuse"] = self.full_info(result).model_dump(mode="json")
         if self.plan.request.store is not False:
             self.store.put(self.job.id, answered(self.plan.history, _as_chat(output[0])))
         return body
