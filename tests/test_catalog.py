@@ -132,7 +132,7 @@ def test_a_request_has_one_deadline_read_once_for_its_members_wait_and_its_jobs(
     first = job_for(request, lease)
     time.sleep(0.01)  # a later job of the same request (a text completion's next prompt) keeps the same deadline
     second = job_for(request, lease, id="second")
-    assert first.generation.deadline == second.generation.deadline == lease.deadline
+    assert first.fusion.deadline == second.fusion.deadline == lease.deadline
     assert first.accepted_at == second.accepted_at == lease.arrived  # the deadline counts from when it arrived
     assert Lease(SimpleNamespace(catalog=catalog), catalog.model("small"), None, None).deadline is None
 

@@ -294,7 +294,7 @@ def test_twenty_thousand_tool_results_are_refused_and_merged_linearly(server, de
         server.state.defaults,
         LimitsSection(max_messages=30_000, max_content_chars=1_000_000),
     )
-    merged = [m for m in plan.generation.messages if m.role == "user" and m.content.startswith("Result of f (c0)")]
+    merged = [m for m in plan.fusion.messages if m.role == "user" and m.content.startswith("Result of f (c0)")]
     assert len(merged) == 1 and merged[0].content.count("Result of ") == 20_000
     assert merged[0].content.index("Result of c19999:") > merged[0].content.index("Result of c9999:")
 

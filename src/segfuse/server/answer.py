@@ -110,7 +110,7 @@ class Answer:
         job = self.job
         if not job.tools or result.stats.finish_reason != "stop":
             return None
-        return read_call(prefill_of(job.generation.messages) + result.text, job.tools)
+        return read_call(prefill_of(job.fusion.messages) + result.text, job.tools)
 
     # ----------------------------------------------------------------------- the answer as it is written
 

@@ -165,8 +165,8 @@ def job_for(request: FusionRequest, lease: Lease, **fields: Any) -> Job:
     """The worker's job for `request` (as its parsing made it), answered by the lease's members, with the
     lease's deadline: ``[limits] request_timeout_s`` from when the request took it (the wait for its members
     to load counts). `fields`: the server's own Job fields (tools, logprobs, id, work)."""
-    generation = replace(request, members=lease.members, deadline=lease.deadline)
-    return Job(generation, accepted_at=lease.arrived, **fields)
+    fusion = replace(request, members=lease.members, deadline=lease.deadline)
+    return Job(fusion, accepted_at=lease.arrived, **fields)
 
 
 def room(queue: JobQueue) -> int:

@@ -172,7 +172,7 @@ class ChatPlan:
     and deadline come with its job), and what the server answers with."""
 
     request: ChatCompletionRequest
-    generation: FusionRequest  # the messages, options, constraint, top log-probabilities and cache salt
+    fusion: FusionRequest  # the messages, options, constraint, top log-probabilities and cache salt
     tools: list[Tool]  # offered to the answer ([] with tool_choice "none")
     logprobs: bool  # the answer's log-probabilities are reported
 
@@ -207,10 +207,10 @@ def plan_of(
     except InvalidRequestError as exc:
         raise APIError(400, f"{exc.message} ({exc.hint})", code="invalid_messages", param="messages") from None
     # Built from what was checked above, naming the field at fault: the request is not checked again.
-    generation = FusionRequest(
+    fusion = FusionRequest(
         messages, options, constraint=constraint, top_logprobs=top or 0, cache_salt=request.cache_salt
     )
-    return ChatPlan(request, generation, tools if mode != "none" else [], top is not None)
+    return ChatPlan(request, fusion, tools if mode != "none" else [], top is not None)
 
 
 __all__ = [

@@ -40,7 +40,7 @@ from .protocol import (
 def job_of(plan: ChatPlan, lease: Lease, **fields: Any) -> Job:
     """The worker's job for a planned chat request, answered by the lease's members (`fields`: more Job
     fields, e.g. its id)."""
-    return job_for(plan.generation, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
+    return job_for(plan.fusion, lease, tools=plan.tools, logprobs=plan.logprobs, **fields)
 
 
 async def answer(state: ServerState, request: Request) -> Response:
@@ -119,7 +119,7 @@ class ChatAnswer(Answer):
         return Choice(message=message, finish_reason=finish_reason_of(result, call), logprobs=logprobs)
 
     def _logprobs(self, tokens: list[TokenLogprob]) -> list[TokenLogprobInfo]:
-        return chat_logprobs(tokens, self.job.generation.top_logprobs)
+        return chat_logprobs(tokens, self.job.fusion.top_logprobs)
 
     # ----------------------------------------------------------------------- the answer as it is written
 

@@ -88,7 +88,7 @@ async def count_tokens(state: ServerState, request: Request) -> JSONResponse:
     parsed, plan = await state.offload(plan_messages, body, state.defaults, state.config.limits, COUNT_TOKENS)
     require_members(state, state.holds_key(request))
     async with using(state, parsed.model or state.model_id, parsed.keep_alive) as lease:
-        counted = await state.offload(_count, state.members_of(lease), plan.generation.messages)
+        counted = await state.offload(_count, state.members_of(lease), plan.fusion.messages)
     return JSONResponse({"input_tokens": counted})
 
 

@@ -86,7 +86,7 @@ class Job:
     # The messages, options, members (None: the whole ensemble), constraint (response_format, or the
     # tools offered), top log-probabilities, deadline (then the answer so far ends; a job still queued
     # fails) and cache salt. A work job's has no messages: its work reads what it reads.
-    generation: FusionRequest
+    fusion: FusionRequest
     tools: list[Tool] = field(default_factory=list)  # offered: the answer may be a call of one
     streamed: bool = True  # the answer goes out as it is written (else whole, once: no text handed out before)
     logprobs: bool = False  # the response reports each answer token's log-probability (and request.top_logprobs)
@@ -205,12 +205,12 @@ def run_work(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | N
 def start_job(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | None, int], None]) -> Steps | None:
     """On the worker thread, as it admits `job`: its generation's steps, its Started told; or None when
     it ended here (past its deadline, refused, or a work job run now, as the members are this thread's)."""
-    generation = job.generation
-    if generation.deadline is not None and time.monotonic() >= generation.deadline:
+    fusion = job.fusion
+    if fusion.deadline is not None and time.monotonic() >= fusion.deadline:
         waited = time.monotonic() - job.accepted_at
         error = DeadlineError(
             f"the request waited {waited:.0f} s in the queue, past its deadline of "
-            f"{generation.deadline - job.accepted_at:g} s",
+            f"{fusion.deadline - job.accepted_at:g} s",
             "retry when the server is less busy",
         )
         end(job, error, 0)
@@ -219,11 +219,11 @@ def start_job(job: Job, ensemble: Ensemble, end: Callable[[Job, BaseException | 
         run_work(job, ensemble, end)
         return None
     try:
-        steps = ensemble.steps(generation)
+        steps = ensemble.steps(fusion)
     except SegfuseError as exc:
         end(job, exc, 0)
         return None
-    job.emit(Started(time.time() - job.created, prompt_tokens(ensemble.pick(generation.members), generation.messages)))
+    job.emit(Started(time.time() - job.created, prompt_tokens(ensemble.pick(fusion.members), fusion.messages)))
     return steps
 
 
