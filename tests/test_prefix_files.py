@@ -6,14 +6,19 @@ The llama.cpp states in them are tested on the real members in test_prefix_cache
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import struct
+import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from segfuse.backends.prefix_files import SUFFIX, TEMP, Key, PrefixDir, file_name, salt_digest
+from segfuse.backends.prefix_files import MAGIC, SUFFIX, TEMP, Key, PrefixDir, Unusable, file_name, salt_digest
 
 KEY = Key("model-a", {"n_ctx": 4096, "type_k": 1}, "build 1")
 TOKENS = np.arange(100, 160)
@@ -139,3 +144,106 @@ def test_a_state_larger_than_the_bound_is_not_written_and_stale_temporary_files_
     fresh.write_bytes(b"a write in progress")
     store.prune()
     assert not stale.exists() and fresh.exists()
+
+
+def forge(path, header, state_bytes: int) -> None:
+    """A file with `header` (a dict, or raw bytes), TOKENS and `state_bytes` of state left sparse (never written)."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(MAGIC + struct.pack("<I", len(raw)) + raw + np.asarray(TOKENS, dtype="<i4").tobytes())
+        f.truncate(f.tell() + state_bytes)
+
+
+def claim(state: int) -> dict:
+    """A valid header of KEY's for TOKENS with a state of `state` bytes (its digest is never reached)."""
+    return {"format": 1, "key": KEY.as_json(), "tokens": len(TOKENS), "state": state, "floor": 0, "sha256": "0" * 64}
+
+
+def finishes(call, seconds: float = 5.0) -> bool:
+    """Whether `call` returns within `seconds` (run in a thread, which a test unblocks when it does not)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def test_a_symlink_under_a_files_name_is_neither_read_nor_touched_nor_counted(store, tmp_path, caplog):
+    saved = store.save(KEY, TOKENS, STATE, floor=0)
+    outside = tmp_path / "outside.segkv"
+    os.replace(saved.path, outside)
+    os.utime(outside, (1_000_000, 1_000_000))
+    saved.path.symlink_to(outside)  # a valid file of KEY's, reached through a link out of the directory
+    with caplog.at_level(logging.WARNING):
+        assert store.find(KEY) == []
+    assert saved.path.name in ignored(caplog)[0] and "not a regular file" in ignored(caplog)[0]
+    store.touch(saved.path)
+    store.max_bytes = 1
+    store.prune()
+    assert outside.stat().st_mtime == 1_000_000 and outside.exists()
+
+
+def test_a_fifo_under_a_files_name_blocks_nothing(store, caplog):
+    store.ensure()
+    fifo = store.path / file_name(KEY, TOKENS)
+    os.mkfifo(fifo)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert finishes(lambda: store.find(KEY)), "find blocked on a FIFO"
+        assert fifo.name in ignored(caplog)[0] and fifo.exists()  # not ours: skipped, not removed
+        # A file found valid, then swapped for a FIFO before its state is read: load refuses it at once.
+        os.unlink(fifo)
+        store.save(KEY, TOKENS, STATE, floor=0)
+        (stored,) = store.find(KEY)
+        os.unlink(fifo)
+        os.mkfifo(fifo)
+
+        def load() -> None:
+            with pytest.raises(Unusable):
+                store.load(stored)
+
+        assert finishes(load), "load blocked on a FIFO"
+    finally:  # a reader still blocked in open() (the unfixed code) gets an end of file
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("bound", ["directory", "model"])
+def test_a_sparse_file_claiming_a_huge_state_is_removed_unread(store, caplog, bound):
+    store.ensure()
+    path = store.path / file_name(KEY, TOKENS)
+    forge(path, claim(1 << 30), 1 << 30)  # its size agrees with its header: only the bounds refuse it
+    limit = {}
+    if bound == "model":
+        store.max_bytes = 4 << 30
+        limit = {"per_token": 64 << 10}  # 60 tokens of at most 64 KiB each: far from 1 GiB
+    with caplog.at_level(logging.WARNING):
+        assert store.find(KEY, **limit) == []
+    assert path.name in ignored(caplog)[0] and "(removed)" in ignored(caplog)[0] and not path.exists()
+
+
+def test_a_file_grown_since_its_header_was_read_is_not_read_whole(store, caplog):
+    saved = store.save(KEY, TOKENS, STATE, floor=0)
+    (found,) = store.find(KEY)
+    with saved.path.open("r+b") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB of zeros that only a read makes real
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(Unusable):
+            store.load(found)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
+    assert "changed since its header was read" in ignored(caplog)[0] and not saved.path.exists()
+
+
+def test_a_deeply_nested_header_costs_only_its_own_file(store, caplog):
+    good = store.save(KEY, TOKENS, STATE, floor=0)
+    bad = store.path / f"{KEY.group}-{KEY.variant}-{'0' * 16}{SUFFIX}"
+    forge(bad, b"[" * 200_000, 16)
+    with caplog.at_level(logging.WARNING):
+        (found,) = store.find(KEY)  # the intact file is still read back
+    assert found.path == good.path and list(found.tokens) == list(TOKENS)
+    (line,) = ignored(caplog)
+    assert bad.name in line and "(removed)" in line and not bad.exists()
+    assert store.save(KEY, TOKENS + 1, STATE, floor=0) is not None  # and saving goes on

@@ -10,10 +10,14 @@ that give the cached state its meaning, TOKENS a digest of the token ids. A file
 The header holds the format version, the :class:`Key` (a digest of the model, the settings, the build,
 a digest of the salt: never the salt itself), the token count, the state's length, the SHA-256 of the
 tokens and the state, and the shortest match the state may serve. Nothing is used unchecked: a file
-of another key is ignored, one shorter or longer than its header says, or whose digest differs, is
-ignored and removed; each with one log line. Writes go to a temporary file renamed into place, so a
-reader never sees half a file. The directory is kept within a bound of bytes, the least recently used
-files going first (a file's modification time is its last use: reading or saving it again touches it).
+of another key is ignored, one shorter or longer than its header says, whose header is malformed (of
+any depth), whose state is larger than the directory's bound or than the model's state can be, or
+whose digest differs, is ignored and removed; each with one log line. A file's size is checked before
+its body is read. Only regular files are opened or touched: never a symlink's target (it may lie
+outside the directory), nor a FIFO or device (opening one may block a request for ever). Writes go to
+a temporary file renamed into place, so a reader never sees half a file. The directory is kept within
+a bound of bytes, the least recently used files going first (a file's modification time is its last
+use: reading or saving it again touches it).
 
 Backend-agnostic: the state is whatever bytes the backend gave (``llama_cpp/persist.py`` makes them).
 """
@@ -22,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -42,8 +48,12 @@ MAGIC = b"SEGFKV\r\n"  # the \r\n shows a file mangled as text
 FORMAT = 1
 SUFFIX = ".segkv"
 TEMP = ".tmp"
-MAX_HEADER = 1 << 20  # bytes of JSON header a file may have
+MAX_HEADER = 64 << 10  # bytes of JSON header a file may have (ours have under 2 KiB)
 MAX_TOKENS = 1 << 24
+STATE_OVERHEAD = 1 << 20  # bytes a state may hold besides its cells' (see PrefixDir.find's per_token)
+HEADER_ERRORS = (ValueError, KeyError, TypeError, OverflowError, RecursionError)  # a bad header's, any of them
+# Open without following a symlink, nor waiting for a FIFO's writer (no effect on a regular file's reads)
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 STALE_TEMP_S = 600.0  # a temporary file this old was left by a write that never finished
 DEFAULT_MAX_BYTES = 2 << 30
 
@@ -95,6 +105,18 @@ class Key:
         return f"it was written with other settings: {', '.join(changed)}" if changed else None
 
 
+def _fields(raw: bytes) -> tuple[Any, int, int, int, str, Any]:
+    """A header's format, token count, state length, floor, digest and key; Unusable for any failure to parse
+    it (nesting too deep for the parser, a number too large, a field missing or of another type), so that a
+    bad file costs only itself."""
+    try:
+        header = json.loads(raw)
+        fields = header["format"], int(header["tokens"]), int(header["state"]), int(header["floor"])
+        return (*fields, str(header["sha256"]), header.get("key"))
+    except HEADER_ERRORS:
+        raise Unusable("its header is malformed or truncated") from None
+
+
 def file_name(key: Key, tokens: np.ndarray) -> str:
     return f"{key.group}-{key.variant}-{hashlib.sha256(_token_bytes(tokens)).hexdigest()[:16]}{SUFFIX}"
 
@@ -138,14 +160,16 @@ class PrefixDir:
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     # --- reading ------------------------------------------------------------------
-    def find(self, key: Key) -> list[Stored]:
-        """Every usable file of `key`'s group: headers and tokens only; the others ignored (logged once)."""
+    def find(self, key: Key, per_token: int | None = None) -> list[Stored]:
+        """Every usable file of `key`'s group: headers and tokens only; the others ignored (logged once), so
+        that a bad file costs only itself. `per_token`: the most bytes of state one token's cells can take in
+        the model (None: unknown), so that a header's claim is checked before anything is read on it."""
         found = []
         for path in sorted(self.path.glob(f"{key.group}-*{SUFFIX}")):
             if path.name in self._told:
                 continue
             try:
-                found.append(self._head(path, key))
+                found.append(self._head(path, key, per_token))
             except Unusable as why:
                 self.ignore(path, str(why), remove=why.broken)
             except OSError as exc:  # removed meanwhile by another process's pruning, or unreadable
@@ -153,49 +177,81 @@ class PrefixDir:
                     self.ignore(path, f"it cannot be read ({exc.strerror or exc})")
         return found
 
-    def _head(self, path: Path, key: Key) -> Stored:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+    def _head(self, path: Path, key: Key, per_token: int | None) -> Stored:
+        with self._open(path) as f:
+            size = os.fstat(f.fileno()).st_size
             start = f.read(len(MAGIC) + 4)
             if len(start) < len(MAGIC) + 4 or start[: len(MAGIC)] != MAGIC:
                 raise Unusable("it is not a prefix-cache file, or is truncated before its header")
             (n_header,) = struct.unpack("<I", start[len(MAGIC) :])
             if n_header > MAX_HEADER:
-                raise Unusable("its header is malformed")
-            try:
-                header = json.loads(f.read(n_header))
-                version, n, state_len = header["format"], int(header["tokens"]), int(header["state"])
-                floor, sha = int(header["floor"]), str(header["sha256"])
-            except (ValueError, KeyError, TypeError):
-                raise Unusable("its header is malformed or truncated") from None
+                raise Unusable(f"its header is malformed ({n_header} bytes long)")
+            version, n, state_len, floor, sha, theirs = _fields(f.read(n_header))
             if version != FORMAT:
                 raise Unusable(f"it is of format {version!r} (this segfuse reads {FORMAT})", broken=False)
-            why = key.mismatch(header.get("key"))
+            why = key.mismatch(theirs)
             if why:
                 raise Unusable(why, broken=False)
             if not 0 < n <= MAX_TOKENS or state_len <= 0:
                 raise Unusable("its header is malformed")
             state_at = len(start) + n_header + 4 * n
-            if size != state_at + state_len:
-                raise Unusable(f"it is truncated or padded: {size} bytes where its header says {state_at + state_len}")
+            self._check_size(size, state_at, state_len, n * per_token + STATE_OVERHEAD if per_token else None)
             tokens = np.frombuffer(f.read(4 * n), dtype="<i4").astype(np.int64)
         return Stored(path, tokens, floor, state_at, state_len, sha)
 
+    def _check_size(self, size: int, state_at: int, state_len: int, most_state: int | None) -> None:
+        """Refuse a file before its body is read: one whose size is not its header's (a sparse file may claim
+        any size), or whose state is over what the model's can be or over the directory's bound."""
+        if size != state_at + state_len:
+            raise Unusable(f"it is truncated or padded: {size} bytes where its header says {state_at + state_len}")
+        if most_state is not None and state_len > most_state:
+            raise Unusable(f"its header claims a state of {state_len} bytes, more than this model's can be")
+        if size > self.max_bytes:
+            raise Unusable(f"it is larger than the directory's bound ({size} bytes; at most {self.max_bytes})")
+
+    def _open(self, path: Path) -> io.FileIO:
+        """`path` opened for reading if it is a regular file in the directory: never a symlink's target (it may
+        lie outside), nor a FIFO or device (opening or reading one may block a request for ever). Neither
+        is ours, so neither is removed. Checked before opening, and on what was opened (it may have been
+        swapped meanwhile)."""
+        if not stat.S_ISREG(path.lstat().st_mode) or path.resolve().parent != self.path.resolve():
+            raise Unusable("it is not a regular file in the directory", broken=False)
+        fd = os.open(path, OPEN_FLAGS)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise Unusable("it is not a regular file in the directory", broken=False)
+        return os.fdopen(fd, "rb", buffering=0)
+
     def load(self, stored: Stored) -> bytearray:
-        """A file's state, checked against its digest (else it is ignored and removed, and Unusable raised)."""
+        """A file's state, checked against its digest (else it is ignored and removed, and Unusable raised).
+        Its size is checked before its body is read into a buffer of that size: a file grown or swapped since
+        its header was read costs no memory."""
         try:
-            with stored.path.open("rb") as f:
-                data = bytearray(f.read())
+            data = self._read(stored.path, stored.state_at + stored.state_len)
         except FileNotFoundError:  # removed by the bound (this process's or another's): nothing to say
             raise Unusable("it is gone", broken=False) from None
+        except Unusable as why:
+            raise self.ignore(stored.path, str(why), remove=why.broken) from None
         except OSError as exc:
             raise self.ignore(stored.path, f"it cannot be read ({exc.strerror or exc})") from None
-        if len(data) != stored.state_at + stored.state_len:
-            raise self.ignore(stored.path, "it changed since its header was read", remove=True)
         body = memoryview(data)[stored.state_at - 4 * len(stored.tokens) :]
         if hashlib.sha256(body).hexdigest() != stored.sha256:
             raise self.ignore(stored.path, "its checksum does not match (a corrupt or partial write)", remove=True)
         self.touch(stored.path)
+        return data
+
+    def _read(self, path: Path, size: int) -> bytearray:
+        """The `size` bytes of `path`, if that is its size (else Unusable)."""
+        with self._open(path) as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise Unusable("it changed since its header was read")
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise Unusable("it changed since its header was read")
+                got += n
         return data
 
     def ignore(self, path: Path, why: str, *, remove: bool = False) -> Unusable:
@@ -255,10 +311,14 @@ class PrefixDir:
         )
 
     @staticmethod
-    def touch(path: Path) -> None:
-        """Mark `path` used now (the bound removes the least recently used first)."""
+    def touch(path: Path) -> bool:
+        """Mark `path` used now (the bound removes the least recently used first), if it is a regular file:
+        a symlink's target may lie outside the directory. Whether it was."""
         with contextlib.suppress(OSError):
-            os.utime(path)
+            if stat.S_ISREG(path.lstat().st_mode):
+                os.utime(path, follow_symlinks=False)  # a symlink swapped in meanwhile: its own time
+                return True
+        return False
 
     def prune(self, keep: Path | None = None) -> int:
         """Remove the least recently used files (and temporary files left by writes that never finished)
@@ -267,8 +327,10 @@ class PrefixDir:
             files, now, removed = [], time.time(), 0
             for path in self.path.glob(f"*{SUFFIX}*"):
                 try:
-                    seen = path.stat()
+                    seen = path.lstat()
                 except OSError:
+                    continue
+                if not stat.S_ISREG(seen.st_mode):  # not ours (a symlink's target is counted where it lies)
                     continue
                 if path.name.endswith(TEMP):
                     if now - seen.st_mtime > STALE_TEMP_S:

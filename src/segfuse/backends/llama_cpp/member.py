@@ -65,7 +65,7 @@ from ..spec import split_target
 from . import batch
 from .context import Context
 from .echo import echo_tokens
-from .persist import open_disk, settings_of
+from .persist import open_disk, settings_of, state_per_token
 from .private import PrivateContexts
 from .runtime import (
     COMPUTE,
@@ -144,14 +144,20 @@ class LlamaCppMember(LocalMember):
         self.table = Slots(self.context, name=self.name, slots=slots, cells=cells, entries=entries, swa=swa)
         self.prefix_cache = self.table.prefix_cache
         if prefix_cache_dir is not None:
-            settings = settings_of(self.n_ctx, self.gpu_layers, self.model_params)
-            self.table.disk = open_disk(
-                prefix_cache_dir, prefix_cache_dir_max_bytes, model=self.path, settings=settings, table=self.table
-            )
+            self._open_disk(prefix_cache_dir, prefix_cache_dir_max_bytes)
         self.context.make_room = self.prefix_cache.evict_one  # no room: cached prefixes give way first
         self.softmax = LogSoftmax(self.vocab.n_vocab)
         self.context.reserve_outputs(self.n_ctx)
         self.private = PrivateContexts(self._open_private)
+
+    def _open_disk(self, where: str | os.PathLike[str], max_bytes: int | None) -> None:
+        """The prefix cache's directory, keyed by this member's settings; its files checked against what one
+        token's state can take in this model."""
+        settings = settings_of(self.n_ctx, self.gpu_layers, self.model_params)
+        per_token = state_per_token(self._model)
+        self.table.disk = open_disk(
+            where, max_bytes, model=self.path, settings=settings, table=self.table, per_token=per_token
+        )
 
     def _load(
         self,

@@ -20,6 +20,7 @@ the answer it got) and where entries part (a shared system prompt), as files of 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -72,11 +73,37 @@ def build() -> str:
     return f"llama-cpp-python {lc.__version__}; {' '.join(text.split())}"
 
 
+def state_per_token(weights: Any) -> int | None:
+    """The most bytes one token's cells can take in a sequence's state of the loaded model `weights`, so that a
+    file claiming more is refused before it is read; None for a recurrent or hybrid model (its state is not
+    per token). Generous: every head's keys and values in f32 (the cache holds f16 by default)."""
+    if lc.llama_model_is_recurrent(weights) or lc.llama_model_is_hybrid(weights):
+        return None
+    n_head = max(1, int(lc.llama_model_n_head(weights)))
+    arch = _metadata(weights, "general.architecture")
+    dims = [int(v) for kv in ("key", "value") if (v := _metadata(weights, f"{arch}.attention.{kv}_length")).isdigit()]
+    head = max([int(lc.llama_model_n_embd(weights)) // n_head, *dims])
+    return int(lc.llama_model_n_layer(weights)) * 2 * n_head * head * 4 + 64  # and a cell's position and sequences
+
+
+def _metadata(weights: Any, key: str) -> str:
+    """A GGUF metadata value of the loaded model (empty when it has none)."""
+    buf = ctypes.create_string_buffer(256)
+    n = lc.llama_model_meta_val_str(weights, key.encode(), buf, len(buf))
+    return buf.value.decode(errors="replace") if n >= 0 else ""
+
+
 def open_disk(
-    where: str | os.PathLike[str], max_bytes: int | None, *, model: Path, settings: dict[str, Any], table: Slots
+    where: str | os.PathLike[str],
+    max_bytes: int | None,
+    *,
+    model: Path,
+    settings: dict[str, Any],
+    table: Slots,
+    per_token: int | None = None,
 ) -> DiskPrefixes | None:
     """`table`'s prefix cache kept in the directory `where` (``auto``: the user's cache), within `max_bytes`;
-    None when the member keeps no prefix cache."""
+    None when the member keeps no prefix cache. `per_token`: :func:`state_per_token` of the model."""
     if not table.prefix_cache.bound:
         log.info("prefix cache: %s keeps no prefix cache, so nothing goes to %s", table.name, where)
         return None
@@ -88,7 +115,7 @@ def open_disk(
             f"cannot use {directory.path} as the prefix-cache directory: {exc.strerror or exc}",
             "name a directory this user may write (prefix_cache_dir), or leave it out",
         ) from None
-    return DiskPrefixes(directory, model=model, settings=settings, table=table)
+    return DiskPrefixes(directory, model=model, settings=settings, table=table, per_token=per_token)
 
 
 class DiskPrefixes:
@@ -96,11 +123,13 @@ class DiskPrefixes:
 
     The `table`'s context holds the cells and its prefix cache the entries; a free slot's sequence
     is borrowed to copy a shorter prefix into. Call it only from the thread that decodes into that
-    context, between decodes.
+    context, between decodes. `per_token`: the most bytes one token's state can take (None: unknown).
     """
 
-    def __init__(self, directory: PrefixDir, *, model: Path, settings: dict[str, Any], table: Slots) -> None:
-        self.dir, self.model, self.settings = directory, model, settings
+    def __init__(
+        self, directory: PrefixDir, *, model: Path, settings: dict[str, Any], table: Slots, per_token: int | None = None
+    ) -> None:
+        self.dir, self.model, self.settings, self.per_token = directory, model, settings, per_token
         self.ctx: Context = table.ctx
         self.cache: PrefixCache[int] = table.prefix_cache
         self.swa, self.spare = table.swa, table.spare
@@ -117,7 +146,7 @@ class DiskPrefixes:
         """This model's files under `salt`, listed at the first call for it."""
         digest = salt_digest(salt)
         if digest not in self._files:
-            self._files[digest] = self.dir.find(self.key(salt)) if self.dir.path.is_dir() else []
+            self._files[digest] = self.dir.find(self.key(salt), self.per_token) if self.dir.path.is_dir() else []
         return self._files[digest]
 
     # --- reading back ------------------------------------------------------------------
@@ -212,8 +241,7 @@ class DiskPrefixes:
         files = self.files(entry.salt)
         name = file_name(key, tokens)
         known = next((s for s in files if s.path.name == name), None)
-        if known is not None and known.path.exists():
-            self.dir.touch(known.path)
+        if known is not None and self.dir.touch(known.path):  # on disk already (a regular file)
             return 0
         if n == len(entry.tokens):
             floor, state = self._floor(entry.handle, n), self.ctx.state_get(entry.handle)
