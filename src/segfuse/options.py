@@ -16,6 +16,9 @@ SEED_MIN, SEED_LIMIT, RANDOM_SEED = -(2**63), 2**64, -1
 # How a verifier scores a candidate (``engine/scoring.py``).
 ScoreMode = Literal["mean_prob", "mean_logprob", "mean_logit"]
 SCORE_MODES: tuple[str, ...] = ("mean_prob", "mean_logprob", "mean_logit")
+# Who drafts for the leader (``engine/drafting.py``).
+DraftMode = Literal["off", "members", "lookup", "auto"]
+DRAFT_MODES: tuple[str, ...] = ("off", "members", "lookup", "auto")
 
 
 class FusionOptions(BaseModel):
@@ -104,6 +107,15 @@ class FusionOptions(BaseModel):
         description="nats the leader's acceptance test allows; 0 = the leader alone; "
         "none = every proposal goes to the vote",
     )
+    # Drafting for the leader (docs/performance.md#drafting): the answer stays the leader's own, token for token;
+    # drafts only let it write several tokens per pass.
+    draft: DraftMode = Field(
+        "off",
+        description="drafts the leader reads in one pass and keeps where they are what it would write: off = "
+        "none; members = the other members draft; lookup = text copied from the prompt and the answer; "
+        "auto = whichever pays, measured as the answer grows",
+    )
+    draft_max: int = Field(16, ge=1, le=64, description="most tokens of one draft the leader reads per round")
     # Strict: a request's "yes" must not read as true. Off by default: it costs the prefix cache and batching.
     deterministic: bool = Field(
         False,

@@ -63,11 +63,12 @@ def _utf8_safe_count(pieces: Sequence[bytes], n: int) -> int:
     return 0
 
 
-def cut_draft(pieces: Sequence[bytes], finished: bool) -> Cut:
-    """Cut a draft back to a whole-word, whole-character boundary."""
+def cut_draft(pieces: Sequence[bytes], finished: bool, whole_words: bool = True) -> Cut:
+    """Cut a draft back to a whole-word (unless not `whole_words`), whole-character boundary."""
     n = len(pieces)
     if not finished:
         n = _utf8_safe_count(pieces, n)
+    if not finished and whole_words:
         text = b"".join(pieces[:n]).decode("utf-8", errors="replace")
         if _ends_mid_word(text):
             for k in range(n - 1, 0, -1):

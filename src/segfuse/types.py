@@ -59,6 +59,18 @@ class DraftTokens:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """What a member kept of drafts it verified for itself (``MemberSession.speculate``): the tokens it
+    would have written on its own (``tokens``: the longest prefix of any draft that its own decoding
+    reproduces, then its own next token), and for each draft how many of its tokens it kept, of how many
+    (in its own tokenization)."""
+
+    tokens: DraftTokens
+    accepted: tuple[int, ...]
+    proposed: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TokenTrail:
     """The tokens that wrote a text, as its author drafted them (for ``logprobs``): their bytes,
     the author's log-probability of each, and its most likely alternatives where asked for."""
@@ -159,8 +171,10 @@ class RoundRecord:
     penalised: dict[str, str] = field(default_factory=dict)  # candidate author -> why it could not win
     consulted: dict[str, str] = field(default_factory=dict)  # proposal author -> the leader's verdict and why
     # how the winner was decided: "confident" (the gate passed), "alone" (the leader answers alone,
-    # accept_margin 0), "rejected" (the leader accepted no proposal), "vote"
+    # accept_margin 0), "drafted" (the leader alone, reading drafts), "rejected" (the leader accepted no
+    # proposal), "vote"
     decision: str = "vote"
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # drafted rounds: drafter -> [proposed, kept]
     draft_s: dict[str, float] = field(default_factory=dict)
     verify_s: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
@@ -188,6 +202,8 @@ class Stats:
     time_to_first_segment_s: float | None = None
     total_s: float = 0.0
     finish_reason: str = ""
+    # With drafting on: drafter -> rounds it drafted, tokens it proposed, tokens the leader kept of them.
+    drafting: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:

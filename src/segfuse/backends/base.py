@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..segments import complete_utf8_prefix
-from ..types import DraftTokens, Message, PromptToken, Sampling, TokenScores
+from ..types import DraftTokens, Message, PromptToken, Sampling, Speculation, TokenScores
 from .prefix_cache import PrefixStats
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class Capabilities:
     prompt_fit: bool = False  # its sessions offer text_logprob
     constrained: bool = False  # its sessions draft under a constraint (structured output): ``constrain``
     echo: bool = False  # it reports a whole text's token log-probabilities: ``Member.echo`` (and tokenizes)
+    speculates: bool = False  # its sessions verify drafts for themselves: ``MemberSession.speculate``
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,14 @@ class MemberSession(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the session (its cache, the member's slot)."""
+
+    def speculate(self, drafts: Sequence[str], max_tokens: int, sampling: Sampling) -> Speculation:
+        """Continue the context by the tokens this member would write on its own, reading `drafts`
+        (texts that may continue it) in one pass: the longest prefix of any draft that its own
+        sampling under `sampling` reproduces, then one token of its own; at most `max_tokens` in all.
+        The kept tokens stay pending until ``accept`` (as a draft's do). Members that declare
+        ``Capabilities.speculates`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify drafts for itself")
 
     def text_logprob(self, text: str) -> tuple[float, int]:
         """(summed natural-log probability, bytes) of `text` on its own; see ``Capabilities.prompt_fit``."""

@@ -35,8 +35,9 @@ from ..errors import PromptTooLongError
 from ..models import PromptFormat
 from ..prompting import prefill_of, raw_prompt
 from ..segments import tokens_spelling
-from ..types import Alternatives, Message, TokenScores
+from ..types import Alternatives, DraftTokens, Message, Sampling, Speculation, TokenScores
 from .base import Member, MemberSession, SessionOptions
+from .speculation import distinct_drafts, walk
 from .vocabulary import LocalVocabulary
 
 
@@ -85,11 +86,13 @@ class DraftState:
 
 @dataclass
 class Verified:
-    """A candidate decoded this round: its tokens, scores, and the row after its last token."""
+    """A candidate decoded this round: its tokens, scores, and the row after its last token; `rows`, where
+    kept (speculating): the row before each token, then the row after the last."""
 
     ids: list[int]
     scores: TokenScores
     last_row: Any
+    rows: Any = None
 
 
 class LocalMember(Member):
@@ -192,6 +195,59 @@ class CachedSession(MemberSession):
             known[""] = self._end_score()
         return known, [t for t in dict.fromkeys(texts) if t not in known]
 
+    def speculate(self, drafts: Sequence[str], max_tokens: int, sampling: Sampling) -> Speculation:
+        """Every distinct draft decoded on the cached prefix in one pass, then walked as this member writes
+        (``speculation.py``); the kept tokens' cells are the walked draft's, and they stay pending until
+        ``accept`` as a draft's do. The context's last accepted tokens, where not decoded yet (the token
+        the last round ended with), lead every draft in that pass instead of a decode of their own."""
+        limit = max(1, min(max_tokens, self.room - 1))
+        encoded = [self.vocab.encode_continuation(t) if t else [] for t in drafts]
+        distinct, where = distinct_drafts(encoded, limit - 1)
+        tail = self.tokens[self.n_cached :] if distinct and self.n_cached and self.pending is None else []
+        if not tail:
+            self.sync()
+        candidates = self._lay_drafts([tail + ids for ids in distinct], len(tail))
+
+        def row_at(d: int, p: int) -> Any:
+            return candidates[d].rows[len(tail) + p] if candidates else self.next_logits
+
+        walked = walk(distinct, row_at, lambda row, kept: self._pick(row, sampling, kept), self.vocab.is_eog, limit)
+        if candidates and (tail or len(walked.kept) > 1):
+            self._truncate(self.n_cached)
+            self._adopt(candidates[walked.source], self.n_cached)  # the tail's cells and the kept tokens'
+            self.n_cached = len(self.tokens)
+        pieces = [self._piece(t) for t in walked.kept]
+        self.pending = DraftState(walked.kept, pieces, walked.rows)
+        accepted = tuple(walked.accepted[i] if i >= 0 else 0 for i in where)
+        proposed = tuple(len(distinct[i]) if i >= 0 else 0 for i in where)
+        return Speculation(self._kept_tokens(walked.kept, walked.rows, sampling), accepted, proposed)
+
+    def _lay_drafts(self, drafts: list[list[int]], n_tail: int) -> list[Verified]:
+        """Decode `drafts` after the cached prefix in one pass, their rows kept; each starts with the context's
+        `n_tail` tokens not yet cached."""
+        if not drafts:
+            return []
+        keys = [f"\x00speculate:{i}" for i in range(len(drafts))]  # never a real candidate's text
+        tail = self.tokens[len(self.tokens) - n_tail :] if n_tail else []
+        if n_tail:  # lay the drafts out from the last cached token: the tail is part of each
+            del self.tokens[len(self.tokens) - n_tail :]
+        try:
+            self._verify(keys, drafts, keep_rows=True)
+        finally:
+            self.tokens += tail
+        return [self.verified[k] for k in keys]
+
+    def _kept_tokens(self, kept: list[int], rows: list[Any], sampling: Sampling) -> DraftTokens:
+        scored = [self._token_score(row, t) for row, t in zip(rows, kept)]
+        k = sampling.top_logprobs
+        tops = top_alternatives([self._as_numpy(r) for r in rows], k, self._piece) if k else ()
+        logprobs = tuple(lp for lp, _ in scored)
+        logits = tuple(logit for _, logit in scored)
+        return DraftTokens(tuple(self._piece(t) for t in kept), logprobs, logits, self.vocab.is_eog(kept[-1]), tops)
+
+    def _piece(self, token: int) -> bytes:
+        return b"" if self.vocab.is_eog(token) else self.vocab.piece(token)
+
     def accept(self, text: str) -> None:
         n_prefix = len(self.tokens)
         draft = self.pending
@@ -241,8 +297,23 @@ class CachedSession(MemberSession):
         """The candidate "stop here": the probability of any end-of-generation token."""
 
     @abstractmethod
-    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
-        """Decode new candidates on the cached prefix; record them in ``verified``."""
+    def _verify(
+        self, texts: list[str], encoded: list[list[int]] | None = None, keep_rows: bool = False
+    ) -> dict[str, TokenScores]:
+        """Decode new candidates on the cached prefix (`encoded`: their tokens, where given; else each text's
+        continuation tokens); record them in ``verified`` (with their rows, `keep_rows`)."""
+
+    def _pick(self, row: Any, sampling: Sampling, drafted: list[int]) -> int:
+        """This member's own next token from `row` after `drafted` this round, as its drafting picks it
+        (the constraint's mask, greedy or one draw from its generator); members that speculate implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify drafts for itself")
+
+    def _token_score(self, row: Any, token: int) -> tuple[float, float]:
+        """(log-probability, logit) of `token` in `row`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify drafts for itself")
+
+    def _as_numpy(self, row: Any) -> np.ndarray:
+        return np.asarray(row)
 
     @abstractmethod
     def _truncate(self, length: int) -> None:

@@ -29,14 +29,24 @@ from typing import Any, Literal
 from ..backends.base import Member, MemberSession
 
 Method = Literal[
-    "start", "constrain", "draft", "score", "accept", "text_logprob", "counters", "close", "draft_many", "score_many"
+    "start",
+    "constrain",
+    "draft",
+    "score",
+    "speculate",
+    "accept",
+    "text_logprob",
+    "counters",
+    "close",
+    "draft_many",
+    "score_many",
 ]
 # Calls that decode nothing (opening a session tokenizes; accepting edits caches and token lists):
 # a scheduler runs them at once instead of spending a tick on them.
 CHEAP: frozenset[str] = frozenset({"start", "accept", "counters", "close"})
 BATCHED: dict[str, Method] = {"draft": "draft_many", "score": "score_many"}  # what a batching member serves together
 # Calls that read or write answer text (drafts, scores, prompt fits): the member calls a generation reports.
-COUNTED: frozenset[str] = frozenset({"draft", "score", "text_logprob"})
+COUNTED: frozenset[str] = frozenset({"draft", "score", "speculate", "text_logprob"})
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ class Lineup:
         """Every member opens a session (with lazy followers, the leader alone); one that cannot leaves."""
         seats = self.seats
         self.messages = list(messages)
-        if self.options.followers == "lazy" and self.answers_alone():
+        # Members that draft for the leader start with it; otherwise lazy followers wait on standby.
+        drafting_members = self.options.draft in ("members", "auto")
+        if self.options.followers == "lazy" and self.answers_alone() and not drafting_members:
             first = self.successor(seats.all)
             seats.standby = [s for s in seats.all if s is not first]
             yield from self.open([first], 0)

@@ -51,6 +51,8 @@ from ..types import DoneEvent, Event, Result, RoundEvent
 from . import phases
 from .calls import CallRunner, Calls, Reply
 from .context import GenerationContext, Round
+from .drafted import DraftedRounds
+from .drafting import Plan
 from .lineup import SEED_SPACE, Lineup, member_seed
 from .live import Handoff, LiveCalls
 from .phases import Drafted, Known
@@ -170,6 +172,8 @@ class Generation:
         self.lineup = Lineup(members, self.context, self.votes.weights)
         self.seats = self.lineup.seats
         self.transcript = Transcript([s.name for s in self.seats.all])
+        names = [m.name for m in members]
+        self.drafting = DraftedRounds(self.context, request.messages, names) if request.options.draft != "off" else None
 
     def run(self) -> Steps:
         """Seat the members, run rounds until the answer stops, then report."""
@@ -192,6 +196,8 @@ class Generation:
                 reason = decision.reason
                 break
             record = round_record(at, decision, self.votes, self.seats.calls)
+            if self.drafting is not None:
+                record.drafts = self.drafting.learned(decision, at.budget)
             chosen = decision.winner.candidate
             yield from transcript.append(record, self.seats.calls)
             yield from phases.broadcast(self.seats, at, chosen.text)
@@ -233,6 +239,10 @@ class Generation:
         )
         early: Drafted = []
         decided = partial(Decision, leader=leader, confidence=None, calls_before=seats.calls)
+        if self.drafting is not None and leader is not None and solo and leader.member.capabilities.speculates:
+            plan, copied = self.drafting.plan(seats, leader, at)
+            if plan.drafting:
+                return (yield from self._drafted(at, leader, plan, copied, decided))
         if leader is not None:
             early = yield from phases.draft(seats, context, [leader], min(o.window, at.budget), at, live)
             if not seats.active:  # the leader failed and the others are on standby: one takes over
@@ -253,6 +263,21 @@ class Generation:
             how = gated_how(decided.keywords["confidence"], context)
             return decided(how=how, drafted=drafted, ranking=phases.alone(drafted, leader))
         return (yield from self._vote(at, drafted, decided))
+
+    def _drafted(
+        self, at: Round, leader: Seat, plan: Plan, copied: str, decided: partial[Decision]
+    ) -> Generator[Calls, list[Reply], Decision | Stop]:
+        """The leader reads the planned drafters' drafts (``drafted.py``); if its call fails, the round runs
+        again under the next leader."""
+        assert self.drafting is not None
+        drafted = yield from self.drafting.round(self.seats, leader, at, plan, copied)
+        if leader not in self.seats.active:
+            if not self.seats.active:
+                return (yield from self._take_over(at))
+            return (yield from self._round(at))
+        if not drafted or not drafted[0][1].eligible:
+            return Stop("length")
+        return decided(how="drafted", drafted=drafted, ranking=phases.alone(drafted, leader))
 
     def _vote(
         self, at: Round, drafted: Drafted, decided: partial[Decision]
@@ -289,6 +314,8 @@ class Generation:
         stats.finish_reason = reason
         stats.total_s = time.perf_counter() - transcript.started
         stats.model_calls = self.seats.calls
+        if self.drafting is not None:
+            stats.drafting = self.drafting.tally
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
         constraint = self.context.constraint

@@ -47,9 +47,12 @@ class Draft:
 Drafted = list[tuple[Seat, Draft]]
 
 
-def cut_segment(author: str, tokens: DraftTokens, answer: str, stops: Sequence[str]) -> Draft:
-    """A member's drafted tokens -> a candidate segment: whole words, whole characters, stop strings."""
-    cut = cut_draft(tokens.pieces, tokens.finished)
+def cut_segment(
+    author: str, tokens: DraftTokens, answer: str, stops: Sequence[str], *, whole_words: bool = True
+) -> Draft:
+    """A member's drafted tokens -> a candidate segment: whole words (where `whole_words`: not when the
+    tokens are the answer's last, nor the leader's own after reading drafts), whole characters, stop strings."""
+    cut = cut_draft(tokens.pieces, tokens.finished, whole_words)
     n_text = cut.n_tokens - (1 if tokens.finished and cut.n_tokens else 0)
     text, hit_stop = apply_stops(answer, cut.text, stops)
     own: TokenScores | None = None
@@ -115,8 +118,9 @@ def draft(
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how, live.on_text), outlet=live.outlet)
     else:
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
+    # The answer's last tokens stay whole: an answer cut by its length ends after exactly its budget.
     drafted = [
-        (seat, cut_segment(seat.name, tokens, at.message, stops(seat, context)))
+        (seat, cut_segment(seat.name, tokens, at.message, stops(seat, context), whole_words=n < at.budget))
         for seat, tokens in seats.survivors(chosen, outcomes, at.no, "draft")
     ]
     for _, d in drafted:

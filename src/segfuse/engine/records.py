@@ -19,13 +19,14 @@ from .context import GenerationContext, Round
 from .phases import Drafted, Ranking
 from .seats import Seat
 
-How = Literal["confident", "alone", "rejected", "vote"]
+How = Literal["confident", "alone", "drafted", "rejected", "vote"]
 
 
 @dataclass(kw_only=True)
 class Decision:
     """How a round's winner was chosen: "confident" (the gate passed), "alone" (the leader answers
-    alone, accept_margin 0), "rejected" (the leader accepted no proposal), "vote"."""
+    alone, accept_margin 0), "drafted" (the leader answers alone, reading drafts: ``drafted.py``),
+    "rejected" (the leader accepted no proposal), "vote"."""
 
     how: How
     drafted: Drafted
@@ -38,7 +39,7 @@ class Decision:
     @property
     def gated(self) -> bool:
         """The leader's draft won without a vote."""
-        return self.how in ("confident", "alone")
+        return self.how in ("confident", "alone", "drafted")
 
     @property
     def winner(self) -> phases.Draft:

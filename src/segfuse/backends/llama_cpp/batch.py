@@ -58,6 +58,7 @@ class VerifyPlan:
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
+    keep_rows: bool = False  # keep every candidate's rows (a session speculating walks them)
 
     def answer(self) -> list[TokenScores]:
         return [self.results[t] for t in self.texts]

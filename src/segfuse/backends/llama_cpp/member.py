@@ -89,7 +89,7 @@ log = logging.getLogger("segfuse.backends.prefix_cache")
 class LlamaCppMember(LocalMember):
     """A GGUF model loaded once; serves up to ``slots`` sessions at a time."""
 
-    capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True)
+    capabilities = Capabilities(batched=True, prompt_fit=True, constrained=True, echo=True, speculates=True)
     vocab: Vocabulary
     slots: int  # always known here
     options: MemberOptions | None = None  # what load() made it with
@@ -188,6 +188,7 @@ class LlamaCppMember(LocalMember):
             prompt_fit=True,
             constrained=True,
             echo=True,
+            speculates=True,
             parallel_safe=side_by_side_for(side_by_side, self.gpu_layers, total),
         )
         self.n_params = int(lc.llama_model_n_params(self._model))  # the gate's default leader is the largest

@@ -28,7 +28,7 @@ from .vocab import Vocabulary
 
 @dataclass
 class InSequence(Verified):
-    seq: int  # the cache sequence holding the candidate's cells
+    seq: int = -1  # the cache sequence holding the candidate's cells
 
 
 class LlamaCppSession(CachedSession):
@@ -146,11 +146,21 @@ class LlamaCppSession(CachedSession):
         """Keep a finished draft's tokens pending until ``accept`` says what was kept."""
         self.pending = draft
 
-    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
-        plan = VerifyPlan(self, texts, {}, texts)
-        self._lay_out(plan)
+    def _verify(
+        self, texts: list[str], encoded: list[list[int]] | None = None, keep_rows: bool = False
+    ) -> dict[str, TokenScores]:
+        plan = VerifyPlan(self, texts, {}, texts, keep_rows=keep_rows)
+        self._lay_out(plan, encoded)
         verify_batch([plan])
         return plan.results
+
+    def _pick(self, row: np.ndarray, sampling: Sampling, drafted: list[int]) -> int:
+        allowed = self.allowed_next(drafted)  # as ``batch.Drafting.step`` picks
+        return self.sample(row if allowed is None else np.where(allowed, row, -np.inf), sampling)
+
+    def _token_score(self, row: np.ndarray, token: int) -> tuple[float, float]:
+        logit = float(row[token])
+        return logit - self.softmax.lse(row), logit
 
     def plan_scores(self, texts: list[str]) -> VerifyPlan:
         """What verifying `texts` needs (for a batch of sessions): known scores, the new candidates laid out."""
@@ -159,12 +169,12 @@ class LlamaCppSession(CachedSession):
         self._lay_out(plan)
         return plan
 
-    def _lay_out(self, plan: VerifyPlan) -> None:
+    def _lay_out(self, plan: VerifyPlan, encoded: list[list[int]] | None = None) -> None:
         """Each pending candidate in a sequence of its own, after a copy of the context's cells."""
         if len(plan.pending) + len(self.verified) > MAX_CANDIDATES:
             raise ValueError(f"at most {MAX_CANDIDATES} distinct candidates per round")
         n_prefix = len(self.tokens)
-        plan.encoded = [self.vocab.encode_continuation(t) for t in plan.pending]
+        plan.encoded = encoded if encoded is not None else [self.vocab.encode_continuation(t) for t in plan.pending]
         total = sum(len(ids) for ids in plan.encoded)
         if total > self.ctx.n_batch or n_prefix + total > self.n_ctx:
             raise PromptTooLongError(f"{self.vocab.name}: the candidates do not fit the context", "lower --window")
@@ -217,7 +227,9 @@ class LlamaCppSession(CachedSession):
 
     def finish_verify(self, plan: VerifyPlan, rows: np.ndarray) -> None:
         """Scores of the planned candidates from their decoded rows (row r predicts the token after r)."""
-        prefix_row, prefix_lse = self.next_row()
+        # The prefix row predicts each candidate's first token; none is known when the candidates start with
+        # the context's last tokens, not yet decoded (speculating): that first token is given, not scored.
+        prefix_row, prefix_lse = self.next_row() if self.next_logits is not None else (rows[0], None)
         self.stats.verify += len(plan.tokens)
         self.stats.verify_calls += 1
         self.stats.decode_calls += 1
@@ -234,7 +246,9 @@ class LlamaCppSession(CachedSession):
                 tops.append(float(row.max()) - lse)
             scores = TokenScores(tuple(logprobs), tuple(logits), tuple(tops))
             seq = plan.seqs[at]
-            self.verified[text] = InSequence(ids, scores, rows[at + len(ids) - 1].copy(), seq)
+            last = rows[at + len(ids) - 1].copy()
+            kept = [prefix_row, *(rows[at + i].copy() for i in range(len(ids) - 1)), last] if plan.keep_rows else None
+            self.verified[text] = InSequence(ids, scores, last, kept, seq)
             plan.results[text] = scores
             at += len(ids)
 

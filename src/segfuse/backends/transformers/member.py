@@ -71,7 +71,7 @@ class TransformersMember(LocalMember):
     thread (``backends/compute.py``), one at a time: concurrent forwards on one device only contend (not
     parallel_safe); several sessions' drafts share one forward pass per token (``draft_many``)."""
 
-    capabilities = Capabilities(constrained=True, echo=True, batched=True)
+    capabilities = Capabilities(constrained=True, echo=True, batched=True, speculates=True)
     vocab: Vocabulary
 
     def __init__(

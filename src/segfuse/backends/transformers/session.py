@@ -7,13 +7,14 @@ and the prefixes kept between requests.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from ...errors import PromptTooLongError
-from ...types import DraftTokens, Sampling, TokenScores
+from ...types import DraftTokens, Sampling, Speculation, TokenScores
 from ..base import OnText
 from ..cached import CachedSession, DraftState, Verified, top_alternatives
 from ..compute import on_compute
@@ -45,8 +46,8 @@ def sample(
 
 @dataclass
 class _KeysValues(Verified):
-    keys: list[torch.Tensor]  # per layer: this candidate's cached keys/values
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer: this candidate's cached keys/values
+    values: list[torch.Tensor] = field(default_factory=list)
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -164,6 +165,24 @@ class TransformersSession(CachedSession):
     def accept(self, text: str) -> None:
         super().accept(text)
 
+    @on_compute
+    def speculate(self, drafts: Sequence[str], max_tokens: int, sampling: Sampling) -> Speculation:
+        self.prepare_draft()
+        return super().speculate(drafts, max_tokens, sampling)
+
+    def _pick(self, row: torch.Tensor, sampling: Sampling, drafted: list[int]) -> int:
+        allowed = self.allowed_next(drafted)  # as ``Drafting.step`` picks
+        if allowed is not None:
+            row = row.masked_fill(~torch.from_numpy(allowed).to(row.device), float("-inf"))
+        return sample(row, sampling, self.generator, self.eog if sampling.ignore_eos else None)
+
+    def _token_score(self, row: torch.Tensor, token: int) -> tuple[float, float]:
+        logit = float(row[token])
+        return logit - float(torch.logsumexp(row, dim=-1)), logit
+
+    def _as_numpy(self, row: torch.Tensor) -> np.ndarray:
+        return row.float().cpu().numpy()
+
     def _end_score(self) -> TokenScores:
         row = self.next_logits
         eog = row[self.eog.to(row.device)]
@@ -171,10 +190,12 @@ class TransformersSession(CachedSession):
         lp = float(torch.logsumexp(eog, 0) - lse)
         return TokenScores((lp,), (float(eog.max()),), (float(row.max() - lse),))
 
-    def _verify(self, texts: list[str]) -> dict[str, TokenScores]:
+    def _verify(
+        self, texts: list[str], encoded: list[list[int]] | None = None, keep_rows: bool = False
+    ) -> dict[str, TokenScores]:
         """All candidates in one forward pass; their keys/values are kept aside for accept."""
         weights, n_prefix, prefix_row = self.weights, len(self.tokens), self.next_logits
-        encoded = [self.vocab.encode_continuation(t) for t in texts]
+        encoded = encoded if encoded is not None else [self.vocab.encode_continuation(t) for t in texts]
         lengths = [len(ids) for ids in encoded]
         if n_prefix + sum(lengths) > self.n_ctx:
             raise PromptTooLongError(f"{self.vocab.name}: the candidates do not fit the context", "lower --window")
@@ -192,12 +213,15 @@ class TransformersSession(CachedSession):
         at = 0
         for text, ids in zip(texts, encoded):
             block = rows[at : at + len(ids)]
-            predictors = torch.cat([prefix_row[None, :], block[:-1]])
+            # (no prefix row when the candidates start with the context's last tokens: speculating)
+            first = prefix_row[None, :] if prefix_row is not None else block[:1]
+            predictors = torch.cat([first, block[:-1]])
             span = slice(at, at + len(ids))
             self.verified[text] = _KeysValues(
                 ids,
                 _scores_at(predictors, ids),
                 block[-1],
+                torch.cat([predictors, block[-1:]]) if keep_rows else None,
                 [k[..., span, :] for k in keys],
                 [v[..., span, :] for v in values],
             )
