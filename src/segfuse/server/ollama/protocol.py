@@ -39,7 +39,8 @@ class Options(BaseModel):
 
 
 # Options Ollama knows that do not apply here: load-time settings (the server loads its members once, for
-# every client), and samplers the engine does not have. Skipped, as Ollama skips what a runner lacks.
+# every client), and samplers the engine does not have. Skipped rather than refused: clients send Ollama's
+# defaults of them (docs/server.md says so).
 IGNORED_OPTIONS = frozenset(
     {
         "numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
