@@ -159,6 +159,10 @@ def test_a_tool_call_and_its_result(client):
     [call] = first.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
     assert first.done_reason == "stop" and first.message.content == ""
+    streamed = list(
+        client.chat(model="segfuse", messages=ask, tools=[get_weather], options={"num_predict": 48}, stream=True)
+    )
+    assert [c.message.tool_calls for c in streamed if c.message.tool_calls] == [first.message.tool_calls]
     result = {"role": "tool", "tool_name": "get_weather", "content": get_weather(**call.function.arguments)}
     second = client.chat(
         model="segfuse", messages=[*ask, first.message, result], tools=[get_weather], options={"num_predict": 12}

@@ -64,7 +64,11 @@ class OllamaAnswer(Answer):
         self.load_s = load_s  # the wait for the model's members to load
 
     def response(self, cancel: Callable[[], None]) -> StreamingResponse:
-        return StreamingResponse(self.stream(cancel), media_type=NDJSON, background=BackgroundTask(cancel))
+        # As the event streams: no cache, and no proxy buffering (each line goes out as it is written).
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            self.stream(cancel), media_type=NDJSON, headers=headers, background=BackgroundTask(cancel)
+        )
 
     @classmethod
     def error_ending(cls, error: APIError, sequence: int = 0) -> list[str]:
