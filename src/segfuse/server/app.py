@@ -3,7 +3,8 @@
 The server is cut by API, one folder each with its router (``routes``), wire
 types (``protocol``) and answers (``serving``): ``chat`` (/v1/chat/completions),
 ``completions`` (/v1/completions, and the tokenizer routes beside it),
-``messages`` (Anthropic's /v1/messages), ``responses`` (OpenAI's /v1/responses).
+``messages`` (Anthropic's /v1/messages), ``responses`` (OpenAI's /v1/responses), ``ollama``
+(Ollama's /api/chat, /api/generate and its model routes).
 Under them, the shared part at this folder's root: ``state`` and ``serving``
 (the server's state, a request's way to the worker, errors, request bodies,
 SSE, disconnects), ``wire`` (the shapes every API shares), ``parsing`` and
@@ -57,6 +58,9 @@ from .messages.protocol import error_body as anthropic_error
 from .models.catalog import Catalog
 from .models.pool import Budget, Pool
 from .models.view import memory_of, model_cards
+from .ollama import routes as ollama
+from .ollama.protocol import PREFIX as OLLAMA_PREFIX
+from .ollama.protocol import error_body as ollama_error
 from .responses import routes as responses
 from .responses.store import ResponseStore
 from .serving import APIError, api_error
@@ -68,7 +72,13 @@ from .worker.thread import Worker
 
 log = logging.getLogger("segfuse.server")
 STATIC = Path(__file__).with_name("static")
-API_ROUTERS = (chat.api_router, completions.api_router, messages.api_router, responses.api_router)  # one per API
+API_ROUTERS = (  # one per API
+    chat.api_router,
+    completions.api_router,
+    messages.api_router,
+    responses.api_router,
+    ollama.api_router,
+)
 
 
 def load_ensemble(config: ServerConfig) -> Ensemble:
@@ -170,10 +180,13 @@ def _preload_in_background(state: ServerState) -> None:
 
 
 def _error_response(error: APIError, path: str = "") -> JSONResponse:
-    """The error in the shape of the API the path belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
+    """The error in the shape of the API the path belongs to (OpenAI's; Anthropic's under /v1/messages,
+    Ollama's under /api/)."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     anthropic = path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
-    body = anthropic_error(error) if anthropic else error.body()
+    body = (
+        anthropic_error(error) if anthropic else ollama_error(error) if path.startswith(OLLAMA_PREFIX) else error.body()
+    )
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
@@ -208,6 +221,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     _add_model_routes(app, state, require_key)
     for api_router in API_ROUTERS:
         app.include_router(api_router(state), dependencies=[require_key])
+    app.include_router(ollama.version_router())  # open, as /health: Ollama's clients probe it
 
 
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:
@@ -215,7 +229,8 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     clients' requests only to requests that hold it."""
     worker = state.worker
 
-    @app.get("/", include_in_schema=False)
+    # HEAD too: Ollama's command line checks that a server is up with HEAD /.
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 

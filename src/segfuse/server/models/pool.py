@@ -234,6 +234,16 @@ class Pool:
         preloaded = any(model in self.catalog.preload for model in self.catalog.holders(place.name))
         return FOREVER if preloaded else self.keep_alive_s
 
+    def expire(self, model: Model) -> None:
+        """Free `model`'s members that nothing holds, now (Ollama's empty request with keep_alive 0); a
+        member in use stays until its requests let it go, and then for their keep-alive."""
+        with self._lock:
+            idle = [self.places[n] for n in model.members if self.places[n].freeable()]
+            for place in idle:
+                place.keep_s = 0.0
+        for place in idle:
+            self._free(place)
+
     def _pin_if_loaded(self, names: Sequence[str]) -> bool:
         """Pin `names` if every one is loaded (in one look: none can be freed in between)."""
         with self._lock:

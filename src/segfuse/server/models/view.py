@@ -66,4 +66,4 @@ def memory_of(pool: Pool) -> dict[str, MemberLoad]:
     }
 
 
-__all__ = ["memory_of", "model_cards"]
+__all__ = ["context_length", "memory_of", "model_cards"]
