@@ -22,8 +22,9 @@ pytestmark = pytest.mark.models
 
 MODES = ("members", "lookup", "auto")
 CODE_EDIT = (
-    "Rewrite this function with a list comprehension, same name:\n\n"
-    "def evens(xs):\n    out = []\n    for x in xs:\n        if x % 2 == 0:\n            out.append(x)\n    return out"
+    "Rename the variable `out` to `result` in this function; reply with the whole function only.\n\n"
+    "```python\ndef evens(xs):\n    out = []\n    for x in xs:\n        if x % 2 == 0:\n"
+    "            out.append(x)\n    return out\n```"
 )
 PROMPTS = [
     CODE_EDIT,
@@ -66,7 +67,7 @@ def test_every_mode_answers_as_the_leader_alone(uncached_ensemble, alone, mode):
 
 def test_members_drafting_asks_the_others_and_lookup_copies_the_given_function(uncached_ensemble):
     members = answer(uncached_ensemble, CODE_EDIT, draft="members")
-    assert set(members.stats.drafting) == {"smollm2-135m", "gemma-3-270m"}
+    assert set(members.stats.drafting) == {"smollm2-135m", "gemma3-270m"}
     assert all(set(r.drafts) <= set(members.stats.drafting) for r in members.rounds)
     lookup = answer(uncached_ensemble, CODE_EDIT, draft="lookup", max_tokens=60)
     tally = lookup.stats.drafting["lookup"]
@@ -136,7 +137,7 @@ def test_a_transformers_leader_reads_drafts_of_another_vocabulary():
     pytest.importorskip("transformers", reason="the hf extra is not installed: pip install '.[hf]'")
     from segfuse import Ensemble
 
-    specs = ["transformers:smollm2-135m#name=hf-smollm", "gemma-3-270m"]
+    specs = ["transformers:smollm2-135m#hf-smollm", "gemma3-270m"]
     with Ensemble(specs, prefix_cache_cells=0, threads=1) as ensemble:
         asked = {"temperature": 0, "max_tokens": 24, "leader": "hf-smollm", "top_logprobs": TOP_LOGPROBS}
         for prompt in PROMPTS[:2]:
@@ -144,4 +145,5 @@ def test_a_transformers_leader_reads_drafts_of_another_vocabulary():
             for mode in ("members", "lookup"):
                 drafted = ensemble.generate(prompt, **asked, draft=mode)
                 same_until_a_near_tie(drafted, off)
-                assert any(r.decision == "drafted" for r in drafted.rounds)
+                if mode == "members":  # (lookup drafts only where the answer repeats the prompt)
+                    assert any(r.decision == "drafted" for r in drafted.rounds)

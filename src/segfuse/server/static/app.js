@@ -73,7 +73,7 @@ function pickEnsemble(ensemble, models = [], fresh = false) {
 
 // What each mode sends as the request's `segfuse` options (consult: the margin input's accept_margin).
 const MODES = {
-  leader: { name: "leader alone", options: () => ({}) },  // the server's defaults
+  leader: { name: "leader alone", options: () => (draft() === "off" ? {} : { draft: draft() }) },  // the defaults
   consult: { name: "consulting", options: () => ({ accept_margin: margin() }) },
   plain: { name: "plain fusion", options: () => ({ gate: null, accept_margin: null }) },
 };
@@ -83,7 +83,7 @@ function fromURL() {
   const query = new URLSearchParams(location.search);
   const members = (query.get("members") || "").split(",").map((m) => m.trim()).filter(Boolean);
   return { mode: query.get("mode"), margin: query.get("margin"), members: members.length ? members : null,
-    model: query.get("model") };
+    model: query.get("model"), draft: query.get("draft") };
 }
 
 function applyURL() {
@@ -96,6 +96,10 @@ function applyURL() {
     if (Number(asked.margin) > 0) $("margin").value = asked.margin;
     else problems.push(`margin must be a number above 0, not "${asked.margin}"`);
   }
+  if (asked.draft !== null) {
+    if (["off", "members", "lookup", "auto"].includes(asked.draft)) $("draft").value = asked.draft;
+    else problems.push(`draft must be off, members, lookup or auto, not "${asked.draft}"`);
+  }
   state.asked = asked.members;  // checked against the members once they are listed
   state.problems = problems;
 }
@@ -106,6 +110,10 @@ function mode() {
 
 function margin() {
   return Number($("margin").value);
+}
+
+function draft() {
+  return $("draft").value;
 }
 
 function chosen() {
@@ -161,8 +169,11 @@ function fusion() {
       `(to fuse only ${members.join(" and ")}, declare an ensemble of them: segfuse serve --ensemble NAME=${members.join(",")}).` };
   }
   if (current === "consult" && !(margin() > 0)) return { error: "The margin must be a number of nats above 0." };
+  const drafting = { members: "the others draft for it", lookup: "it reads drafts copied from the prompt and its answer",
+    auto: "it reads the drafts that pay on this machine" }[draft()];
   const notes = {
-    leader: "The server's defaults: the leader (the largest member) answers alone; the others are not asked.",
+    leader: drafting ? `The leader (the largest member) answers alone, and ${drafting}: the same answer, in fewer passes.`
+      : "The server's defaults: the leader (the largest member) answers alone; the others are not asked.",
     consult: `Where the leader is unsure, the others propose segments; it accepts those within ${margin()} nats of its own choices, and they go to a vote with its own.`,
     plain: "No leader: every member drafts each round, every member scores every draft, and the best scored wins.",
   };
@@ -172,6 +183,7 @@ function fusion() {
 function updateFusion() {
   const asked = fusion();
   $("margin").disabled = mode() !== "consult";
+  $("draft").disabled = mode() !== "leader";
   const note = [...state.problems, asked.error || asked.note].join(" · ");
   $("fusion-note").textContent = note;
   $("fusion-note").classList.toggle("error", Boolean(asked.error));
@@ -184,6 +196,7 @@ function writeURL() {
   const current = mode(), members = chosen();
   if (current === "leader") query.delete("mode"); else query.set("mode", current);
   if (current === "consult") query.set("margin", $("margin").value); else query.delete("margin");
+  if (current === "leader" && draft() !== "off") query.set("draft", draft()); else query.delete("draft");
   if (members.length === state.members.length) query.delete("members"); else query.set("members", members.join(","));
   if (state.ensembles.length < 2 || state.model === state.ensembles[0].id) query.delete("model");
   else query.set("model", state.model);
