@@ -186,36 +186,8 @@ class LlamaCppSession(CachedSession):
             plan.seqs += [seq] * len(ids)
 
     def text_logprob(self, text: str, max_tokens: int = 256) -> tuple[float, int]:
-        """How well this member predicts `text` on its own (prompt-fit weights).
-
-        Returns the summed natural-log probability of the first `max_tokens`
-        tokens of `text` after a newline (and BOS where the model uses one),
-        and the number of bytes they spell. Runs in a spare sequence of the
-        cache, before any candidate is verified; the session's context is
-        untouched.
-        """
-        vocab = self.vocab
-        if self.verified:
-            raise RuntimeError("text_logprob must run before candidates are verified")
-        anchor = vocab.tokenize("\n", add_special=True, parse_special=False)
-        ids = vocab.encode_continuation(text)[:max_tokens]
-        if not ids:
-            return 0.0, 0
-        seq, tokens = self.base + 1, anchor + ids
-        total, at, chunk = 0.0, 0, 64
-        try:
-            while at < len(tokens) - 1:
-                part = tokens[at : at + chunk]
-                rows = self.ctx.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
-                self.stats.decode_calls += 1
-                for r, row in enumerate(rows):
-                    target = at + r + 1  # row r predicts the token after part[r]
-                    if len(anchor) <= target < len(tokens):
-                        total += float(row[tokens[target]]) - self.softmax.lse(row)
-                at += len(part)
-        finally:
-            self.ctx.seq_rm(seq, -1, -1)
-        return total, len(b"".join(vocab.piece(t) for t in ids))
+        """How well this member predicts `text` on its own (prompt-fit weights): see :func:`text_logprob`."""
+        return text_logprob(self, text, max_tokens)
 
     def _end_score(self) -> TokenScores:
         """The candidate "stop here": probability of any end-of-generation token."""
@@ -283,3 +255,36 @@ class LlamaCppSession(CachedSession):
             self.private.give_back(self.ctx)
         finally:
             self.table.release(self.slot)
+
+
+def text_logprob(session: LlamaCppSession, text: str, max_tokens: int = 256) -> tuple[float, int]:
+    """How well this member predicts `text` on its own (prompt-fit weights).
+
+    Returns the summed natural-log probability of the first `max_tokens`
+    tokens of `text` after a newline (and BOS where the model uses one),
+    and the number of bytes they spell. Runs in a spare sequence of the
+    cache, before any candidate is verified; the session's context is
+    untouched.
+    """
+    vocab = session.vocab
+    if session.verified:
+        raise RuntimeError("text_logprob must run before candidates are verified")
+    anchor = vocab.tokenize("\n", add_special=True, parse_special=False)
+    ids = vocab.encode_continuation(text)[:max_tokens]
+    if not ids:
+        return 0.0, 0
+    seq, tokens = session.base + 1, anchor + ids
+    total, at, chunk = 0.0, 0, 64
+    try:
+        while at < len(tokens) - 1:
+            part = tokens[at : at + chunk]
+            rows = session.ctx.decode(part, list(range(at, at + len(part))), [seq] * len(part), [True] * len(part))
+            session.stats.decode_calls += 1
+            for r, row in enumerate(rows):
+                target = at + r + 1  # row r predicts the token after part[r]
+                if len(anchor) <= target < len(tokens):
+                    total += float(row[tokens[target]]) - session.softmax.lse(row)
+            at += len(part)
+    finally:
+        session.ctx.seq_rm(seq, -1, -1)
+    return total, len(b"".join(vocab.piece(t) for t in ids))
