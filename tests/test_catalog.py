@@ -62,7 +62,7 @@ def test_keep_alive_is_read_as_ollama_reads_it():
     assert keep_alive_seconds(0) == 0 and keep_alive_seconds("0") == 0
     assert keep_alive_seconds(-1) == FOREVER and keep_alive_seconds("-1m") == FOREVER
     assert keep_alive_seconds(12.5) == 12.5
-    for bad in ("soon", "5 parsecs", "m5", True, math.nan):
+    for bad in ("soon", "5 parsecs", "m5", True, math.nan, 10**400, -(10**22), math.inf, "1e400"):
         with pytest.raises(InvalidRequestError, match="keep_alive"):
             keep_alive_seconds(bad)
     assert [describe_keep_alive(s) for s in (FOREVER, 0, 300, 5400, 2.5)] == ["forever", "0s", "5m", "1h30m", "2.5s"]

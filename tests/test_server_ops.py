@@ -197,7 +197,8 @@ def client(server):
 
 
 def scrape(server) -> dict:
-    response = httpx.get(f"{server.url}/metrics", timeout=10)  # no API key: open like /health
+    # With the key, as a Prometheus scrape config's bearer token sends it: the per-member series need it.
+    response = httpx.get(f"{server.url}/metrics", timeout=10, headers={"Authorization": f"Bearer {server.api_key}"})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == CONTENT_TYPE_LATEST
     return samples(response.text)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InvalidRequestError
 
@@ -22,6 +22,9 @@ TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
 
 SPLIT_MODES = ("layer", "row", "none")
+# llama.cpp's KV-cache types (as llama-server's --cache-type-k takes them); past the first three, quantized.
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+UNQUANTIZED = ("f32", "f16", "bf16")
 
 
 def parse_flag(key: str, value: str) -> bool:
@@ -88,6 +91,17 @@ class MemberOptions(BaseModel):
         description="run a llama.cpp member's calls in a thread of their own, beside the other members' "
         "(default auto: on when every layer is on a GPU; on/true, off/false)",
     )
+    type_k: CacheType | None = Field(
+        None, description="a llama.cpp member's KV-cache type for keys: f16 (default), q8_0, q4_0, ... (less memory)"
+    )
+    type_v: CacheType | None = Field(
+        None,
+        description="a llama.cpp member's KV-cache type for values: f16 (default), q8_0, q4_0, ... (a quantized "
+        "one needs flash_attn on or auto)",
+    )
+    flash_attn: Literal["auto", "on", "off"] | None = Field(
+        None, description="a llama.cpp member's flash attention (default auto: where the device has it; on/off)"
+    )
     slots: int | None = Field(
         None, ge=1, description="sessions a member holds at once", json_schema_extra={"flag": False}
     )
@@ -103,7 +117,19 @@ class MemberOptions(BaseModel):
             return tuple(part for part in value.replace(",", "/").split("/") if part.strip())
         return value
 
-    @field_validator("side_by_side", mode="before")
+    @field_validator("type_k", "type_v", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _quantized_values_need_flash_attention(self) -> MemberOptions:
+        """llama.cpp refuses a quantized V cache without flash attention: said here, with the way out."""
+        if self.type_v not in (None, *UNQUANTIZED) and self.flash_attn == "off":
+            raise ValueError(f"type_v {self.type_v} needs flash_attn on or auto (llama.cpp quantizes V only then)")
+        return self
+
+    @field_validator("side_by_side", "flash_attn", mode="before")
     @classmethod
     def _on_off(cls, value: object) -> object:
         """true/false (TOML, JSON, a spec's yes/no/1/0) read as on/off."""
@@ -155,4 +181,4 @@ def _refusal(kind: type[BaseModel], exc: ValidationError, where: str) -> Invalid
     return InvalidRequestError(f"{where}: " + "; ".join(problems), f"options: {', '.join(keys_of(kind))}")
 
 
-__all__ = ["SPLIT_MODES", "MemberOptions", "flag_fields", "keys_of"]
+__all__ = ["SPLIT_MODES", "UNQUANTIZED", "CacheType", "MemberOptions", "flag_fields", "keys_of"]

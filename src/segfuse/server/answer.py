@@ -8,7 +8,7 @@ fields: the fields that name it (:meth:`Answer.envelope`: OpenAI's id, created a
 Responses name theirs in their own way), its usage, its ``segfuse`` object (``info``, ``full_info``) and
 the tool call it makes (``call``). The stream's loop over the job's items is written here once; each API's
 subclass (``chat``, ``completions``, ``messages``, ``responses``) says what each item becomes (its
-hooks: ``opening``, ``keepalive``, ``on_start``, ``segment``, ``round``, ``done``) and how a stream
+hooks: ``opening``, ``keepalive``, ``loading``, ``on_start``, ``segment``, ``round``, ``done``) and how a stream
 ends on an error (``error_ending``, a class method: the Ray proxy asks it for a stream whose replica
 died, by the paths the class serves).
 """
@@ -180,6 +180,14 @@ class Answer:
     def failure(self, error: APIError) -> list[str]:
         """The job failed or was cancelled after the stream began."""
         return self.error_ending(error)
+
+    # ----------------------------------------------------------------------- by class: loading, errors
+
+    @classmethod
+    def loading(cls, members: list[str]) -> list[str]:
+        """What a stream waiting for `members` to load says, at once and every few seconds (``loading.py``):
+        an SSE comment, which every SSE client skips and the web view shows."""
+        return [f": loading {', '.join(members)}\n\n"]
 
     # ----------------------------------------------------------------------- the error ending, by class
 

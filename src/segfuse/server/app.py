@@ -18,7 +18,7 @@ Members are loaded before the app starts (``run``) or, when the app is created
 without an ensemble, in a background thread while /health says "loading" and
 completions answer 503. /health and /metrics (Prometheus) need no API key, but
 when the server has one, a request without it sees only /health's status and
-no figure that tells of other clients' prompts (docs/server.md, Privacy).
+no figure per member (none names a member, nor tells of other clients' prompts: docs/server.md, Metrics).
 
 Client input is read within ``[limits]`` (``limits.py``), and parsed, checked
 and compiled off the event loop (``ServerState.offload``), so that no request
@@ -266,12 +266,12 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
             degraded=copies.degraded,
             replica=state.shared.replica,
             ensembles={name: list(state.catalog.models[name].members) for name in state.catalog.ensembles},
-            memory=memory_of(state.pool),
+            memory=memory_of(state.pool, state.holds_key(request)),
         )
         return JSONResponse(body.model_dump(), status_code=code)
 
-    # Open like /health, for scrapers: counts and timings only, no request content; the figures that tell of
-    # other clients' prompts (the prefix caches, the cells sessions hold) only with the key, when there is one.
+    # Open like /health, for scrapers: counts and timings only, no request content; every series per member
+    # (its name, the prefix caches, the cells sessions hold) only with the key, when there is one.
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
         copies = await state.shared.copies(state.loaded)

@@ -69,7 +69,7 @@ def local_view(members: Sequence[Any]) -> CopiesView:
     return CopiesView(found, degraded)
 
 
-# (metric, help, row field); the prefix-cache one is private (metrics.PRIVATE: it tells of others' prompts)
+# (metric, help, row field); all private, as every per-member family (metrics.PRIVATE)
 COPY_GAUGES = (
     ("segfuse_member_copy_up", "1 while the member's copy answers, 0 while it is down", "up"),
     ("segfuse_member_copy_sessions", "Sessions the member's copy holds", "sessions"),

@@ -8,10 +8,11 @@ the rest (tokens, latencies, member departures) is observed by the worker as
 each generation's events happen, whether or not a client still reads them, so
 that a completed request is always observed once.
 
-Some figures say something about other clients' prompts: the prefix cache's per member (how many
-tokens a request found cached betrays, token by token, what someone else sent) and the KV cells
-open sessions hold (their lengths). ``render(private=False)`` leaves them out (``PRIVATE``): what
-a scrape without the API key gets when the server has one.
+Every family with a ``member`` label is private (``PRIVATE``): the prefix cache's per member (how many
+tokens a request found cached betrays, token by token, what someone else sent), the KV cells open
+sessions hold (their lengths), and the members' very names (a server offers models it loads on demand,
+some never loaded, some that failed: which files it holds is the operator's business). ``render(private=False)``
+leaves them out: what a scrape without the API key gets when the server has one, the aggregates only.
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def _prefix_caches(caches: Mapping[str, PrefixStats]) -> Iterable[Metric]:
         yield family
 
 
-# Metric families only a scrape holding the API key sees (a server without a key shows them to all).
-PRIVATE = ("segfuse_member_prefix_cache_", "segfuse_member_cache_cells")
+# Metric families only a scrape holding the API key sees (a server without a key shows them to all): every
+# family per member (segfuse_member_*), copies included; the aggregates (requests, queue, latencies) stay open.
+PRIVATE = ("segfuse_member_",)
 
 
 class Families:

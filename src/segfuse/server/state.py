@@ -144,7 +144,7 @@ async def using(state: ServerState, model: str | None, keep_alive: str | float |
     async with AsyncExitStack() as held:
         try:
             chosen = state.catalog.model(model)
-            keep = _keep_s(keep_alive)
+            keep = keep_seconds(keep_alive)
             lease = await held.enter_async_context(state.pool.lease(chosen, keep, state.config.limits.deadline_s))
         except SegfuseError as exc:
             # The catalog's and the pool's texts name only models and members the server lists anyway (a load's
@@ -153,7 +153,7 @@ async def using(state: ServerState, model: str | None, keep_alive: str | float |
         yield lease
 
 
-def _keep_s(keep_alive: str | float | None) -> float | None:
+def keep_seconds(keep_alive: str | float | None) -> float | None:
     """A request's keep_alive in seconds (None: the server's); 400 naming it when it is no duration."""
     try:
         return None if keep_alive is None else keep_alive_seconds(keep_alive)
@@ -229,4 +229,4 @@ def key_check(
     return require_key
 
 
-__all__ = ["ServerState", "job_for", "key_check", "require_members", "room", "submit", "using"]
+__all__ = ["ServerState", "job_for", "keep_seconds", "key_check", "require_members", "room", "submit", "using"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as lc
@@ -21,12 +22,38 @@ def _no_room() -> bool:
     return False
 
 
+# The member options' names for llama.cpp's values (member_options.CACHE_TYPES, FLASH_ATTN).
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """A member's KV-cache types (``f16``, ``q8_0``, ...) and flash attention (``on``, ``off``, ``auto``); None:
+    llama.cpp's default (f16, auto)."""
+
+    type_k: str | None = None
+    type_v: str | None = None
+    flash_attn: str | None = None
+
+    def apply(self, params: Any) -> None:
+        """Set them on llama_context_params (older bindings spell flash attention as a bool, ``flash_attn``)."""
+        for field, name in (("type_k", self.type_k), ("type_v", self.type_v)):
+            if name is not None:
+                setattr(params, field, getattr(lc, f"GGML_TYPE_{name.upper()}"))
+        if self.flash_attn is not None:
+            if hasattr(params, "flash_attn_type"):
+                params.flash_attn_type = FLASH_ATTN[self.flash_attn]
+            else:
+                params.flash_attn = self.flash_attn == "on"
+
+
 class Context:
     """A context of `n_ctx` cells in `n_seq` sequences over a loaded model, and one reused batch.
 
     `window`: the tokens one session may hold, as errors quote it; `shape`: the context in words
     (for the error when llama.cpp cannot make it). `make_room`: called when a decode finds no free cell;
-    True if it freed some (the prefix cache gives way first), so that the decode is tried again.
+    True if it freed some (the prefix cache gives way first), so that the decode is tried again. `kv`: the
+    cache's types and attention kernel.
     """
 
     def __init__(
@@ -43,6 +70,7 @@ class Context:
         window: int,
         shape: str,
         compute: Callable[..., Any] = COMPUTE.run,
+        kv: KvCache = KvCache(),
     ) -> None:
         self.name = name
         self.compute = compute  # where its decodes run: the process's compute thread, or here (side by side)
@@ -52,7 +80,7 @@ class Context:
         self.n_seq = n_seq
         self.max_outputs = max(1, max_outputs)  # logits rows one decode asks for (see decode)
         self.make_room: Callable[[], bool] = _no_room
-        self._ctx = compute(_create, model, n_ctx, n_batch, n_seq, threads, shape)
+        self._ctx = compute(_create, model, n_ctx, n_batch, n_seq, threads, shape, kv)
         self._mem = lc.llama_get_memory(self._ctx)
         self.n_cells = lc.llama_n_ctx(self._ctx)
         self._init_batch(n_batch)
@@ -204,23 +232,25 @@ def _state_set(ctx: Any, seq: int, data: bytearray, start: int, length: int) -> 
     return int(lc.llama_state_seq_set_data(ctx, buf, length, seq)) == length
 
 
-def layout() -> dict[str, Any]:
+def layout(kv: KvCache = KvCache()) -> dict[str, Any]:
     """What every context is made with that changes what its cells hold (beyond the model and the member's
     window and offload): the cache's types and attention kernel, as :func:`_create` leaves or sets them."""
     params = lc.llama_context_default_params()
+    kv.apply(params)
     return {
         "type_k": int(params.type_k),
         "type_v": int(params.type_v),
-        "flash_attn": int(params.flash_attn_type),
+        "flash_attn": int(getattr(params, "flash_attn_type", getattr(params, "flash_attn", 0))),
         "offload_kqv": bool(params.offload_kqv),
         "kv_unified": True,
         "swa_full": True,
     }
 
 
-def _create(model: Any, n_ctx: int, n_batch: int, n_seq: int, threads: int, shape: str) -> Any:
+def _create(model: Any, n_ctx: int, n_batch: int, n_seq: int, threads: int, shape: str, kv: KvCache) -> Any:
     """A context of `n_ctx` cells shared by `n_seq` sequences in one unified cache, or a clear error."""
     params = lc.llama_context_default_params()
+    kv.apply(params)
     params.n_ctx = n_ctx
     params.n_batch = n_batch
     params.n_ubatch = n_batch
@@ -235,6 +265,7 @@ def _create(model: Any, n_ctx: int, n_batch: int, n_seq: int, threads: int, shap
         detail = log_excerpt()
         raise MemberLoadError(
             f"llama.cpp could not create a context of {shape}" + (f" ({detail})" if detail else ""),
-            "lower n_ctx or the number of concurrent sessions (max_concurrent)",
+            "lower n_ctx or the number of concurrent sessions (max_concurrent); a quantized type_v needs "
+            "flash_attn on or auto",
         )
     return ctx

@@ -63,7 +63,7 @@ from ..cached import LocalMember
 from ..compute import compute_here
 from ..spec import split_target
 from . import batch
-from .context import Context
+from .context import Context, KvCache, layout
 from .echo import echo_tokens
 from .persist import open_disk, settings_of, state_per_token
 from .private import PrivateContexts
@@ -114,6 +114,9 @@ class LlamaCppMember(LocalMember):
         side_by_side: str | None = None,
         prefix_cache_dir: str | os.PathLike[str] | None = None,
         prefix_cache_dir_max_bytes: int | None = None,
+        type_k: str | None = None,
+        type_v: str | None = None,
+        flash_attn: str | None = None,
     ) -> None:
         """`prefix_cache_cells`: cells kept between requests (None: ``n_ctx * slots``; 0: off), and written to
         `prefix_cache_dir` on close (``auto``: the user's cache; within `prefix_cache_dir_max_bytes`).
@@ -121,7 +124,8 @@ class LlamaCppMember(LocalMember):
         `gpu_layers`: layers offloaded (None: all where llama.cpp can offload, else none; -1: all), on
         `main_gpu`, or spread over the GPUs by `split` ("layer", "row"; "none": main_gpu only) in
         `tensor_split` shares. `side_by_side`: "on", "off", or "auto"/None (on when every layer is on a GPU):
-        whether its calls run in a thread of their own beside the other members'."""
+        whether its calls run in a thread of their own beside the other members'. `type_k`, `type_v`, `flash_attn`:
+        the KV cache's types and flash attention (``KvCache``; None: llama.cpp's defaults)."""
         if slots < 1:
             raise ValueError("slots must be at least 1")
         if prefix_cache_cells is not None and prefix_cache_cells < 0:
@@ -131,6 +135,7 @@ class LlamaCppMember(LocalMember):
         check_gguf(self.path)
         init_backend()
         self.reencode, self.slots = reencode, slots
+        self.kv = KvCache(type_k, type_v, flash_attn)
         self._load(gpu_layers, main_gpu, split, tensor_split, threads, side_by_side)
         self.vocab = Vocabulary(self._model, self.name, self.path, prompt)
         self.prompt = self.vocab.prompt
@@ -153,7 +158,7 @@ class LlamaCppMember(LocalMember):
     def _open_disk(self, where: str | os.PathLike[str], max_bytes: int | None) -> None:
         """The prefix cache's directory, keyed by this member's settings; its files checked against what one
         token's state can take in this model."""
-        settings = settings_of(self.n_ctx, self.gpu_layers, self.model_params)
+        settings = {**settings_of(self.n_ctx, self.gpu_layers, self.model_params), **layout(self.kv)}
         per_token = state_per_token(self._model)
         self.table.disk = open_disk(
             where, max_bytes, model=self.path, settings=settings, table=self.table, per_token=per_token
@@ -213,6 +218,7 @@ class LlamaCppMember(LocalMember):
                 window=n_ctx,
                 shape=f"{self.slots} x {n_ctx} tokens for {self.path}",
                 compute=self.compute,
+                kv=self.kv,
             )
         except MemberLoadError:
             lc.llama_model_free(self._model)
@@ -234,6 +240,7 @@ class LlamaCppMember(LocalMember):
             window=self.n_ctx,
             shape=f"{self.n_ctx} tokens for {self.path} (a deterministic session's own)",
             compute=self.compute,
+            kv=self.kv,
         )
         ctx.reserve_outputs(self.n_ctx)
         return ctx

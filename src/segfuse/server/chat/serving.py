@@ -7,6 +7,7 @@ chat job (``planning.plan_of``) and answer it in their own shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from ...logprobs import TokenLogprob, answer_logprobs
 from ...tools import ToolCall
 from ...types import Result, RoundEvent, Segment, SegmentEvent
 from ..answer import Answer
+from ..loading import streamed
 from ..models.pool import Lease
 from ..serving import disconnected, finish_reason_of, segment_info, sse
 from ..state import ServerState, job_for, require_members, submit, using
@@ -53,12 +55,16 @@ async def answer(state: ServerState, request: Request) -> Response:
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = plan.request.model or state.model_id
-    async with using(state, model, plan.request.keep_alive) as lease:
+
+    async def start(lease: Lease) -> tuple[Answer, Callable[[], None]]:
         job = job_of(plan, lease, streamed=plan.request.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
-    reply = ChatAnswer(job, model, detailed, plan.request.include_usage)
+        return ChatAnswer(job, model, detailed, plan.request.include_usage), cancel
+
     if plan.request.stream:
-        return reply.response(cancel)
+        return await streamed(state, model, plan.request.keep_alive, start, ChatAnswer)
+    async with using(state, model, plan.request.keep_alive) as lease:
+        reply, _ = await start(lease)
     return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 

@@ -27,6 +27,8 @@ from ...types import Message, PromptToken, Result, SegmentEvent
 from .. import parsing
 from ..answer import Answer
 from ..limits import check_text
+from ..loading import streamed
+from ..models.pool import Lease
 from ..parsing import Endpoint, fusion_options
 from ..serving import APIError, disconnected, finish_reason_of, finished, sse, usage_of
 from ..state import ServerState, job_for, require_members, submit, using
@@ -61,30 +63,49 @@ async def answer(state: ServerState, request: Request, path_model: str | None = 
             param="model",
         )
     model = path_model or parsed.model or state.model_id
+    start = partial(_start, state, request, parsed, model, detailed)
+    echo_only = parsed.echo and parsed.logprobs is not None and parsed.max_tokens == 0
+    if parsed.stream and not echo_only:
+        return await streamed(state, model, parsed.keep_alive, start, CompletionAnswer)
     async with using(state, model, parsed.keep_alive) as lease:
-        texts = await state.offload(prompt_texts, state.members_of(lease), parsed)
-        name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
-        jobs = [
-            job_for(
-                generation,
-                lease,
-                id=name if i == 0 else f"{name}-{i}",
-                logprobs=parsed.logprobs is not None,
-                streamed=bool(parsed.stream),
-            )
-            for i, generation in enumerate(requests_of(parsed, texts, state.defaults.of(model)))
-        ]
-        echoes = None
-        if parsed.echo and parsed.logprobs is not None:
+        if echo_only:
+            texts, _ = await _jobs(state, parsed, model, lease)
             echoes = await read_prompts(state, request, parsed, lease, detailed)
-            if parsed.max_tokens == 0:
-                return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
-        # Each prompt takes a place in the queue: all of them fit, or the request is refused whole.
-        cancel = submit(state, jobs, lease, detailed, parsed.user, param="prompt")
-    reply = CompletionAnswer(jobs, parsed, texts, model, detailed, echoes)
+            return JSONResponse(echoed_only(parsed, model, texts, echoes).model_dump(mode="json"))
+        reply, cancel = await start(lease)
     if parsed.stream:
         return reply.response(cancel)
     return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
+
+
+async def _jobs(state: ServerState, parsed: CompletionRequest, model: str, lease: Lease) -> tuple[list[str], list[Job]]:
+    """Each prompt as text (token ids spelled out by the lease's members) and its job."""
+    texts = await state.offload(prompt_texts, state.members_of(lease), parsed)
+    name = f"cmpl-{uuid.uuid4().hex}"  # the response's id: the first job's
+    jobs = [
+        job_for(
+            generation,
+            lease,
+            id=name if i == 0 else f"{name}-{i}",
+            logprobs=parsed.logprobs is not None,
+            streamed=bool(parsed.stream),
+        )
+        for i, generation in enumerate(requests_of(parsed, texts, state.defaults.of(model)))
+    ]
+    return list(texts), jobs
+
+
+async def _start(
+    state: ServerState, request: Request, parsed: CompletionRequest, model: str, detailed: bool, lease: Lease
+) -> tuple[Answer, Callable[[], None]]:
+    """The request's jobs queued under `lease` (each prompt takes a place in the queue: all of them fit, or
+    the request is refused whole), and its answer."""
+    texts, jobs = await _jobs(state, parsed, model, lease)
+    echoes = None
+    if parsed.echo and parsed.logprobs is not None:
+        echoes = await read_prompts(state, request, parsed, lease, detailed)
+    cancel = submit(state, jobs, lease, detailed, parsed.user, param="prompt")
+    return CompletionAnswer(jobs, parsed, texts, model, detailed, echoes), cancel
 
 
 def requests_of(request: CompletionRequest, texts: Sequence[str], defaults: FusionOptions) -> list[FusionRequest]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -25,6 +25,8 @@ from .. import parsing
 from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
+from ..loading import streamed
+from ..models.pool import Lease
 from ..parsing import Defaults, Endpoint
 from ..serving import APIError, disconnected, sse
 from ..state import ServerState, require_members, submit, using
@@ -73,12 +75,16 @@ async def answer(state: ServerState, request: Request) -> Response:
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = parsed.model or state.model_id
-    async with using(state, model, parsed.keep_alive) as lease:
+
+    async def start(lease: Lease) -> tuple[Answer, Callable[[], None]]:
         job = job_of(plan, lease, id=f"msg_{uuid.uuid4().hex}", streamed=parsed.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
-    reply = MessagesAnswer(job, model, detailed)
+        return MessagesAnswer(job, model, detailed), cancel
+
     if parsed.stream:
-        return reply.response(cancel)
+        return await streamed(state, model, parsed.keep_alive, start, MessagesAnswer)
+    async with using(state, model, parsed.keep_alive) as lease:
+        reply, _ = await start(lease)
     return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 
@@ -157,6 +163,11 @@ class MessagesAnswer(Answer):
 
     def keepalive(self) -> list[str]:
         return [_event("ping")]
+
+    @classmethod
+    def loading(cls, members: list[str]) -> list[str]:
+        """Anthropic's clients wait on ``ping`` (the comment before it says what loads, for people)."""
+        return [*super().loading(members), _event("ping")]
 
     def on_start(self) -> list[str]:
         started = self.started

@@ -4,7 +4,9 @@ Every member the catalog names has a place here: unloaded, loading, loaded, unlo
 last load's error; the next request tries again). A request takes a lease on its model's members
 (``Pool.lease``): when they are all loaded it pins them at once; else it waits its turn (one request
 loads at a time, at most ``queue_size`` wait: 429 beyond), then pins them, makes room within the
-budget and loads what is missing, off the event loop, while loaded models go on being served. Each
+budget and loads what is missing, off the event loop, while loaded models go on being served; while a
+load waits for members in use to be let go, newer requests that would pin another loaded member wait
+behind it (first come, first served between models: a busy model cannot starve a load). Each
 job the request queues holds the lease again until the worker lets the job go (``submit``), so a
 member in use is never freed. When the last holder lets a member go, it stays for its keep-alive
 (the request's ``keep_alive``, else the server's; members of preloaded models: until a request says
@@ -157,9 +159,12 @@ class Pool:
         self._lock = threading.Lock()
         self._turn: asyncio.Lock | None = None  # made on the event loop, at the first load
         self.waiting = 0  # requests waiting for their turn to load
+        # Models whose load waits for members in use to be let go: until it has its room, a request that would
+        # pin another loaded member queues behind it (first come, first served between models), else requests
+        # for a busy model would keep its members pinned and the load would wait for ever.
+        self._wanting: list[Model] = []
         self.changes = Changes()  # told of every change a request waiting for members or room may wait for
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name="segfuse-reaper", daemon=True)
+        self._reaper = Reaper(self)
 
     # ------------------------------------------------------------------ at start and stop
 
@@ -182,7 +187,7 @@ class Pool:
 
     def close(self) -> None:
         """At shutdown, once the worker stopped: close every member the pool loaded."""
-        self._stop.set()
+        self._reaper.stop()
         for place in self.places.values():
             if place.member is not None and place.owned:
                 self._close(place)
@@ -245,9 +250,12 @@ class Pool:
             self._free(place)
 
     def _pin_if_loaded(self, names: Sequence[str]) -> bool:
-        """Pin `names` if every one is loaded (in one look: none can be freed in between)."""
+        """Pin `names` if every one is loaded (in one look: none can be freed in between) and no load that
+        came first waits for room they would hold (``_wanting``)."""
         with self._lock:
             if any(self.places[n].state != "loaded" for n in names):
+                return False
+            if any(n not in model.members for model in self._wanting for n in names):
                 return False
             self._pin_locked(names)
         return True
@@ -309,10 +317,21 @@ class Pool:
             elif place is None:
                 log.warning("the members in use take more than the memory budget (model %s loaded)", model.name)
                 return
-            elif not await self.changes.until(partial(self._room_for, place), deadline):
+            elif not await self._wait_for_room(place, model, deadline):
                 raise NoRoomError(
                     f"model {model.name} does not fit the memory budget beside the members in use; retry later"
                 )
+
+    async def _wait_for_room(self, place: Place, model: Model, deadline: float | None) -> bool:
+        """Wait until `place` could fit (False: `deadline` came first), newer requests for other loaded
+        members queued behind meanwhile (``_pin_if_loaded``)."""
+        with self._lock:
+            self._wanting.append(model)
+        try:
+            return await self.changes.until(partial(self._room_for, place), deadline)
+        finally:
+            with self._lock:
+                self._wanting.remove(model)
 
     def _room_for(self, place: Place) -> bool:
         """Whether `place` fits the budget now, or a member could be freed for it (nothing else to wait for)."""
@@ -370,29 +389,51 @@ class Pool:
             place.member, place.state, place.idle_since = None, "unloaded", None
         self.changes.tell()
 
-    def _reap(self) -> None:
-        while not self._stop.wait(self._next_wait()):
-            now = time.monotonic()
-            with self._lock:
-                due = [p for p in self.places.values() if (at := p.expires_at()) is not None and at <= now]
-            for place in due:
-                self._free(place)
-
-    def _next_wait(self) -> float:
-        with self._lock:
-            times = [at for p in self.places.values() if (at := p.expires_at()) is not None]
-        return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
-
     # ------------------------------------------------------------------ what it holds
 
     def loaded(self) -> list[Member]:
         with self._lock:
             return list(self.ensemble.members)
 
+    def missing(self, model: Model) -> list[str]:
+        """`model`'s members not loaded now (a request for it would wait for them)."""
+        with self._lock:
+            return [name for name in model.members if self.places[name].state != "loaded"]
+
     def snapshot(self) -> list[Place]:
         """Copies of every place, read together."""
         with self._lock:
             return [Place(**vars(p)) for p in self.places.values()]
+
+
+class Reaper:
+    """The thread that frees each idle member of a pool once its keep-alive has passed (the pool's own part:
+    it reads the places under the pool's lock)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._reap, name="segfuse-reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _reap(self) -> None:
+        pool = self.pool
+        while not self._stop.wait(self._next_wait()):
+            now = time.monotonic()
+            with pool._lock:
+                due = [p for p in pool.places.values() if (at := p.expires_at()) is not None and at <= now]
+            for place in due:
+                pool._free(place)
+
+    def _next_wait(self) -> float:
+        with self.pool._lock:
+            times = [at for p in self.pool.places.values() if (at := p.expires_at()) is not None]
+        return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
 
 
 class Lease:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..guards import redact
 from ..wire import MemberLoad, ModelCard
 from .pool import Pool
 
@@ -48,8 +49,9 @@ def context_length(pool: Pool, model: str, contexts: dict[str, int | None]) -> i
     return None if None in windows or not windows else min(w for w in windows if w is not None)
 
 
-def memory_of(pool: Pool) -> dict[str, MemberLoad]:
-    """Each member's place in memory, as /health shows it."""
+def memory_of(pool: Pool, detailed: bool = False) -> dict[str, MemberLoad]:
+    """Each member's place in memory, as /health shows it; a failed load's error without its paths and URLs
+    unless `detailed` (the request holds the key), as every text from inside."""
     now = time.monotonic()
     return {
         place.name: MemberLoad(
@@ -59,7 +61,7 @@ def memory_of(pool: Pool) -> dict[str, MemberLoad]:
             bytes=place.nbytes,
             loading_s=None if place.state != "loading" or place.since is None else round(now - place.since, 1),
             expires_in_s=None if (at := place.expires_at()) is None else round(max(0.0, at - now), 1),
-            error=place.error,
+            error=place.error if place.error is None or detailed else redact(place.error),
             loads=place.loads,
         )
         for place in pool.snapshot()

@@ -9,6 +9,7 @@ function call, or the Responses stream of events (``response.created`` ... ``res
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from .. import parsing
 from ..answer import Answer
 from ..chat.planning import ChatPlan, plan_of
 from ..chat.serving import job_of
+from ..loading import streamed
+from ..models.pool import Lease
 from ..parsing import Defaults, Endpoint
 from ..serving import APIError, disconnected, sse
 from ..shared import Responses
@@ -83,12 +86,16 @@ async def answer(state: ServerState, store: Responses, request: Request) -> Resp
     detailed = state.holds_key(request)
     require_members(state, detailed)
     model = plan.request.model or state.model_id
-    async with using(state, model, plan.request.keep_alive) as lease:
+
+    async def start(lease: Lease) -> tuple[Answer, Callable[[], None]]:
         job = job_of(plan.chat, lease, id=f"resp_{uuid.uuid4().hex}", streamed=plan.request.stream)
         cancel = submit(state, [job], lease, detailed, plan.request.user)
-    reply = ResponsesAnswer(job, model, plan, store, detailed)
+        return ResponsesAnswer(job, model, plan, store, detailed), cancel
+
     if plan.request.stream:
-        return reply.response(cancel)
+        return await streamed(state, model, plan.request.keep_alive, start, ResponsesAnswer)
+    async with using(state, model, plan.request.keep_alive) as lease:
+        reply, _ = await start(lease)
     return JSONResponse(await reply.whole(disconnected(request), state.queue.cancel))
 
 

@@ -377,8 +377,9 @@ class Answer {
 
 // ---------------------------------------------------------------- streaming
 
-async function* sseEvents(response) {
-  // Server-sent events over fetch (EventSource cannot POST): yield each `data:` payload.
+async function* sseEvents(response, onComment = () => {}) {
+  // Server-sent events over fetch (EventSource cannot POST): yield each `data:` payload; comment lines
+  // (`: loading qwen2.5-coder-0.5b`, while the model's members load) go to onComment.
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
@@ -389,6 +390,7 @@ async function* sseEvents(response) {
     while ((cut = buffer.indexOf("\n\n")) >= 0) {
       const frame = buffer.slice(0, cut);
       buffer = buffer.slice(cut + 2);
+      frame.split("\n").filter((l) => l.startsWith(":")).forEach((l) => onComment(l.slice(1).trim()));
       const data = frame.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart()).join("\n");
       if (data) yield data;
     }
@@ -424,7 +426,11 @@ async function ask(question) {
       const err = await response.json().catch(() => ({}));
       throw new Error(err.error ? err.error.message : `${response.status} ${response.statusText}`);
     }
-    for await (const data of sseEvents(response)) {
+    const loading = (text) => { if (text.startsWith("loading ")) setStatus(`${text} …`); };
+    let first = true;
+    for await (const data of sseEvents(response, loading)) {
+      if (first) setStatus("generating…");
+      first = false;
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
