@@ -89,10 +89,10 @@ def options(**kw):
 
 def test_members_and_lookup_modes_ask_their_drafters_every_round():
     planner = DraftPlanner(options(draft="members"), ["small", "tiny"])
-    assert planner.plan(1, lookup_ready=True, members=["small", "tiny"]).lengths == {"small": 4, "tiny": 4}
+    assert planner.plan(1, lookup_ready=True, members={"small": 0.3, "tiny": None}).lengths == {"small": 4, "tiny": 4}
     planner = DraftPlanner(options(draft="lookup"), ["small"])
-    assert planner.plan(1, lookup_ready=True, members=["small"]).lengths == {LOOKUP: 8}
-    assert not planner.plan(1, lookup_ready=False, members=["small"]).drafting
+    assert planner.plan(1, lookup_ready=True, members={"small": 0.3}).lengths == {LOOKUP: 8}
+    assert not planner.plan(1, lookup_ready=False, members={"small": 0.3}).drafting
 
 
 def test_the_draft_length_grows_after_a_draft_kept_whole_and_shrinks_after_a_miss():
@@ -105,18 +105,31 @@ def test_the_draft_length_grows_after_a_draft_kept_whole_and_shrinks_after_a_mis
     assert planner.drafters["small"].length == 5
 
 
-def test_auto_writes_alone_first_then_tries_each_drafter_then_benches_one_that_does_not_pay():
+def test_auto_writes_alone_first_then_tries_the_drafters_expected_to_pay_then_benches_one_that_does_not():
     planner = DraftPlanner(options(draft="auto"), ["small"])
-    assert not planner.plan(1, lookup_ready=True, members=["small"]).drafting  # first the leader alone
+    small = {"small": 0.08}  # a tenth of the leader's size or so: expected to draft a token in 8 % of its time
+    assert not planner.plan(1, lookup_ready=True, members=small).drafting  # first the leader alone
     planner.learned_alone(0.3, 10)  # 30 ms a token
-    assert set(planner.plan(2, lookup_ready=True, members=["small"]).lengths) == {LOOKUP, "small"}
+    assert set(planner.plan(2, lookup_ready=True, members=small).lengths) == {LOOKUP, "small"}
     for _ in range(3):  # a slow drafter the leader never agrees with, and a lookup that copies nothing useful
         planner.learned_draft("small", 0, 4, 4 * 0.025)
         planner.learned_draft(LOOKUP, 0, 8, None)
         planner.learned_read(0.03 * 3.5, 12)  # 12 tokens read in 3.5 times one written
-    assert not planner.plan(5, lookup_ready=True, members=["small"]).drafting  # neither pays: alone
+    assert not planner.plan(5, lookup_ready=True, members=small).drafting  # neither pays: alone
     assert planner.drafters["small"].benched_until > 5 and planner.drafters[LOOKUP].benched_until > 5
-    assert not planner.plan(10, lookup_ready=True, members=["small"]).drafting  # still benched
+    assert not planner.plan(10, lookup_ready=True, members=small).drafting  # still benched
+
+
+def test_auto_does_not_try_a_drafter_whose_size_alone_says_it_cannot_pay():
+    """A third of the leader's size: drafting a token costs a third of writing one, reading it more; at the
+    acceptance a drafter starts with, no draft length pays."""
+    planner = DraftPlanner(options(draft="auto"), ["third"])
+    planner.learned_alone(0.3, 10)
+    assert not planner.plan(2, lookup_ready=False, members={"third": 0.33}).drafting
+    planner.learned_read(0.03 * 1.1, 10)  # where reading costs hardly more than writing one (a GPU), it does
+    for _ in range(5):
+        planner.learned_read(0.03 * 1.1, 10)
+    assert planner.plan(3, lookup_ready=False, members={"third": 0.33}).drafting
 
 
 def test_auto_keeps_a_drafter_that_pays_and_only_the_best_of_the_models():
@@ -126,7 +139,7 @@ def test_auto_keeps_a_drafter_that_pays_and_only_the_best_of_the_models():
         planner.learned_draft("fast", 6, 6, 6 * 0.003)  # cheap and always right
         planner.learned_draft("slow", 6, 6, 6 * 0.02)  # right, but drafting costs two thirds of the leader
         planner.learned_draft(LOOKUP, 7, 8, None)
-    plan = planner.plan(6, lookup_ready=True, members=["fast", "slow"])
+    plan = planner.plan(6, lookup_ready=True, members={"fast": 0.1, "slow": 0.6})
     assert set(plan.lengths) == {LOOKUP, "fast"}
     assert plan.lengths["fast"] > 4  # a long draft pays when the leader keeps nearly all of it
 

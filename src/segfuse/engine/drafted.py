@@ -50,7 +50,12 @@ class DraftedRounds:
         if LOOKUP in self.planner.drafters:
             length = self.planner.drafters[LOOKUP].length
             copied = lookup_draft(self.source, at.message, length * CHARS_PER_TOKEN)
-        members = [s.name for s in seats.active if s is not leader and self.context.drafts(s.member)]
+        size = leader.member.n_params
+        members = {
+            s.name: s.member.n_params / size if s.member.n_params and size else None
+            for s in seats.active
+            if s is not leader and self.context.drafts(s.member)
+        }
         return self.planner.plan(at.no, bool(copied), members), copied
 
     def round(self, seats: Seats, leader: Seat, at: Round, plan: Plan, copied: str) -> Asking:

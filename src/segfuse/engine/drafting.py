@@ -33,7 +33,8 @@ LOOKUP = "lookup"  # the drafter that copies text: no model
 # written alone (llama.cpp on a 2-core CPU: 4 tokens 1.5-2.2x one), and the acceptance a drafter starts with.
 PRIOR_READ_COST = 0.35
 PRIOR_ACCEPTANCE = 0.5
-TRIAL_ROUNDS = 2  # rounds a drafter is asked before its measurements decide (auto)
+PRIOR_LOOKUP_ACCEPTANCE = 0.6  # a copied draft follows words the answer just repeated: likelier kept
+UNKNOWN_SIZE = 0.5  # a drafter's size over the leader's, where either is unknown
 BENCHED_ROUNDS = 24  # rounds a drafter that does not pay sits out before it is tried again (auto)
 MARGIN = 1.03  # a plan must beat the leader alone by this much (auto): noise must not make it slower
 LOOKUP_NGRAMS = (8, 6, 4, 3, 2)  # pieces of the answer's end that a copied draft must follow, longest first
@@ -72,11 +73,13 @@ class Drafter:
     misses: int = 0  # rounds in which the leader kept less than the whole draft
     seconds_per_token: float | None = None  # drafting time (None: not measured; 0 for lookup)
     benched_until: int = 0  # (auto) not asked before this round
+    prior: float = PRIOR_ACCEPTANCE
+    expected_s: float = 0.0  # (auto) its time per token until measured
 
     @property
     def acceptance(self) -> float:
         """The chance that the leader keeps the next token of its draft (a smoothed estimate)."""
-        return (self.accepted + 2 * PRIOR_ACCEPTANCE) / (self.accepted + self.misses + 2)
+        return (self.accepted + 2 * self.prior) / (self.accepted + self.misses + 2)
 
     def bench(self, until: int) -> None:
         """Not asked before round `until`; then tried again, its evidence so far weighing half."""
@@ -125,37 +128,37 @@ class DraftPlanner:
         )
         self.drafters = {n: Drafter(n, min(8 if n == LOOKUP else 4, self.max_length)) for n in names}
         if LOOKUP in self.drafters:
-            self.drafters[LOOKUP].seconds_per_token = 0.0
+            self.drafters[LOOKUP].seconds_per_token, self.drafters[LOOKUP].prior = 0.0, PRIOR_LOOKUP_ACCEPTANCE
         self.alone_s: float | None = None  # the leader's time per token writing alone
         self.read_cost = PRIOR_READ_COST  # one more token read in a pass, as a share of alone_s
         self.rounds = 0
 
     # --- deciding -------------------------------------------------------------------------
-    def plan(self, round_no: int, lookup_ready: bool, members: list[str]) -> Plan:
+    def plan(self, round_no: int, lookup_ready: bool, members: dict[str, float | None]) -> Plan:
         """This round's drafters; `lookup_ready`: the lookup found text to copy; `members`: the drafters
-        that can draft now (active)."""
+        that can draft now (active), each with its size over the leader's where known (until a drafter's
+        speed is measured, auto expects its time per token in that ratio to the leader's)."""
         ready = [n for n in self.drafters if (n == LOOKUP and lookup_ready) or (n != LOOKUP and n in members)]
         if self.mode != "auto":
             return Plan({n: self.drafters[n].length for n in ready})
         if self.alone_s is None:  # first a round alone: it measures the leader (and streams at once)
             return Plan()
-        trials: dict[str, int] = {}
         paying: dict[str, tuple[int, float]] = {}
         for name in ready:
             drafter = self.drafters[name]
             if round_no < drafter.benched_until:
                 continue
-            if drafter.rounds < TRIAL_ROUNDS:
-                trials[name] = drafter.length
-                continue
+            if drafter.seconds_per_token is None:  # not measured yet: in proportion to its size
+                ratio = members.get(name)
+                drafter.expected_s = (UNKNOWN_SIZE if ratio is None else ratio) * self.alone_s
             length, gain = self.best_length(drafter)
             if gain >= MARGIN:
                 paying[name] = (length, gain)
-            else:  # it does not pay: it sits out a while, then gets a fresh trial
+            elif drafter.rounds:  # it was tried and does not pay: it sits out a while, then may try again
                 drafter.bench(round_no + BENCHED_ROUNDS)
         # Lookup costs nothing to draft: it joins whenever it pays on its own. Of the drafters with models,
         # only the one that pays best (each costs its drafting time).
-        chosen = dict(trials)
+        chosen: dict[str, int] = {}
         if LOOKUP in paying:
             chosen[LOOKUP] = paying.pop(LOOKUP)[0]
         if paying:
@@ -166,7 +169,7 @@ class DraftPlanner:
     def best_length(self, drafter: Drafter) -> tuple[int, float]:
         """The draft length with the most tokens per second, and its speed over the leader alone."""
         alone = self.alone_s or 1.0
-        per_token = drafter.seconds_per_token or 0.0
+        per_token = drafter.seconds_per_token if drafter.seconds_per_token is not None else drafter.expected_s
         best = (1, 0.0)
         for length in range(1, self.max_length + 1):
             cost = per_token * length + alone * (1 + self.read_cost * length)
