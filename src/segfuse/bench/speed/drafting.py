@@ -147,7 +147,7 @@ def member_path(member: Member) -> Path:
 
 
 def hf_specs(plan: DraftingPlan) -> list[str]:
-    return [f"transformers:{plan.hf_leader}#name={HF_LEADER}", f"transformers:{plan.hf_drafter}#name={HF_DRAFTER}"]
+    return [f"transformers:{plan.hf_leader}#{HF_LEADER}", f"transformers:{plan.hf_drafter}#{HF_DRAFTER}"]
 
 
 def _segfuse(ens: Ensemble, leader: str, mode: str, draft_max: int, prompt: str, max_tokens: int) -> dict[str, Any]:
