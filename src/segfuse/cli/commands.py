@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  # imported to register their commands
     answer,
     bench,
+    bench_drafting,
     bench_gpu,
     bench_serving,
     calibrate,
