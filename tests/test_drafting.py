@@ -152,3 +152,18 @@ def test_expected_tokens_per_round(acceptance, length, expected):
 def test_draft_modes_are_validated():
     with pytest.raises(Exception, match="draft"):
         FusionOptions.build(draft="sometimes")
+
+
+def test_drafts_need_a_leader_that_reads_them_in_one_pass():
+    """Members that cannot speculate (a remote server's, here scripted) are refused up front, naming the field."""
+    from fakes import ScriptedMember
+    from segfuse.engine import fuse
+    from segfuse.errors import InvalidRequestError
+    from segfuse.request import FusionRequest
+    from segfuse.types import Message
+
+    members = [ScriptedMember("remote-a", []), ScriptedMember("remote-b", [])]
+    request = FusionRequest.of([Message("user", "hi")], options(draft="lookup"))
+    with pytest.raises(InvalidRequestError, match="reads drafts in one pass") as refused:
+        list(fuse(members, request))
+    assert refused.value.field == "draft"

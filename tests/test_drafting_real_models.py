@@ -147,3 +147,26 @@ def test_a_transformers_leader_reads_drafts_of_another_vocabulary():
                 same_until_a_near_tie(drafted, off)
                 if mode == "members":  # (lookup drafts only where the answer repeats the prompt)
                     assert any(r.decision == "drafted" for r in drafted.rounds)
+
+
+@pytest.fixture(scope="module")
+def server(uncached_server):
+    return uncached_server
+
+
+def test_the_server_streams_a_drafted_answer_and_reports_its_drafters(openai_client):
+    """Through the real server and the `openai` client: the drafted answer streams, and its `segfuse` field
+    counts what each drafter proposed and the leader kept."""
+    asked = {"model": "segfuse", "messages": [{"role": "user", "content": CODE_EDIT}], "max_tokens": 40}
+    stream = openai_client.chat.completions.create(
+        **asked, temperature=0, stream=True, extra_body={"segfuse": {"draft": "lookup"}}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = openai_client.chat.completions.create(**asked, temperature=0, extra_body={"segfuse": {"draft": "lookup"}})
+    assert text == whole.choices[0].message.content and "def evens" in text
+    drafting = whole.model_extra["segfuse"]["stats"]["drafting"]
+    assert drafting["lookup"]["kept"] > 0, drafting
+    refused = openai_client.with_options(max_retries=0).chat.completions
+    with pytest.raises(Exception, match="draft"):
+        refused.create(**asked, extra_body={"segfuse": {"draft": "sometimes"}})

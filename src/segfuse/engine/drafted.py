@@ -84,8 +84,8 @@ class DraftedRounds:
         the round, when it was a drafted one: drafter -> [proposed, kept]."""
         if decision.how == "drafted":
             return self.last
-        if decision.how in ("alone", "confident") and decision.leader is not None:
-            self._learned_alone(decision.leader, decision.drafted, budget)
+        if len(decision.drafted) == 1:  # the leader alone (or the only member) wrote the round
+            self._learned_alone(decision.drafted[0][0], decision.drafted, budget)
         return {}
 
     def _learned_alone(self, leader: Seat, drafted: Drafted, budget: int) -> None:

@@ -45,6 +45,7 @@ from functools import partial
 
 from ..backends.base import Member
 from ..errors import InvalidRequestError
+from ..options import FusionOptions
 from ..prompting import prefill_of
 from ..request import FusionRequest
 from ..types import DoneEvent, Event, Result, RoundEvent
@@ -100,11 +101,29 @@ def fusion_steps(members: Sequence[Member], request: FusionRequest) -> Steps:
             + " cannot (remote servers draft freely)",
             "add a llama.cpp or transformers member, or drop response_format",
         )
+    _check_drafting(members, options)
     generation = Generation(members, request)
     try:
         yield from generation.run()
     finally:
         generation.seats.close_all()
+
+
+def _check_drafting(members: Sequence[Member], options: FusionOptions) -> None:
+    """Drafts need a leader that reads them in one pass (``MemberSession.speculate``): say so up front."""
+    if options.draft == "off":
+        return
+    readers = [m.name for m in members if m.capabilities.speculates]
+    named = options.leader if options.leader != "auto" else None
+    if not readers or (named is not None and named not in readers):
+        who = named or ", ".join(m.name for m in members)
+        raise InvalidRequestError(
+            f"draft={options.draft!r} needs a leader that reads drafts in one pass; {who} cannot "
+            "(a remote server gives no logits of every position of a text it did not write, a Ray member does "
+            "not forward the call)",
+            "lead with a llama.cpp or transformers member, or set draft to off",
+            field="draft",
+        )
 
 
 def drive(steps: Steps, live: bool = True) -> Iterator[Event]:
@@ -239,10 +258,11 @@ class Generation:
         )
         early: Drafted = []
         decided = partial(Decision, leader=leader, confidence=None, calls_before=seats.calls)
-        if self.drafting is not None and leader is not None and solo and leader.member.capabilities.speculates:
-            plan, copied = self.drafting.plan(seats, leader, at)
+        reader = leader if solo else (seats.active[0] if len(seats.active) == 1 and not seats.standby else None)
+        if self.drafting is not None and reader is not None and reader.member.capabilities.speculates:
+            plan, copied = self.drafting.plan(seats, reader, at)  # (the one member reads drafts too: lookup)
             if plan.drafting:
-                return (yield from self._drafted(at, leader, plan, copied, decided))
+                return (yield from self._drafted(at, reader, plan, copied, decided))
         if leader is not None:
             early = yield from phases.draft(seats, context, [leader], min(o.window, at.budget), at, live)
             if not seats.active:  # the leader failed and the others are on standby: one takes over

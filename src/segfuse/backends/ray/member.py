@@ -59,7 +59,8 @@ class RayMember(Member):
                 "give a Ray member copies of one member",
             )
         self.name, self.n_params = first.name, first.n_params
-        self.capabilities = replace(first.capabilities, parallel_safe=True)
+        # (its sessions do not forward ``speculate``: a Ray leader answers alone, not reading drafts)
+        self.capabilities = replace(first.capabilities, parallel_safe=True, speculates=False)
         self.slots = None if any(i.slots is None for i in infos) else sum(i.slots or 0 for i in infos)
         self.copies = Copies(self.hosts, infos, name=self.name, timeout=self.settings.timeout)
         self.stats: Counter[str] = Counter()  # sessions read again ("reread")
