@@ -34,47 +34,106 @@ CODE = [
     "Write a SQL query that returns the ten customers with the highest total order amount.",
 ]
 
+# Small changes to code of 10-20 lines, as an editor asks for them: most of the answer repeats the given code.
+_PARSE = """def parse_line(line):
+    parts = line.strip().split(",")
+    if len(parts) != 3:
+        raise ValueError("expected 3 fields")
+    name = parts[0].strip()
+    age = int(parts[1])
+    city = parts[2].strip()
+    return {"name": name, "age": age, "city": city}
+
+
+def parse_file(path):
+    people = []
+    with open(path) as handle:
+        for line in handle:
+            if line.strip():
+                people.append(parse_line(line))
+    return people
+"""
+_STATS = """def summarize(values):
+    if not values:
+        return None
+    total = 0
+    count = 0
+    smallest = values[0]
+    largest = values[0]
+    for value in values:
+        total += value
+        count += 1
+        if value < smallest:
+            smallest = value
+        if value > largest:
+            largest = value
+    mean = total / count
+    return {"mean": mean, "min": smallest, "max": largest, "count": count}
+"""
+_RETRY = """import time
+
+
+def fetch_with_retry(fetch, url, attempts=3, delay=1.0):
+    last_error = None
+    for attempt in range(attempts):
+        try:
+            return fetch(url)
+        except ConnectionError as error:
+            last_error = error
+            time.sleep(delay)
+            delay = delay * 2
+    raise RuntimeError(f"giving up on {url}") from last_error
+"""
+_CART = """class Cart:
+    def __init__(self):
+        self.items = []
+
+    def add(self, name, price, quantity=1):
+        self.items.append({"name": name, "price": price, "quantity": quantity})
+
+    def total(self):
+        return sum(item["price"] * item["quantity"] for item in self.items)
+
+    def remove(self, name):
+        self.items = [item for item in self.items if item["name"] != name]
+
+    def count(self):
+        return sum(item["quantity"] for item in self.items)
+"""
+_JS = """function groupBy(items, key) {
+  const groups = {};
+  for (const item of items) {
+    const value = item[key];
+    if (!groups[value]) {
+      groups[value] = [];
+    }
+    groups[value].push(item);
+  }
+  return groups;
+}
+
+function countBy(items, key) {
+  const groups = groupBy(items, key);
+  const counts = {};
+  for (const value of Object.keys(groups)) {
+    counts[value] = groups[value].length;
+  }
+  return counts;
+}
+"""
 _EDITS = [
-    ("Add type hints and a docstring to this function", "def area(w, h):\n    return w * h\n"),
-    (
-        "Rename the variable `x` to `total` in this function",
-        "def sum_list(items):\n    x = 0\n    for item in items:\n        x += item\n    return x\n",
-    ),
-    (
-        "Rewrite this function to use a list comprehension",
-        "def squares(n):\n    out = []\n    for i in range(n):\n        out.append(i * i)\n    return out\n",
-    ),
-    (
-        "Make this function return None instead of raising on an empty list",
-        "def first(items):\n    if not items:\n        raise ValueError('empty')\n    return items[0]\n",
-    ),
-    (
-        "Add input validation (n must be a non-negative int) to this function",
-        "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n",
-    ),
-    (
-        "Convert this function to use pathlib instead of os.path",
-        "import os\n\ndef config_path(home):\n    return os.path.join(home, '.config', 'app', 'settings.toml')\n",
-    ),
-    (
-        "Rewrite this JavaScript function with const/let and an arrow function",
-        "function double(values) {\n  var out = [];\n  for (var i = 0; i < values.length; i++) {\n"
-        "    out.push(values[i] * 2);\n  }\n  return out;\n}\n",
-    ),
-    (
-        "Fix the off-by-one bug in this function",
-        "def last_n(items, n):\n    return items[len(items) - n - 1:]\n",
-    ),
-    (
-        "Add logging of the arguments to this function",
-        "def divide(a, b):\n    if b == 0:\n        return None\n    return a / b\n",
-    ),
-    (
-        "Rewrite this class as a dataclass",
-        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-    ),
+    ("Rename the function `parse_line` to `parse_record` everywhere in this code", _PARSE),
+    ("Make `parse_line` accept semicolons as well as commas between the fields", _PARSE),
+    ("Rename `summarize` to `describe` in this code", _STATS),
+    ("Add the sum of the values under the key \"sum\" to the dictionary `summarize` returns", _STATS),
+    ("Change the default number of attempts to 5 in this code", _RETRY),
+    ("Catch `TimeoutError` as well as `ConnectionError` in this code", _RETRY),
+    ("Add a method `clear` that empties the cart to this class", _CART),
+    ("Make `add` refuse a negative price with a ValueError in this class", _CART),
+    ("Rename `groupBy` to `groupByKey` everywhere in this code", _JS),
+    ("Make `countBy` skip items whose key is undefined in this code", _JS),
 ]
-EDIT = [f"{what}. Reply with the whole function.\n\n```\n{code}```" for what, code in _EDITS]
+EDIT = [f"{what}. Reply with the whole code.\n\n```\n{code}```" for what, code in _EDITS]
 
 _TEXTS = [
     "Maria Lopez, 34, moved from Madrid to Berlin in March 2021 to work as a data engineer at Zalando.",
