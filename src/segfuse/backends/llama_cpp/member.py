@@ -70,6 +70,7 @@ from .private import PrivateContexts
 from .runtime import (
     COMPUTE,
     LogSoftmax,
+    allocations,
     gpu_layers_for,
     init_backend,
     load_model,
@@ -136,13 +137,17 @@ class LlamaCppMember(LocalMember):
         init_backend()
         self.reencode, self.slots = reencode, slots
         self.kv = KvCache(type_k, type_v, flash_attn)
-        self._load(gpu_layers, main_gpu, split, tensor_split, threads, side_by_side)
-        self.vocab = Vocabulary(self._model, self.name, self.path, prompt)
-        self.prompt = self.vocab.prompt
-        cells = n_ctx * slots if prefix_cache_cells is None else prefix_cache_cells
-        entries = prefix_entries(slots, cells, reencode)
-        cells = cells if entries > 0 else 0
-        self.context = self._open_context(n_ctx, n_batch, max_outputs, cells, entries)
+        with allocations() as allocated:
+            self._load(gpu_layers, main_gpu, split, tensor_split, threads, side_by_side)
+            self.vocab = Vocabulary(self._model, self.name, self.path, prompt)
+            self.prompt = self.vocab.prompt
+            cells = n_ctx * slots if prefix_cache_cells is None else prefix_cache_cells
+            entries = prefix_entries(slots, cells, reencode)
+            cells = cells if entries > 0 else 0
+            self.context = self._open_context(n_ctx, n_batch, max_outputs, cells, entries)
+        # What it takes where it runs, as llama.cpp counts it: weights, KV cache, compute and output buffers
+        # (a server's memory budget); its weights alone where the log did not say.
+        self.nbytes = sum(allocated) or self.nbytes
         self.n_ctx = (self.context.n_cells - cells) // slots  # one session's window
         self.context.window = self.n_ctx
         swa = int(lc.llama_model_n_swa(self._model))
