@@ -123,7 +123,9 @@ class ServerSection(BaseModel):
         None, ge=1, le=256, description="members loaded at once; past it the least recently used idle one goes"
     )
     max_loaded_bytes: int | str | None = Field(
-        None, description='bytes of weights loaded at once ("12GiB", "800MB" or a number); the same'
+        None,
+        description='bytes the loaded members take at once: weights, and llama.cpp\'s KV cache and buffers ("12GiB", '
+        '"800MB" or a number; a member not loaded yet counts its estimate); the same',
     )
 
     @field_validator("keep_alive")
