@@ -56,8 +56,10 @@ def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:,.0f} MiB"
 
 
-def never_fits(model: Model, sizes: Mapping[str, Size], bound: int) -> TooLargeError | None:
-    """Why `model` can never be loaded within `bound` bytes (None: it can, or its sizes are unknown)."""
+def never_fits(model: Model, sizes: Mapping[str, Size], bound: int | None) -> TooLargeError | None:
+    """Why `model` can never be loaded within `bound` bytes (None: it can, its sizes are unknown, or no bound)."""
+    if bound is None:
+        return None
     for name in model.members:
         size = sizes.get(name)
         if size is not None and size.nbytes > bound:

@@ -242,8 +242,7 @@ class Pool:
             self.free(place)
 
     def _keep(self, place: Place, keep_s: float | None) -> float:
-        """Kept for a pinned member; else the request's keep-alive, else its ensembles' ([ensembles.NAME]
-        keep_alive), else kept for a member of a preloaded model, the server's for others."""
+        """Pinned: kept; else the request's keep-alive, its ensembles', kept (a preloaded model's), the server's."""
         if place.pinned:
             return FOREVER
         if keep_s is not None:
@@ -278,8 +277,7 @@ class Pool:
 
     async def _bring(self, model: Model, deadline: float | None) -> None:
         """Wait for the turn to load, pin `model`'s members, make room and load what is missing."""
-        bound = self.budget.nbytes
-        if bound is not None and (too_large := never_fits(model, sizes_of(self.snapshot()), bound)) is not None:
+        if (too_large := never_fits(model, sizes_of(self.snapshot()), self.budget.nbytes)) is not None:
             raise too_large
         if self.waiting > self.worker.queue.queue_size:
             raise QueueFullError(f"{self.waiting} requests are waiting for models to load; retry in a little while")
@@ -345,16 +343,20 @@ class Pool:
         with self._lock:
             self._wanting.append(model)
         try:
-            return await self.changes.until(partial(self._room_for, place), deadline)
+            return await self.changes.until(partial(self._room_for, place, model), deadline)
         finally:
             with self._lock:
                 self._wanting.remove(model)
 
-    def _room_for(self, place: Place) -> bool:
-        """Whether `place` fits the budget now, or a member could be freed for it (nothing else to wait for)."""
+    def _room_for(self, place: Place, model: Model) -> bool:
+        """Whether `place` fits now, or a member could be freed for it; NoRoomError if only pinned ones hold room."""
         with self._lock:
             places = list(self.places.values())
-            return not self.budget.over(places, [place]) or any(p.freeable() for p in places)
+            if not self.budget.over(places, [place]) or any(p.freeable() for p in places):
+                return True
+        if (stuck := _held_for_good(places, model)) is not None:
+            raise stuck
+        return False
 
     def _load_one(self, place: Place) -> None:
         """Load one member here (a loader's thread, or at start), then let it join the worker's ensemble."""
@@ -380,14 +382,12 @@ class Pool:
             place.loads += 1
             self.ensemble.members = [*self.ensemble.members, member]
         self.changes.tell()
-        if place.estimate is not None and member.nbytes is not None and member.nbytes > place.estimate:
-            log.warning("%s takes %s, more than the %s estimated", place.name, mib(member.nbytes), mib(place.estimate))
+        _warn_if_larger(place)
 
     # ------------------------------------------------------------------ freeing
 
     def free(self, place: Place, why: str = "idle past its keep-alive") -> Future[None] | None:
-        """Free an idle member (the reaper's, a keep-alive of 0, or asked to: pinned or not): it leaves on the
-        worker thread; the future of its close (None: in use, not loaded, or not the pool's to free)."""
+        """Free an idle member (reaped, kept 0, or asked to), on the worker thread: its close (None: not freed)."""
         with self._lock:
             if place.state != "loaded" or place.users or not place.owned:
                 return None
@@ -454,6 +454,25 @@ class Reaper:
         with self.pool._lock:
             times = [at for p in self.pool.places.values() if (at := p.expires_at()) is not None]
         return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
+
+
+def _warn_if_larger(place: Place) -> None:
+    """A member measured larger than its estimate: the budget counts the measure from now on (and says so)."""
+    if place.estimate is not None and place.nbytes is not None and place.nbytes > place.estimate:
+        log.warning("%s takes %s, more than the %s estimated", place.name, mib(place.nbytes), mib(place.estimate))
+
+
+def _held_for_good(places: Sequence[Place], model: Model) -> NoRoomError | None:
+    """The error for `model` when every member holding room beside its own stays (pinned, or the caller's):
+    then no wait can find it room (None: something may yet be let go)."""
+    held = [p for p in places if p.state in ("loaded", "loading", "unloading") and p.name not in model.members]
+    if not held or not all(p.pinned or not p.owned for p in held):
+        return None
+    return NoRoomError(
+        f"model {model.name} does not fit the memory budget beside {', '.join(p.name for p in held)}, which stay "
+        "loaded (pinned)",
+        "free them (POST /v1/models/{id}/unload), or raise max_loaded_bytes",
+    )
 
 
 class Lease:
