@@ -42,3 +42,21 @@ def test_the_estimate_errs_high_by_at_most_a_fifth(model):
 def test_no_estimate_where_the_file_cannot_be_read_or_the_backend_cannot_say(tmp_path):
     assert estimate_bytes(str(tmp_path / "missing.gguf")) is None
     assert estimate_bytes("remote:http://127.0.0.1:9/v1#far") is None
+
+
+def test_a_transformers_checkpoint_counts_its_parameters_from_the_safetensors_headers(tmp_path):
+    import json
+    import struct
+
+    from segfuse.backends.transformers.sizes import HEADROOM, parameters
+
+    header = {"__metadata__": {}, "a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]}}
+    header["b"] = {"dtype": "BF16", "shape": [5], "data_offsets": [48, 58]}
+    body = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(body)) + body + bytes(58))
+    assert parameters(tmp_path) == 17
+    assert estimate_bytes(f"transformers:{tmp_path}#dtype=bf16") == int(17 * 2 * HEADROOM)
+    # A GGUF file dequantized: its elements, in fp32 on the CPU (the real footprint was 513 MiB: 134,515,008 x 4).
+    _, path, _ = resolve("smollm2-135m")
+    assert read_gguf_shape(path).n_elements == 134_515_008
+    assert estimate_bytes("transformers:smollm2-135m#device=cpu") == int(134_515_008 * 4 * HEADROOM)
