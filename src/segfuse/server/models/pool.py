@@ -234,33 +234,18 @@ class Pool:
                 place.users -= 1
                 if place.users == 0:
                     place.idle_since = now
-                    place.keep_s = self._keep(place, keep_s)
+                    place.keep_s = _keep(place, keep_s, self.catalog, self.keep_alive_s)
                     if place.keep_s == 0 and place.owned and place.state == "loaded":
                         free.append(place)
         self.changes.tell()
         for place in free:
             self.free(place)
 
-    def _keep(self, place: Place, keep_s: float | None) -> float:
-        """Pinned: kept; else the request's keep-alive, its ensembles', kept (a preloaded model's), the server's."""
-        if place.pinned:
-            return FOREVER
-        if keep_s is not None:
-            return keep_s
-        if (ensembles := self.catalog.keep_of(place.name)) is not None:
-            return ensembles
-        preloaded = any(model in self.catalog.preload for model in self.catalog.holders(place.name))
-        return FOREVER if preloaded else self.keep_alive_s
-
     def expire(self, model: Model) -> None:
-        """Free `model`'s members that nothing holds, now (Ollama's empty request with keep_alive 0); a
-        member in use stays until its requests let it go, and then for their keep-alive."""
-        with self._lock:
-            idle = [self.places[n] for n in model.members if self.places[n].freeable()]
-            for place in idle:
-                place.keep_s = 0.0
-        for place in idle:
-            self.free(place)
+        """Free `model`'s members that nothing holds nor pins, now (Ollama's empty request with keep_alive 0); a
+        member in use stays until its requests let it go, and then for their keep-alive (``free`` looks again)."""
+        for place in [self.places[n] for n in model.members if self.places[n].freeable()]:
+            self.free(place, "asked to unload")
 
     def _pin_if_loaded(self, names: Sequence[str]) -> bool:
         """Pin `names` if every one is loaded (in one look: none can be freed in between) and no load that
@@ -351,12 +336,7 @@ class Pool:
     def _room_for(self, place: Place, model: Model) -> bool:
         """Whether `place` fits now, or a member could be freed for it; NoRoomError if only pinned ones hold room."""
         with self._lock:
-            places = list(self.places.values())
-            if not self.budget.over(places, [place]) or any(p.freeable() for p in places):
-                return True
-        if (stuck := _held_for_good(places, model)) is not None:
-            raise stuck
-        return False
+            return _room(list(self.places.values()), self.budget, place, model)
 
     def _load_one(self, place: Place) -> None:
         """Load one member here (a loader's thread, or at start), then let it join the worker's ensemble."""
@@ -454,6 +434,29 @@ class Reaper:
         with self.pool._lock:
             times = [at for p in self.pool.places.values() if (at := p.expires_at()) is not None]
         return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
+
+
+def _keep(place: Place, keep_s: float | None, catalog: Catalog, default_s: float) -> float:
+    """How long `place` stays once let go: kept when pinned; else the request's keep-alive (`keep_s`), its
+    ensembles' ([ensembles.NAME] keep_alive), kept for a member of a preloaded model, `default_s` for others."""
+    if place.pinned:
+        return FOREVER
+    if keep_s is not None:
+        return keep_s
+    if (ensembles := catalog.keep_of(place.name)) is not None:
+        return ensembles
+    preloaded = any(model in catalog.preload for model in catalog.holders(place.name))
+    return FOREVER if preloaded else default_s
+
+
+def _room(places: Sequence[Place], budget: Budget, place: Place, model: Model) -> bool:
+    """Whether `place` fits beside `places` now, or one of them could be freed for it (nothing else to wait
+    for); NoRoomError when only members that stay (pinned) hold the room: no wait would find it."""
+    if not budget.over(places, [place]) or any(p.freeable() for p in places):
+        return True
+    if (stuck := _held_for_good(places, model)) is not None:
+        raise stuck
+    return False
 
 
 def _warn_if_larger(place: Place) -> None:
