@@ -83,7 +83,7 @@ def test_unloading_a_model_that_answers_is_refused_then_done_once_its_answer_has
     reading = threading.Thread(target=read)
     reading.start()
     try:
-        wait_for(lambda: running.health()["memory"]["gemma3-270m"]["in_use"] > 0, 120, 0.05, what="the stream")
+        wait_for(lambda: "".join(out).strip(), 120, 0.05, what="the stream's first words")  # loaded, answering
         busy = httpx.post(f"{running.api}/models/small/unload?wait=0", headers=AUTH, timeout=60)
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_in_use", busy.text
         assert "model small is answering" in busy.json()["error"]["message"]
