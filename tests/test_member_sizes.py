@@ -20,14 +20,23 @@ def test_the_header_sums_the_weights_as_llama_cpp_counts_them_and_one_cell_of_ev
     assert shape.tensor_bytes == 96_576_768  # llama_model_size of the loaded model says the same
     assert (shape.n_layer, shape.kv_heads, shape.key_length, shape.n_vocab) == (30, (3,), 64, 49152)
     assert shape.kv_bytes_per_cell() == 2 * 30 * 3 * 64 * 2
+    assert shape.kv_bytes_per_cell("q8_0", "f32") == 30 * 3 * 64 * (34 / 32 + 4)
     # A context of 2 sessions of 1024 tokens and as many cells for the prefix cache: 4096 cells.
     assert size_of(shape, n_ctx=1024, slots=2).kv_cache == 4096 * shape.kv_bytes_per_cell()
     assert size_of(shape, n_ctx=1024, slots=2, prefix_cache_cells=0).kv_cache == 2048 * shape.kv_bytes_per_cell()
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-def test_the_estimate_errs_high_by_at_most_a_fifth(model):
-    options = MemberOptions.build({"n_ctx": 1024, "slots": 2, "threads": 1})
+@pytest.mark.parametrize(
+    ("model", "kv"),
+    [
+        ("smollm2-135m", {}),
+        ("gemma3-270m", {}),
+        ("smollm2-135m", {"type_k": "q8_0", "type_v": "q8_0"}),  # a quantized cache: 34 bytes a block of 32
+        ("smollm2-135m", {"type_k": "f32", "type_v": "f32", "flash_attn": "off"}),  # attention scores in the buffer
+    ],
+)
+def test_the_estimate_errs_high_by_at_most_a_fifth(model, kv):
+    options = MemberOptions.build({"n_ctx": 1024, "slots": 2, "threads": 1, **kv})
     estimate = estimate_bytes(model, options)
     member = load_member(model, options)
     try:

@@ -31,12 +31,24 @@ class GGUFShape:
     key_length: int  # per head ({arch}.attention.key_length, else embedding_length / head_count)
     value_length: int
     n_embd: int
+    n_head: int  # attention (query) heads
     n_vocab: int  # tokens in the vocabulary
 
-    def kv_bytes_per_cell(self, bytes_per_element: int = KV_BYTES) -> int:
-        """Keys and values of one position in every layer."""
+    def kv_bytes_per_cell(self, type_k: str | None = None, type_v: str | None = None) -> int:
+        """Keys and values of one position in every layer, in the cache's ggml types (None: f16)."""
         heads = self.kv_heads if len(self.kv_heads) == self.n_layer else (self.kv_heads[0],) * self.n_layer
-        return sum(h * (self.key_length + self.value_length) for h in heads) * bytes_per_element
+        per_head = self.key_length * element_bytes(type_k) + self.value_length * element_bytes(type_v)
+        return int(sum(heads) * per_head)
+
+
+def element_bytes(ggml_type: str | None) -> float:
+    """Bytes per element of a ggml type by name (``f16``, ``q8_0``: 34 bytes a block of 32); None: f16."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if ggml_type is None:
+        return KV_BYTES
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type.upper()]]
+    return size / block
 
 
 def read_gguf_shape(path: Path) -> GGUFShape:
@@ -81,6 +93,7 @@ def _shape(path: Path, data: mmap.mmap) -> GGUFShape:
         key_length=number("attention.key_length", n_embd // max(1, n_head)),
         value_length=number("attention.value_length", n_embd // max(1, n_head)),
         n_embd=n_embd,
+        n_head=n_head,
         n_vocab=number("vocab_size", tokens if isinstance(tokens, int) else 0),
     )
 
@@ -134,4 +147,4 @@ def _tensor_table(header: _Header, tensors: int, size: int, alignment: int) -> t
     return total, count, repackable
 
 
-__all__ = ["KV_BYTES", "REPACKED", "GGUFShape", "read_gguf_shape"]
+__all__ = ["KV_BYTES", "REPACKED", "GGUFShape", "element_bytes", "read_gguf_shape"]
