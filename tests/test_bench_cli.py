@@ -59,7 +59,7 @@ FLAGS = {
         "--window",
         "--diagnose-tokens",
     },
-    "ensembles": {"--requests", "--in-flight", "--max-tokens", "--out"},
+    "ensembles": {"--requests", "--in-flight", "--max-tokens", "--out", "--budget"},
 }
 WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
 

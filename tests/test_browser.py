@@ -325,3 +325,22 @@ def test_the_model_picker_shows_each_ensembles_members_and_keeps_the_choice_in_t
     assert query(browser) == {"mode": "plain", "model": "duo"}
     problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not problems, problems
+
+
+def test_the_model_picker_shows_each_models_state_and_loads_or_frees_the_picked_one(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    open_page(browser, server, "?model=duo")
+    shown = lambda d: d.find_element(By.ID, "model-state").text
+    WebDriverWait(browser, 30).until(lambda d: shown(d) in ("idle", "loaded"))
+    assert [o.text for o in Select(browser.find_element(By.ID, "model")).options] == ["segfuse (idle)", "duo (idle)"]
+    browser.find_element(By.ID, "free-model").click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "status").text == "duo: unloaded")
+    assert shown(browser) == "unloaded"
+    assert server.health()["memory"][DUO[0]]["state"] == "unloaded"
+    browser.find_element(By.ID, "load-model").click()
+    WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "status").text == "duo: idle")
+    assert shown(browser) == "idle" and server.health()["memory"][DUO[0]]["loads"] == 2
+    problems = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not problems, problems

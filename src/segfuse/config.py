@@ -34,6 +34,7 @@ Example ``segfuse.toml``::
     members = ["smollm2-135m", "gemma3-270m"]
     defaults = { gate = "none" } # over [defaults], for requests to this model
     # profile = "small.toml"     # or a profile's [fusion] table (`segfuse calibrate` writes one)
+    # keep_alive = -1            # its members' keep-alive; -1 pins it (never freed by expiry or for room)
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ class ServerSection(BaseModel):
         None, ge=1, le=256, description="members loaded at once; past it the least recently used idle one goes"
     )
     max_loaded_bytes: int | str | None = Field(
-        None, description='bytes of weights loaded at once ("12GiB", "800MB" or a number); the same'
+        None,
+        description='bytes the loaded members take at once: weights, and llama.cpp\'s KV cache and buffers ("12GiB", '
+        '"800MB" or a number; a member not loaded yet counts its estimate); the same',
     )
 
     @field_validator("keep_alive")
@@ -247,6 +250,16 @@ class EnsembleSection(BaseModel):
     members: list[str] = Field(min_length=1, max_length=MAX_ENSEMBLE_MEMBERS, description="member specs, in order")
     defaults: dict[str, Any] = Field(default_factory=dict, description="fusion options over [defaults]")
     profile: str | None = Field(None, description="a profile file whose [fusion] table goes under `defaults`")
+    keep_alive: str | float | None = Field(
+        None,
+        description="how long its members stay after their last answer (over [server] keep_alive; a request's goes "
+        "over it); -1 pins it: once loaded, never freed by expiry nor to make room for another model",
+    )
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value: str | float | None) -> str | float | None:
+        return value if value is None else ServerSection._duration(value)
 
 
 class RaySection(BaseModel):

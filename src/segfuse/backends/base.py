@@ -20,8 +20,9 @@ What a member can do beyond that is *declared*, never probed:
 - ``Member.slots``: how many sessions it holds at once (None: any number);
 - ``Member.n_params``: its parameter count, where known (the confidence gate's
   default leader is the largest member when every member states its size);
-- ``Member.nbytes``: the bytes its weights take where it runs, where known (the
-  server's memory budget counts them);
+- ``Member.nbytes``: the bytes it takes where it runs, where known: its weights, and
+  for llama.cpp the KV cache and compute buffers it allocated too (the server's
+  memory budget counts them);
 - ``Member.prompt_tokens``: the templated prompt's tokens, where the member can
   tell (the server reports them as usage);
 - ``Member.occupancy``: the session slots free and the KV-cache cells held now
@@ -178,7 +179,7 @@ class Member(ABC):
     capabilities: Capabilities = Capabilities()
     slots: int | None = None  # sessions held at once; None: any number
     n_params: int | None = None  # parameter count, where known
-    nbytes: int | None = None  # bytes its weights take where it runs, where known (a server's memory budget)
+    nbytes: int | None = None  # bytes it takes where it runs (weights, allocated caches), where known (a memory budget)
     placement: str | None = None  # where it runs, in words ("CPU", "GPU: 31/31 layers", ...), where known
 
     def start(

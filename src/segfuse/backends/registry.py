@@ -23,6 +23,7 @@ Backends and their targets (``#...`` is optional: a display name and/or
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from ..errors import UnknownModelError
 from ..extras import require
 from ..member_options import MemberOptions
 from .base import Member
+
+log = logging.getLogger("segfuse.backends")
 
 BACKENDS: dict[str, str] = {
     "llama_cpp": "segfuse.backends.llama_cpp.member:load",
@@ -53,6 +56,13 @@ class MemberSpec:
             return cls(kind, rest, options)
         return cls("llama_cpp", text, options)
 
+
+# backend -> what says a member's bytes before it loads (backends absent: none to say; remote members take no
+# memory here, Ray members take theirs in their actors)
+ESTIMATES: dict[str, str] = {
+    "llama_cpp": "segfuse.backends.llama_cpp.sizes:estimate",
+    "transformers": "segfuse.backends.transformers.sizes:estimate",
+}
 
 # backend -> the optional extra it needs (the llama.cpp backend is in the core)
 BACKEND_EXTRAS: dict[str, str] = {"transformers": "hf", "remote": "remote", "ray": "ray"}
@@ -77,3 +87,20 @@ def load_member(spec: MemberSpec | str, shared: MemberOptions | None = None, **o
     if shared is None:
         shared = MemberOptions.build(spec.options, where=f"member {spec.target!r}")
     return _loader(spec.backend)(spec.target, shared)
+
+
+def estimate_bytes(spec: MemberSpec | str, shared: MemberOptions | None = None) -> int | None:
+    """The bytes ``load_member(spec, shared)`` would take where it runs, said before it loads (None where its
+    backend cannot say, or its file cannot be read: the load will say why)."""
+    if isinstance(spec, str):
+        spec = MemberSpec.parse(spec)
+    where = ESTIMATES.get(spec.backend)
+    if where is None:
+        return None
+    module_name, _, attr = where.partition(":")
+    try:
+        estimate: Callable[..., int | None] = getattr(importlib.import_module(module_name), attr)
+        return estimate(spec.target, shared or MemberOptions.build(spec.options, where=f"member {spec.target!r}"))
+    except Exception as exc:  # a missing file, a missing extra: no estimate, and the load reports it
+        log.debug("no size estimate for %s: %s", spec.target, exc)
+        return None

@@ -233,16 +233,22 @@ def ensembles(
     in_flight: Annotated[int, typer.Option("--in-flight", help="Requests in flight at once.")] = 4,
     max_tokens: MaxTokens = 8,
     out: Report = "runs/on-demand.json",
+    budget: Annotated[
+        bool, typer.Option("--budget", help="A byte budget of two of three members instead (runs/budget.json).")
+    ] = False,
 ) -> None:
     """Two ensembles that share members on one server (small: smollm2 + gemma3, preloaded; full: the three,
     loaded on demand), requests alternating between them: nothing may fail, nothing may load twice
-    (docs/server.md, Several models)."""
+    (docs/server.md, Several models). With --budget: small and coder (smollm2 + qwen2.5-coder 0.5B) under a
+    max_loaded_bytes that fits two of the three members; the loaded bytes may never pass it."""
     _require_serving_clients("segfuse bench ensembles", llama_server=False)
+    from ..bench.ensembles import budget as budgeted
     from ..bench.ensembles import on_demand
 
-    code = on_demand.main(
-        ["--requests", str(requests), "--in-flight", str(in_flight), "--max-tokens", str(max_tokens), "--out", out]
-    )
+    args = ["--requests", str(requests), "--in-flight", str(in_flight), "--max-tokens", str(max_tokens)]
+    if budget and out == "runs/on-demand.json":
+        out = "runs/budget.json"
+    code = (budgeted if budget else on_demand).main([*args, "--out", out])
     if code:
         raise typer.Exit(code)
 

@@ -98,7 +98,11 @@ MaxLoadedMembers = Annotated[
 ]
 MaxLoadedBytes = Annotated[
     str | None,
-    typer.Option("--max-loaded-bytes", help="Bytes of weights loaded at once (12GiB, 800MB); the same."),
+    typer.Option(
+        "--max-loaded-bytes",
+        help="Bytes the loaded members take at once (12GiB, 800MB): weights, KV caches; the same. A model that can "
+        "never fit is refused.",
+    ),
 ]
 Ray = Annotated[
     bool,

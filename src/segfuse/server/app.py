@@ -36,13 +36,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..backends.registry import load_member
+from ..backends.registry import estimate_bytes, load_member
 from ..config import WILDCARD_HOSTS, ServerConfig
 from ..ensemble import Ensemble
 from ..errors import SegfuseError
@@ -56,8 +56,10 @@ from .messages import routes as messages
 from .messages.protocol import PATH as MESSAGES_PATH
 from .messages.protocol import error_body as anthropic_error
 from .models.catalog import Catalog
+from .models.fit import check_all, sizes_of
+from .models.on_request import load_model, unload_model
 from .models.pool import Budget, Pool
-from .models.view import memory_of, model_cards
+from .models.view import memory_of, model_cards, model_state
 from .ollama import routes as ollama
 from .ollama.protocol import PREFIX as OLLAMA_PREFIX
 from .ollama.protocol import error_body as ollama_error
@@ -66,7 +68,7 @@ from .responses.store import ResponseStore
 from .serving import APIError, api_error
 from .shared import Shared, hedge_of
 from .state import ServerState, key_check
-from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, QueueState
+from .wire import Health, HealthStatus, MemberOccupancy, ModelCard, ModelList, ModelState, QueueState
 from .worker.periodic import saving_prefix_caches
 from .worker.thread import Worker
 
@@ -103,6 +105,11 @@ def pool_of(config: ServerConfig, worker: Worker, given: Ensemble | None) -> Poo
     pool = Pool(catalog, worker, lambda spec: load_member(spec, shared), budget, keep_alive_seconds(s.keep_alive))
     if given is not None:
         pool.adopt(given.members)
+    if budget.nbytes is not None:  # each member's size before it loads; what can never fit is refused here
+        for place in pool.places.values():
+            if place.spec is not None and place.nbytes is None:
+                place.estimate = estimate_bytes(place.spec, shared)
+        check_all(catalog, sizes_of(pool.places.values()), budget.nbytes)
     return pool
 
 
@@ -295,6 +302,33 @@ def _add_model_routes(app: FastAPI, state: ServerState, require_key: Any) -> Non
             if card.id == model_id:
                 return card
         raise APIError(404, f"unknown model {model_id!r}", code="model_not_found", param="model")
+
+    _add_load_routes(app, state, require_key)
+
+
+def _add_load_routes(app: FastAPI, state: ServerState, require_key: Any) -> None:
+    """Load a model, or free it, without a generation; each answers where the model stands then."""
+
+    @app.post("/v1/models/{model_id:path}/load", response_model=ModelState, dependencies=[require_key])
+    async def load(model_id: str, keep_alive: str | None = None) -> ModelState:
+        """Its members loaded now, then kept `keep_alive` (as a request's; absent: the model's, else the server's)."""
+        try:
+            chosen = state.catalog.model(model_id)
+            keep = None if keep_alive is None else keep_alive_seconds(keep_alive)
+            await load_model(state.pool, chosen, keep, state.config.limits.deadline_s)
+        except SegfuseError as exc:
+            raise api_error(exc, detailed=True) from None
+        return model_state(state.pool, chosen)
+
+    @app.post("/v1/models/{model_id:path}/unload", response_model=ModelState, dependencies=[require_key])
+    async def unload(model_id: str, wait: float = Query(30.0, ge=0, le=3600)) -> ModelState:
+        """Its members freed once no answer holds them, within `wait` seconds (else 409, and nothing in use goes)."""
+        try:
+            chosen = state.catalog.model(model_id)
+            await unload_model(state.pool, chosen, wait)
+        except SegfuseError as exc:
+            raise api_error(exc, detailed=True) from None
+        return model_state(state.pool, chosen)
 
 
 # --------------------------------------------------------------------------- `segfuse serve`

@@ -35,6 +35,7 @@ from ..errors import (
 from ..tools import ToolCall
 from ..types import DoneEvent, Result, Segment
 from .guards import media_type_error, redact
+from .models.fit import ModelInUseError, TooLargeError
 from .models.pool import LoadFailedError, MemberFreedError, NoRoomError
 from .wire import ErrorDetail, ErrorResponse, SegmentInfo, Usage
 from .worker.jobs import (
@@ -94,6 +95,8 @@ ERRORS: tuple[tuple[type[SegfuseError] | tuple[type[SegfuseError], ...], int, st
     (MemberFreedError, 503, "server_error", None, None),  # the pool's: a member given loaded, freed
     (LoadFailedError, 503, "server_error", "model_load_failed", "model"),
     (NoRoomError, 503, "server_error", "no_room", None),
+    (TooLargeError, 400, "invalid_request_error", "model_too_large", "model"),  # never fits the memory budget
+    (ModelInUseError, 409, "invalid_request_error", "model_in_use", "model"),  # asked to unload while it answers
 )
 
 

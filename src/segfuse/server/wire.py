@@ -261,13 +261,38 @@ class MemberLoad(BaseModel):
     state: Literal["unloaded", "loading", "loaded", "unloading", "failed"]
     ensembles: list[str] = Field(description="the ensembles it belongs to")
     in_use: int = Field(description="requests and generations holding it (never freed while any do)")
-    bytes: int | None = Field(None, description="its weights' bytes where it runs, once loaded")
+    bytes: int | None = Field(
+        None, description="its bytes where it runs (weights; llama.cpp: and its KV cache and buffers), once loaded"
+    )
+    estimated_bytes: int | None = Field(
+        None,
+        description="its bytes as its file says, before it loads (with max_loaded_bytes; the budget counts it "
+        "until it has loaded)",
+    )
+    pinned: bool = Field(False, description="an ensemble pins it (keep_alive -1): never freed by expiry or for room")
     loading_s: float | None = Field(None, description="while it loads: for how long so far")
     expires_in_s: float | None = Field(
         None, description="when idle: seconds until it is freed (null: in use, kept, or not loaded)"
     )
     error: str | None = Field(None, description="why its last load failed (the next request tries again)")
     loads: int = Field(0, description="times it was loaded since the server started")
+
+
+ModelMemory = Literal["unloaded", "loading", "loaded", "idle", "partly loaded", "unloading", "failed"]
+
+
+class ModelState(BaseModel):
+    """Where one model stands in memory (``POST /v1/models/{id}/load`` and ``/unload`` answer it)."""
+
+    id: str
+    state: ModelMemory = Field(
+        description="loaded (answering), idle (loaded, nothing answering), loading, unloading, unloaded, partly "
+        "loaded (some members: another model's), failed (a member's last load)"
+    )
+    in_use: int = Field(description="requests and generations holding its most held member")
+    pinned: bool = Field(description="every member is pinned (keep_alive -1)")
+    expires_in_s: float | None = Field(None, description="idle: when its first member will be freed")
+    members: dict[str, MemberLoad]
 
 
 class Health(BaseModel):

@@ -70,6 +70,7 @@ from .private import PrivateContexts
 from .runtime import (
     COMPUTE,
     LogSoftmax,
+    allocations,
     gpu_layers_for,
     init_backend,
     load_model,
@@ -134,15 +135,14 @@ class LlamaCppMember(LocalMember):
         self.name = name or self.path.stem
         check_gguf(self.path)
         init_backend()
-        self.reencode, self.slots = reencode, slots
-        self.kv = KvCache(type_k, type_v, flash_attn)
-        self._load(gpu_layers, main_gpu, split, tensor_split, threads, side_by_side)
-        self.vocab = Vocabulary(self._model, self.name, self.path, prompt)
-        self.prompt = self.vocab.prompt
-        cells = n_ctx * slots if prefix_cache_cells is None else prefix_cache_cells
-        entries = prefix_entries(slots, cells, reencode)
-        cells = cells if entries > 0 else 0
-        self.context = self._open_context(n_ctx, n_batch, max_outputs, cells, entries)
+        self.reencode, self.slots, self.kv = reencode, slots, KvCache(type_k, type_v, flash_attn)
+        with allocations() as allocated:
+            self._load(gpu_layers, main_gpu, split, tensor_split, threads, side_by_side)
+            self.vocab = Vocabulary(self._model, self.name, self.path, prompt)
+            self.prompt = self.vocab.prompt
+            cells, entries = prefix_layout(n_ctx, slots, prefix_cache_cells, reencode)
+            self.context = self._open_context(n_ctx, n_batch, max_outputs, cells, entries)
+        self.nbytes = sum(allocated) or self.nbytes  # as llama.cpp counts it (weights, caches, buffers), or weights
         self.n_ctx = (self.context.n_cells - cells) // slots  # one session's window
         self.context.window = self.n_ctx
         swa = int(lc.llama_model_n_swa(self._model))
@@ -323,6 +323,13 @@ class LlamaCppMember(LocalMember):
             self.close()
         except Exception:
             pass
+
+
+def prefix_layout(n_ctx: int, slots: int, prefix_cache_cells: int | None, reencode: bool) -> tuple[int, int]:
+    """The prefix cache's cells (None: ``n_ctx * slots``) and its entries' sequences (none: no cells)."""
+    cells = n_ctx * slots if prefix_cache_cells is None else prefix_cache_cells
+    entries = prefix_entries(slots, cells, reencode)
+    return (cells if entries > 0 else 0), entries
 
 
 class LlamaCppOptions(MemberOptions):

@@ -10,9 +10,12 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import sys
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +31,37 @@ _LOG_TAIL: deque[str] = deque(maxlen=40)
 _LOG_ECHO = os.environ.get("SEGFUSE_LLAMA_LOG") == "1"
 
 
+# What llama.cpp says it allocated for a member (its weights, KV cache, compute and output buffers), read from
+# its log while a load is measured (``allocations``): it has no call that tells.
+_BUFFER = re.compile(r"\b(?:model|KV|compute|output) buffer size =\s*([0-9.]+) MiB")
+_MEASURING = threading.Lock()  # one measured load at a time: the log does not say whose buffer it is
+_SEEN: list[int] | None = None
+
+
 def _on_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     line = text.decode("utf-8", "replace")
     _LOG_TAIL.append(line)
+    if _SEEN is not None and (found := _BUFFER.search(line)):
+        _SEEN.append(int(float(found[1]) * 2**20))
     if _LOG_ECHO:
         sys.stderr.write(line)
 
 
 _LLAMA_LOG_CALLBACK = lc.llama_log_callback(_on_llama_log)  # kept: llama.cpp holds a pointer to it
 lc.llama_log_set(_LLAMA_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+@contextmanager
+def allocations() -> Iterator[list[int]]:
+    """The bytes of every buffer llama.cpp reports allocating inside the block (one block at a time)."""
+    global _SEEN
+    with _MEASURING:
+        seen: list[int] = []
+        _SEEN = seen
+        try:
+            yield seen
+        finally:
+            _SEEN = None
 
 
 def log_excerpt() -> str:

@@ -15,6 +15,7 @@ from pathlib import PurePath
 from ...config import ServerConfig
 from ...ensemble import Ensemble
 from ...errors import UnknownModelError
+from ...keep_alive import FOREVER, keep_alive_seconds
 from ...models import DEFAULT_MODELS
 from ...options import FusionOptions
 
@@ -29,6 +30,7 @@ class Model:
     members: tuple[str, ...]  # the members that answer, by name, in order
     defaults: FusionOptions  # the fusion options of requests that do not set them
     ensemble: bool = True  # False: a member alone
+    keep_s: float | None = None  # its members' keep-alive ([ensembles.NAME] keep_alive; FOREVER: pinned)
 
 
 @dataclass
@@ -58,7 +60,9 @@ class Catalog:
                 models[model] = Model(model, tuple(given.names), defaults)
                 continue
             members = _names_of(declared or list(DEFAULT_MODELS), names, specs)
-            models[model] = Model(model, members, defaults)
+            section = config.ensembles.get(model)
+            keep = None if section is None or section.keep_alive is None else keep_alive_seconds(section.keep_alive)
+            models[model] = Model(model, members, defaults, keep_s=keep)
         for name in specs:
             if name not in models:  # an ensemble's name wins over a member's
                 models[name] = Model(name, (name,), config.fusion_defaults(), ensemble=False)
@@ -83,6 +87,15 @@ class Catalog:
     def holders(self, member: str) -> list[str]:
         """The ensembles `member` belongs to."""
         return [m.name for m in self.models.values() if m.ensemble and member in m.members]
+
+    def keep_of(self, member: str) -> float | None:
+        """The keep-alive its ensembles give `member`: the longest (FOREVER where one pins it); None: none set."""
+        given = [keep for name in self.holders(member) if (keep := self.models[name].keep_s) is not None]
+        return max(given, default=None)
+
+    def pinned(self, member: str) -> bool:
+        """Whether an ensemble pins `member` (keep_alive -1): once loaded, never freed by expiry nor for room."""
+        return self.keep_of(member) == FOREVER
 
     def single(self) -> bool:
         """Whether the server serves one ensemble (its Hedge weights may carry over between requests)."""

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +41,7 @@ from ..guards import redact
 from ..worker.jobs import QueueFullError
 from ..worker.thread import Worker
 from .catalog import Catalog, Model
+from .fit import mib, never_fits, sizes_of
 
 log = logging.getLogger("segfuse.server")
 WAKE_S = 1.0  # the longest a request waiting for the pool to change sleeps without news (a safety net)
@@ -73,7 +75,9 @@ class Place:
     idle_since: float | None = None  # time.monotonic() when its last user let it go
     last_used: float = 0.0  # time.monotonic() of its last lease (the least recently used goes first)
     owned: bool = True  # False: the caller's members, never freed nor closed here
-    nbytes: int | None = None  # its weights' bytes, once loaded (kept to make room before a reload)
+    nbytes: int | None = None  # its bytes where it runs, once loaded (kept to make room before a reload)
+    estimate: int | None = None  # its bytes as its file says, before it loads (None: cannot be told)
+    pinned: bool = False  # an ensemble pins it (keep_alive -1): never freed by expiry nor to make room
     error: str | None = None  # why its last load failed
     loads: int = 0  # times it was loaded (a member two models share: once, while it stays)
     since: float | None = None  # time.monotonic() when its load began
@@ -83,12 +87,16 @@ class Place:
         return self.state != "unloading"
 
     def freeable(self) -> bool:
-        """Loaded, the pool's own, and held by no one: it may be freed to make room."""
-        return self.state == "loaded" and not self.users and self.owned
+        """Loaded, the pool's own, held by no one and not pinned: it may be freed to make room."""
+        return self.state == "loaded" and not self.users and self.owned and not self.pinned
+
+    def size(self) -> int:
+        """The bytes the budget counts for it: measured once loaded, else estimated (0: unknown)."""
+        return self.nbytes if self.nbytes is not None else self.estimate or 0
 
     def expires_at(self) -> float | None:
-        """When the reaper frees it (None: in use, kept, or not loaded)."""
-        if self.state != "loaded" or self.users or not self.owned or self.idle_since is None:
+        """When the reaper frees it (None: in use, kept, pinned, or not loaded)."""
+        if self.state != "loaded" or self.users or not self.owned or self.idle_since is None or self.pinned:
             return None
         return None if self.keep_s == FOREVER else self.idle_since + self.keep_s
 
@@ -104,7 +112,8 @@ class Budget:
         held = [p for p in places if p.state in ("loaded", "loading", "unloading")] + list(adding)
         if self.members is not None and len(held) > self.members:
             return True
-        return self.nbytes is not None and sum(p.nbytes or 0 for p in held) > self.nbytes
+        # A member not loaded yet counts what its file says it will take: the first load cannot pass the bound.
+        return self.nbytes is not None and sum(p.size() for p in held) > self.nbytes
 
 
 class Changes:
@@ -155,7 +164,7 @@ class Pool:
         self.catalog, self.worker, self.budget, self.keep_alive_s = catalog, worker, budget, keep_alive_s
         self._load = load
         self.ensemble = Ensemble.holding([])
-        self.places = {name: Place(name, spec) for name, spec in catalog.specs.items()}
+        self.places = {name: Place(name, spec, pinned=catalog.pinned(name)) for name, spec in catalog.specs.items()}
         self._lock = threading.Lock()
         self._turn: asyncio.Lock | None = None  # made on the event loop, at the first load
         self.waiting = 0  # requests waiting for their turn to load
@@ -225,29 +234,18 @@ class Pool:
                 place.users -= 1
                 if place.users == 0:
                     place.idle_since = now
-                    place.keep_s = self._keep(place, keep_s)
+                    place.keep_s = _keep(place, keep_s, self.catalog, self.keep_alive_s)
                     if place.keep_s == 0 and place.owned and place.state == "loaded":
                         free.append(place)
         self.changes.tell()
         for place in free:
-            self._free(place)
-
-    def _keep(self, place: Place, keep_s: float | None) -> float:
-        """The request's keep-alive, else: kept for a member of a preloaded model, the server's for others."""
-        if keep_s is not None:
-            return keep_s
-        preloaded = any(model in self.catalog.preload for model in self.catalog.holders(place.name))
-        return FOREVER if preloaded else self.keep_alive_s
+            self.free(place)
 
     def expire(self, model: Model) -> None:
-        """Free `model`'s members that nothing holds, now (Ollama's empty request with keep_alive 0); a
-        member in use stays until its requests let it go, and then for their keep-alive."""
-        with self._lock:
-            idle = [self.places[n] for n in model.members if self.places[n].freeable()]
-            for place in idle:
-                place.keep_s = 0.0
-        for place in idle:
-            self._free(place)
+        """Free `model`'s members that nothing holds nor pins, now (Ollama's empty request with keep_alive 0); a
+        member in use stays until its requests let it go, and then for their keep-alive (``free`` looks again)."""
+        for place in [self.places[n] for n in model.members if self.places[n].freeable()]:
+            self.free(place, "asked to unload")
 
     def _pin_if_loaded(self, names: Sequence[str]) -> bool:
         """Pin `names` if every one is loaded (in one look: none can be freed in between) and no load that
@@ -264,6 +262,8 @@ class Pool:
 
     async def _bring(self, model: Model, deadline: float | None) -> None:
         """Wait for the turn to load, pin `model`'s members, make room and load what is missing."""
+        if (too_large := never_fits(model, sizes_of(self.snapshot()), self.budget.nbytes)) is not None:
+            raise too_large
         if self.waiting > self.worker.queue.queue_size:
             raise QueueFullError(f"{self.waiting} requests are waiting for models to load; retry in a little while")
         self._turn = self._turn or asyncio.Lock()
@@ -328,16 +328,15 @@ class Pool:
         with self._lock:
             self._wanting.append(model)
         try:
-            return await self.changes.until(partial(self._room_for, place), deadline)
+            return await self.changes.until(partial(self._room_for, place, model), deadline)
         finally:
             with self._lock:
                 self._wanting.remove(model)
 
-    def _room_for(self, place: Place) -> bool:
-        """Whether `place` fits the budget now, or a member could be freed for it (nothing else to wait for)."""
+    def _room_for(self, place: Place, model: Model) -> bool:
+        """Whether `place` fits now, or a member could be freed for it; NoRoomError if only pinned ones hold room."""
         with self._lock:
-            places = list(self.places.values())
-            return not self.budget.over(places, [place]) or any(p.freeable() for p in places)
+            return _room(list(self.places.values()), self.budget, place, model)
 
     def _load_one(self, place: Place) -> None:
         """Load one member here (a loader's thread, or at start), then let it join the worker's ensemble."""
@@ -363,17 +362,18 @@ class Pool:
             place.loads += 1
             self.ensemble.members = [*self.ensemble.members, member]
         self.changes.tell()
+        _warn_if_larger(place)
 
     # ------------------------------------------------------------------ freeing
 
-    def _free(self, place: Place) -> None:
-        """Free an idle member (the reaper's or a keep-alive of 0): it leaves on the worker thread."""
+    def free(self, place: Place, why: str = "idle past its keep-alive") -> Future[None] | None:
+        """Free an idle member (reaped, kept 0, or asked to), on the worker thread: its close (None: not freed)."""
         with self._lock:
-            if place.state != "loaded" or place.users:
-                return
+            if place.state != "loaded" or place.users or not place.owned:
+                return None
             place.state = "unloading"
-        log.info("freeing %s (idle past its keep-alive)", place.name)
-        self.worker.between_ticks(lambda: self._close(place))
+        log.info("freeing %s (%s)", place.name, why)
+        return self.worker.between_ticks(lambda: self._close(place))
 
     def _close(self, place: Place) -> None:
         """On the worker thread between steps (or at shutdown): out of the ensemble, then closed."""
@@ -428,12 +428,54 @@ class Reaper:
             with pool._lock:
                 due = [p for p in pool.places.values() if (at := p.expires_at()) is not None and at <= now]
             for place in due:
-                pool._free(place)
+                pool.free(place)
 
     def _next_wait(self) -> float:
         with self.pool._lock:
             times = [at for p in self.pool.places.values() if (at := p.expires_at()) is not None]
         return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
+
+
+def _keep(place: Place, keep_s: float | None, catalog: Catalog, default_s: float) -> float:
+    """How long `place` stays once let go: kept when pinned; else the request's keep-alive (`keep_s`), its
+    ensembles' ([ensembles.NAME] keep_alive), kept for a member of a preloaded model, `default_s` for others."""
+    if place.pinned:
+        return FOREVER
+    if keep_s is not None:
+        return keep_s
+    if (ensembles := catalog.keep_of(place.name)) is not None:
+        return ensembles
+    preloaded = any(model in catalog.preload for model in catalog.holders(place.name))
+    return FOREVER if preloaded else default_s
+
+
+def _room(places: Sequence[Place], budget: Budget, place: Place, model: Model) -> bool:
+    """Whether `place` fits beside `places` now, or one of them could be freed for it (nothing else to wait
+    for); NoRoomError when only members that stay (pinned) hold the room: no wait would find it."""
+    if not budget.over(places, [place]) or any(p.freeable() for p in places):
+        return True
+    if (stuck := _held_for_good(places, model)) is not None:
+        raise stuck
+    return False
+
+
+def _warn_if_larger(place: Place) -> None:
+    """A member measured larger than its estimate: the budget counts the measure from now on (and says so)."""
+    if place.estimate is not None and place.nbytes is not None and place.nbytes > place.estimate:
+        log.warning("%s takes %s, more than the %s estimated", place.name, mib(place.nbytes), mib(place.estimate))
+
+
+def _held_for_good(places: Sequence[Place], model: Model) -> NoRoomError | None:
+    """The error for `model` when every member holding room beside its own stays (pinned, or the caller's):
+    then no wait can find it room (None: something may yet be let go)."""
+    held = [p for p in places if p.state in ("loaded", "loading", "unloading") and p.name not in model.members]
+    if not held or not all(p.pinned or not p.owned for p in held):
+        return None
+    return NoRoomError(
+        f"model {model.name} does not fit the memory budget beside {', '.join(p.name for p in held)}, which stay "
+        "loaded (pinned)",
+        "free them (POST /v1/models/{id}/unload), or raise max_loaded_bytes",
+    )
 
 
 class Lease:

@@ -10,8 +10,9 @@ import time
 from typing import Any
 
 from ..guards import redact
-from ..wire import MemberLoad, ModelCard
-from .pool import Pool
+from ..wire import MemberLoad, ModelCard, ModelMemory, ModelState
+from .catalog import Model
+from .pool import PlaceState, Pool
 
 
 def model_cards(pool: Pool, created: int) -> list[ModelCard]:
@@ -59,6 +60,8 @@ def memory_of(pool: Pool, detailed: bool = False) -> dict[str, MemberLoad]:
             ensembles=pool.catalog.holders(place.name),
             in_use=place.users,
             bytes=place.nbytes,
+            estimated_bytes=place.estimate,
+            pinned=place.pinned,
             loading_s=None if place.state != "loading" or place.since is None else round(now - place.since, 1),
             expires_in_s=None if (at := place.expires_at()) is None else round(max(0.0, at - now), 1),
             error=place.error if place.error is None or detailed else redact(place.error),
@@ -68,4 +71,31 @@ def memory_of(pool: Pool, detailed: bool = False) -> dict[str, MemberLoad]:
     }
 
 
-__all__ = ["context_length", "memory_of", "model_cards"]
+def model_state(pool: Pool, model: Model) -> ModelState:
+    """Where `model` stands in memory, from its members' places."""
+    memory = memory_of(pool)
+    members = {name: memory[name] for name in dict.fromkeys(model.members)}
+    states = {m.state for m in members.values()}
+    in_use = max(m.in_use for m in members.values())
+    expiring = [m.expires_in_s for m in members.values() if m.expires_in_s is not None]
+    return ModelState(
+        id=model.name,
+        state=_overall(states, in_use),
+        in_use=in_use,
+        pinned=all(m.pinned for m in members.values()),
+        expires_in_s=min(expiring, default=None),
+        members=members,
+    )
+
+
+def _overall(states: set[PlaceState], in_use: int) -> ModelMemory:
+    """One word for a model's members' states: the most telling of them."""
+    for word in ("failed", "loading", "unloading"):
+        if word in states:
+            return word
+    if states == {"loaded"}:
+        return "loaded" if in_use else "idle"
+    return "partly loaded" if "loaded" in states else "unloaded"
+
+
+__all__ = ["context_length", "memory_of", "model_cards", "model_state"]

@@ -134,12 +134,56 @@ function showMembers() {
   showMemory();
 }
 
+// One word for a model's state from its members' places, as the server's model state says it:
+// loading, loaded (answering), idle (loaded, nothing answering), partly loaded, unloaded, ...
+function modelWord(members, memory) {
+  const places = members.map((m) => memory[m]).filter(Boolean);
+  if (!places.length) return "";
+  const states = new Set(places.map((p) => p.state));
+  for (const word of ["failed", "loading", "unloading"]) if (states.has(word)) return word;
+  if (states.size === 1 && states.has("loaded")) return places.some((p) => p.in_use) ? "loaded" : "idle";
+  return states.has("loaded") ? "partly loaded" : "unloaded";
+}
+
+// Each model's state in the picker, and the picked one's beside its Load and Free buttons.
+function showModels(memory) {
+  for (const option of $("model").options) {
+    const ensemble = state.ensembles.find((m) => m.id === option.value);
+    const word = ensemble ? modelWord(ensemble.members, memory) : "";
+    option.textContent = word ? `${option.value} (${word})` : option.value;
+  }
+  const word = modelWord(state.members, memory);
+  const pinned = state.members.every((m) => memory[m] && memory[m].pinned);
+  $("model-memory").hidden = !word;
+  $("model-state").textContent = `${word}${pinned && word !== "unloaded" ? ", pinned" : ""}`;
+  $("model-state").dataset.state = word;
+}
+
+// Load or free the picked model now, without a generation (POST v1/models/{id}/load or /unload).
+async function modelAction(action) {
+  const model = state.model;
+  setStatus(`${action === "load" ? "loading" : "freeing"} ${model}…`);
+  const watching = setInterval(showMemory, 1000);  // the members' places while it works
+  try {
+    const response = await fetch(`v1/models/${model}/${action}`, { method: "POST", headers: headers() });
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error ? body.error.message : response.statusText);
+    setStatus(`${model}: ${body.state}`);
+  } catch (err) {
+    setStatus(`could not ${action === "load" ? "load" : "free"} ${model}: ${err.message}`, true);
+  } finally {
+    clearInterval(watching);
+    showMemory();
+  }
+}
+
 // Each member's place in memory, from /health (the key's holders see it): loaded, loading, or not yet;
 // when an idle one will be freed.
 async function showMemory() {
   try {
     const response = await fetch("health", { headers: headers() });
     const memory = (await response.json()).memory || {};
+    showModels(memory);
     for (const label of document.querySelectorAll("#legend .member")) {
       const place = memory[label.dataset.member];
       if (!place) continue;
@@ -498,6 +542,8 @@ $("api-key").addEventListener("change", () => {
   loadModels();
 });
 $("model").addEventListener("change", () => pickEnsemble(state.ensembles.find((m) => m.id === $("model").value), [], true));
+$("load-model").addEventListener("click", () => modelAction("load"));
+$("free-model").addEventListener("click", () => modelAction("unload"));
 $("fusion").addEventListener("change", onFusionChange);
 $("margin").addEventListener("input", onFusionChange);
 $("api-key").value = localStorage.getItem("segfuse-api-key") || "";
