@@ -91,7 +91,7 @@ def test_members_and_lookup_modes_ask_their_drafters_every_round():
     planner = DraftPlanner(options(draft="members"), ["small", "tiny"])
     assert planner.plan(1, lookup_ready=True, members={"small": 0.3, "tiny": None}).lengths == {"small": 4, "tiny": 4}
     planner = DraftPlanner(options(draft="lookup"), ["small"])
-    assert planner.plan(1, lookup_ready=True, members={"small": 0.3}).lengths == {LOOKUP: 8}
+    assert planner.plan(1, lookup_ready=True, members={"small": 0.3}).lengths == {LOOKUP: 6}
     assert not planner.plan(1, lookup_ready=False, members={"small": 0.3}).drafting
 
 

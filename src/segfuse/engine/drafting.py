@@ -37,7 +37,7 @@ PRIOR_LOOKUP_ACCEPTANCE = 0.6  # a copied draft follows words the answer just re
 UNKNOWN_SIZE = 0.5  # a drafter's size over the leader's, where either is unknown
 BENCHED_ROUNDS = 24  # rounds a drafter that does not pay sits out before it is tried again (auto)
 MARGIN = 1.03  # a plan must beat the leader alone by this much (auto): noise must not make it slower
-LOOKUP_NGRAMS = (8, 6, 4, 3, 2)  # pieces of the answer's end that a copied draft must follow, longest first
+LOOKUP_NGRAMS = (8, 6, 4, 3)  # pieces of the answer's end that a copied draft must follow, longest first
 _PIECE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
 
 
@@ -126,7 +126,10 @@ class DraftPlanner:
         names = ([LOOKUP] if self.mode in ("lookup", "auto") else []) + (
             members if self.mode in ("members", "auto") else []
         )
-        self.drafters = {n: Drafter(n, min(8 if n == LOOKUP else 4, self.max_length)) for n in names}
+        # Auto probes cheaply: a short first copy costs little when it is wrong, and the schedule lengthens it
+        # as long as the copy holds.
+        first_copy = 3 if self.mode == "auto" else 6
+        self.drafters = {n: Drafter(n, min(first_copy if n == LOOKUP else 4, self.max_length)) for n in names}
         if LOOKUP in self.drafters:
             self.drafters[LOOKUP].seconds_per_token, self.drafters[LOOKUP].prior = 0.0, PRIOR_LOOKUP_ACCEPTANCE
         self.alone_s: float | None = None  # the leader's time per token writing alone
@@ -151,9 +154,11 @@ class DraftPlanner:
             if drafter.seconds_per_token is None:  # not measured yet: in proportion to its size
                 ratio = members.get(name)
                 drafter.expected_s = (UNKNOWN_SIZE if ratio is None else ratio) * self.alone_s
-            length, gain = self.best_length(drafter)
+            # Whether it pays at its best length; asked at the schedule's length, which follows streaks
+            # (a copy that goes on, a drafter in step) that a constant acceptance cannot see.
+            _, gain = self.best_length(drafter)
             if gain >= MARGIN:
-                paying[name] = (length, gain)
+                paying[name] = (drafter.length, gain)
             elif drafter.rounds:  # it was tried and does not pay: it sits out a while, then may try again
                 drafter.bench(round_no + BENCHED_ROUNDS)
         # Lookup costs nothing to draft: it joins whenever it pays on its own. Of the drafters with models,

@@ -125,7 +125,7 @@ _EDITS = [
     ("Rename the function `parse_line` to `parse_record` everywhere in this code", _PARSE),
     ("Make `parse_line` accept semicolons as well as commas between the fields", _PARSE),
     ("Rename `summarize` to `describe` in this code", _STATS),
-    ("Add the sum of the values under the key \"sum\" to the dictionary `summarize` returns", _STATS),
+    ('Add the sum of the values under the key "sum" to the dictionary `summarize` returns', _STATS),
     ("Change the default number of attempts to 5 in this code", _RETRY),
     ("Catch `TimeoutError` as well as `ConnectionError` in this code", _RETRY),
     ("Add a method `clear` that empties the cart to this class", _CART),
