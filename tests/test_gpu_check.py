@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from segfuse.bench.gpu.models import SHAPES, make_config, padded_vocab
+from segfuse.bench.gpu import drafting
+from segfuse.bench.gpu.models import DRAFTER_SHAPES, SHAPES, make_config, padded_vocab
 from segfuse.bench.gpu.pack import DEPENDENCIES, MIB
+from segfuse.engine.drafting import expected_tokens
 
-PHASES = ["environment", "build", "load", "diagnose", "warm_up", "table", "users"]
+PHASES = ["environment", "build", "load", "diagnose", "drafting", "warm_up", "table", "users"]
 
 
 def test_vocabularies_are_padded_to_a_multiple_of_64():
@@ -48,6 +50,31 @@ def test_the_shapes_are_the_real_models_sizes():
     assert theta["rope_theta"] == 1e6
     small = make_config(SHAPES[2], sized, small=True)
     assert (small.hidden_size, small.num_hidden_layers, small.head_dim, small.sliding_window) == (64, 2, 16, 512)
+
+
+def test_the_drafting_prediction_is_the_planners_formula():
+    for rate in (0.0, 0.3, 0.7, 0.91, 1.0):
+        for k in (1, 2, 8, 16):
+            assert drafting.expected_tokens(rate, k) == expected_tokens(rate, k)
+    # a free drafter whose every token is kept, read at the price of one token: k + 1 tokens a round
+    assert drafting.speedup(1.0, 4, 0.0, 1.0) == pytest.approx(expected_tokens(1.0, 4))
+    row = drafting.predict(drafting.ACCEPTANCES[0], 0.1, dict.fromkeys(drafting.DRAFT_LENGTHS, 1.2))
+    assert row["best_speedup"] == max(row["speedup"].values()) and str(row["best_k"]) in row["speedup"]
+
+
+def check_drafting(figures: dict) -> None:
+    """The drafting rows: every pass timed, a batch no cheaper than about one token, a prediction per drafter."""
+    assert all(ms > 0 for ms in figures["pass_ms"].values())
+    assert set(figures["pass_ratio"]) == {str(k) for k in drafting.DRAFT_LENGTHS}
+    # a pass of k + 1 tokens does at least one token's work (slack: timing noise of a busy CPU)
+    assert all(r >= 0.7 for r in figures["pass_ratio"].values()), figures["pass_ratio"]
+    drafters = {s.name for s in DRAFTER_SHAPES} | {"smollm2-1.7b"}
+    assert all(figures["drafter_ratio"][d] > 0 for d in drafters) and figures["drafter_ratio"]["lookup"] == 0
+    assert set(figures["best"]) == drafters | {"lookup"}
+    for prediction in figures["predictions"]:
+        assert prediction["best_speedup"] > 0 and prediction["best_k"] in drafting.DRAFT_LENGTHS
+    assert figures["acceptance_source"] == drafting.SOURCE
+    assert [t["title"].split(":")[0] for t in figures["tables"]] == ["drafting"] * 3
 
 
 def _closure(names: list[str]) -> set[str]:
@@ -129,6 +156,8 @@ def test_the_pack_and_the_check_run_every_phase_on_the_cpu(tmp_path):
     diagnosis = report["phases"]["diagnose"]["figures"]
     for place in ("main_thread", "new_thread", "new_thread_cudnn_sdp", "new_thread_no_cudnn_sdp"):
         assert diagnosis[place]["median"] > 0 and diagnosis[place]["ms_per_token"] > 0, place
+    check_drafting(report["phases"]["drafting"]["figures"])
+    assert "predicted speed-up" in done.stdout and drafting.SOURCE in done.stdout
     entry = report["bench"]["lengths"]["6"]
     assert entry["fusion_tokens"]["median"] == entry["default_tokens"]["median"] == 6
     for key in ("fusion", "floor", "members_sum", "default", "leader_alone", "leader_generate", "fusion_at_once"):

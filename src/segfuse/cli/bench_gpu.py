@@ -46,7 +46,7 @@ def gpu(
     ] = DEFAULTS["diagnose_tokens"],
 ) -> None:
     """Three members of real sizes with random weights (Qwen2.5-7B, SmolLM2-1.7B, Gemma-3-1B shapes) on one
-    card: the leader's decode on each kind of thread, then the speed table and its users rows
+    card: the leader's decode on each kind of thread, the drafting rows, then the speed table and its users rows
     (docs/deploy.md#checking-on-a-gpu). Exits 1 when a phase failed."""
     if dtype not in DTYPES:
         raise SegfuseError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}", "e.g. --dtype bf16")

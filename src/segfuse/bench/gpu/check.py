@@ -8,6 +8,9 @@ torch and transformers and nothing else of ours. Phases, in order:
 - ``load``: loaded back as ``transformers:`` members in one ensemble (no prefix cache);
 - ``diagnose``: the leader's bare cached greedy loop on the main thread, new threads, without cuDNN's
   attention, and on the member's compute thread (``diagnose.py``);
+- ``drafting``: what a pass of k drafted tokens costs the leader against one token, each drafter's time per
+  token against the leader's, and the speed-up predicted from acceptance rates measured on a CPU
+  (``drafting.py``);
 - ``warm_up``, ``table``, ``users``: the benchmark's warm-up, its table at ``--tokens`` (no reference method,
   no response level, no RSS) and its users rows (``speed/local.py``, ``speed/users.py``).
 
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..speed.plan import Plan
+    from .models import Shape
 
 REPORT = "gpu-check.json"
 
@@ -115,23 +119,31 @@ def environment(pack: Path) -> dict[str, Any]:
 
 def build(check: Check, tmp: Path) -> dict[str, Any]:
     """Every shape's random checkpoint, with its tokenizer from the pack; their specs go to `check.state`."""
-    from .models import SHAPES, build_checkpoint, member_spec
+    from .models import SHAPES
 
-    args, figures, specs = check.args, {}, []
+    figures, specs = {}, []
     for shape in SHAPES:
         t0 = time.monotonic()
-        tokenizer = tmp / "tokenizers" / shape.tokenizer
-        if not tokenizer.is_dir():
-            with tarfile.open(args.pack / "tokenizers" / f"{shape.tokenizer}.tar.gz") as tar:
-                tar.extractall(tokenizer, filter="data")
-        folder = build_checkpoint(
-            shape, tokenizer, tmp / "models" / shape.name, device=args.device, dtype=args.dtype, small=args.small
-        )
-        size = sum(p.stat().st_size for p in folder.iterdir())
+        spec, size = checkpoint(check, tmp, shape)
         figures[shape.name] = {"seconds": round(time.monotonic() - t0, 2), "checkpoint_gib": round(size / 2**30, 3)}
-        specs.append(member_spec(folder, shape, args.device, args.dtype))
+        specs.append(spec)
     check.state["specs"] = specs
     return figures
+
+
+def checkpoint(check: Check, tmp: Path, shape: Shape) -> tuple[str, int]:
+    """`shape`'s random checkpoint in `tmp`, its tokenizer from the pack: its member spec and its bytes."""
+    from .models import build_checkpoint, member_spec
+
+    args = check.args
+    tokenizer = tmp / "tokenizers" / shape.tokenizer
+    if not tokenizer.is_dir():
+        with tarfile.open(args.pack / "tokenizers" / f"{shape.tokenizer}.tar.gz") as tar:
+            tar.extractall(tokenizer, filter="data")
+    folder = build_checkpoint(
+        shape, tokenizer, tmp / "models" / shape.name, device=args.device, dtype=args.dtype, small=args.small
+    )
+    return member_spec(folder, shape, args.device, args.dtype), sum(p.stat().st_size for p in folder.iterdir())
 
 
 def load(check: Check) -> dict[str, Any]:
@@ -152,6 +164,28 @@ def diagnosis(check: Check) -> dict[str, Any]:
     leader = max(ens.members, key=lambda m: m.n_params or 0)
     prompt = leader.prompt_tokens(to_messages(PROMPTS[0]))
     return diagnose(leader, prompt, check.args.diagnose_tokens)
+
+
+def drafting(check: Check, tmp: Path) -> dict[str, Any]:
+    """The drafting rows (``drafting.py``) for the leader, with the ensemble's members that have an acceptance
+    row and the drafter shapes built here for it (loaded alone, closed after)."""
+    from ...backends.registry import load_member
+    from ..speed.systems import PROMPTS
+    from .drafting import ACCEPTANCES, measure, tables
+    from .models import DRAFTER_SHAPES
+
+    ens, args = check.state["ensemble"], check.args
+    leader = max(ens.members, key=lambda m: m.n_params or 0)
+    extra = [load_member(checkpoint(check, tmp, shape)[0]) for shape in DRAFTER_SHAPES]
+    try:
+        named = {a.drafter for a in ACCEPTANCES}
+        drafters = [*extra, *(m for m in ens.members if m.name in named and m is not leader)]
+        figures = measure(leader, drafters, PROMPTS[0], args.diagnose_tokens, args.reps)
+    finally:
+        for member in extra:
+            member.close()
+    figures["tables"] = [{"title": t, "header": h, "rows": r} for t, h, r in tables(figures)]
+    return figures
 
 
 def imported() -> list[str]:
@@ -209,8 +243,21 @@ def users(check: Check) -> dict[str, Any]:
     return {"entry": summary(rows)}
 
 
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{title}\n" + " | ".join(header))
+    for line in rows:
+        print(" | ".join(line))
+
+
 def summarise(check: Check) -> None:
-    """The table (as `segfuse bench` prints it) into the report and on standard output."""
+    """The table (as `segfuse bench` prints it) into the report and on standard output, then the drafting rows."""
+    bench_tables(check)
+    drafted = check.doc["phases"].get("drafting", {}).get("figures", {})
+    for shown in drafted.get("tables", []):  # in the report already, as the phase's figures
+        print_table(shown["title"], shown["header"], shown["rows"])
+
+
+def bench_tables(check: Check) -> None:
     from ..speed.systems import SYSTEMS, system_options
     from ..speed.table import summary, tables
 
@@ -225,9 +272,7 @@ def summarise(check: Check) -> None:
     }
     check.write()
     for system, header, lines in tables(report):
-        print(f"\n{system}\n" + " | ".join(header))
-        for line in lines:
-            print(" | ".join(line))
+        print_table(system, header, lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         check.phase("build", lambda: build(check, tmp))
         check.phase("load", lambda: load(check), needs=("build",))
         check.phase("diagnose", lambda: diagnosis(check), needs=("load",))
+        check.phase("drafting", lambda: drafting(check, tmp), needs=("load",))
         check.phase("warm_up", lambda: warm(check), needs=("load",))
         check.phase("table", lambda: table(check), needs=("warm_up",))
         check.phase("users", lambda: users(check), needs=("warm_up",))

@@ -1,5 +1,5 @@
 """The GPU check's members: three real model shapes with random weights, each with the tokenizer of the
-embedded model of its family.
+embedded model of its family, and a drafter's shape that the drafting rows time beside them.
 
 Random weights time the real shapes (every matmul, the attention layout, the vocabulary's projection) with no
 download: the answers are noise, so the segments differ in length from a real model's and say nothing of
@@ -78,7 +78,29 @@ SHAPES = (
         {**SMALL, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16},
     ),
 )
-TOKENIZERS = tuple(dict.fromkeys(s.tokenizer for s in SHAPES))  # the embedded tokenizers the pack carries
+# Drafters the drafting rows time beside the ensemble's own members (never in the ensemble): a 0.5B of the
+# leader's family and vocabulary, as a same-family drafter would be.
+DRAFTER_SHAPES = (
+    Shape(
+        "qwen2.5-0.5b",
+        "qwen2.5-coder-0.5b",
+        "Qwen2Config",
+        {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1e6,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+        },
+        {**SMALL, "num_attention_heads": 4, "num_key_value_heads": 2},
+    ),
+)
+# the embedded tokenizers the pack carries
+TOKENIZERS = tuple(dict.fromkeys(s.tokenizer for s in (*SHAPES, *DRAFTER_SHAPES)))
 
 
 def padded_vocab(size: int) -> int:
