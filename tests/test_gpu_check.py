@@ -53,9 +53,6 @@ def test_the_shapes_are_the_real_models_sizes():
 
 
 def test_the_drafting_prediction_is_the_planners_formula():
-    for rate in (0.0, 0.3, 0.7, 0.91, 1.0):
-        for k in (1, 2, 8, 16):
-            assert drafting.expected_tokens(rate, k) == expected_tokens(rate, k)
     # a free drafter whose every token is kept, read at the price of one token: k + 1 tokens a round
     assert drafting.speedup(1.0, 4, 0.0, 1.0) == pytest.approx(expected_tokens(1.0, 4))
     row = drafting.predict(drafting.ACCEPTANCES[0], 0.1, dict.fromkeys(drafting.DRAFT_LENGTHS, 1.2))

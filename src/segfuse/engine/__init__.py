@@ -9,6 +9,7 @@ The engine imports nothing above it: not the ensemble, the server, the CLI, eval
 it from here (``__all__``), never its modules (a contract in pyproject.toml says so).
 """
 
+from .drafting import expected_tokens
 from .loop import SEED_SPACE, Steps, Stop, drive, fuse, fusion_steps, member_seed
 from .phases import Draft, cut_segment
 from .scheduler import Flight, FlightCancelled, Scheduler, run_all
@@ -26,6 +27,7 @@ __all__ = [
     "aggregate",
     "cut_segment",
     "drive",
+    "expected_tokens",
     "fuse",
     "fusion_steps",
     "loops",

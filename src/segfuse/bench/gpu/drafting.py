@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
+from ...engine import expected_tokens  # the planner's own formula: the prediction and the planner agree
 from ..speed.speeds import on_compute, synchronizer
 from ..speed.systems import timed
 from .diagnose import bare_loop
@@ -58,16 +59,6 @@ ACCEPTANCES = (
     Acceptance(LOOKUP, 0.38, "prompt lookup as auto asks it, all tasks"),
     Acceptance(LOOKUP, 0.54, "prompt lookup as auto asks it, on code edits", overall=False),
 )
-
-
-def expected_tokens(acceptance: float, length: int) -> float:
-    """Tokens a round keeps on average with a draft of `length` tokens (the leader's own token included).
-
-    The planner's formula (``expected_tokens`` in engine/drafting.py), copied: bench imports the engine only
-    through ``segfuse.engine``'s ``__all__`` (a contract in pyproject.toml), which does not export it;
-    tests/test_gpu_check.py holds the two equal."""
-    a = min(max(acceptance, 0.0), 0.999)
-    return (1 - a ** (length + 1)) / (1 - a)
 
 
 def speedup(acceptance: float, length: int, drafter_ratio: float, pass_ratio: float) -> float:
