@@ -30,8 +30,9 @@ from ..options import FusionOptions
 LOOKUP = "lookup"  # the drafter that copies text: no model
 
 # Before anything is measured: what one more token read in a pass costs, as a share of one token
-# written alone (llama.cpp on a 2-core CPU: 4 tokens 1.5-2.2x one), and the acceptance a drafter starts with.
-PRIOR_READ_COST = 0.35
+# written alone (llama.cpp on a 2-core CPU, logits at every position: 8 tokens 4.1-5.5x one), and the
+# acceptance a drafter starts with. A pass that reads a copy measures the first for the machine at hand.
+PRIOR_READ_COST = 0.5
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_LOOKUP_ACCEPTANCE = 0.6  # a copied draft follows words the answer just repeated: likelier kept
 UNKNOWN_SIZE = 0.5  # a drafter's size over the leader's, where either is unknown
