@@ -79,13 +79,14 @@ class DraftedRounds:
         draft = replace(draft, own_scores=None, rejected=context.check(at.message, draft.candidate))
         return [(leader, draft)]
 
-    def learned(self, decision: Decision, budget: int) -> dict[str, list[int]]:
-        """What a decided round teaches (a round the leader wrote alone: its time per token); the drafts of
-        the round, when it was a drafted one: drafter -> [proposed, kept]."""
+    def learned(self, decision: Decision, at: Round) -> dict[str, list[int]]:
+        """What a decided round teaches (a round the leader wrote alone: its time per token, but not the
+        first, whose time is mostly the prompt's); the drafts of the round, when it was a drafted one:
+        drafter -> [proposed, kept]."""
         if decision.how == "drafted":
             return self.last
-        if len(decision.drafted) == 1:  # the leader alone (or the only member) wrote the round
-            self._learned_alone(decision.drafted[0][0], decision.drafted, budget)
+        if len(decision.drafted) == 1 and at.no > 1:  # the leader alone (or the only member) wrote it
+            self._learned_alone(decision.drafted[0][0], decision.drafted, at.budget)
         return {}
 
     def _learned_alone(self, leader: Seat, drafted: Drafted, budget: int) -> None:

@@ -145,7 +145,7 @@ class DraftPlanner:
         ready = [n for n in self.drafters if (n == LOOKUP and lookup_ready) or (n != LOOKUP and n in members)]
         if self.mode != "auto":
             return Plan({n: self.drafters[n].length for n in ready})
-        if self.alone_s is None:  # first a round alone: it measures the leader (and streams at once)
+        if self.alone_s is None:  # first rounds alone: they measure the leader (and stream at once)
             return Plan()
         paying: dict[str, tuple[int, float]] = {}
         for name in ready:

@@ -216,7 +216,7 @@ class Generation:
                 break
             record = round_record(at, decision, self.votes, self.seats.calls)
             if self.drafting is not None:
-                record.drafts = self.drafting.learned(decision, at.budget)
+                record.drafts = self.drafting.learned(decision, at)
             chosen = decision.winner.candidate
             yield from transcript.append(record, self.seats.calls)
             yield from phases.broadcast(self.seats, at, chosen.text)
