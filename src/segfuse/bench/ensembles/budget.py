@@ -11,8 +11,6 @@ bytes seen held, the bound, what failed or came back incomplete, and how often e
 
 from __future__ import annotations
 
-import argparse
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from typing import Any
 from ...backends.registry import estimate_bytes
 from ...member_options import MemberOptions
 from ..common.processes import SegfuseServer, segfuse_server
+from . import command
 
 SHARED, TAKING_TURNS = "smollm2-135m", ("gemma3-270m", "qwen2.5-coder-0.5b")
 ENSEMBLES = {"small": [SHARED, TAKING_TURNS[0]], "coder": [SHARED, TAKING_TURNS[1]]}
@@ -131,17 +130,14 @@ def run(requests: int, in_flight: int, max_tokens: int, workdir: Path) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--in-flight", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("runs/budget.json"))
-    args = parser.parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = run(args.requests, args.in_flight, args.max_tokens, args.out.parent)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0 if result["failed"] == 0 and result["most_held_bytes"] <= result["bound_bytes"] else 1
+    return command(
+        argv,
+        __doc__ or "",
+        run,
+        4,
+        "runs/budget.json",
+        lambda result: result["failed"] == 0 and result["most_held_bytes"] <= result["bound_bytes"],
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ failed, each model's answer times, how often each member loaded, and the server'
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.processes import segfuse_server
+from . import command
 
 SMALL = ["smollm2-135m", "gemma3-270m"]
 FULL = ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"]
@@ -89,17 +88,14 @@ def summary(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--in-flight", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=Path("runs/on-demand.json"))
-    args = parser.parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = run(args.requests, args.in_flight, args.max_tokens, args.out.parent)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0 if result["failed"] == 0 and not result["loaded_twice"] else 1
+    return command(
+        argv,
+        __doc__ or "",
+        run,
+        8,
+        "runs/on-demand.json",
+        lambda result: result["failed"] == 0 and not result["loaded_twice"],
+    )
 
 
 if __name__ == "__main__":
