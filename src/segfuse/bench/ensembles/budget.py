@@ -22,11 +22,10 @@ from typing import Any
 from ...backends.registry import estimate_bytes
 from ...member_options import MemberOptions
 from ..common.processes import SegfuseServer, segfuse_server
-from . import command
+from . import KEY, ask, command
 
 SHARED, TAKING_TURNS = "smollm2-135m", ("gemma3-270m", "qwen2.5-coder-0.5b")
 ENSEMBLES = {"small": [SHARED, TAKING_TURNS[0]], "coder": [SHARED, TAKING_TURNS[1]]}
-KEY = "bench-key"
 N_CTX = 1024
 SAMPLE_S = 0.1
 
@@ -76,24 +75,6 @@ def sampling(server: SegfuseServer) -> Iterator[list[int]]:
     finally:
         done.set()
         thread.join(10)
-
-
-def ask(api: str, model: str, max_tokens: int, index: int) -> dict[str, Any]:
-    """One chat completion: its model, seconds, and what went wrong (None: a complete answer)."""
-    import openai
-
-    client = openai.OpenAI(base_url=api, api_key=KEY, max_retries=0, timeout=600)
-    started = time.perf_counter()
-    try:
-        answer = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Name colour number {index}."}], max_tokens=max_tokens
-        )
-        choice = answer.choices[0]
-        complete = choice.finish_reason in ("stop", "length") and choice.message.content is not None
-        error = None if complete and answer.model == model else f"incomplete: {choice.finish_reason}, {answer.model}"
-    except openai.OpenAIError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"model": model, "seconds": time.perf_counter() - started, "error": error}
 
 
 def drive(server: SegfuseServer, bound: int, requests: int, in_flight: int, max_tokens: int) -> dict[str, Any]:

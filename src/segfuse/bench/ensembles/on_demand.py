@@ -15,32 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from ..common.processes import segfuse_server
-from . import command
+from . import KEY, ask, command
 
 SMALL = ["smollm2-135m", "gemma3-270m"]
 FULL = ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"]
-KEY = "bench-key"
 
 
 def rss_bytes(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
-
-
-def ask(api: str, model: str, max_tokens: int, index: int) -> dict[str, Any]:
-    """One chat completion; its model, seconds, and the error it met (None: none)."""
-    import openai
-
-    client = openai.OpenAI(base_url=api, api_key=KEY, max_retries=0, timeout=600)
-    started = time.perf_counter()
-    try:
-        answer = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Name colour number {index}."}], max_tokens=max_tokens
-        )
-        error = None if answer.choices[0].message.content is not None else "no content"
-    except openai.OpenAIError as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return {"model": model, "seconds": time.perf_counter() - started, "error": error}
 
 
 def run(requests: int, in_flight: int, max_tokens: int, workdir: Path) -> dict[str, Any]:
