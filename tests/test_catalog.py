@@ -15,7 +15,7 @@ from segfuse.options import FusionOptions
 from segfuse.request import FusionRequest
 
 pytest.importorskip("fastapi")
-from segfuse.server.models import pool as pool_module
+from segfuse.server.models import changes as changes_module
 from segfuse.server.models.catalog import Catalog, spec_name
 from segfuse.server.models.pool import (
     Budget,
@@ -208,7 +208,7 @@ def two_models_one_room() -> tuple[Catalog, Pool]:
 
 
 def test_the_pool_wakes_its_waiter_when_another_thread_changes_it_not_at_a_poll(monkeypatch):
-    monkeypatch.setattr(pool_module, "WAKE_S", 30.0)  # a missed wake-up would wait this long: the test says so
+    monkeypatch.setattr(changes_module, "WAKE_S", 30.0)  # a missed wake-up would wait this long: the test says so
     changes = Changes()
     seen: list[int] = []
 
@@ -225,7 +225,7 @@ def test_the_pool_wakes_its_waiter_when_another_thread_changes_it_not_at_a_poll(
 
 
 def test_a_request_waiting_for_room_loads_once_a_job_on_another_thread_lets_its_member_go(monkeypatch):
-    monkeypatch.setattr(pool_module, "WAKE_S", 30.0)
+    monkeypatch.setattr(changes_module, "WAKE_S", 30.0)
     catalog, pool = two_models_one_room()
 
     async def scenario() -> float:
@@ -242,7 +242,7 @@ def test_a_request_waiting_for_room_loads_once_a_job_on_another_thread_lets_its_
 
 
 def test_a_request_that_finds_no_room_by_its_deadline_gets_no_room(monkeypatch):
-    monkeypatch.setattr(pool_module, "WAKE_S", 30.0)
+    monkeypatch.setattr(changes_module, "WAKE_S", 30.0)
     catalog, pool = two_models_one_room()
 
     async def scenario() -> None:

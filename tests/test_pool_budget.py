@@ -17,7 +17,7 @@ from segfuse.config import ConfigError, ServerConfig, build_config
 from segfuse.keep_alive import FOREVER
 
 pytest.importorskip("fastapi")
-from segfuse.server.models import pool as pool_module
+from segfuse.server.models import changes as changes_module
 from segfuse.server.models.catalog import Catalog
 from segfuse.server.models.fit import ModelInUseError, TooLargeError, check_all, sizes_of
 from segfuse.server.models.on_request import load_model, unload_model
@@ -66,7 +66,7 @@ def test_a_member_not_loaded_yet_counts_its_estimate_then_its_real_size():
 
 
 def test_first_loads_never_take_the_budget_past_its_bound(monkeypatch):
-    monkeypatch.setattr(pool_module, "WAKE_S", 0.05)
+    monkeypatch.setattr(changes_module, "WAKE_S", 0.05)
     bound = ESTIMATED["smollm2-135m"] + ESTIMATED["gemma3-270m"] + 10 * MiB  # two of the three members
     catalog, pool = pool_of(bound)
 

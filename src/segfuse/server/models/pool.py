@@ -15,9 +15,9 @@ least recently used idle member goes first. The members join and leave the worke
 the pool's lock; a member leaves, and closes, on the worker thread between two steps, where nothing
 can be decoding with it. A request that must wait (for a member to finish closing, or for one in use to be
 let go to make room) sleeps until the pool changes: every change, on whichever thread, wakes it through the
-event loop (``Changes``). What goes wrong is said in domain errors (QueueFullError, and this module's
+event loop (``Changes``). What goes wrong is said in domain errors (QueueFullError, and ``places.py``'s
 MemberFreedError, LoadFailedError, NoRoomError), which the server's edge (``serving.api_error``) gives
-their HTTP status.
+their HTTP status. A place and the rules of room are in ``places.py``; the waiting in ``changes.py``.
 """
 
 from __future__ import annotations
@@ -29,130 +29,31 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 from ...backends.base import Member
 from ...ensemble import Ensemble
 from ...errors import SegfuseError
-from ...keep_alive import FOREVER
 from ..guards import redact
 from ..worker.jobs import QueueFullError
 from ..worker.thread import Worker
 from .catalog import Catalog, Model
-from .fit import mib, never_fits, sizes_of
+from .changes import Changes
+from .fit import never_fits, sizes_of
+from .places import (
+    Budget,
+    LoadFailedError,
+    MemberFreedError,
+    NoRoomError,
+    Place,
+    PlaceState,
+    has_room,
+    keep_for,
+    warn_if_larger,
+)
 
 log = logging.getLogger("segfuse.server")
-WAKE_S = 1.0  # the longest a request waiting for the pool to change sleeps without news (a safety net)
 REAP_S = 1.0  # the reaper's longest sleep: freeing is never later than this past a keep-alive
-
-PlaceState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
-
-
-class MemberFreedError(SegfuseError):
-    """A member given loaded (no spec to load it from) was freed: it cannot be loaded again."""
-
-
-class LoadFailedError(SegfuseError):
-    """A member of the model a request names could not be loaded (the fault's text redacted as it is written)."""
-
-
-class NoRoomError(SegfuseError):
-    """A model does not fit the memory budget beside the members in use, and the request's deadline came."""
-
-
-@dataclass
-class Place:
-    """One member's place in the pool."""
-
-    name: str
-    spec: str | None  # what loads it (None: a member given loaded, that cannot be loaded again)
-    member: Member | None = None
-    state: PlaceState = "unloaded"
-    users: int = 0  # requests and jobs holding it: never freed while any do
-    keep_s: float = FOREVER  # how long it stays after its last user lets it go
-    idle_since: float | None = None  # time.monotonic() when its last user let it go
-    last_used: float = 0.0  # time.monotonic() of its last lease (the least recently used goes first)
-    owned: bool = True  # False: the caller's members, never freed nor closed here
-    nbytes: int | None = None  # its bytes where it runs, once loaded (kept to make room before a reload)
-    estimate: int | None = None  # its bytes as its file says, before it loads (None: cannot be told)
-    pinned: bool = False  # an ensemble pins it (keep_alive -1): never freed by expiry nor to make room
-    error: str | None = None  # why its last load failed
-    loads: int = 0  # times it was loaded (a member two models share: once, while it stays)
-    since: float | None = None  # time.monotonic() when its load began
-
-    def settled(self) -> bool:
-        """Not on its way out (an unload's close still to come, on the worker thread)."""
-        return self.state != "unloading"
-
-    def freeable(self) -> bool:
-        """Loaded, the pool's own, held by no one and not pinned: it may be freed to make room."""
-        return self.state == "loaded" and not self.users and self.owned and not self.pinned
-
-    def size(self) -> int:
-        """The bytes the budget counts for it: measured once loaded, else estimated (0: unknown)."""
-        return self.nbytes if self.nbytes is not None else self.estimate or 0
-
-    def expires_at(self) -> float | None:
-        """When the reaper frees it (None: in use, kept, pinned, or not loaded)."""
-        if self.state != "loaded" or self.users or not self.owned or self.idle_since is None or self.pinned:
-            return None
-        return None if self.keep_s == FOREVER else self.idle_since + self.keep_s
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What may be loaded at once: members, bytes of weights (None: no bound)."""
-
-    members: int | None = None
-    nbytes: int | None = None
-
-    def over(self, places: Sequence[Place], adding: Sequence[Place] = ()) -> bool:
-        held = [p for p in places if p.state in ("loaded", "loading", "unloading")] + list(adding)
-        if self.members is not None and len(held) > self.members:
-            return True
-        # A member not loaded yet counts what its file says it will take: the first load cannot pass the bound.
-        return self.nbytes is not None and sum(p.size() for p in held) > self.nbytes
-
-
-class Changes:
-    """What wakes a request waiting for the pool to change (a member let go, closed, loaded, or failed to
-    load): ``tell`` from any thread (the worker's lets members go and closes them), ``until`` on the event
-    loop, woken through it (``call_soon_threadsafe``)."""
-
-    def __init__(self) -> None:
-        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # made by the first waiter
-
-    def tell(self) -> None:
-        """The pool changed: wake whoever waits (from any thread; nothing to do before anyone waited)."""
-        waker = self._waker
-        if waker is None:
-            return
-        loop, event = waker
-        try:
-            loop.call_soon_threadsafe(event.set)
-        except RuntimeError:  # that event loop is closed: nothing waits on it any more
-            pass
-
-    async def until(self, ready: Callable[[], bool], deadline: float | None) -> bool:
-        """Wait until `ready()`, looked at again after each change (and every ``WAKE_S``, a safety net);
-        False when `deadline` (time.monotonic(); None: none) comes first."""
-        loop = asyncio.get_running_loop()
-        if self._waker is None or self._waker[0] is not loop:
-            self._waker = (loop, asyncio.Event())
-        event = self._waker[1]
-        while True:
-            event.clear()  # before looking: a change from here on sets it again, and the wait returns
-            if ready():
-                return True
-            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except TimeoutError:
-                pass
 
 
 class Pool:
@@ -234,7 +135,7 @@ class Pool:
                 place.users -= 1
                 if place.users == 0:
                     place.idle_since = now
-                    place.keep_s = _keep(place, keep_s, self.catalog, self.keep_alive_s)
+                    place.keep_s = keep_for(place, keep_s, self.catalog, self.keep_alive_s)
                     if place.keep_s == 0 and place.owned and place.state == "loaded":
                         free.append(place)
         self.changes.tell()
@@ -336,7 +237,7 @@ class Pool:
     def _room_for(self, place: Place, model: Model) -> bool:
         """Whether `place` fits now, or a member could be freed for it; NoRoomError if only pinned ones hold room."""
         with self._lock:
-            return _room(list(self.places.values()), self.budget, place, model)
+            return has_room(list(self.places.values()), self.budget, place, model)
 
     def _load_one(self, place: Place) -> None:
         """Load one member here (a loader's thread, or at start), then let it join the worker's ensemble."""
@@ -362,7 +263,7 @@ class Pool:
             place.loads += 1
             self.ensemble.members = [*self.ensemble.members, member]
         self.changes.tell()
-        _warn_if_larger(place)
+        warn_if_larger(place)
 
     # ------------------------------------------------------------------ freeing
 
@@ -436,48 +337,6 @@ class Reaper:
         return max(0.0, min([REAP_S, *(at - time.monotonic() for at in times)]))
 
 
-def _keep(place: Place, keep_s: float | None, catalog: Catalog, default_s: float) -> float:
-    """How long `place` stays once let go: kept when pinned; else the request's keep-alive (`keep_s`), its
-    ensembles' ([ensembles.NAME] keep_alive), kept for a member of a preloaded model, `default_s` for others."""
-    if place.pinned:
-        return FOREVER
-    if keep_s is not None:
-        return keep_s
-    if (ensembles := catalog.keep_of(place.name)) is not None:
-        return ensembles
-    preloaded = any(model in catalog.preload for model in catalog.holders(place.name))
-    return FOREVER if preloaded else default_s
-
-
-def _room(places: Sequence[Place], budget: Budget, place: Place, model: Model) -> bool:
-    """Whether `place` fits beside `places` now, or one of them could be freed for it (nothing else to wait
-    for); NoRoomError when only members that stay (pinned) hold the room: no wait would find it."""
-    if not budget.over(places, [place]) or any(p.freeable() for p in places):
-        return True
-    if (stuck := _held_for_good(places, model)) is not None:
-        raise stuck
-    return False
-
-
-def _warn_if_larger(place: Place) -> None:
-    """A member measured larger than its estimate: the budget counts the measure from now on (and says so)."""
-    if place.estimate is not None and place.nbytes is not None and place.nbytes > place.estimate:
-        log.warning("%s takes %s, more than the %s estimated", place.name, mib(place.nbytes), mib(place.estimate))
-
-
-def _held_for_good(places: Sequence[Place], model: Model) -> NoRoomError | None:
-    """The error for `model` when every member holding room beside its own stays (pinned, or the caller's):
-    then no wait can find it room (None: something may yet be let go)."""
-    held = [p for p in places if p.state in ("loaded", "loading", "unloading") and p.name not in model.members]
-    if not held or not all(p.pinned or not p.owned for p in held):
-        return None
-    return NoRoomError(
-        f"model {model.name} does not fit the memory budget beside {', '.join(p.name for p in held)}, which stay "
-        "loaded (pinned)",
-        "free them (POST /v1/models/{id}/unload), or raise max_loaded_bytes",
-    )
-
-
 class Lease:
     """A request's hold on its model's members: one for the request itself (let go when it has queued
     its jobs), one more for each job (let go when the worker lets the job go)."""
@@ -514,4 +373,13 @@ class Lease:
             self.pool.unpin(self.model.members, self.keep_s)
 
 
-__all__ = ["Budget", "Lease", "LoadFailedError", "MemberFreedError", "NoRoomError", "Place", "Pool"]
+__all__ = [
+    "Budget",
+    "Lease",
+    "LoadFailedError",
+    "MemberFreedError",
+    "NoRoomError",
+    "Place",
+    "PlaceState",
+    "Pool",
+]
