@@ -71,7 +71,8 @@ def test_members_drafting_asks_the_others_and_lookup_copies_the_given_function(u
     assert all(set(r.drafts) <= set(members.stats.drafting) for r in members.rounds)
     lookup = answer(uncached_ensemble, CODE_EDIT, draft="lookup", max_tokens=60)
     tally = lookup.stats.drafting["lookup"]
-    assert tally["kept"] >= 10, tally  # the rewrite repeats the given code: many tokens read, not written
+    # The rewrite repeats the given code: the copies come in several rounds and most of them are kept.
+    assert tally["rounds"] >= 2 and tally["kept"] >= tally["proposed"] / 2, tally
     assert lookup.stats.rounds < lookup.stats.tokens / 2
 
 

@@ -74,8 +74,7 @@ class DraftedRounds:
             return []
         read: Speculation = answered[0][1]
         self._learn(seats, leader, proposals, read)
-        final = len(read.tokens.pieces) >= at.budget  # the answer's last tokens: kept whole, as alone
-        draft = cut_segment(leader.name, read.tokens, at.message, stops(leader, context), whole_words=final)
+        draft = cut_segment(leader.name, read.tokens, at.message, stops(leader, context), whole_words=False)
         draft = replace(draft, own_scores=None, rejected=context.check(at.message, draft.candidate))
         return [(leader, draft)]
 

@@ -111,7 +111,9 @@ def draft(
     """The chosen members draft up to `n` tokens each; (seat, cut draft) of those whose call succeeded.
 
     Drafts that break the answer's constraint are marked (they may not win); `live`: the leader drafts
-    alone and its text goes out as it decodes it, where its session can tell (``live.py``)."""
+    alone and its text goes out as it decodes it, where its session can tell (``live.py``); its draft is
+    then kept whole, not cut back to a word's start: no other member reads it, and the tokens past that
+    start need not be decoded again next round."""
     how = context.sampling
     if live is not None and len(chosen) == 1 and chosen[0].session is not None and chosen[0].session.streams_text:
         live.restart()
@@ -120,7 +122,7 @@ def draft(
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     # The answer's last tokens stay whole: an answer cut by its length ends after exactly its budget.
     drafted = [
-        (seat, cut_segment(seat.name, tokens, at.message, stops(seat, context), whole_words=n < at.budget))
+        (seat, cut_segment(seat.name, tokens, at.message, stops(seat, context), whole_words=live is None and n < at.budget))
         for seat, tokens in seats.survivors(chosen, outcomes, at.no, "draft")
     ]
     for _, d in drafted:
