@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from segfuse.backends.speculation import distinct_drafts, walk
+from segfuse.engine.drafted import draft_text
 from segfuse.engine.drafting import LOOKUP, DraftPlanner, expected_tokens, lookup_draft
 from segfuse.options import FusionOptions
+from segfuse.types import DraftTokens
 
 END = 99  # the walk's end-of-answer token in these tests
 
@@ -175,3 +177,14 @@ def test_drafts_need_a_leader_that_reads_them_in_one_pass():
     with pytest.raises(InvalidRequestError, match="reads drafts in one pass") as refused:
         list(fuse(members, request))
     assert refused.value.field == "draft"
+
+
+def test_a_drafters_tokens_become_text_up_to_bytes_that_are_not_utf8():
+    def tokens(*pieces: bytes) -> DraftTokens:
+        n = len(pieces)
+        return DraftTokens(pieces, (0.0,) * n, (0.0,) * n, False, ())
+
+    assert draft_text(tokens(b" caf", b"\xc3\xa9", b" ok")) == " café ok"
+    assert draft_text(tokens(b" caf", b"\xc3")) == " caf"  # a character not finished yet waits
+    assert draft_text(tokens(b" x", b"\xa2", b" y")) == " x"  # a lone continuation byte ends the draft
+    assert draft_text(tokens(b"\xa2\xa2")) == ""

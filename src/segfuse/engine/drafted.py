@@ -24,9 +24,14 @@ CHARS_PER_TOKEN = 4  # how much copied text a lookup draft of n tokens takes (th
 
 
 def draft_text(tokens: DraftTokens) -> str:
-    """A drafter's tokens as text: whole characters, without its end token."""
+    """A drafter's tokens as text: whole characters, without its end token, up to the first bytes that are
+    not UTF-8 (byte tokens a drafter strung together wrongly: the leader reads text only)."""
     data = b"".join(tokens.pieces)
-    return data[: complete_utf8_prefix(data)].decode("utf-8")
+    data = data[: complete_utf8_prefix(data)]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return data[: bad.start].decode("utf-8")
 
 
 def prompt_text(messages: Sequence[Message]) -> str:
