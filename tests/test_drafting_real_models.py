@@ -16,6 +16,9 @@ import pytest
 from helpers import TOP_LOGPROBS, same_until_a_near_tie
 from segfuse.backends.registry import load_member
 from segfuse.bench.serve.structured import object_schema
+from segfuse.ensemble import Ensemble
+from segfuse.options import FusionOptions
+from segfuse.request import FusionRequest
 from segfuse.types import Message, Sampling, SegmentEvent
 
 pytestmark = pytest.mark.models
@@ -74,6 +77,33 @@ def test_members_drafting_asks_the_others_and_lookup_copies_the_given_function(u
     # The rewrite repeats the given code: the copies come in several rounds and most of them are kept.
     assert tally["rounds"] >= 2 and tally["kept"] >= tally["proposed"] / 2, tally
     assert lookup.stats.rounds < lookup.stats.tokens / 2
+
+
+@pytest.fixture(scope="module")
+def two_slot_leader():
+    """The leader alone, with room for two answers at once (it reads copied drafts: lookup)."""
+    with Ensemble(["qwen2.5-coder-0.5b"], slots=2, threads=1, prefix_cache_cells=0) as ensemble:
+        yield ensemble
+
+
+def test_drafting_waits_while_more_answers_are_in_flight_than_draft_users(two_slot_leader):
+    prompts = [CODE_EDIT, PROMPTS[1]]
+
+    def requests(**options):
+        fusion = FusionOptions.build(temperature=0, max_tokens=40, **options)
+        return [FusionRequest.of(p, fusion, top_logprobs=TOP_LOGPROBS) for p in prompts]
+
+    alone = two_slot_leader.generate_many(requests(), max_concurrent=1)  # draft off, one at a time
+    together = two_slot_leader.generate_many(requests(draft="lookup"), max_concurrent=2)
+    for own, result in zip(alone, together):
+        same_until_a_near_tie(result, own)
+        # While both were in flight the leader wrote without drafts; the one left alone may draft again.
+        assert result.stats.crowded_rounds >= min(r.stats.rounds for r in together) - 1 > 0, result.stats
+    allowed = two_slot_leader.generate_many(requests(draft="lookup", draft_users=2), max_concurrent=2)
+    assert all(r.stats.crowded_rounds == 0 for r in allowed)
+    assert allowed[0].stats.drafting["lookup"]["kept"] > 0  # the code edit copies the given function
+    for own, result in zip(alone, allowed):
+        same_until_a_near_tie(result, own)
 
 
 @pytest.mark.parametrize("mode", ["members", "lookup"])

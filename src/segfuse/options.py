@@ -116,6 +116,13 @@ class FusionOptions(BaseModel):
         "auto = whichever pays, measured as the answer grows",
     )
     draft_max: int = Field(16, ge=1, le=64, description="most tokens of one draft the leader reads per round")
+    draft_users: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="the leader reads drafts only while at most this many answers are in flight together; with "
+        "more, each answers alone and their tokens are decoded in one batch",
+    )
     # Strict: a request's "yes" must not read as true. Off by default: it costs the prefix cache and batching.
     deterministic: bool = Field(
         False,

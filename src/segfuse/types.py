@@ -204,6 +204,9 @@ class Stats:
     finish_reason: str = ""
     # With drafting on: drafter -> rounds it drafted, tokens it proposed, tokens the leader kept of them.
     drafting: dict[str, dict[str, int]] = field(default_factory=dict)
+    # With drafting on: rounds the leader wrote without drafts because more answers were in flight together
+    # than FusionOptions.draft_users.
+    crowded_rounds: int = 0
 
     @property
     def tokens_per_s(self) -> float:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..bench.speed.plan import Plan
 
 # The subcommands in the order `segfuse bench --help` lists them (their modules register them alphabetically).
-ORDER = ("speed", "drafting", "serve", "chat", "followers", "soak", "ray", "gpu")
+ORDER = ("speed", "drafting", "serve", "users", "chat", "followers", "soak", "ray", "gpu")
 # The old flags that chose a benchmark, each with the subcommand that is that benchmark now.
 MODE_FLAGS = {"--chat": "chat", "--followers": "followers", "--ray": "ray", "--serve": "serve"}
 

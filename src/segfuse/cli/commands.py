@@ -6,6 +6,7 @@ from . import (  # noqa: F401  # imported to register their commands
     bench_drafting,
     bench_gpu,
     bench_serving,
+    bench_users,
     calibrate,
     evaluate,
     models,

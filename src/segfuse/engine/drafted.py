@@ -15,6 +15,7 @@ from ..segments import complete_utf8_prefix
 from ..types import DraftTokens, Message, Speculation
 from .calls import Asking
 from .context import GenerationContext, Round
+from .crowd import in_flight
 from .drafting import LOOKUP, DraftPlanner, Plan, lookup_draft
 from .phases import Draft, Drafted, cut_segment, stops
 from .records import Decision
@@ -48,9 +49,16 @@ class DraftedRounds:
         self.planner = DraftPlanner(context.options, members)
         self.tally: dict[str, dict[str, int]] = {}  # drafter -> rounds, tokens proposed, tokens kept
         self.last: dict[str, list[int]] = {}  # the last drafted round's: drafter -> [proposed, kept]
+        self.crowded = False  # this round: too many answers in flight to draft (its time is not the leader's own)
+        self.crowded_rounds = 0
 
     def plan(self, seats: Seats, leader: Seat, at: Round) -> tuple[Plan, str]:
-        """This round's drafters and the lookup's text (where the lookup may draft)."""
+        """This round's drafters and the lookup's text (where the lookup may draft); none while more answers
+        are in flight together than the options allow drafting for."""
+        self.crowded = in_flight() > self.context.options.draft_users
+        if self.crowded:
+            self.crowded_rounds += 1
+            return Plan(), ""
         copied = ""
         if LOOKUP in self.planner.drafters:
             length = self.planner.drafters[LOOKUP].length
@@ -89,7 +97,7 @@ class DraftedRounds:
         drafter -> [proposed, kept]."""
         if decision.how == "drafted":
             return self.last
-        if len(decision.drafted) == 1 and at.no > 1:  # the leader alone (or the only member) wrote it
+        if len(decision.drafted) == 1 and at.no > 1 and not self.crowded:  # the leader alone wrote it
             self._learned_alone(decision.drafted[0][0], decision.drafted, at.budget)
         return {}
 

@@ -335,7 +335,7 @@ class Generation:
         stats.total_s = time.perf_counter() - transcript.started
         stats.model_calls = self.seats.calls
         if self.drafting is not None:
-            stats.drafting = self.drafting.tally
+            stats.drafting, stats.crowded_rounds = self.drafting.tally, self.drafting.crowded_rounds
         yield from self.seats.release(self.seats.active)
         seats = self.seats.all
         constraint = self.context.constraint

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..types import DoneEvent, Event, Result
 from .calls import CallRunner, Calls, Reply
+from .crowd import advancing_together
 from .live import LiveCalls
 from .loop import Steps
 
@@ -60,8 +61,9 @@ class Scheduler:
 
     def tick(self) -> None:
         """Advance every flight to its next member calls, then run all those calls."""
-        for flight in list(self.flights):
-            self._advance(flight)
+        with advancing_together(len(self.flights)):
+            for flight in list(self.flights):
+                self._advance(flight)
         waiting = [(f, f.pending) for f in self.flights if f.pending is not None]
         for flight, pending in waiting:
             if flight.live and isinstance(pending, LiveCalls):
