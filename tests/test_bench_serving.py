@@ -95,3 +95,28 @@ def test_bench_followers_compares_the_default_with_eager_followers_and_the_leade
     for system in systems.values():
         assert system["1"]["errors"] == 0 and system["1"]["tokens_per_s"] > 0
     assert report["summary"]["lone_latency_lazy_over_leader"] > 0
+
+
+def test_bench_users_sets_the_servers_gain_beside_llama_cpps_own_batch(tmp_path):
+    pytest.importorskip("openai")
+    from segfuse.bench.serve.users import UsersPlan, run
+
+    out = tmp_path / "bench-users.json"
+    report = run(UsersPlan(users=2, tokens=4, reps=1, threads=1), out, log=lambda line: None)
+
+    native = report["native"]
+    assert native["threads"] == 1 and native["gain"] > 0
+    assert len(native["lone_tokens_per_s"]) == len(native["batch_tokens_per_s"]) == 1
+    levels = report["serve"]["levels"]
+    assert set(levels) == {"off", "auto"}
+    for mode in levels.values():
+        for users, runs in mode.items():
+            (level,) = runs
+            requests = 2 if users == "1" else 4
+            assert level["ok"] == requests and level["errors"] == 0, level["error_messages"]
+            assert level["output_tokens"] == 4 * requests  # run to length: every answer is 4 tokens
+    summary = report["summary"]
+    assert summary["native_gain"] == native["gain"]
+    for check in summary["checks"].values():
+        assert check["measured"] is not None and check["measured"] > 0 and check["met"] in (True, False)
+    assert json.loads(out.read_text())["summary"]["checks"].keys() == summary["checks"].keys()

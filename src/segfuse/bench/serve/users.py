@@ -136,24 +136,24 @@ def median_of(entries: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def summary(plan: UsersPlan, native: dict[str, Any], served: dict[str, Any]) -> dict[str, Any]:
     """The medians, the gains and the checks."""
     n = str(plan.users)
     tok = {m: {lvl: median_of(served["levels"][m][lvl], "output_tokens_per_s") for lvl in ("1", n)} for m in MODES}
-    gains = {m: tok[m][n] / tok[m]["1"] if tok[m][n] and tok[m]["1"] else None for m in MODES}
+    gains = {m: ratio(tok[m][n], tok[m]["1"]) for m in MODES}
     measured = {
-        "server_over_native": gains["off"] / native["gain"] if gains["off"] else None,
-        "auto_over_off": tok["auto"][n] / tok["off"][n] if tok["auto"][n] and tok["off"][n] else None,
+        "server_over_native": ratio(gains["off"], native["gain"]),
+        "auto_over_off": ratio(tok["auto"][n], tok["off"][n]),
     }
-    checks = {
-        key: {
-            "measured": measured[key],
-            "target": f">= {bound}",
-            "met": None if measured[key] is None else measured[key] >= bound,
-            "what": what,
-        }
-        for key, (bound, what) in TARGETS.items()
-    }
+    checks = {}
+    for key, (bound, what) in TARGETS.items():
+        value = measured[key]
+        checks[key] = {"measured": value, "target": f">= {bound}", "met": None if value is None else value >= bound}
+        checks[key]["what"] = what
     return {"tokens_per_s": tok, "server_gain": gains, "native_gain": native["gain"], "checks": checks}
 
 
