@@ -42,6 +42,7 @@ FLAGS = {
         "--out",
     },
     "serve": SERVING | {"--concurrency", "--requests", "--max-concurrent", "--remote", "--cache-dir"},
+    "users": {"--users", "--tokens", "--reps", "--threads", "--out"},
     "chat": {"--reps", "--max-tokens", "--threads", "--out"},
     "followers": SERVING | {"--concurrency", "--requests"},
     "soak": SERVING | {"--seed", "--requests", "--max-concurrent", "--remote", "--ray", "--replicas", "--cache-dir"},
