@@ -3,13 +3,16 @@ lookup's copied text, and the planner that decides who drafts (docs/performance.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from segfuse.backends.drafting import DraftProgress
 from segfuse.backends.speculation import distinct_drafts, walk
 from segfuse.engine.drafted import draft_text
 from segfuse.engine.drafting import LOOKUP, DraftPlanner, expected_tokens, lookup_draft
 from segfuse.options import FusionOptions
-from segfuse.types import DraftTokens
+from segfuse.types import DraftTokens, Sampling
 
 END = 99  # the walk's end-of-answer token in these tests
 
@@ -91,7 +94,9 @@ def options(**kw):
 
 def test_members_and_lookup_modes_ask_their_drafters_every_round():
     planner = DraftPlanner(options(draft="members"), ["small", "tiny"])
-    assert planner.plan(1, lookup_ready=True, members={"small": 0.3, "tiny": None}).lengths == {"small": 4, "tiny": 4}
+    # A model drafts up to draft_max: its draft ends by itself where it grows unsure.
+    first = planner.plan(1, lookup_ready=True, members={"small": 0.3, "tiny": None})
+    assert first.lengths == {"small": 16, "tiny": 16}
     planner = DraftPlanner(options(draft="lookup"), ["small"])
     assert planner.plan(1, lookup_ready=True, members={"small": 0.3}).lengths == {LOOKUP: 6}
     assert not planner.plan(1, lookup_ready=False, members={"small": 0.3}).drafting
@@ -188,3 +193,13 @@ def test_a_drafters_tokens_become_text_up_to_bytes_that_are_not_utf8():
     assert draft_text(tokens(b" caf", b"\xc3")) == " caf"  # a character not finished yet waits
     assert draft_text(tokens(b" x", b"\xa2", b" y")) == " x"  # a lone continuation byte ends the draft
     assert draft_text(tokens(b"\xa2\xa2")) == ""
+
+
+def test_a_draft_ends_after_a_token_its_drafter_is_unsure_of():
+    sure, unsure = math.log(0.9), math.log(0.3)
+    draft = DraftProgress(10, Sampling(temperature=0.0, stop_below=0.4), None, start=0)
+    assert draft.took(None, 1, sure, 0.0, False)
+    assert not draft.took(None, 2, unsure, 0.0, False)  # kept, and the last
+    assert draft.ids == [1, 2] and draft.done and not draft.finished
+    anyway = DraftProgress(10, Sampling(temperature=0.0), None, start=0)  # 0: drafts run to their length
+    assert anyway.took(None, 1, unsure, 0.0, False)

@@ -33,6 +33,9 @@ class Sampling:
     seed: int | None = None
     ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks)
     top_logprobs: int = 0  # report this many of the drafter's most likely tokens at each position
+    # A draft ends after a token the drafter itself gives less than this probability (drafting for a leader:
+    # what follows an unsure token is seldom kept; assisted generation's confidence threshold). 0: never.
+    stop_below: float = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ log-probability, and whether the draft is over."""
 
 from __future__ import annotations
 
+import math
 from typing import Generic, TypeVar
 
 from ..types import Alternatives, DraftTokens, Sampling
@@ -35,7 +36,8 @@ class DraftProgress(Generic[Row]):
         self.logits.append(logit)
         self.logprobs.append(logit - lse)
         self.finished = finished
-        self.done = finished or len(self.ids) >= self.n
+        unsure = self.sampling.stop_below > 0 and logit - lse < math.log(self.sampling.stop_below)
+        self.done = finished or unsure or len(self.ids) >= self.n
         return not self.done
 
     def count_fed(self, stats: Counters) -> None:

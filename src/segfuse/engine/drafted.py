@@ -16,7 +16,7 @@ from ..types import DraftTokens, Message, Speculation
 from .calls import Asking
 from .context import GenerationContext, Round
 from .crowd import in_flight
-from .drafting import LOOKUP, DraftPlanner, Plan, lookup_draft
+from .drafting import DRAFT_STOP_BELOW, LOOKUP, DraftPlanner, Plan, lookup_draft
 from .phases import Draft, Drafted, cut_segment, stops
 from .records import Decision
 from .seats import Seat, Seats
@@ -75,7 +75,7 @@ class DraftedRounds:
         """The drafters draft, the leader reads: [(leader, its segment)], or [] when the leader's call failed."""
         context = self.context
         drafters = [s for s in seats.active if s is not leader and s.name in plan.lengths]
-        greedy = replace(context.sampling, temperature=0.0, top_logprobs=0)
+        greedy = replace(context.sampling, temperature=0.0, top_logprobs=0, stop_below=DRAFT_STOP_BELOW)
         outcomes = yield from seats.ask(drafters, "draft", "draft", lambda s: (plan.lengths[s.name], greedy))
         proposals = [(LOOKUP, copied)] if LOOKUP in plan.lengths and copied else []
         proposals += [(seat.name, draft_text(t)) for seat, t in seats.survivors(drafters, outcomes, at.no, "draft")]

@@ -38,6 +38,9 @@ PRIOR_LOOKUP_ACCEPTANCE = 0.6  # a copied draft follows words the answer just re
 UNKNOWN_SIZE = 0.5  # a drafter's size over the leader's, where either is unknown
 BENCHED_ROUNDS = 24  # rounds a drafter that does not pay sits out before it is tried again (auto)
 MARGIN = 1.03  # a plan must beat the leader alone by this much (auto): noise must not make it slower
+# A drafter's draft ends after a token it gives less than this (assisted generation's default confidence
+# threshold): the leader seldom keeps what follows, and every token read costs it.
+DRAFT_STOP_BELOW = 0.4
 LOOKUP_NGRAMS = (8, 6, 4, 3)  # pieces of the answer's end that a copied draft must follow, longest first
 _PIECE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
 
@@ -128,9 +131,10 @@ class DraftPlanner:
             members if self.mode in ("members", "auto") else []
         )
         # Auto probes cheaply: a short first copy costs little when it is wrong, and the schedule lengthens it
-        # as long as the copy holds.
+        # as long as the copy holds. A model's draft starts at the longest: it ends by itself where the drafter
+        # grows unsure (DRAFT_STOP_BELOW), as assisted generation's do.
         first_copy = 3 if self.mode == "auto" else 6
-        self.drafters = {n: Drafter(n, min(first_copy if n == LOOKUP else 4, self.max_length)) for n in names}
+        self.drafters = {n: Drafter(n, min(first_copy, self.max_length) if n == LOOKUP else self.max_length) for n in names}
         if LOOKUP in self.drafters:
             self.drafters[LOOKUP].seconds_per_token, self.drafters[LOOKUP].prior = 0.0, PRIOR_LOOKUP_ACCEPTANCE
         self.alone_s: float | None = None  # the leader's time per token writing alone

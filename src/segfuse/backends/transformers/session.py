@@ -144,10 +144,13 @@ class TransformersSession(CachedSession):
 
     def prepare_draft(self) -> None:
         """Drop an earlier draft that was never accepted, and decode what the context still lacks."""
+        self._drop_pending()
+        self.sync()
+
+    def _drop_pending(self) -> None:
         if self.pending is not None:
             _crop(self.cache, len(self.tokens))
             self.pending, self.verified = None, {}
-        self.sync()
 
     @on_compute
     def draft(self, max_tokens: int, sampling: Sampling, on_text: OnText | None = None) -> DraftTokens:
@@ -167,7 +170,8 @@ class TransformersSession(CachedSession):
 
     @on_compute
     def speculate(self, drafts: Sequence[str], max_tokens: int, sampling: Sampling) -> Speculation:
-        self.prepare_draft()
+        # Not synced first: the context's tokens not decoded yet lead the drafts in their one pass.
+        self._drop_pending()
         return super().speculate(drafts, max_tokens, sampling)
 
     def _pick(self, row: torch.Tensor, sampling: Sampling, drafted: list[int]) -> int:
