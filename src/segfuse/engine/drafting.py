@@ -134,7 +134,9 @@ class DraftPlanner:
         # as long as the copy holds. A model's draft starts at the longest: it ends by itself where the drafter
         # grows unsure (DRAFT_STOP_BELOW), as assisted generation's do.
         first_copy = 3 if self.mode == "auto" else 6
-        self.drafters = {n: Drafter(n, min(first_copy, self.max_length) if n == LOOKUP else self.max_length) for n in names}
+        self.drafters = {
+            n: Drafter(n, min(first_copy, self.max_length) if n == LOOKUP else self.max_length) for n in names
+        }
         if LOOKUP in self.drafters:
             self.drafters[LOOKUP].seconds_per_token, self.drafters[LOOKUP].prior = 0.0, PRIOR_LOOKUP_ACCEPTANCE
         self.alone_s: float | None = None  # the leader's time per token writing alone
