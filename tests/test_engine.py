@@ -300,6 +300,22 @@ def test_the_leader_alone_starts_only_the_leader():
     assert set(result.counters) == {"lead"}
 
 
+def test_the_leader_alone_keeps_its_whole_draft_and_a_vote_cuts_it_at_a_words_start():
+    """No other member reads the leader's segment when it answers alone, so a draft that ends inside a word is
+    kept whole (its tokens past the word's start are not decoded again next round); a vote cuts it."""
+
+    def scripted():
+        return ScriptedSession([([b" Four", b" fi"], False), ([b"ve", b"."], False), ([b""], True)], {})
+
+    lead, weak = scripted(), ScriptedSession([], {})
+    alone = [ScriptedMember("weak", weak, n_params=1), ScriptedMember("lead", lead, n_params=9)]
+    _, result = run(alone, gate=0.5, accept_margin=0.0)
+    assert lead.accepted[:2] == [" Four fi", "ve."] and result.text == " Four five."
+    voter = scripted()
+    run([ScriptedMember("voter", voter), ScriptedMember("other", ScriptedSession([], {}))])
+    assert voter.accepted[0] == " Four"  # cut back to the last word's start
+
+
 def test_eager_followers_read_and_follow_everything():
     result, (leader, weak1, weak2) = consulting_round(accept_margin=0.0, followers="eager")
     assert result.text == " Four."
