@@ -121,13 +121,9 @@ def draft(
     else:
         outcomes = yield from seats.ask(chosen, "draft", "draft", lambda s: (n, how))
     # The answer's last tokens stay whole: an answer cut by its length ends after exactly its budget.
+    whole_words = live is None and n < at.budget
     drafted = [
-        (
-            seat,
-            cut_segment(
-                seat.name, tokens, at.message, stops(seat, context), whole_words=live is None and n < at.budget
-            ),
-        )
+        (seat, cut_segment(seat.name, tokens, at.message, stops(seat, context), whole_words=whole_words))
         for seat, tokens in seats.survivors(chosen, outcomes, at.no, "draft")
     ]
     for _, d in drafted:
