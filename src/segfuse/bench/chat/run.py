@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..common.load import ratio
 from ..common.machine import loadavg, report_start, write_report
 from ..common.processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 from .script import CHAT_TURNS, MANUAL, POLICY, SHORT_PROMPT, USER_QUESTIONS, excerpt
@@ -282,10 +283,6 @@ def summarise(replies: Sequence[dict[str, Any]], turns: int, users: int) -> dict
     return {"systems": table, "ratios": ratios(table, turns, users)}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def ratios(table: dict[str, dict[str, dict[str, Any]]], turns: int, users: int) -> dict[str, Any]:
     """Later turns and users against the short prompt (no cache, where nothing is reused), against no
     cache, and against the anchor; worst case over the turns or users."""
@@ -303,17 +300,17 @@ def ratios(table: dict[str, dict[str, dict[str, Any]]], turns: int, users: int) 
     shared = [k for k in later if k.startswith("user")]
     return {
         "short_prompt_ttfs_s": short,
-        "chat_later_turns_over_short": worst(chats, lambda k: _ratio(cache[k]["ttfs_s"], short)),
-        "chat_no_cache_over_cache": worst(chats, lambda k: _ratio(none[k]["ttfs_s"], cache[k]["ttfs_s"]), min),
-        "users_later_over_short": worst(shared, lambda k: _ratio(cache[k]["ttfs_s"], short)),
-        "users_no_cache_over_cache": worst(shared, lambda k: _ratio(none[k]["ttfs_s"], cache[k]["ttfs_s"]), min),
-        "chat_ttfs_cache_over_anchor": _ratio(
+        "chat_later_turns_over_short": worst(chats, lambda k: ratio(cache[k]["ttfs_s"], short)),
+        "chat_no_cache_over_cache": worst(chats, lambda k: ratio(none[k]["ttfs_s"], cache[k]["ttfs_s"]), min),
+        "users_later_over_short": worst(shared, lambda k: ratio(cache[k]["ttfs_s"], short)),
+        "users_no_cache_over_cache": worst(shared, lambda k: ratio(none[k]["ttfs_s"], cache[k]["ttfs_s"]), min),
+        "chat_ttfs_cache_over_anchor": ratio(
             _median([cache[k]["ttfs_s"] for k in chats]), _median([anchor[k]["ttfs_s"] for k in chats])
         ),
-        "chat_first_words_cache_over_anchor": _ratio(
+        "chat_first_words_cache_over_anchor": ratio(
             _median([cache[k]["first_words_s"] for k in chats]), _median([anchor[k]["first_words_s"] for k in chats])
         ),
-        "chat_total_cache_over_anchor": _ratio(
+        "chat_total_cache_over_anchor": ratio(
             _median([cache[k]["total_s"] for k in chats]), _median([anchor[k]["total_s"] for k in chats])
         ),
     }

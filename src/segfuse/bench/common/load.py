@@ -68,6 +68,11 @@ def one_request(
     return Outcome(prompt_index % len(PROMPTS), time.perf_counter() - t0, ttfs, tokens, finish, error)
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either was not measured (or b is 0)."""
+    return a / b if a is not None and b else None
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
     if not values:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SegfuseError
-from ..common.load import PROMPTS, Outcome, drive, summarise
+from ..common.load import PROMPTS, Outcome, drive, ratio, summarise
 from ..common.machine import loadavg, report_start, write_report
 from ..common.processes import SegfuseServer, segfuse_server, sigterm_as_interrupt
 from ..serve.serving import fmt, format_targets, level_row, print_load, print_targets, server_config
@@ -128,20 +128,16 @@ def pooled(blocks: Sequence[dict[str, Any]], mode: str, level: str) -> dict[str,
     return entry
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Ratios ray / single per level, and each target per level with its measured value."""
     ratios: dict[str, dict[str, Any]] = {}
     for level, r in modes["ray"].items():
         s = modes["single"][level]
         ratios[level] = {
-            "p50_latency": _ratio(r["latency_p50_s"], s["latency_p50_s"]),
-            "p95_latency": _ratio(r["latency_p95_s"], s["latency_p95_s"]),
-            "p50_first_content": _ratio(r["ttfs_p50_s"], s["ttfs_p50_s"]),
-            "throughput": _ratio(r["output_tokens_per_s"], s["output_tokens_per_s"]),
+            "p50_latency": ratio(r["latency_p50_s"], s["latency_p50_s"]),
+            "p95_latency": ratio(r["latency_p95_s"], s["latency_p95_s"]),
+            "p50_first_content": ratio(r["ttfs_p50_s"], s["ttfs_p50_s"]),
+            "throughput": ratio(r["output_tokens_per_s"], s["output_tokens_per_s"]),
         }
     targets: dict[str, Any] = {}
     for level, r in ratios.items():

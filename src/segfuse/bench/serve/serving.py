@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SegfuseError
-from ..common.load import PROMPTS, drive
+from ..common.load import PROMPTS, drive, ratio
 from ..common.machine import loadavg, report_start, write_report
 from ..common.processes import llama_cpp_server, segfuse_server, sigterm_as_interrupt
 
@@ -78,10 +78,6 @@ def server_config(
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Ratios concurrent / serial per level, and the targets with their measured values."""
     serial, conc = modes.get("serial", {}).get("levels", {}), modes.get("concurrent", {}).get("levels", {})
@@ -91,20 +87,20 @@ def compare(modes: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]]
             continue
         s, c = serial[level], conc[level]
         ratios[level] = {
-            "throughput": _ratio(c["output_tokens_per_s"], s["output_tokens_per_s"]),
-            "requests_per_s": _ratio(c["requests_per_s"], s["requests_per_s"]),
-            "p50_latency": _ratio(c["latency_p50_s"], s["latency_p50_s"]),
-            "p95_latency": _ratio(c["latency_p95_s"], s["latency_p95_s"]),
-            "p50_ttfs": _ratio(c["ttfs_p50_s"], s["ttfs_p50_s"]),
+            "throughput": ratio(c["output_tokens_per_s"], s["output_tokens_per_s"]),
+            "requests_per_s": ratio(c["requests_per_s"], s["requests_per_s"]),
+            "p50_latency": ratio(c["latency_p50_s"], s["latency_p50_s"]),
+            "p95_latency": ratio(c["latency_p95_s"], s["latency_p95_s"]),
+            "p50_ttfs": ratio(c["ttfs_p50_s"], s["ttfs_p50_s"]),
         }
     measured = {
         "lone_latency_ratio": ratios.get("1", {}).get("p50_latency"),
-        "latency_c4_over_lone": _ratio(conc.get("4", {}).get("latency_p50_s"), conc.get("1", {}).get("latency_p50_s")),
+        "latency_c4_over_lone": ratio(conc.get("4", {}).get("latency_p50_s"), conc.get("1", {}).get("latency_p50_s")),
         "throughput_c4_ratio": ratios.get("4", {}).get("throughput"),
     }
     for mode in modes.values():  # the same latency ratio for each mode, for the record
         levels = mode["levels"]
-        mode["latency_c4_over_lone"] = _ratio(
+        mode["latency_c4_over_lone"] = ratio(
             levels.get("4", {}).get("latency_p50_s"), levels.get("1", {}).get("latency_p50_s")
         )
     targets = {}

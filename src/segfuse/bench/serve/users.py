@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ...request import to_messages
-from ..common.load import PROMPTS, drive
+from ..common.load import PROMPTS, drive, ratio
 from ..common.machine import loadavg, report_start, write_report
 from ..common.processes import segfuse_server, sigterm_as_interrupt
 
@@ -134,10 +134,6 @@ def serve_levels(plan: UsersPlan, workdir: Path, log: Callable[[str], None]) -> 
 def median_of(entries: list[dict[str, Any]], key: str) -> float | None:
     values = [e[key] for e in entries if e.get(key) is not None]
     return statistics.median(values) if values else None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def summary(plan: UsersPlan, native: dict[str, Any], served: dict[str, Any]) -> dict[str, Any]:
